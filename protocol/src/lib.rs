@@ -1,0 +1,15 @@
+//! Sans-IO wire types, encodings, digests, signing and verification for
+//! mesh-node. No I/O, clocks or randomness: callers pass them in.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+
+pub mod block;
+pub mod bundle;
+pub mod capsule;
+pub mod fold;
+pub mod hex;
+pub mod hopcheck;
+pub mod json;
+pub mod receipt;
+pub mod verify;
+
+pub use ed25519_dalek::{SigningKey, VerifyingKey};

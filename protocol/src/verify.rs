@@ -1,0 +1,461 @@
+//! Offline verification of whatever a requester holds: a hop-check case, a
+//! Mesh-LLM `record_push_bundle`, or this project's `mesh_bundle`. Every
+//! check made is listed in the report, passed or failed, so a reader can see
+//! what was and was not verified.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::{Value, json};
+
+use crate::block::{Side, StageBlock};
+use crate::bundle::{MESH_BUNDLE_MEMBER, MeshBundle, RecordPushBundle};
+use crate::capsule::{SealedRecord, check_capsule_id, references_of, stage_block_of};
+use crate::hex;
+use crate::hopcheck::{Carried, HopReport, check_hops};
+use crate::json::{Members, ShapeError};
+use crate::receipt::{CoordinatorReceipt, RECEIPT_BLOCK_MEMBER};
+
+/// Which kind of document was verified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DocumentForm {
+    /// `{own, receipt, carried: [{capsule_id, block}]}`: blocks without records.
+    HopCase,
+    /// Mesh-LLM's `record_push_bundle`.
+    RecordPushBundle,
+    /// This project's `mesh_bundle`.
+    MeshBundle,
+}
+
+impl DocumentForm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DocumentForm::HopCase => "hop_case",
+            DocumentForm::RecordPushBundle => "record_push_bundle",
+            DocumentForm::MeshBundle => "mesh_bundle",
+        }
+    }
+}
+
+/// One check made, and its outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    /// What was checked (`main record 9c31…`, `stage record ee55…`).
+    pub subject: String,
+    /// Which property (`capsule_id recomputes`, `COSE signature`, ...).
+    pub property: &'static str,
+    /// `Err` carries why it failed.
+    pub outcome: Result<(), String>,
+}
+
+/// The whole verification.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifyReport {
+    pub form: DocumentForm,
+    pub checks: Vec<Check>,
+    /// The hop check, when the document describes a split.
+    pub hop: Option<HopReport>,
+    /// Why the hop check could not run, when it could not.
+    pub hop_error: Option<String>,
+}
+
+impl VerifyReport {
+    pub fn checks_passed(&self) -> bool {
+        self.checks.iter().all(|c| c.outcome.is_ok()) && self.hop_error.is_none()
+    }
+
+    /// Every check passed and, for a split, every hand-off agrees and every
+    /// stage's record matched its assignment.
+    pub fn success(&self) -> bool {
+        self.checks_passed()
+            && self
+                .hop
+                .as_ref()
+                .is_none_or(|hop| hop.handoffs_agree && hop.all_cells_ok())
+    }
+
+    /// The report as one JSON object: the hop check's `cells`, `lanes`,
+    /// `handoffs_agree` and `terminal_state` at the top level, exactly as the
+    /// published `expect` objects, plus what else was checked.
+    pub fn to_value(&self) -> Value {
+        let mut object = match &self.hop {
+            Some(hop) => hop.to_expect_value(),
+            None => json!({}),
+        };
+        if let Value::Object(map) = &mut object {
+            map.insert("form".into(), json!(self.form.as_str()));
+            map.insert("ok".into(), json!(self.success()));
+            map.insert(
+                "checks".into(),
+                Value::Array(
+                    self.checks
+                        .iter()
+                        .map(|c| {
+                            json!({
+                                "subject": c.subject, "property": c.property,
+                                "ok": c.outcome.is_ok(), "error": c.outcome.as_ref().err(),
+                            })
+                        })
+                        .collect(),
+                ),
+            );
+            if let Some(error) = &self.hop_error {
+                map.insert("hop_error".into(), json!(error));
+            }
+            if let Some(hop) = &self.hop {
+                map.insert("return_mode".into(), json!(hop.return_mode.as_str()));
+            }
+        }
+        object
+    }
+}
+
+/// The document is not any form this verifier reads.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DocumentError {
+    #[error("not a recognised document: expected a hop case {{own, receipt, carried}}, a record_push_bundle or a mesh_bundle")]
+    UnknownForm,
+    #[error("{0}")]
+    Shape(#[from] ShapeError),
+}
+
+/// Verify any supported document.
+pub fn verify_document(document: &Value) -> Result<VerifyReport, DocumentError> {
+    let object = document.as_object().ok_or(DocumentError::UnknownForm)?;
+    if object.contains_key("record_push_bundle") {
+        verify_record_push_bundle(document)
+    } else if object.contains_key(MESH_BUNDLE_MEMBER) {
+        verify_mesh_bundle(document)
+    } else if object.contains_key("own") && object.contains_key("receipt") {
+        verify_hop_case(document)
+    } else {
+        Err(DocumentError::UnknownForm)
+    }
+}
+
+fn short(id: &[u8; 32]) -> String {
+    hex::encode(&id[..6])
+}
+
+/// Form (a): blocks only; there are no records, ids or signatures to check.
+pub fn verify_hop_case(document: &Value) -> Result<VerifyReport, DocumentError> {
+    let mut m = Members::of(document, "")?;
+    let own_value = m.required("own")?;
+    let receipt_value = m.required("receipt")?;
+    let carried_path = m.path("carried");
+    let carried_values = m.array("carried")?;
+    // A published case also names itself and its expectation.
+    m.optional("name");
+    m.optional("note");
+    m.optional("expect");
+    m.finish()?;
+    let mut carried = Vec::with_capacity(carried_values.len());
+    for (i, item) in carried_values.iter().enumerate() {
+        let mut c = Members::of(item, &format!("{carried_path}/{i}"))?;
+        let capsule_id = c.string("capsule_id")?.to_string();
+        let block = c.optional("block");
+        c.finish()?;
+        carried.push(Carried { capsule_id, block });
+    }
+    let mut report = VerifyReport {
+        form: DocumentForm::HopCase,
+        checks: Vec::new(),
+        hop: None,
+        hop_error: None,
+    };
+    let own = StageBlock::from_value_at(own_value, "/own");
+    let receipt = CoordinatorReceipt::from_value_at(receipt_value, "/receipt");
+    report.checks.push(Check {
+        subject: "own slice".into(),
+        property: "x-mesh-stage-v1 block valid",
+        outcome: own.as_ref().map(|_| ()).map_err(ToString::to_string),
+    });
+    report.checks.push(Check {
+        subject: "coordinator receipt".into(),
+        property: "x-mesh-coordinator-receipt-v1 valid",
+        outcome: receipt.as_ref().map(|_| ()).map_err(ToString::to_string),
+    });
+    if let (Ok(own), Ok(receipt)) = (own, receipt) {
+        run_hop_check(&mut report, &own, &receipt, &carried);
+    }
+    Ok(report)
+}
+
+fn run_hop_check(report: &mut VerifyReport, own: &StageBlock, receipt: &CoordinatorReceipt, carried: &[Carried<'_>]) {
+    match check_hops(own, receipt, carried) {
+        Ok(hop) => report.hop = Some(hop),
+        Err(error) => report.hop_error = Some(error.to_string()),
+    }
+}
+
+/// Verify a main record and pull out its own slice and receipt.
+fn verify_main_record(
+    report: &mut VerifyReport,
+    record: &Value,
+) -> Option<(SealedRecord, Option<(StageBlock, CoordinatorReceipt)>)> {
+    let subject = match record.get("capsule_id").and_then(Value::as_str) {
+        Some(id) => format!("main record {}", id.get(..12).unwrap_or(id)),
+        None => "main record".to_string(),
+    };
+    let sealed = match SealedRecord::verify(record.clone()) {
+        Ok(sealed) => sealed,
+        Err(error) => {
+            report.checks.push(Check {
+                subject,
+                property: "capsule_id recomputes and COSE signature verifies",
+                outcome: Err(error.to_string()),
+            });
+            return None;
+        }
+    };
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "capsule_id recomputes and COSE signature verifies",
+        outcome: Ok(()),
+    });
+    let receipt_path = format!("/model_attestation/compute_attestation/{RECEIPT_BLOCK_MEMBER}");
+    let Some(receipt_value) = record.pointer(&receipt_path) else {
+        // Not a split: no own slice, no receipt, no hop check.
+        return Some((sealed, None));
+    };
+    let own = stage_block_of(record);
+    let receipt = CoordinatorReceipt::from_value_at(receipt_value, &receipt_path);
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "own-slice block valid (side coordinator, stage 0)",
+        outcome: match &own {
+            Ok(block) if block.side == Side::Coordinator && block.stage_index == 0 => Ok(()),
+            Ok(_) => Err("the main record's block is not the coordinator's own slice".into()),
+            Err(error) => Err(error.to_string()),
+        },
+    });
+    report.checks.push(Check {
+        subject,
+        property: "coordinator receipt block valid",
+        outcome: receipt.as_ref().map(|_| ()).map_err(ToString::to_string),
+    });
+    match (own, receipt) {
+        (Ok(own), Ok(receipt)) => {
+            let assigned = &receipt.topology[0].assignment;
+            report.checks.push(Check {
+                subject: "own slice".into(),
+                property: "equals topology[0].assignment",
+                outcome: if (own.layer_start, own.layer_end, own.package_id)
+                    == (assigned.layer_start, assigned.layer_end, assigned.package_id)
+                {
+                    Ok(())
+                } else {
+                    Err("the coordinator's slice differs from what it routed to itself".into())
+                },
+            });
+            Some((sealed, Some((own, receipt))))
+        }
+        _ => Some((sealed, None)),
+    }
+}
+
+/// Check carried stage records (the door's checks, repeated offline) and
+/// return what the hop check should see of each.
+fn verify_carried<'a>(
+    report: &mut VerifyReport,
+    records: &'a [Value],
+    receipt: Option<&CoordinatorReceipt>,
+) -> Vec<Carried<'a>> {
+    let cited: BTreeSet<[u8; 32]> = receipt
+        .map(|r| r.stages.iter().flat_map(|s| s.cited()).collect())
+        .unwrap_or_default();
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut carried = Vec::with_capacity(records.len());
+    for (i, record) in records.iter().enumerate() {
+        let claimed = record
+            .get("capsule_id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let subject = format!("stage record {}", claimed.get(..12).unwrap_or(&claimed));
+        let subject = if claimed.is_empty() { format!("stage record #{i}") } else { subject };
+        let id_ok = check_capsule_id(record);
+        report.checks.push(Check {
+            subject: subject.clone(),
+            property: "capsule_id recomputes",
+            outcome: id_ok.as_ref().map(|_| ()).map_err(ToString::to_string),
+        });
+        let sealed = if id_ok.is_ok() {
+            let verified = SealedRecord::verify(record.clone());
+            report.checks.push(Check {
+                subject: subject.clone(),
+                property: "COSE signature verifies under its key_id",
+                outcome: verified.as_ref().map(|_| ()).map_err(ToString::to_string),
+            });
+            verified.ok()
+        } else {
+            None
+        };
+        if let Some(sealed) = &sealed {
+            let duplicate = seen.insert(claimed.clone(), i).is_some();
+            report.checks.push(Check {
+                subject: subject.clone(),
+                property: "carried once",
+                outcome: if duplicate { Err("carried more than once".into()) } else { Ok(()) },
+            });
+            if let Some(receipt) = receipt {
+                report.checks.push(Check {
+                    subject: subject.clone(),
+                    property: "cited by the receipt",
+                    outcome: if cited.contains(&sealed.capsule_id()) {
+                        Ok(())
+                    } else {
+                        Err("no stage entry of the receipt cites it".into())
+                    },
+                });
+                let block = sealed.stage_block();
+                report.checks.push(Check {
+                    subject: subject.clone(),
+                    property: "stage block valid, side stage, same split",
+                    outcome: match &block {
+                        Ok(b) if b.side == Side::Stage && b.split_key() == receipt.split_key() => Ok(()),
+                        Ok(_) => Err("not a stage-side block of this split".into()),
+                        Err(error) => Err(error.to_string()),
+                    },
+                });
+            }
+        }
+        // A record whose id or signature fails is read as having no block,
+        // which the hop check counts as rejected.
+        let block = sealed.as_ref().and_then(|_| {
+            record.pointer(&format!(
+                "{}/{}",
+                crate::capsule::COMPUTE_ATTESTATION_PATH,
+                crate::block::STAGE_BLOCK_MEMBER
+            ))
+        });
+        carried.push(Carried {
+            capsule_id: claimed,
+            block,
+        });
+    }
+    carried
+}
+
+/// Form (b): Mesh-LLM's `record_push_bundle`.
+pub fn verify_record_push_bundle(document: &Value) -> Result<VerifyReport, DocumentError> {
+    let bundle = RecordPushBundle::from_value(document)?;
+    let mut report = VerifyReport {
+        form: DocumentForm::RecordPushBundle,
+        checks: Vec::new(),
+        hop: None,
+        hop_error: None,
+    };
+    let main = verify_main_record(&mut report, bundle.capsule);
+    let checkpoint_subject = format!("checkpoint {} size {}", bundle.checkpoint.log_id, bundle.checkpoint.mmr_size);
+    report.checks.push(Check {
+        subject: checkpoint_subject.clone(),
+        property: "Ed25519 signature over its JCS digest",
+        outcome: bundle.checkpoint.verify_signature().map_err(|e| e.to_string()),
+    });
+    if let Some((sealed, _)) = &main {
+        report.checks.push(Check {
+            subject: checkpoint_subject.clone(),
+            property: "signed by the main record's key",
+            outcome: if sealed.key_id() == bundle.checkpoint.key_id {
+                Ok(())
+            } else {
+                Err("checkpoint key_id differs from the main record's key_id".into())
+            },
+        });
+        report.checks.push(Check {
+            subject: format!("main record {}", short(&sealed.capsule_id())),
+            property: "MMR inclusion proof under the checkpoint root",
+            outcome: bundle.verify_inclusion(&sealed.capsule_id()).map_err(|e| e.to_string()),
+        });
+    }
+    let split = main.as_ref().and_then(|(_, split)| split.as_ref());
+    let records: &[Value] = bundle.split_stage_records.map(Vec::as_slice).unwrap_or_default();
+    let carried = verify_carried(&mut report, records, split.map(|(_, r)| r));
+    if let Some((own, receipt)) = split {
+        run_hop_check(&mut report, own, receipt, &carried);
+    } else if !records.is_empty() {
+        report.hop_error = Some("stage records are carried but the main record has no valid split".into());
+    }
+    Ok(report)
+}
+
+/// Form (c): this project's `mesh_bundle`.
+pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentError> {
+    let bundle = MeshBundle::from_value(document)?;
+    let mut report = VerifyReport {
+        form: DocumentForm::MeshBundle,
+        checks: Vec::new(),
+        hop: None,
+        hop_error: None,
+    };
+    let main = verify_main_record(&mut report, bundle.main_record);
+    let split = main.as_ref().and_then(|(_, split)| split.as_ref());
+    let carried = verify_carried(&mut report, bundle.split_stage_records, split.map(|(_, r)| r));
+    if let Some((sealed, _)) = &main {
+        verify_stage_exchange_records(&mut report, sealed, bundle.stage_exchange_records);
+    }
+    match split {
+        Some((own, receipt)) => run_hop_check(&mut report, own, receipt, &carried),
+        None => report.hop_error = Some("the main record carries no valid split (own slice and receipt)".into()),
+    }
+    Ok(report)
+}
+
+/// The coordinator's stage-exchange records must be exactly the ones the main
+/// record cites as `split_stage`, signed by the same key.
+fn verify_stage_exchange_records(report: &mut VerifyReport, main: &SealedRecord, records: &[Value]) {
+    let cited: Vec<[u8; 32]> = match references_of(main.value()) {
+        Ok(refs) => refs
+            .into_iter()
+            .filter(|(_, purpose)| purpose == "split_stage")
+            .map(|(digest, _)| digest)
+            .collect(),
+        Err(error) => {
+            report.checks.push(Check {
+                subject: "main record".into(),
+                property: "references well formed",
+                outcome: Err(error.to_string()),
+            });
+            return;
+        }
+    };
+    let mut ids = Vec::new();
+    for record in records {
+        let subject = format!(
+            "stage-exchange record {}",
+            record.get("capsule_id").and_then(Value::as_str).and_then(|s| s.get(..12)).unwrap_or("?")
+        );
+        let outcome = SealedRecord::verify(record.clone())
+            .map_err(|e| e.to_string())
+            .and_then(|sealed| {
+                if sealed.key_id() != main.key_id() {
+                    return Err("not signed by the coordinator's key".to_string());
+                }
+                match sealed.stage_block() {
+                    Ok(b) if b.side == Side::Coordinator && b.stage_index >= 1 => {}
+                    Ok(_) => return Err("not a stage-exchange block".to_string()),
+                    Err(e) => return Err(e.to_string()),
+                }
+                ids.push(sealed.capsule_id());
+                Ok(())
+            });
+        report.checks.push(Check {
+            subject,
+            property: "capsule_id, COSE signature by the coordinator, exchange block",
+            outcome,
+        });
+    }
+    report.checks.push(Check {
+        subject: "main record".into(),
+        property: "split_stage references name the carried stage-exchange records",
+        outcome: if ids == cited {
+            Ok(())
+        } else {
+            Err(format!(
+                "main record cites {} stage-exchange records, bundle carries {} matching",
+                cited.len(),
+                ids.iter().filter(|id| cited.contains(id)).count()
+            ))
+        },
+    });
+}
