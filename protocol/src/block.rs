@@ -235,8 +235,10 @@ fn lane_value(lane: &LaneDigest) -> Value {
 fn upstream(value: &Value, path: &str) -> Result<Upstream, ShapeError> {
     let mut members = Members::of(value, path)?;
     let received = lane_digest(members.required("received")?, &members.path("received"))?;
-    let replies_sent =
-        lane_digest(members.required("replies_sent")?, &members.path("replies_sent"))?;
+    let replies_sent = lane_digest(
+        members.required("replies_sent")?,
+        &members.path("replies_sent"),
+    )?;
     members.finish()?;
     Ok(Upstream {
         received,
@@ -367,7 +369,12 @@ impl StageBlock {
         let side = match m.string("side")? {
             "stage" => Side::Stage,
             "coordinator" => Side::Coordinator,
-            _ => return Err(ShapeError::invalid(side_path, "must be stage or coordinator")),
+            _ => {
+                return Err(ShapeError::invalid(
+                    side_path,
+                    "must be stage or coordinator",
+                ));
+            }
         };
         let coordinator_node_id = m.non_empty_string("coordinator_node_id")?.to_string();
         let run_id = m.non_empty_string("run_id")?.to_string();
@@ -401,7 +408,10 @@ impl StageBlock {
         let return_mode = ReturnMode::parse(m.string("return_mode")?)
             .ok_or_else(|| ShapeError::invalid(mode_path, "must be direct or relayed"))?;
         let up_path = m.path("upstream");
-        let up = m.optional("upstream").map(|v| upstream(v, &up_path)).transpose()?;
+        let up = m
+            .optional("upstream")
+            .map(|v| upstream(v, &up_path))
+            .transpose()?;
         let down_path = m.path("downstream");
         let down = m
             .optional("downstream")
@@ -413,7 +423,10 @@ impl StageBlock {
             .map(|v| direct_return(v, &direct_path))
             .transpose()?;
         let tokens_path = m.path("tokens");
-        let token_counts = m.optional("tokens").map(|v| tokens(v, &tokens_path)).transpose()?;
+        let token_counts = m
+            .optional("tokens")
+            .map(|v| tokens(v, &tokens_path))
+            .transpose()?;
         let terminal_path = m.path("terminal_state");
         let terminal_state = TerminalState::parse(m.string("terminal_state")?)
             .ok_or_else(|| ShapeError::invalid(terminal_path, "not a known terminal state"))?;
@@ -426,8 +439,9 @@ impl StageBlock {
         let data_path_observed = m
             .optional("data_path_observed")
             .map(|v| {
-                v.as_bool()
-                    .ok_or_else(|| ShapeError::new(observed_flag_path.clone(), Problem::WrongType("a boolean")))
+                v.as_bool().ok_or_else(|| {
+                    ShapeError::new(observed_flag_path.clone(), Problem::WrongType("a boolean"))
+                })
             })
             .transpose()?;
         let observed_path = m.path("coordinator_observed");
@@ -479,7 +493,10 @@ impl StageBlock {
             return Err(rule(&at("stage_index"), "must be below stage_count"));
         }
         if self.layer_end <= self.layer_start {
-            return Err(rule(&at("layer_end"), "must be above layer_start (the range is half-open)"));
+            return Err(rule(
+                &at("layer_end"),
+                "must be above layer_start (the range is half-open)",
+            ));
         }
         let direct = self.return_mode == ReturnMode::Direct;
         let is_final = self.is_final();
@@ -489,17 +506,26 @@ impl StageBlock {
         match self.placement() {
             Placement::StageRecord => {
                 if self.stage_index == 0 {
-                    return Err(rule(&at("stage_index"), "a stage-side block cannot be stage 0"));
+                    return Err(rule(
+                        &at("stage_index"),
+                        "a stage-side block cannot be stage 0",
+                    ));
                 }
                 if has_exchange_fields {
-                    return Err(rule(path, "a stage record carries no stage-exchange fields"));
+                    return Err(rule(
+                        path,
+                        "a stage record carries no stage-exchange fields",
+                    ));
                 }
                 if self.upstream.is_none() {
                     return Err(rule(&at("upstream"), "a stage record requires upstream"));
                 }
                 match (is_final, self.downstream.is_some()) {
                     (false, false) => {
-                        return Err(rule(&at("downstream"), "a non-final stage requires downstream"));
+                        return Err(rule(
+                            &at("downstream"),
+                            "a non-final stage requires downstream",
+                        ));
                     }
                     (true, true) => {
                         return Err(rule(&at("downstream"), "the final stage has no downstream"));
@@ -527,13 +553,19 @@ impl StageBlock {
             }
             Placement::CoordinatorSlice => {
                 if has_exchange_fields {
-                    return Err(rule(path, "the coordinator's slice carries no stage-exchange fields"));
+                    return Err(rule(
+                        path,
+                        "the coordinator's slice carries no stage-exchange fields",
+                    ));
                 }
                 if self.upstream.is_some() {
                     return Err(rule(&at("upstream"), "stage 0 has no upstream"));
                 }
                 if self.downstream.is_none() {
-                    return Err(rule(&at("downstream"), "the coordinator's slice requires downstream"));
+                    return Err(rule(
+                        &at("downstream"),
+                        "the coordinator's slice requires downstream",
+                    ));
                 }
                 match (direct, self.direct_return) {
                     (true, Some(DirectReturn::Received(_))) | (false, None) => {}
@@ -544,11 +576,17 @@ impl StageBlock {
                         ));
                     }
                     (false, Some(_)) => {
-                        return Err(rule(&at("direct_return"), "a relayed split has no direct lane"));
+                        return Err(rule(
+                            &at("direct_return"),
+                            "a relayed split has no direct lane",
+                        ));
                     }
                 }
                 if self.tokens.is_none() {
-                    return Err(rule(&at("tokens"), "the coordinator's slice requires tokens"));
+                    return Err(rule(
+                        &at("tokens"),
+                        "the coordinator's slice requires tokens",
+                    ));
                 }
             }
             Placement::StageExchange => {
@@ -559,15 +597,24 @@ impl StageBlock {
                     ));
                 }
                 if self.direct_return.is_some() {
-                    return Err(rule(&at("direct_return"), "must be null in a stage-exchange record"));
+                    return Err(rule(
+                        &at("direct_return"),
+                        "must be null in a stage-exchange record",
+                    ));
                 }
                 if self.coordinator_term.is_none() {
-                    return Err(rule(&at("coordinator_term"), "a stage-exchange record requires it"));
+                    return Err(rule(
+                        &at("coordinator_term"),
+                        "a stage-exchange record requires it",
+                    ));
                 }
                 let expected = self.stage_index == 1 || (direct && is_final);
                 match self.data_path_observed {
                     None => {
-                        return Err(rule(&at("data_path_observed"), "a stage-exchange record requires it"));
+                        return Err(rule(
+                            &at("data_path_observed"),
+                            "a stage-exchange record requires it",
+                        ));
                     }
                     Some(flag) if flag != expected => {
                         return Err(rule(
@@ -617,7 +664,10 @@ impl StageBlock {
         let mut map = Map::new();
         map.insert("v".into(), json!(1));
         map.insert("side".into(), json!(self.side.as_str()));
-        map.insert("coordinator_node_id".into(), json!(self.coordinator_node_id));
+        map.insert(
+            "coordinator_node_id".into(),
+            json!(self.coordinator_node_id),
+        );
         map.insert("run_id".into(), json!(self.run_id));
         map.insert("request_id".into(), json!(self.request_id.to_string()));
         map.insert("topology_hash".into(), json!(self.topology_hash));
@@ -625,8 +675,14 @@ impl StageBlock {
         map.insert("stage_count".into(), json!(self.stage_count));
         map.insert("layer_start".into(), json!(self.layer_start));
         map.insert("layer_end".into(), json!(self.layer_end));
-        map.insert("package_id".into(), json!(prefixed_sha256(&self.package_id)));
-        map.insert("manifest_sha256".into(), json!(hex::encode(&self.manifest_sha256)));
+        map.insert(
+            "package_id".into(),
+            json!(prefixed_sha256(&self.package_id)),
+        );
+        map.insert(
+            "manifest_sha256".into(),
+            json!(hex::encode(&self.manifest_sha256)),
+        );
         map.insert(
             "source_model_sha256".into(),
             json!(hex::encode(&self.source_model_sha256)),
@@ -668,7 +724,10 @@ impl StageBlock {
                 inner.insert("downstream".into(), downstream_value(down));
             }
             if let Some(lane) = &observed.direct_return_received {
-                inner.insert("direct_return".into(), json!({ "received": lane_value(lane) }));
+                inner.insert(
+                    "direct_return".into(),
+                    json!({ "received": lane_value(lane) }),
+                );
             }
             map.insert("coordinator_observed".into(), Value::Object(inner));
         }
@@ -709,78 +768,108 @@ pub(crate) mod tests {
             (0u32..3),
             any::<u64>(),
             (lane(), lane(), lane(), lane(), lane()),
-            (any::<u32>(), 1u32..1000, any::<u64>(), any::<u64>(), any::<u64>()),
+            (
+                any::<u32>(),
+                1u32..1000,
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+            ),
             (0usize..8, any::<[u8; 32]>()),
         )
-            .prop_map(|(count, index_seed, direct, placement, request_id, lanes, nums, misc)| {
-                let (a, b, c, d, e) = lanes;
-                let (layer_start_seed, width, term, prefill, decode) = nums;
-                let (state, digest) = misc;
-                let return_mode = if direct { ReturnMode::Direct } else { ReturnMode::Relayed };
-                let side = if placement == 0 { Side::Stage } else { Side::Coordinator };
-                let stage_index = match placement {
-                    1 => 0,
-                    _ => 1 + index_seed % (count - 1),
-                };
-                let is_final = stage_index + 1 == count;
-                let layer_start = layer_start_seed % 100_000;
-                let mut block = StageBlock {
-                    side,
-                    coordinator_node_id: "coord".into(),
-                    run_id: format!("mesh-split-{term}"),
-                    request_id,
-                    topology_hash: "t".into(),
-                    stage_index,
-                    stage_count: count,
-                    layer_start,
-                    layer_end: layer_start + width,
-                    package_id: digest,
-                    manifest_sha256: [1; 32],
-                    source_model_sha256: [2; 32],
-                    return_mode,
-                    upstream: None,
-                    downstream: None,
-                    direct_return: None,
-                    tokens: None,
-                    terminal_state: TerminalState::ALL[state],
-                    coordinator_term: None,
-                    data_path_observed: None,
-                    coordinator_observed: None,
-                };
-                let tokens = Some(Tokens { prefill_received: prefill, decode });
-                match block.placement() {
-                    Placement::StageRecord => {
-                        block.upstream = Some(Upstream { received: a, replies_sent: b });
-                        if !is_final {
-                            block.downstream = Some(Downstream { sent: c, replies_received: d });
-                        }
-                        if direct && is_final {
-                            block.direct_return = Some(DirectReturn::Sent(e));
-                        }
-                        block.tokens = tokens;
-                    }
-                    Placement::CoordinatorSlice => {
-                        block.downstream = Some(Downstream { sent: c, replies_received: d });
-                        if direct {
-                            block.direct_return = Some(DirectReturn::Received(e));
-                        }
-                        block.tokens = tokens;
-                    }
-                    Placement::StageExchange => {
-                        block.coordinator_term = Some(term);
-                        let observed = stage_index == 1 || (direct && is_final);
-                        block.data_path_observed = Some(observed);
-                        if observed {
-                            block.coordinator_observed = Some(CoordinatorObserved {
-                                downstream: (stage_index == 1)
-                                    .then_some(Downstream { sent: c, replies_received: d }),
-                                direct_return_received: (direct && is_final).then_some(e),
+            .prop_map(
+                |(count, index_seed, direct, placement, request_id, lanes, nums, misc)| {
+                    let (a, b, c, d, e) = lanes;
+                    let (layer_start_seed, width, term, prefill, decode) = nums;
+                    let (state, digest) = misc;
+                    let return_mode = if direct {
+                        ReturnMode::Direct
+                    } else {
+                        ReturnMode::Relayed
+                    };
+                    let side = if placement == 0 {
+                        Side::Stage
+                    } else {
+                        Side::Coordinator
+                    };
+                    let stage_index = match placement {
+                        1 => 0,
+                        _ => 1 + index_seed % (count - 1),
+                    };
+                    let is_final = stage_index + 1 == count;
+                    let layer_start = layer_start_seed % 100_000;
+                    let mut block = StageBlock {
+                        side,
+                        coordinator_node_id: "coord".into(),
+                        run_id: format!("mesh-split-{term}"),
+                        request_id,
+                        topology_hash: "t".into(),
+                        stage_index,
+                        stage_count: count,
+                        layer_start,
+                        layer_end: layer_start + width,
+                        package_id: digest,
+                        manifest_sha256: [1; 32],
+                        source_model_sha256: [2; 32],
+                        return_mode,
+                        upstream: None,
+                        downstream: None,
+                        direct_return: None,
+                        tokens: None,
+                        terminal_state: TerminalState::ALL[state],
+                        coordinator_term: None,
+                        data_path_observed: None,
+                        coordinator_observed: None,
+                    };
+                    let tokens = Some(Tokens {
+                        prefill_received: prefill,
+                        decode,
+                    });
+                    match block.placement() {
+                        Placement::StageRecord => {
+                            block.upstream = Some(Upstream {
+                                received: a,
+                                replies_sent: b,
                             });
+                            if !is_final {
+                                block.downstream = Some(Downstream {
+                                    sent: c,
+                                    replies_received: d,
+                                });
+                            }
+                            if direct && is_final {
+                                block.direct_return = Some(DirectReturn::Sent(e));
+                            }
+                            block.tokens = tokens;
+                        }
+                        Placement::CoordinatorSlice => {
+                            block.downstream = Some(Downstream {
+                                sent: c,
+                                replies_received: d,
+                            });
+                            if direct {
+                                block.direct_return = Some(DirectReturn::Received(e));
+                            }
+                            block.tokens = tokens;
+                        }
+                        Placement::StageExchange => {
+                            block.coordinator_term = Some(term);
+                            let observed = stage_index == 1 || (direct && is_final);
+                            block.data_path_observed = Some(observed);
+                            if observed {
+                                block.coordinator_observed = Some(CoordinatorObserved {
+                                    downstream: (stage_index == 1).then_some(Downstream {
+                                        sent: c,
+                                        replies_received: d,
+                                    }),
+                                    direct_return_received: (direct && is_final).then_some(e),
+                                });
+                            }
                         }
                     }
-                }
-                block
-            })
+                    block
+                },
+            )
     }
 
     proptest! {

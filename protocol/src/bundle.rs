@@ -106,7 +106,9 @@ pub fn mmr_peaks(size: u64) -> Option<Vec<u64>> {
 
 /// 0-based MMR position of leaf `index`.
 pub fn leaf_position(index: u64) -> Option<u64> {
-    index.checked_mul(2).map(|twice| twice - u64::from(index.count_ones()))
+    index
+        .checked_mul(2)
+        .map(|twice| twice - u64::from(index.count_ones()))
 }
 
 /// An inclusion proof of one leaf in an MMR of `size` nodes.
@@ -123,15 +125,18 @@ fn hex_list(m: &mut Members<'_>, key: &'static str) -> Result<Vec<[u8; 32]>, Sha
     let path = m.path(key);
     let items = m.array(key)?;
     if items.len() > MAX_PROOF_PATH {
-        return Err(ShapeError::invalid(path, format!("more than {MAX_PROOF_PATH} entries")));
+        return Err(ShapeError::invalid(
+            path,
+            format!("more than {MAX_PROOF_PATH} entries"),
+        ));
     }
     items
         .iter()
         .enumerate()
         .map(|(i, item)| {
-            item.as_str()
-                .and_then(hex::decode_array)
-                .ok_or_else(|| ShapeError::invalid(format!("{path}/{i}"), "must be 64 lowercase hex digits"))
+            item.as_str().and_then(hex::decode_array).ok_or_else(|| {
+                ShapeError::invalid(format!("{path}/{i}"), "must be 64 lowercase hex digits")
+            })
         })
         .collect()
 }
@@ -199,7 +204,10 @@ impl InclusionProof {
                 return Err(ProofError::NotAPeak);
             }
         }
-        let peak_index = peaks.iter().position(|p| *p == pos).ok_or(ProofError::NotAPeak)?;
+        let peak_index = peaks
+            .iter()
+            .position(|p| *p == pos)
+            .ok_or(ProofError::NotAPeak)?;
         if self.peaks_left.len() != peak_index
             || self.peaks_right.len() != peaks.len() - peak_index - 1
         {
@@ -242,7 +250,8 @@ impl Checkpoint {
         let hex32 = |m: &mut Members<'_>, key: &'static str| {
             let p = m.path(key);
             m.string(key).and_then(|t| {
-                hex::decode_array(t).ok_or_else(|| ShapeError::invalid(p, "must be 64 lowercase hex digits"))
+                hex::decode_array(t)
+                    .ok_or_else(|| ShapeError::invalid(p, "must be 64 lowercase hex digits"))
             })
         };
         let root = hex32(&mut m, "root")?;
@@ -251,11 +260,15 @@ impl Checkpoint {
         let prev_text = m.string("prev_root")?;
         let prev_root = match (prev_size, prev_text) {
             (0, "") => None,
-            (0, _) => return Err(ShapeError::invalid(prev_path, "must be empty when prev_size is 0")),
-            (_, text) => Some(
-                hex::decode_array(text)
-                    .ok_or_else(|| ShapeError::invalid(prev_path, "must be 64 lowercase hex digits"))?,
-            ),
+            (0, _) => {
+                return Err(ShapeError::invalid(
+                    prev_path,
+                    "must be empty when prev_size is 0",
+                ));
+            }
+            (_, text) => Some(hex::decode_array(text).ok_or_else(|| {
+                ShapeError::invalid(prev_path, "must be 64 lowercase hex digits")
+            })?),
         };
         let key_id = hex32(&mut m, "key_id")?;
         let timestamp = m.string("timestamp")?.to_string();
@@ -314,7 +327,10 @@ impl Checkpoint {
         });
         let signature = key.sign(Self::digest_hex(&value).as_bytes());
         if let Value::Object(map) = &mut value {
-            map.insert("signature".into(), json!(hex::encode(&signature.to_bytes())));
+            map.insert(
+                "signature".into(),
+                json!(hex::encode(&signature.to_bytes())),
+            );
         }
         value
     }
@@ -410,7 +426,10 @@ impl<'a> RecordPushBundle<'a> {
         let capsule_path = m.path("capsule");
         let capsule = m.required("capsule")?;
         if !capsule.is_object() {
-            return Err(ShapeError::new(capsule_path, Problem::WrongType("an object")));
+            return Err(ShapeError::new(
+                capsule_path,
+                Problem::WrongType("an object"),
+            ));
         }
         let inclusion_path = m.path("inclusion");
         let mut inclusion = Members::of(m.required("inclusion")?, &inclusion_path)?;
@@ -419,7 +438,10 @@ impl<'a> RecordPushBundle<'a> {
         let proof = InclusionProof::from_value_at(inclusion.required("proof")?, &proof_path)?;
         inclusion.finish()?;
         if proof.leaf_index != leaf_index {
-            return Err(ShapeError::invalid(proof_path, "leaf_index differs from inclusion.leaf_index"));
+            return Err(ShapeError::invalid(
+                proof_path,
+                "leaf_index differs from inclusion.leaf_index",
+            ));
         }
         let checkpoint_path = m.path("checkpoint");
         let checkpoint = Checkpoint::from_value_at(m.required("checkpoint")?, &checkpoint_path)?;
@@ -435,7 +457,12 @@ impl<'a> RecordPushBundle<'a> {
                 }
                 Some(items)
             }
-            Some(_) => return Err(ShapeError::new(records_path, Problem::WrongType("an array"))),
+            Some(_) => {
+                return Err(ShapeError::new(
+                    records_path,
+                    Problem::WrongType("an array"),
+                ));
+            }
         };
         m.finish()?;
         Ok(Self {
@@ -492,12 +519,18 @@ impl<'a> MeshBundle<'a> {
         let records_path = m.path("split_stage_records");
         let split_stage_records = m.array("split_stage_records")?;
         if split_stage_records.len() > MAX_CARRIED_RECORDS {
-            return Err(ShapeError::invalid(records_path, format!("more than {MAX_CARRIED_RECORDS} records")));
+            return Err(ShapeError::invalid(
+                records_path,
+                format!("more than {MAX_CARRIED_RECORDS} records"),
+            ));
         }
         let exchange_path = m.path("stage_exchange_records");
         let stage_exchange_records = m.array("stage_exchange_records")?;
         if stage_exchange_records.len() > MAX_CARRIED_RECORDS {
-            return Err(ShapeError::invalid(exchange_path, format!("more than {MAX_CARRIED_RECORDS} records")));
+            return Err(ShapeError::invalid(
+                exchange_path,
+                format!("more than {MAX_CARRIED_RECORDS} records"),
+            ));
         }
         m.finish()?;
         Ok(Self {
@@ -508,7 +541,11 @@ impl<'a> MeshBundle<'a> {
     }
 
     /// Assemble a bundle document.
-    pub fn to_value(main_record: &Value, split_stage_records: &[Value], stage_exchange_records: &[Value]) -> Value {
+    pub fn to_value(
+        main_record: &Value,
+        split_stage_records: &[Value],
+        stage_exchange_records: &[Value],
+    ) -> Value {
         json!({
             MESH_BUNDLE_MEMBER: 1,
             "main_record": main_record,

@@ -5,10 +5,7 @@
 //! and `signature` is the hex of a tagged COSE_Sign1 whose attached payload is
 //! the 32 raw bytes of `capsule_id`, signed with Ed25519 by `key_id`.
 
-use coset::{
-    CoseSign1, CoseSign1Builder, Header, HeaderBuilder, TaggedCborSerializable,
-    iana,
-};
+use coset::{CoseSign1, CoseSign1Builder, Header, HeaderBuilder, TaggedCborSerializable, iana};
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
@@ -46,7 +43,9 @@ pub enum EnvelopeError {
     NotHex,
     #[error("not a tagged COSE_Sign1: {0}")]
     Cbor(String),
-    #[error("protected header is not {{alg: EdDSA, content type: {CAPSULE_ID_CONTENT_TYPE}, kid: key_id}}")]
+    #[error(
+        "protected header is not {{alg: EdDSA, content type: {CAPSULE_ID_CONTENT_TYPE}, kid: key_id}}"
+    )]
     Header,
     #[error("unprotected header must be empty")]
     UnprotectedHeader,
@@ -87,7 +86,9 @@ pub fn sign_envelope(capsule_id: &[u8; 32], key: &SigningKey) -> Vec<u8> {
     let sign1 = CoseSign1Builder::new()
         .protected(expected_protected_header(&key_id))
         .payload(capsule_id.to_vec())
-        .create_signature(b"", |to_be_signed| key.sign(to_be_signed).to_bytes().to_vec())
+        .create_signature(b"", |to_be_signed| {
+            key.sign(to_be_signed).to_bytes().to_vec()
+        })
         .build();
     // Encoding a well-formed CoseSign1 of fixed small fields cannot fail.
     sign1.to_tagged_vec().unwrap_or_default()
@@ -112,7 +113,9 @@ pub fn verify_envelope(
     }
     let key = VerifyingKey::from_bytes(key_id).map_err(|_| EnvelopeError::BadKey)?;
     sign1.verify_signature(b"", |signature, signed| {
-        let signature: [u8; 64] = signature.try_into().map_err(|_| EnvelopeError::BadSignature)?;
+        let signature: [u8; 64] = signature
+            .try_into()
+            .map_err(|_| EnvelopeError::BadSignature)?;
         key.verify_strict(signed, &Signature::from_bytes(&signature))
             .map_err(|_| EnvelopeError::BadSignature)
     })
@@ -148,10 +151,16 @@ pub fn class1_check(record: &Value) -> Result<ClaimedIds, ShapeError> {
     };
     text("spec_version")?;
     if text("format_version")? != FORMAT_VERSION {
-        return Err(ShapeError::invalid("/format_version", "only format 4 is accepted"));
+        return Err(ShapeError::invalid(
+            "/format_version",
+            "only format 4 is accepted",
+        ));
     }
     if text("canonicalization_id")? != CANONICALIZATION_ID {
-        return Err(ShapeError::invalid("/canonicalization_id", "only jcs is accepted"));
+        return Err(ShapeError::invalid(
+            "/canonicalization_id",
+            "only jcs is accepted",
+        ));
     }
     let capsule_id = hex::decode_array(text("capsule_id")?)
         .ok_or_else(|| ShapeError::invalid("/capsule_id", "must be 64 lowercase hex digits"))?;
@@ -159,13 +168,19 @@ pub fn class1_check(record: &Value) -> Result<ClaimedIds, ShapeError> {
         .ok_or_else(|| ShapeError::invalid("/key_id", "must be 64 lowercase hex digits"))?;
     let signature_hex = text("signature")?;
     if signature_hex.len() > MAX_SIGNATURE_HEX {
-        return Err(ShapeError::invalid("/signature", "longer than any producer envelope"));
+        return Err(ShapeError::invalid(
+            "/signature",
+            "longer than any producer envelope",
+        ));
     }
     map.get("model_attestation")
         .and_then(|m| m.get("compute_attestation"))
         .and_then(Value::as_object)
         .ok_or_else(|| {
-            ShapeError::new("/model_attestation/compute_attestation", Problem::WrongType("an object"))
+            ShapeError::new(
+                "/model_attestation/compute_attestation",
+                Problem::WrongType("an object"),
+            )
         })?;
     Ok(ClaimedIds {
         capsule_id,
@@ -300,7 +315,10 @@ fn envelope_members(
     effect_mode: &str,
 ) -> Map<String, Value> {
     let mut compute_attestation = compute_attestation;
-    compute_attestation.insert("store_nonce".into(), json!(hex::encode(&context.store_nonce)));
+    compute_attestation.insert(
+        "store_nonce".into(),
+        json!(hex::encode(&context.store_nonce)),
+    );
     let mut map = Map::new();
     map.insert("spec_version".into(), json!(SPEC_VERSION));
     map.insert("format_version".into(), json!(FORMAT_VERSION));
@@ -438,7 +456,10 @@ pub fn main_record(
     let mut compute = Map::new();
     compute.insert("x-mesh-poc-v1".into(), json!({ "role": "served" }));
     compute.insert(STAGE_BLOCK_MEMBER.into(), own_slice.to_value());
-    compute.insert(crate::receipt::RECEIPT_BLOCK_MEMBER.into(), receipt.to_value());
+    compute.insert(
+        crate::receipt::RECEIPT_BLOCK_MEMBER.into(),
+        receipt.to_value(),
+    );
     let mut map = envelope_members(
         context,
         format!(
@@ -475,7 +496,8 @@ pub fn format_timestamp(unix_millis: u64) -> String {
     let z = days + 719_468;
     let era = z / 146_097;
     let day_of_era = z % 146_097;
-    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
     let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
     let mp = (5 * day_of_year + 2) / 153;
     let day = day_of_year - (153 * mp + 2) / 5 + 1;
@@ -506,8 +528,9 @@ pub fn references_of(record: &Value) -> Result<Vec<([u8; 32], String)>, ShapeErr
             m.string("type")?;
             m.string("digest_alg")?;
             let digest_path = m.path("digest");
-            let digest = hex::decode_array(m.string("digest")?)
-                .ok_or_else(|| ShapeError::invalid(digest_path, "must be 64 lowercase hex digits"))?;
+            let digest = hex::decode_array(m.string("digest")?).ok_or_else(|| {
+                ShapeError::invalid(digest_path, "must be 64 lowercase hex digits")
+            })?;
             let purpose = m
                 .optional("citation_purpose")
                 .and_then(Value::as_str)
@@ -525,8 +548,14 @@ mod tests {
     #[test]
     fn timestamps() {
         assert_eq!(format_timestamp(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(format_timestamp(1_790_739_480_000), "2026-09-30T03:38:00.000Z");
-        assert_eq!(format_timestamp(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(
+            format_timestamp(1_790_739_480_000),
+            "2026-09-30T03:38:00.000Z"
+        );
+        assert_eq!(
+            format_timestamp(951_782_400_123),
+            "2000-02-29T00:00:00.123Z"
+        );
     }
 
     #[test]
@@ -536,13 +565,22 @@ mod tests {
         assert_eq!(envelope.len(), 181);
         let key_id = key.verifying_key().to_bytes();
         assert_eq!(verify_envelope(&envelope, &[1; 32], &key_id), Ok(()));
-        assert_eq!(verify_envelope(&envelope, &[2; 32], &key_id), Err(EnvelopeError::Payload));
+        assert_eq!(
+            verify_envelope(&envelope, &[2; 32], &key_id),
+            Err(EnvelopeError::Payload)
+        );
         let other = SigningKey::from_bytes(&[8; 32]).verifying_key().to_bytes();
-        assert_eq!(verify_envelope(&envelope, &[1; 32], &other), Err(EnvelopeError::Header));
+        assert_eq!(
+            verify_envelope(&envelope, &[1; 32], &other),
+            Err(EnvelopeError::Header)
+        );
         for index in 0..envelope.len() {
             let mut flipped = envelope.clone();
             flipped[index] ^= 0x01;
-            assert!(verify_envelope(&flipped, &[1; 32], &key_id).is_err(), "byte {index}");
+            assert!(
+                verify_envelope(&flipped, &[1; 32], &key_id).is_err(),
+                "byte {index}"
+            );
         }
         let mut trailing = envelope.clone();
         trailing.push(0);

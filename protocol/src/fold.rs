@@ -136,18 +136,15 @@ impl LaneFold {
 
     /// Feed the next piece of the current frame (opening one if none is).
     pub fn frame_chunk(&mut self, bytes: &[u8]) {
-        self.open_frame.get_or_insert_with(Sha256::new).update(bytes);
+        self.open_frame
+            .get_or_insert_with(Sha256::new)
+            .update(bytes);
     }
 
     /// Close the current frame and fold it in. A frame that received no
     /// chunk is the empty frame, and still counts.
     pub fn end_frame(&mut self) {
-        let frame_hash: [u8; 32] = self
-            .open_frame
-            .take()
-            .unwrap_or_default()
-            .finalize()
-            .into();
+        let frame_hash: [u8; 32] = self.open_frame.take().unwrap_or_default().finalize().into();
         let mut step = Sha256::new();
         step.update(self.state);
         step.update(frame_hash);
@@ -221,12 +218,48 @@ mod tests {
         let base = context(Lane::Forward, 0);
         let h = |c: &LaneContext<'_>| fold_frames::<&[u8]>(c, &[]).digest;
         let reference = h(&base);
-        assert_ne!(reference, h(&LaneContext { salt: b"s", ..base.clone() }));
-        assert_ne!(reference, h(&LaneContext { coordinator_node_id: "x", ..base.clone() }));
-        assert_ne!(reference, h(&LaneContext { run_id: "r", ..base.clone() }));
-        assert_ne!(reference, h(&LaneContext { request_id: 1, ..base.clone() }));
-        assert_ne!(reference, h(&LaneContext { hop_index: 1, ..base.clone() }));
-        assert_ne!(reference, h(&LaneContext { lane: Lane::Reply, ..base.clone() }));
+        assert_ne!(
+            reference,
+            h(&LaneContext {
+                salt: b"s",
+                ..base.clone()
+            })
+        );
+        assert_ne!(
+            reference,
+            h(&LaneContext {
+                coordinator_node_id: "x",
+                ..base.clone()
+            })
+        );
+        assert_ne!(
+            reference,
+            h(&LaneContext {
+                run_id: "r",
+                ..base.clone()
+            })
+        );
+        assert_ne!(
+            reference,
+            h(&LaneContext {
+                request_id: 1,
+                ..base.clone()
+            })
+        );
+        assert_ne!(
+            reference,
+            h(&LaneContext {
+                hop_index: 1,
+                ..base.clone()
+            })
+        );
+        assert_ne!(
+            reference,
+            h(&LaneContext {
+                lane: Lane::Reply,
+                ..base.clone()
+            })
+        );
     }
 
     #[test]
@@ -235,7 +268,10 @@ mod tests {
         let ab = fold_frames(&c, &[b"a".as_slice(), b"b"]);
         assert_ne!(ab, fold_frames(&c, &[b"b".as_slice(), b"a"]));
         assert_ne!(ab, fold_frames(&c, &[b"ab".as_slice()]));
-        assert_ne!(fold_frames::<&[u8]>(&c, &[]), fold_frames(&c, &[b"".as_slice()]));
+        assert_ne!(
+            fold_frames::<&[u8]>(&c, &[]),
+            fold_frames(&c, &[b"".as_slice()])
+        );
     }
 
     #[test]

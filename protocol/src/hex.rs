@@ -23,7 +23,7 @@ fn nibble(c: u8) -> Option<u8> {
 /// compare digests as strings, so two spellings of one digest must not exist.
 pub fn decode(text: &str) -> Option<Vec<u8>> {
     let raw = text.as_bytes();
-    if raw.len() % 2 != 0 {
+    if !raw.len().is_multiple_of(2) {
         return None;
     }
     raw.chunks_exact(2)

@@ -48,7 +48,7 @@ impl CellState {
     pub fn glyph(self) -> &'static str {
         match self {
             CellState::CoordinatorSlice => "coordinator",
-            CellState::Ok => "✓",
+            CellState::Ok => "✓ ok",
             CellState::Disagrees => "✕ disagrees",
             CellState::NotReceived => "◌ not received",
             CellState::NotRequested => "—",
@@ -171,12 +171,20 @@ pub enum HopCheckError {
     StageCountMismatch { own: u32, receipt: usize },
 }
 
-fn compare(upstream: Option<LaneDigest>, downstream: Option<LaneDigest>, required: bool) -> LaneState {
+fn compare(
+    upstream: Option<LaneDigest>,
+    downstream: Option<LaneDigest>,
+    required: bool,
+) -> LaneState {
     let (Some(a), Some(b)) = (upstream, downstream) else {
         return LaneState::Gap;
     };
     if a.frames == 0 && b.frames == 0 {
-        return if required { LaneState::Gap } else { LaneState::NotApplicable };
+        return if required {
+            LaneState::Gap
+        } else {
+            LaneState::NotApplicable
+        };
     }
     if a.digest != b.digest {
         return LaneState::Break;
@@ -228,7 +236,10 @@ pub fn check_hops(
     let mut ids_per_stage: BTreeMap<u32, BTreeSet<&str>> = BTreeMap::new();
     for (id, block) in &valid {
         if block.side == Side::Stage && block.split_key() == split_key {
-            ids_per_stage.entry(block.stage_index).or_default().insert(id);
+            ids_per_stage
+                .entry(block.stage_index)
+                .or_default()
+                .insert(id);
         }
     }
     let conflicted: BTreeSet<u32> = ids_per_stage
@@ -244,7 +255,13 @@ pub fn check_hops(
         record: None,
     }];
     let mut blocks: Vec<Option<&StageBlock>> = vec![Some(own)];
-    for (k, (entry, bundle)) in receipt.topology.iter().zip(&receipt.stages).enumerate().skip(1) {
+    for (k, (entry, bundle)) in receipt
+        .topology
+        .iter()
+        .zip(&receipt.stages)
+        .enumerate()
+        .skip(1)
+    {
         let index = u32::try_from(k).unwrap_or(u32::MAX);
         let (state, record, block) = if conflicted.contains(&index) {
             (CellState::Conflict, None, None)

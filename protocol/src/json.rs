@@ -134,9 +134,7 @@ impl<'de> Visitor<'de> for StrictSeed {
         let mut members = Map::new();
         while let Some(key) = map.next_key::<String>()? {
             if members.contains_key(&key) {
-                return Err(de::Error::custom(format_args!(
-                    "duplicate member `{key}`"
-                )));
+                return Err(de::Error::custom(format_args!("duplicate member `{key}`")));
             }
             let value = map.next_value_seed(self.nested()?)?;
             members.insert(key, value);
@@ -194,7 +192,10 @@ impl<'a> Members<'a> {
                 path: path.to_string(),
                 known: Vec::new(),
             }),
-            _ => Err(ShapeError::new(path_or_root(path), Problem::WrongType("an object"))),
+            _ => Err(ShapeError::new(
+                path_or_root(path),
+                Problem::WrongType("an object"),
+            )),
         }
     }
 
@@ -253,7 +254,11 @@ impl<'a> Members<'a> {
 
     /// Refuse any member not read through this reader.
     pub(crate) fn finish(self) -> Result<(), ShapeError> {
-        match self.map.keys().find(|key| !self.known.contains(&key.as_str())) {
+        match self
+            .map
+            .keys()
+            .find(|key| !self.known.contains(&key.as_str()))
+        {
             Some(key) => Err(ShapeError::new(self.path(key), Problem::Unknown)),
             None => Ok(()),
         }
@@ -284,7 +289,10 @@ mod tests {
     #[test]
     fn refuses_duplicate_members_and_trailing_bytes() {
         let error = parse_strict(br#"{"a":1,"a":2}"#).unwrap_err();
-        assert!(error.to_string().contains("duplicate member `a`"), "{error}");
+        assert!(
+            error.to_string().contains("duplicate member `a`"),
+            "{error}"
+        );
         assert!(parse_strict(br#"{"a":1} x"#).is_err());
         assert!(parse_strict(br#"{"a":{"a":1},"b":[{"a":1}]}"#).is_ok());
     }
@@ -309,7 +317,10 @@ mod tests {
     #[test]
     fn canonical_form_sorts_and_compacts() {
         let value = parse_strict(br#"{ "b": [1, "\u00e9"], "a": null }"#).unwrap();
-        assert_eq!(canonical_bytes(&value), "{\"a\":null,\"b\":[1,\"é\"]}".as_bytes());
+        assert_eq!(
+            canonical_bytes(&value),
+            "{\"a\":null,\"b\":[1,\"é\"]}".as_bytes()
+        );
     }
 
     proptest! {

@@ -1,6 +1,9 @@
 //! Sans-IO wire types, encodings, digests, signing and verification for
 //! mesh-node. No I/O, clocks or randomness: callers pass them in.
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
 
 pub mod block;
 pub mod bundle;
@@ -8,8 +11,10 @@ pub mod capsule;
 pub mod fold;
 pub mod hex;
 pub mod hopcheck;
+pub mod identity;
 pub mod json;
 pub mod receipt;
+pub mod split;
 pub mod verify;
 
 pub use ed25519_dalek::{SigningKey, VerifyingKey};

@@ -168,7 +168,10 @@ impl CoordinatorReceipt {
         }
         let kind_path = m.path("kind");
         if m.string("kind")? != RECEIPT_KIND {
-            return Err(ShapeError::invalid(kind_path, "must be mesh-coordinator-receipt"));
+            return Err(ShapeError::invalid(
+                kind_path,
+                "must be mesh-coordinator-receipt",
+            ));
         }
         let run_id = m.non_empty_string("run_id")?.to_string();
         let coordinator_node_id = m.non_empty_string("coordinator_node_id")?.to_string();
@@ -177,7 +180,12 @@ impl CoordinatorReceipt {
             Value::String(text) => parse_request_id(text).ok_or_else(|| {
                 ShapeError::invalid(request_path.clone(), "must be a canonical decimal u64")
             })?,
-            _ => return Err(ShapeError::new(request_path, Problem::WrongType("a decimal string"))),
+            _ => {
+                return Err(ShapeError::new(
+                    request_path,
+                    Problem::WrongType("a decimal string"),
+                ));
+            }
         };
         let stage_seal_deadline_ms = m.u64("stage_seal_deadline_ms")?;
         let topology_path = m.path("topology");
@@ -187,13 +195,22 @@ impl CoordinatorReceipt {
         m.finish()?;
 
         if topology_values.len() < 2 {
-            return Err(ShapeError::invalid(topology_path, "a split has at least 2 stages"));
+            return Err(ShapeError::invalid(
+                topology_path,
+                "a split has at least 2 stages",
+            ));
         }
         if topology_values.len() > MAX_STAGES {
-            return Err(ShapeError::invalid(topology_path, format!("more than {MAX_STAGES} stages")));
+            return Err(ShapeError::invalid(
+                topology_path,
+                format!("more than {MAX_STAGES} stages"),
+            ));
         }
         if stage_values.len() != topology_values.len() {
-            return Err(ShapeError::invalid(stages_path, "must have one entry per topology entry"));
+            return Err(ShapeError::invalid(
+                stages_path,
+                "must have one entry per topology entry",
+            ));
         }
 
         let mut topology = Vec::with_capacity(topology_values.len());
@@ -202,19 +219,34 @@ impl CoordinatorReceipt {
             let mut e = Members::of(entry, &at)?;
             let seq_path = e.path("seq");
             if e.u64("seq")? != k as u64 {
-                return Err(ShapeError::invalid(seq_path, format!("must be {k} (entries in stage order)")));
+                return Err(ShapeError::invalid(
+                    seq_path,
+                    format!("must be {k} (entries in stage order)"),
+                ));
             }
             let hop_path = e.path("hop_id");
             if e.string("hop_id")? != hop_id(k) {
-                return Err(ShapeError::invalid(hop_path, format!("must be {}", hop_id(k))));
+                return Err(ShapeError::invalid(
+                    hop_path,
+                    format!("must be {}", hop_id(k)),
+                ));
             }
             let role_path = e.path("role");
             let role = match e.string("role")? {
                 "coordinator" => HopRole::Coordinator,
                 "stage" => HopRole::Stage,
-                _ => return Err(ShapeError::invalid(role_path, "must be coordinator or stage")),
+                _ => {
+                    return Err(ShapeError::invalid(
+                        role_path,
+                        "must be coordinator or stage",
+                    ));
+                }
             };
-            let expected_role = if k == 0 { HopRole::Coordinator } else { HopRole::Stage };
+            let expected_role = if k == 0 {
+                HopRole::Coordinator
+            } else {
+                HopRole::Stage
+            };
             if role != expected_role {
                 return Err(ShapeError::invalid(
                     role_path,
@@ -252,7 +284,10 @@ impl CoordinatorReceipt {
             let mut s = Members::of(entry, &at)?;
             let hop_path = s.path("hop_id");
             if s.string("hop_id")? != hop_id(k) {
-                return Err(ShapeError::invalid(hop_path, format!("must be {}", hop_id(k))));
+                return Err(ShapeError::invalid(
+                    hop_path,
+                    format!("must be {}", hop_id(k)),
+                ));
             }
             let bundle_path = s.path("bundle");
             let state = s.string("bundle")?;
@@ -278,11 +313,17 @@ impl CoordinatorReceipt {
                 ("not_requested", None, None) => StageBundle::NotRequested,
                 ("absent", None, None) => StageBundle::Absent,
                 ("not_requested" | "absent", _, _) => {
-                    return Err(ShapeError::invalid(at, format!("`{state}` carries no reference")));
+                    return Err(ShapeError::invalid(
+                        at,
+                        format!("`{state}` carries no reference"),
+                    ));
                 }
                 ("present", Some(reference), None) => StageBundle::Present(reference),
                 ("present", _, _) => {
-                    return Err(ShapeError::invalid(at, "`present` carries exactly one bundle_ref"));
+                    return Err(ShapeError::invalid(
+                        at,
+                        "`present` carries exactly one bundle_ref",
+                    ));
                 }
                 ("conflict", None, Some(refs)) => {
                     let distinct: BTreeSet<_> = refs.iter().map(|r| r.digest).collect();
@@ -295,7 +336,10 @@ impl CoordinatorReceipt {
                     StageBundle::Conflict(refs)
                 }
                 ("conflict", _, _) => {
-                    return Err(ShapeError::invalid(at, "`conflict` carries only bundle_refs"));
+                    return Err(ShapeError::invalid(
+                        at,
+                        "`conflict` carries only bundle_refs",
+                    ));
                 }
                 _ => {
                     return Err(ShapeError::invalid(
@@ -305,16 +349,22 @@ impl CoordinatorReceipt {
                 }
             };
             if k == 0 && bundle != StageBundle::NotRequested {
-                return Err(ShapeError::invalid(bundle_path, "stage 0 must be not_requested"));
+                return Err(ShapeError::invalid(
+                    bundle_path,
+                    "stage 0 must be not_requested",
+                ));
             }
             for digest in bundle.cited() {
-                if let Some(other) = cited_at.insert(digest, k) {
-                    if other != k {
-                        return Err(ShapeError::invalid(
-                            at,
-                            format!("record {} is cited under stage {other} too", hex::encode(&digest)),
-                        ));
-                    }
+                if let Some(other) = cited_at.insert(digest, k)
+                    && other != k
+                {
+                    return Err(ShapeError::invalid(
+                        at,
+                        format!(
+                            "record {} is cited under stage {other} too",
+                            hex::encode(&digest)
+                        ),
+                    ));
                 }
             }
             stages.push(bundle);
@@ -430,22 +480,40 @@ pub(crate) mod tests {
     #[test]
     fn planning_rules() {
         assert_eq!(plan_stage(&[]), StageBundle::Absent);
-        assert_eq!(plan_stage(&[[3; 32], [3; 32]]), StageBundle::Present(RecordRef::capsule([3; 32])));
+        assert_eq!(
+            plan_stage(&[[3; 32], [3; 32]]),
+            StageBundle::Present(RecordRef::capsule([3; 32]))
+        );
         assert_eq!(
             plan_stage(&[[9; 32], [3; 32]]),
-            StageBundle::Conflict(vec![RecordRef::capsule([3; 32]), RecordRef::capsule([9; 32])])
+            StageBundle::Conflict(vec![
+                RecordRef::capsule([3; 32]),
+                RecordRef::capsule([9; 32])
+            ])
         );
     }
 
     pub(crate) fn valid_receipt() -> impl Strategy<Value = CoordinatorReceipt> {
-        (2usize..6, any::<u64>(), proptest::collection::vec((0u8..4, any::<[u8; 32]>(), any::<[u8; 32]>()), 6))
+        (
+            2usize..6,
+            any::<u64>(),
+            proptest::collection::vec((0u8..4, any::<[u8; 32]>(), any::<[u8; 32]>()), 6),
+        )
             .prop_map(|(n, request_id, picks)| {
                 let topology = (0..n)
                     .map(|k| TopologyEntry {
-                        role: if k == 0 { HopRole::Coordinator } else { HopRole::Stage },
+                        role: if k == 0 {
+                            HopRole::Coordinator
+                        } else {
+                            HopRole::Stage
+                        },
                         observation_point: None,
                         assignment: Assignment {
-                            node_id: if k == 0 { "coord".into() } else { format!("node-{k}") },
+                            node_id: if k == 0 {
+                                "coord".into()
+                            } else {
+                                format!("node-{k}")
+                            },
                             layer_start: k as u32 * 4,
                             layer_end: k as u32 * 4 + 4,
                             package_id: [7; 32],

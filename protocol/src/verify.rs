@@ -112,7 +112,9 @@ impl VerifyReport {
 /// The document is not any form this verifier reads.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DocumentError {
-    #[error("not a recognised document: expected a hop case {{own, receipt, carried}}, a record_push_bundle or a mesh_bundle")]
+    #[error(
+        "not a recognised document: expected a hop case {{own, receipt, carried}}, a record_push_bundle or a mesh_bundle"
+    )]
     UnknownForm,
     #[error("{0}")]
     Shape(#[from] ShapeError),
@@ -180,7 +182,12 @@ pub fn verify_hop_case(document: &Value) -> Result<VerifyReport, DocumentError> 
     Ok(report)
 }
 
-fn run_hop_check(report: &mut VerifyReport, own: &StageBlock, receipt: &CoordinatorReceipt, carried: &[Carried<'_>]) {
+fn run_hop_check(
+    report: &mut VerifyReport,
+    own: &StageBlock,
+    receipt: &CoordinatorReceipt,
+    carried: &[Carried<'_>],
+) {
     match check_hops(own, receipt, carried) {
         Ok(hop) => report.hop = Some(hop),
         Err(error) => report.hop_error = Some(error.to_string()),
@@ -240,8 +247,11 @@ fn verify_main_record(
                 subject: "own slice".into(),
                 property: "equals topology[0].assignment",
                 outcome: if (own.layer_start, own.layer_end, own.package_id)
-                    == (assigned.layer_start, assigned.layer_end, assigned.package_id)
-                {
+                    == (
+                        assigned.layer_start,
+                        assigned.layer_end,
+                        assigned.package_id,
+                    ) {
                     Ok(())
                 } else {
                     Err("the coordinator's slice differs from what it routed to itself".into())
@@ -272,7 +282,11 @@ fn verify_carried<'a>(
             .unwrap_or_default()
             .to_string();
         let subject = format!("stage record {}", claimed.get(..12).unwrap_or(&claimed));
-        let subject = if claimed.is_empty() { format!("stage record #{i}") } else { subject };
+        let subject = if claimed.is_empty() {
+            format!("stage record #{i}")
+        } else {
+            subject
+        };
         let id_ok = check_capsule_id(record);
         report.checks.push(Check {
             subject: subject.clone(),
@@ -295,7 +309,11 @@ fn verify_carried<'a>(
             report.checks.push(Check {
                 subject: subject.clone(),
                 property: "carried once",
-                outcome: if duplicate { Err("carried more than once".into()) } else { Ok(()) },
+                outcome: if duplicate {
+                    Err("carried more than once".into())
+                } else {
+                    Ok(())
+                },
             });
             if let Some(receipt) = receipt {
                 report.checks.push(Check {
@@ -312,7 +330,9 @@ fn verify_carried<'a>(
                     subject: subject.clone(),
                     property: "stage block valid, side stage, same split",
                     outcome: match &block {
-                        Ok(b) if b.side == Side::Stage && b.split_key() == receipt.split_key() => Ok(()),
+                        Ok(b) if b.side == Side::Stage && b.split_key() == receipt.split_key() => {
+                            Ok(())
+                        }
                         Ok(_) => Err("not a stage-side block of this split".into()),
                         Err(error) => Err(error.to_string()),
                     },
@@ -346,11 +366,17 @@ pub fn verify_record_push_bundle(document: &Value) -> Result<VerifyReport, Docum
         hop_error: None,
     };
     let main = verify_main_record(&mut report, bundle.capsule);
-    let checkpoint_subject = format!("checkpoint {} size {}", bundle.checkpoint.log_id, bundle.checkpoint.mmr_size);
+    let checkpoint_subject = format!(
+        "checkpoint {} size {}",
+        bundle.checkpoint.log_id, bundle.checkpoint.mmr_size
+    );
     report.checks.push(Check {
         subject: checkpoint_subject.clone(),
         property: "Ed25519 signature over its JCS digest",
-        outcome: bundle.checkpoint.verify_signature().map_err(|e| e.to_string()),
+        outcome: bundle
+            .checkpoint
+            .verify_signature()
+            .map_err(|e| e.to_string()),
     });
     if let Some((sealed, _)) = &main {
         report.checks.push(Check {
@@ -365,16 +391,22 @@ pub fn verify_record_push_bundle(document: &Value) -> Result<VerifyReport, Docum
         report.checks.push(Check {
             subject: format!("main record {}", short(&sealed.capsule_id())),
             property: "MMR inclusion proof under the checkpoint root",
-            outcome: bundle.verify_inclusion(&sealed.capsule_id()).map_err(|e| e.to_string()),
+            outcome: bundle
+                .verify_inclusion(&sealed.capsule_id())
+                .map_err(|e| e.to_string()),
         });
     }
     let split = main.as_ref().and_then(|(_, split)| split.as_ref());
-    let records: &[Value] = bundle.split_stage_records.map(Vec::as_slice).unwrap_or_default();
+    let records: &[Value] = bundle
+        .split_stage_records
+        .map(Vec::as_slice)
+        .unwrap_or_default();
     let carried = verify_carried(&mut report, records, split.map(|(_, r)| r));
     if let Some((own, receipt)) = split {
         run_hop_check(&mut report, own, receipt, &carried);
     } else if !records.is_empty() {
-        report.hop_error = Some("stage records are carried but the main record has no valid split".into());
+        report.hop_error =
+            Some("stage records are carried but the main record has no valid split".into());
     }
     Ok(report)
 }
@@ -390,20 +422,31 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
     };
     let main = verify_main_record(&mut report, bundle.main_record);
     let split = main.as_ref().and_then(|(_, split)| split.as_ref());
-    let carried = verify_carried(&mut report, bundle.split_stage_records, split.map(|(_, r)| r));
+    let carried = verify_carried(
+        &mut report,
+        bundle.split_stage_records,
+        split.map(|(_, r)| r),
+    );
     if let Some((sealed, _)) = &main {
         verify_stage_exchange_records(&mut report, sealed, bundle.stage_exchange_records);
     }
     match split {
         Some((own, receipt)) => run_hop_check(&mut report, own, receipt, &carried),
-        None => report.hop_error = Some("the main record carries no valid split (own slice and receipt)".into()),
+        None => {
+            report.hop_error =
+                Some("the main record carries no valid split (own slice and receipt)".into())
+        }
     }
     Ok(report)
 }
 
 /// The coordinator's stage-exchange records must be exactly the ones the main
 /// record cites as `split_stage`, signed by the same key.
-fn verify_stage_exchange_records(report: &mut VerifyReport, main: &SealedRecord, records: &[Value]) {
+fn verify_stage_exchange_records(
+    report: &mut VerifyReport,
+    main: &SealedRecord,
+    records: &[Value],
+) {
     let cited: Vec<[u8; 32]> = match references_of(main.value()) {
         Ok(refs) => refs
             .into_iter()
@@ -423,7 +466,11 @@ fn verify_stage_exchange_records(report: &mut VerifyReport, main: &SealedRecord,
     for record in records {
         let subject = format!(
             "stage-exchange record {}",
-            record.get("capsule_id").and_then(Value::as_str).and_then(|s| s.get(..12)).unwrap_or("?")
+            record
+                .get("capsule_id")
+                .and_then(Value::as_str)
+                .and_then(|s| s.get(..12))
+                .unwrap_or("?")
         );
         let outcome = SealedRecord::verify(record.clone())
             .map_err(|e| e.to_string())

@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use mesh_protocol::SigningKey;
 use mesh_protocol::block::{Side, StageBlock, parse_request_id};
 use mesh_protocol::bundle::RecordPushBundle;
 use mesh_protocol::capsule::{
@@ -14,7 +15,6 @@ use mesh_protocol::hex;
 use mesh_protocol::json::parse_strict;
 use mesh_protocol::receipt::CoordinatorReceipt;
 use mesh_protocol::verify::{verify_document, verify_hop_case};
-use mesh_protocol::SigningKey;
 use serde_json::Value;
 
 fn vectors_dir() -> Option<PathBuf> {
@@ -25,7 +25,10 @@ fn vectors_dir() -> Option<PathBuf> {
     if dir.is_dir() {
         return Some(dir);
     }
-    let message = format!("published vectors not found at {}: test SKIPPED", dir.display());
+    let message = format!(
+        "published vectors not found at {}: test SKIPPED",
+        dir.display()
+    );
     if std::env::var("MESH_REQUIRE_SHARED").is_ok_and(|v| v == "1") {
         panic!("{message} (MESH_REQUIRE_SHARED=1)");
     }
@@ -41,7 +44,9 @@ fn load(relative: &str) -> Option<Value> {
 
 #[test]
 fn fold_vectors_4_of_4() {
-    let Some(cases) = load("split-stage/fold-vectors.json") else { return };
+    let Some(cases) = load("split-stage/fold-vectors.json") else {
+        return;
+    };
     let cases = cases.as_array().unwrap();
     assert_eq!(cases.len(), 4);
     for case in cases {
@@ -60,19 +65,36 @@ fn fold_vectors_4_of_4() {
             lane: Lane::parse(case["lane"].as_str().unwrap()).unwrap(),
         };
         let digest = fold_frames(&context, &frames);
-        assert_eq!(digest.digest_string(), case["expect"]["digest"], "{}", case["name"]);
-        assert_eq!(digest.frames, case["expect"]["frames"].as_u64().unwrap(), "{}", case["name"]);
+        assert_eq!(
+            digest.digest_string(),
+            case["expect"]["digest"],
+            "{}",
+            case["name"]
+        );
+        assert_eq!(
+            digest.frames,
+            case["expect"]["frames"].as_u64().unwrap(),
+            "{}",
+            case["name"]
+        );
     }
 }
 
 #[test]
 fn block_cases_26_of_26() {
-    let Some(cases) = load("split-stage/block-cases.json") else { return };
+    let Some(cases) = load("split-stage/block-cases.json") else {
+        return;
+    };
     let cases = cases.as_array().unwrap();
     assert_eq!(cases.len(), 26);
     for case in cases {
         let parsed = StageBlock::from_value(&case["block"]);
-        assert_eq!(parsed.is_ok(), case["valid"].as_bool().unwrap(), "{}: {parsed:?}", case["name"]);
+        assert_eq!(
+            parsed.is_ok(),
+            case["valid"].as_bool().unwrap(),
+            "{}: {parsed:?}",
+            case["name"]
+        );
         if let Ok(block) = parsed {
             // Serialisation reproduces the published block member for member.
             assert_eq!(block.to_value(), case["block"], "{}", case["name"]);
@@ -82,12 +104,19 @@ fn block_cases_26_of_26() {
 
 #[test]
 fn receipt_cases_15_of_15() {
-    let Some(cases) = load("split-stage/receipt-cases.json") else { return };
+    let Some(cases) = load("split-stage/receipt-cases.json") else {
+        return;
+    };
     let cases = cases.as_array().unwrap();
     assert_eq!(cases.len(), 15);
     for case in cases {
         let parsed = CoordinatorReceipt::from_value(&case["receipt"]);
-        assert_eq!(parsed.is_ok(), case["valid"].as_bool().unwrap(), "{}: {parsed:?}", case["name"]);
+        assert_eq!(
+            parsed.is_ok(),
+            case["valid"].as_bool().unwrap(),
+            "{}: {parsed:?}",
+            case["name"]
+        );
         if let Ok(receipt) = parsed {
             assert_eq!(receipt.to_value(), case["receipt"], "{}", case["name"]);
         }
@@ -96,12 +125,17 @@ fn receipt_cases_15_of_15() {
 
 #[test]
 fn hop_cases_16_of_16() {
-    let Some(cases) = load("split-stage/hop-cases.json") else { return };
+    let Some(cases) = load("split-stage/hop-cases.json") else {
+        return;
+    };
     let cases = cases.as_array().unwrap();
     assert_eq!(cases.len(), 16);
     for case in cases {
         let report = verify_hop_case(case).unwrap();
-        let hop = report.hop.as_ref().unwrap_or_else(|| panic!("{}: {report:?}", case["name"]));
+        let hop = report
+            .hop
+            .as_ref()
+            .unwrap_or_else(|| panic!("{}: {report:?}", case["name"]));
         assert_eq!(hop.to_expect_value(), case["expect"], "{}", case["name"]);
         // The dispatcher picks the same form.
         assert_eq!(verify_document(case).unwrap(), report);
@@ -118,7 +152,10 @@ fn records_of(bundle: &Value) -> Vec<&Value> {
 
 #[test]
 fn rust_bundles_ids_signatures_proofs_and_checkpoints_verify() {
-    for file in ["split-stage/rust-split-bundle.json", "record_push_bundle_rust.json"] {
+    for file in [
+        "split-stage/rust-split-bundle.json",
+        "record_push_bundle_rust.json",
+    ] {
         let Some(bundle) = load(file) else { return };
         for record in records_of(&bundle) {
             let id = compute_capsule_id(record);
@@ -138,7 +175,9 @@ fn rust_bundles_ids_signatures_proofs_and_checkpoints_verify() {
 
 #[test]
 fn rust_split_bundle_reports_every_handoff_agreeing() {
-    let Some(bundle) = load("split-stage/rust-split-bundle.json") else { return };
+    let Some(bundle) = load("split-stage/rust-split-bundle.json") else {
+        return;
+    };
     let report = verify_document(&bundle).unwrap();
     let hop = report.hop.expect("a split bundle gets a hop check");
     assert!(hop.handoffs_agree);
@@ -148,13 +187,27 @@ fn rust_split_bundle_reports_every_handoff_agreeing() {
 
 #[test]
 fn tampering_with_the_published_bundle_is_detected() {
-    let Some(bundle) = load("split-stage/rust-split-bundle.json") else { return };
+    let Some(bundle) = load("split-stage/rust-split-bundle.json") else {
+        return;
+    };
     let edits: [(&str, Value); 5] = [
-        ("/capsule/timestamp", Value::from("2026-09-30T03:38:00.001Z")),
-        ("/split_stage_records/0/model_attestation/compute_attestation/x-mesh-stage-v1/tokens/decode", Value::from(5)),
+        (
+            "/capsule/timestamp",
+            Value::from("2026-09-30T03:38:00.001Z"),
+        ),
+        (
+            "/split_stage_records/0/model_attestation/compute_attestation/x-mesh-stage-v1/tokens/decode",
+            Value::from(5),
+        ),
         ("/checkpoint/mmr_size", Value::from(5)),
-        ("/inclusion/proof/peaks_left/0", Value::from("00".repeat(32))),
-        ("/split_stage_records/1/key_id", Value::from(hex::encode(&[3; 32]))),
+        (
+            "/inclusion/proof/peaks_left/0",
+            Value::from("00".repeat(32)),
+        ),
+        (
+            "/split_stage_records/1/key_id",
+            Value::from(hex::encode(&[3; 32])),
+        ),
     ];
     for (pointer, replacement) in edits {
         let mut tampered = bundle.clone();
@@ -169,7 +222,9 @@ fn tampering_with_the_published_bundle_is_detected() {
 /// Our seal of it then verifies under the same rules.
 #[test]
 fn our_stage_record_matches_the_published_one_and_verifies() {
-    let Some(bundle) = load("split-stage/rust-split-bundle.json") else { return };
+    let Some(bundle) = load("split-stage/rust-split-bundle.json") else {
+        return;
+    };
     for published in bundle["split_stage_records"].as_array().unwrap() {
         let block = stage_block_of(published).unwrap();
         assert_eq!(block.side, Side::Stage);
@@ -184,7 +239,10 @@ fn our_stage_record_matches_the_published_one_and_verifies() {
             chain_parent: None,
         };
         let unsigned = stage_record(&context, &block).unwrap();
-        assert_eq!(hex::encode(&compute_capsule_id(&unsigned)), published["capsule_id"]);
+        assert_eq!(
+            hex::encode(&compute_capsule_id(&unsigned)),
+            published["capsule_id"]
+        );
         let ours = SealedRecord::seal(unsigned, &SigningKey::from_bytes(&[42; 32])).unwrap();
         let reread = SealedRecord::verify(ours.value().clone()).unwrap();
         assert_eq!(reread.capsule_id(), ours.capsule_id());

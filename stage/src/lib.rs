@@ -3,6 +3,9 @@
 //!
 //! This crate is filled by the engine issue; for now it only pins the
 //! dependency direction `protocol <- stage <- node`.
-#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic))]
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
 
 pub use mesh_protocol as protocol;

@@ -1,0 +1,135 @@
+//! Human-readable output of `mesh-node verify`.
+
+use std::fmt::Write;
+
+use mesh_protocol::fold::Lane;
+use mesh_protocol::hopcheck::{HopReport, LaneResult};
+use mesh_protocol::verify::VerifyReport;
+
+/// What agreement means, printed under every hop table.
+pub const AGREEMENT_CAVEAT: &str = "Agreement means both ends of a hop committed to the same frame bytes. \
+It does not show that any stage computed correctly, nor that the stages are run by independent parties.";
+
+fn lane_cell(lane: Option<&LaneResult>) -> String {
+    match lane {
+        None => String::new(),
+        Some(l) => {
+            let mut text = l.state.glyph().to_string();
+            if !l.required {
+                text.push_str(" (optional)");
+            }
+            text
+        }
+    }
+}
+
+fn hop_table(out: &mut String, hop: &HopReport) {
+    let _ = writeln!(out, "Stages");
+    let _ = writeln!(out, "  {:<6} {:<18} record", "stage", "cell");
+    for cell in &hop.cells {
+        let record = cell.record.as_deref().map_or("—".to_string(), |id| {
+            format!("{}…", &id[..id.len().min(16)])
+        });
+        let _ = writeln!(
+            out,
+            "  {:<6} {:<18} {}",
+            cell.stage_index,
+            cell.state.glyph(),
+            record
+        );
+    }
+    let _ = writeln!(out);
+    let _ = writeln!(out, "Hops");
+    let _ = writeln!(
+        out,
+        "  {:<14} {:<26} {:<26} direct_return",
+        "hop", "forward", "reply"
+    );
+    let mut hops: Vec<u32> = hop
+        .lanes
+        .iter()
+        .filter(|l| l.lane != Lane::DirectReturn)
+        .map(|l| l.hop_index)
+        .collect();
+    hops.dedup();
+    for index in hops {
+        let find = |lane: Lane| {
+            hop.lanes
+                .iter()
+                .find(|l| l.hop_index == index && l.lane == lane)
+        };
+        let _ = writeln!(
+            out,
+            "  {:<14} {:<26} {:<26}",
+            format!("{index} → {}", index + 1),
+            lane_cell(find(Lane::Forward)),
+            lane_cell(find(Lane::Reply)),
+        );
+    }
+    if let Some(direct) = hop.lanes.iter().find(|l| l.lane == Lane::DirectReturn) {
+        let _ = writeln!(
+            out,
+            "  {:<14} {:<26} {:<26} {}",
+            format!("{} → 0", direct.hop_index),
+            "",
+            "",
+            lane_cell(Some(direct))
+        );
+    }
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "Hand-offs agree: {}    terminal state: {}    return mode: {}",
+        if hop.handoffs_agree {
+            "yes ✓"
+        } else {
+            "NO ✕"
+        },
+        hop.terminal_state.as_str(),
+        hop.return_mode.as_str(),
+    );
+    let _ = writeln!(out, "{AGREEMENT_CAVEAT}");
+}
+
+/// The whole report as text.
+pub fn render(file: &str, report: &VerifyReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{file}: {}", report.form.as_str());
+    let failed = report.checks.iter().filter(|c| c.outcome.is_err()).count();
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "Checks: {} passed, {failed} failed",
+        report.checks.len() - failed
+    );
+    for check in &report.checks {
+        match &check.outcome {
+            Ok(()) => {
+                let _ = writeln!(out, "  ✓ {:<36} {}", check.subject, check.property);
+            }
+            Err(why) => {
+                let _ = writeln!(out, "  ✕ {:<36} {}: {why}", check.subject, check.property);
+            }
+        }
+    }
+    let _ = writeln!(out);
+    match (&report.hop, &report.hop_error) {
+        (Some(hop), _) => hop_table(&mut out, hop),
+        (None, Some(error)) => {
+            let _ = writeln!(out, "Hop check could not run: {error}");
+        }
+        (None, None) => {
+            let _ = writeln!(
+                out,
+                "No split-stage data: this record was served by one node, so there are no hops to check."
+            );
+        }
+    }
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "Result: {}",
+        if report.success() { "OK" } else { "FAILED" }
+    );
+    out
+}
