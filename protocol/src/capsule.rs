@@ -588,3 +588,48 @@ mod tests {
         assert!(verify_envelope(&envelope[..180], &[1; 32], &key_id).is_err());
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use crate::block::tests::valid_block;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn stage_records_round_trip_through_seal_and_verify(
+            block in valid_block().prop_filter("stage side", |b| b.side == Side::Stage),
+            seed in any::<[u8; 32]>(),
+            nonce in any::<[u8; 32]>(),
+            millis in 0u64..4_102_444_800_000,
+        ) {
+            let context = RecordContext {
+                producer: Producer::mesh_node(),
+                timestamp: format_timestamp(millis),
+                store_nonce: nonce,
+                chain_parent: None,
+            };
+            let key = SigningKey::from_bytes(&seed);
+            let sealed = SealedRecord::seal(stage_record(&context, &block).unwrap(), &key).unwrap();
+            let text = serde_json::to_vec(sealed.value()).unwrap();
+            let reread = SealedRecord::verify(crate::json::parse_strict(&text).unwrap()).unwrap();
+            prop_assert_eq!(reread.capsule_id(), sealed.capsule_id());
+            prop_assert_eq!(reread.key_id(), key.verifying_key().to_bytes());
+            prop_assert_eq!(reread.stage_block().unwrap(), block);
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic_the_verifier(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            if let Ok(value) = crate::json::parse_strict(&bytes) {
+                let _ = crate::verify::verify_document(&value);
+                let _ = SealedRecord::verify(value);
+            }
+        }
+
+        #[test]
+        fn arbitrary_envelopes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = verify_envelope(&bytes, &[0; 32], &[0; 32]);
+        }
+    }
+}
