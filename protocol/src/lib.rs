@@ -8,11 +8,14 @@
 pub mod block;
 pub mod bundle;
 pub mod capsule;
+pub mod cbor;
 pub mod fold;
+pub mod grant;
 pub mod hex;
 pub mod hopcheck;
 pub mod identity;
 pub mod json;
+pub mod mesh1;
 pub mod receipt;
 pub mod split;
 pub mod verify;
