@@ -3,6 +3,12 @@
 //! land, the steward, transport, coordinator and stage server.
 
 pub mod bench;
+pub mod energy;
+pub mod exercise;
+pub mod inspect;
+pub mod journal;
+pub mod keys;
 pub mod render;
 pub mod simulate;
+pub mod steward;
 pub mod vectors;

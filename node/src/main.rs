@@ -26,8 +26,28 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// A hop case {own, receipt, carried}, a Mesh-LLM record_push_bundle,
-        /// or a mesh_bundle written by mesh-node.
+        /// a mesh_bundle written by mesh-node, or a mesh/1 receipt envelope
+        /// (raw CBOR or hex text).
         file: PathBuf,
+        /// For a mesh/1 envelope: the previous envelope of the same steward,
+        /// to check the chain link.
+        #[arg(long)]
+        prev: Option<PathBuf>,
+    },
+    /// Create a node key (an Ed25519 seed) and print the node id (did:key).
+    Keygen {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Read a steward's decision journal.
+    Journal {
+        #[command(subcommand)]
+        action: JournalAction,
+    },
+    /// Run a steward outside the serving path.
+    Steward {
+        #[command(subcommand)]
+        action: StewardAction,
     },
     /// Write or check this project's conformance vectors.
     Vectors {
@@ -38,6 +58,36 @@ enum Command {
     Bench {
         #[command(subcommand)]
         target: BenchTarget,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum JournalAction {
+    /// Print every record, replay it, and list unresolved serves. Exit 1 if
+    /// the journal does not replay.
+    Inspect {
+        /// The steward's data directory.
+        dir: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum StewardAction {
+    /// Serve N requests on a CPU workload under a fixed grant, journalling
+    /// and sealing each (a harness for the journal and receipt chain).
+    Exercise {
+        #[arg(long)]
+        key: PathBuf,
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        serves: u32,
+        /// CPU time each serve burns inside the metered span.
+        #[arg(long, default_value_t = 20)]
+        workload_ms: u64,
+        /// Powercap root for RAPL.
+        #[arg(long, default_value = mesh_node::energy::POWERCAP_ROOT)]
+        powercap: PathBuf,
     },
 }
 
@@ -63,12 +113,91 @@ enum BenchTarget {
         #[arg(long, default_value_t = 1.0)]
         seconds: f64,
     },
+    /// Receipts sealed per second (sign + journal fsync), grant decisions per
+    /// second, and what the steward adds to one serve.
+    Steward {
+        /// Serves to time.
+        #[arg(long, default_value_t = 300)]
+        serves: u32,
+        /// Where to put the scratch journal (default: a temporary directory).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
 }
 
 /// Exit status for input that cannot be read.
 const EXIT_UNREADABLE: u8 = 2;
 
-fn verify(file: &Path, as_json: bool) -> ExitCode {
+/// A mesh/1 envelope given as raw CBOR (tag 18 first) or as hex text.
+fn as_envelope(bytes: &[u8]) -> Option<Vec<u8>> {
+    if bytes.first() == Some(&0xd2) {
+        return Some(bytes.to_vec());
+    }
+    let text = std::str::from_utf8(bytes).ok()?.trim();
+    mesh_protocol::hex::decode(text).filter(|raw| raw.first() == Some(&0xd2))
+}
+
+fn verify_envelope(shown: &str, envelope: &[u8], prev: Option<&Path>, as_json: bool) -> ExitCode {
+    let sealed = match mesh_protocol::mesh1::SealedReceipt::verify(envelope) {
+        Ok(sealed) => sealed,
+        Err(error) => {
+            if as_json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "form": "mesh1_envelope", "ok": false, "error": error.to_string() })
+                );
+            } else {
+                println!("{shown}: mesh/1 receipt envelope\n  ✕ {error}\n\nResult: FAILED");
+            }
+            return ExitCode::from(1);
+        }
+    };
+    let link = match prev {
+        None => None,
+        Some(path) => {
+            let previous = std::fs::read(path)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))
+                .and_then(|b| {
+                    as_envelope(&b).ok_or(format!("{} is not a mesh/1 envelope", path.display()))
+                })
+                .and_then(|b| {
+                    mesh_protocol::mesh1::SealedReceipt::verify(&b)
+                        .map_err(|e| format!("{}: {e}", path.display()))
+                });
+            Some(previous.and_then(|p| sealed.check_follows(&p).map_err(|e| e.to_string())))
+        }
+    };
+    let ok = link.as_ref().is_none_or(|l| l.is_ok());
+    if as_json {
+        let r = &sealed.receipt;
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "form": "mesh1_envelope", "ok": ok,
+                "envelope_id": mesh_protocol::hex::encode(&sealed.envelope_id()),
+                "steward": r.steward, "sequence": r.sequence,
+                "prev": r.prev.map(|p| mesh_protocol::hex::encode(&p)),
+                "request_id": mesh_protocol::hex::encode(&r.request_id),
+                "energy_uj": r.energy.uj(), "energy_provenance": r.energy.provenance().as_str(),
+                "chain_link": link.as_ref().map(|l| l.clone().err().unwrap_or_else(|| "ok".into())),
+            }))
+            .unwrap_or_default()
+        );
+    } else {
+        print!(
+            "{}",
+            mesh_node::inspect::render_receipt(shown, &sealed, link.as_ref())
+        );
+        println!("\nResult: {}", if ok { "OK" } else { "FAILED" });
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+fn verify(file: &Path, prev: Option<&Path>, as_json: bool) -> ExitCode {
     let shown = file.display().to_string();
     let bytes = match std::fs::read(file) {
         Ok(bytes) => bytes,
@@ -77,6 +206,9 @@ fn verify(file: &Path, as_json: bool) -> ExitCode {
             return ExitCode::from(EXIT_UNREADABLE);
         }
     };
+    if let Some(envelope) = as_envelope(&bytes) {
+        return verify_envelope(&shown, &envelope, prev, as_json);
+    }
     let document = match parse_strict(&bytes) {
         Ok(document) => document,
         Err(error) => {
@@ -108,7 +240,72 @@ fn verify(file: &Path, as_json: bool) -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Verify { json, file } => Ok(verify(&file, json)),
+        Command::Verify { json, file, prev } => Ok(verify(&file, prev.as_deref(), json)),
+        Command::Keygen { out } => {
+            let key = mesh_node::keys::generate(&out)?;
+            println!(
+                "{}",
+                mesh_protocol::identity::did_key(&key.verifying_key().to_bytes())
+            );
+            eprintln!(
+                "wrote {} (keep it private: it is this node's identity)",
+                out.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Journal {
+            action: JournalAction::Inspect { dir },
+        } => {
+            let records = mesh_node::journal::Journal::read(&dir)?;
+            let steward = mesh_node::inspect::steward_of(&records);
+            let replayed = match &steward {
+                Some(did) => mesh_node::steward::replay(did, &records).map_err(|e| e.to_string()),
+                None => mesh_node::steward::replay("", &records).map_err(|e| e.to_string()),
+            };
+            if let Some(did) = &steward {
+                println!("steward {did}");
+            }
+            print!(
+                "{}",
+                mesh_node::inspect::render_journal(
+                    &records,
+                    replayed.as_ref().ok(),
+                    replayed.as_ref().err().map(String::as_str)
+                )
+            );
+            Ok(if replayed.is_ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Command::Steward {
+            action:
+                StewardAction::Exercise {
+                    key,
+                    data,
+                    serves,
+                    workload_ms,
+                    powercap,
+                },
+        } => {
+            let key = mesh_node::keys::load(&key)?;
+            let (meter, why) = mesh_node::energy::select_meter(
+                &powercap,
+                mesh_node::energy::EstimatorMeter::default(),
+            );
+            eprintln!("{why}");
+            let mut stdout = std::io::stdout();
+            mesh_node::exercise::run(
+                &data,
+                key,
+                meter,
+                serves,
+                Duration::from_millis(workload_ms),
+                &mut stdout,
+            )?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Vectors {
             action: VectorsAction::Write { dir },
         } => {
@@ -163,6 +360,24 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     m.fold_us_per_frame
                 );
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target: BenchTarget::Steward { serves, dir },
+        } => {
+            let scratch;
+            let dir = match dir {
+                Some(dir) => dir,
+                None => {
+                    scratch = std::env::temp_dir()
+                        .join(format!("mesh-node-bench-steward-{}", std::process::id()));
+                    let _ = std::fs::remove_dir_all(&scratch);
+                    scratch.clone()
+                }
+            };
+            let report = mesh_node::bench::bench_steward(&dir, serves)?;
+            print!("{report}");
+            let _ = std::fs::remove_dir_all(&dir);
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -616,6 +616,18 @@ impl MeshReceipt {
             })
             .transpose()?;
         f.finish()?;
+        if let Some(bytes) = &split {
+            let value =
+                crate::json::parse_strict(bytes).map_err(|_| Mesh1Error::Invalid("split"))?;
+            crate::receipt::CoordinatorReceipt::from_value(&value)
+                .map_err(|_| Mesh1Error::Invalid("split"))?;
+            if crate::json::canonical_bytes(&value) != *bytes {
+                return Err(Mesh1Error::Invalid("split (not in RFC 8785 form)"));
+            }
+            if !value["request_id"].is_string() {
+                return Err(Mesh1Error::Invalid("split"));
+            }
+        }
         if (sequence == 0) != prev.is_none() {
             return Err(Mesh1Error::Chain(
                 "`prev` is absent exactly at sequence 0".into(),
@@ -703,6 +715,24 @@ impl MeshReceipt {
             envelope,
         })
     }
+}
+
+/// Sign arbitrary core bytes as a receipt envelope, without checking them.
+/// Only for building negative conformance vectors (a validly signed core
+/// that breaks a receipt rule); stewards use [`MeshReceipt::seal`].
+#[doc(hidden)]
+pub fn sign_core_unchecked(core: Vec<u8>, key: &SigningKey) -> Vec<u8> {
+    let protected = HeaderBuilder::new()
+        .algorithm(iana::Algorithm::EdDSA)
+        .key_id(key.verifying_key().to_bytes().to_vec())
+        .build();
+    CoseSign1Builder::new()
+        .protected(protected)
+        .payload(core)
+        .create_signature(b"", |tbs| key.sign(tbs).to_bytes().to_vec())
+        .build()
+        .to_tagged_vec()
+        .unwrap_or_default()
 }
 
 /// A receipt with its exact signed core and envelope bytes.

@@ -1,0 +1,549 @@
+//! The steward's decision journal (seed SPEC 001 §2.2) on redb.
+//!
+//! Records `{seq, prev, entry}` in deterministic CBOR, `prev` being the
+//! BLAKE3 of the previous record's encoding; every append is its own durable
+//! (fsynced) transaction. One steward per journal: the directory's lock file
+//! is held with an OS lock for the steward's lifetime, released by the OS if
+//! the process dies, and redb's own file lock backs it up. The chain's head
+//! (last seq and record hash) is signed by the steward's key in the same
+//! transaction, so an edited final record is caught too; only whole records
+//! cut from the end together with an older head (a rollback) stay invisible
+//! on disk, and the witness rule (a receipt the journal lacks) catches that.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use mesh_protocol::cbor::Cbor;
+use mesh_protocol::grant::Presentation;
+use mesh_protocol::mesh1::{ContentId, Energy, Provenance, ServeRequest};
+use mesh_protocol::{SigningKey, VerifyingKey};
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use thiserror::Error;
+
+const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("journal_records");
+/// One row (key 0): the signed head, `{seq, hash, steward, signature}`,
+/// written in the same transaction as the records it covers. It makes an
+/// edit of the last record detectable, which the chain alone cannot.
+const HEAD: TableDefinition<u64, &[u8]> = TableDefinition::new("journal_head");
+const HEAD_DOMAIN: &[u8] = b"mesh-node journal head v1";
+/// Largest journal record accepted on read (a presentation of 8 grants plus
+/// the request is a few KiB).
+pub const MAX_RECORD_BYTES: usize = 256 * 1024;
+
+/// One journal entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// A grant decision, written before the engine runs.
+    Authorised {
+        presentation: Box<Presentation>,
+        request: ServeRequest,
+        model: Option<ContentId>,
+        backend: String,
+        decided_at_ms: u64,
+    },
+    /// The metered joules debited against the authorisation at `authorised_seq`.
+    Debited {
+        authorised_seq: u64,
+        energy: Energy,
+        breach: Option<String>,
+    },
+    /// A receipt, recorded before it is handed out.
+    Sealed {
+        sequence: u64,
+        envelope_id: ContentId,
+    },
+    /// The steward stopped honouring grants (a witness showed a receipt this
+    /// journal lacks).
+    Halted { reason: String, at_ms: u64 },
+}
+
+/// A record as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub seq: u64,
+    pub prev: Option<ContentId>,
+    pub entry: Entry,
+}
+
+#[derive(Debug, Error)]
+pub enum JournalError {
+    #[error("another steward holds the journal in {0} (one steward per journal); stop it first")]
+    Locked(PathBuf),
+    #[error("cannot use the journal directory {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("journal storage: {0}")]
+    Storage(String),
+    #[error("journal record {seq} is malformed: {why}")]
+    Malformed { seq: u64, why: String },
+    #[error("journal records do not form one chain at record {seq}: {why}")]
+    Broken { seq: u64, why: String },
+}
+
+fn storage<E: std::fmt::Display>(error: E) -> JournalError {
+    JournalError::Storage(error.to_string())
+}
+
+fn energy_cbor(energy: &Energy) -> Cbor {
+    let mut fields = vec![
+        ("estimated_uj", Cbor::Uint(energy.estimated_uj())),
+        ("provenance", Cbor::text(energy.provenance().as_str())),
+    ];
+    if let Some(measured) = energy.measured_uj() {
+        fields.push(("measured_uj", Cbor::Uint(measured)));
+    }
+    Cbor::text_map(fields)
+}
+
+impl Entry {
+    fn to_cbor(&self) -> Cbor {
+        match self {
+            Entry::Authorised {
+                presentation,
+                request,
+                model,
+                backend,
+                decided_at_ms,
+            } => {
+                let mut fields = vec![
+                    ("kind", Cbor::text("authorised")),
+                    ("presentation", presentation.to_cbor()),
+                    ("request", request.to_cbor()),
+                    ("backend", Cbor::text(backend)),
+                    ("decided_at_ms", Cbor::Uint(*decided_at_ms)),
+                ];
+                if let Some(model) = model {
+                    fields.push(("model", Cbor::bytes(model.to_vec())));
+                }
+                Cbor::text_map(fields)
+            }
+            Entry::Debited {
+                authorised_seq,
+                energy,
+                breach,
+            } => {
+                let mut fields = vec![
+                    ("kind", Cbor::text("debited")),
+                    ("authorised_seq", Cbor::Uint(*authorised_seq)),
+                    ("energy", energy_cbor(energy)),
+                ];
+                if let Some(breach) = breach {
+                    fields.push(("breach", Cbor::text(breach)));
+                }
+                Cbor::text_map(fields)
+            }
+            Entry::Sealed {
+                sequence,
+                envelope_id,
+            } => Cbor::text_map([
+                ("kind", Cbor::text("sealed")),
+                ("sequence", Cbor::Uint(*sequence)),
+                ("envelope_id", Cbor::bytes(envelope_id.to_vec())),
+            ]),
+            Entry::Halted { reason, at_ms } => Cbor::text_map([
+                ("kind", Cbor::text("halted")),
+                ("reason", Cbor::text(reason)),
+                ("at_ms", Cbor::Uint(*at_ms)),
+            ]),
+        }
+    }
+
+    fn from_cbor(value: &Cbor) -> Result<Self, String> {
+        let text = |key: &str| {
+            value
+                .get(key)
+                .and_then(Cbor::as_text)
+                .ok_or(format!("`{key}`"))
+        };
+        let uint = |key: &str| {
+            value
+                .get(key)
+                .and_then(Cbor::as_uint)
+                .ok_or(format!("`{key}`"))
+        };
+        let id = |v: &Cbor| -> Result<ContentId, String> {
+            v.as_bytes()
+                .and_then(|b| b.try_into().ok())
+                .ok_or("a 32-byte id".to_string())
+        };
+        match text("kind")? {
+            "authorised" => Ok(Entry::Authorised {
+                presentation: Box::new(
+                    Presentation::from_cbor(value.get("presentation").ok_or("`presentation`")?)
+                        .map_err(|e| e.to_string())?,
+                ),
+                request: ServeRequest::from_cbor(value.get("request").ok_or("`request`")?)
+                    .map_err(|e| e.to_string())?,
+                model: value.get("model").map(id).transpose()?,
+                backend: text("backend")?.to_string(),
+                decided_at_ms: uint("decided_at_ms")?,
+            }),
+            "debited" => {
+                let energy = value.get("energy").ok_or("`energy`")?;
+                let provenance = energy
+                    .get("provenance")
+                    .and_then(Cbor::as_text)
+                    .and_then(Provenance::parse)
+                    .ok_or("`energy.provenance`")?;
+                Ok(Entry::Debited {
+                    authorised_seq: uint("authorised_seq")?,
+                    energy: Energy::from_parts(
+                        energy.get("measured_uj").and_then(Cbor::as_uint),
+                        energy
+                            .get("estimated_uj")
+                            .and_then(Cbor::as_uint)
+                            .ok_or("`energy.estimated_uj`")?,
+                        provenance,
+                    )
+                    .map_err(|e| e.to_string())?,
+                    breach: value
+                        .get("breach")
+                        .and_then(Cbor::as_text)
+                        .map(str::to_string),
+                })
+            }
+            "sealed" => Ok(Entry::Sealed {
+                sequence: uint("sequence")?,
+                envelope_id: id(value.get("envelope_id").ok_or("`envelope_id`")?)?,
+            }),
+            "halted" => Ok(Entry::Halted {
+                reason: text("reason")?.to_string(),
+                at_ms: uint("at_ms")?,
+            }),
+            other => Err(format!("unknown entry kind `{other}`")),
+        }
+    }
+}
+
+impl Record {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut fields = vec![
+            ("seq", Cbor::Uint(self.seq)),
+            ("entry", self.entry.to_cbor()),
+        ];
+        if let Some(prev) = &self.prev {
+            fields.push(("prev", Cbor::bytes(prev.to_vec())));
+        }
+        Cbor::text_map(fields).encode()
+    }
+
+    pub fn decode(bytes: &[u8], expected_seq: u64) -> Result<Self, JournalError> {
+        let malformed = |why: String| JournalError::Malformed {
+            seq: expected_seq,
+            why,
+        };
+        if bytes.len() > MAX_RECORD_BYTES {
+            return Err(malformed(format!(
+                "{} bytes, over {MAX_RECORD_BYTES}",
+                bytes.len()
+            )));
+        }
+        let value = Cbor::decode(bytes).map_err(|e| malformed(e.to_string()))?;
+        if let Cbor::Map(entries) = &value
+            && entries
+                .iter()
+                .any(|(k, _)| !matches!(k.as_text(), Some("seq" | "entry" | "prev")))
+        {
+            return Err(malformed("unknown member".into()));
+        }
+        let seq = value
+            .get("seq")
+            .and_then(Cbor::as_uint)
+            .ok_or_else(|| malformed("`seq`".into()))?;
+        let prev = value
+            .get("prev")
+            .map(|p| {
+                p.as_bytes()
+                    .and_then(|b| b.try_into().ok())
+                    .ok_or_else(|| malformed("`prev`".into()))
+            })
+            .transpose()?;
+        let entry = Entry::from_cbor(
+            value
+                .get("entry")
+                .ok_or_else(|| malformed("`entry`".into()))?,
+        )
+        .map_err(malformed)?;
+        Ok(Self { seq, prev, entry })
+    }
+
+    pub fn hash(&self) -> ContentId {
+        blake3::hash(&self.encode()).into()
+    }
+}
+
+/// An open journal, held exclusively.
+#[derive(Debug)]
+pub struct Journal {
+    database: Database,
+    key: SigningKey,
+    _lock: File,
+    dir: PathBuf,
+    next_seq: u64,
+    head: Option<ContentId>,
+    fail_next_append: bool,
+}
+
+impl Journal {
+    /// Open (or create) the journal in `dir` for the steward holding `key`,
+    /// taking exclusive ownership. Returns the journal and its records,
+    /// verified to form one chain under a head this key signed.
+    pub fn open(dir: &Path, key: SigningKey) -> Result<(Self, Vec<Record>), JournalError> {
+        let (database, lock) = Self::lock_and_open(dir)?;
+        let (records, head_key) = Self::read_all(&database)?;
+        if head_key.is_some_and(|k| k != key.verifying_key()) {
+            return Err(JournalError::Broken {
+                seq: records.len() as u64,
+                why: "the head is signed by another steward's key".into(),
+            });
+        }
+        let (next_seq, head) = match records.last() {
+            Some(last) => (last.seq + 1, Some(last.hash())),
+            None => (0, None),
+        };
+        Ok((
+            Self {
+                database,
+                key,
+                _lock: lock,
+                dir: dir.to_path_buf(),
+                next_seq,
+                head,
+                fail_next_append: false,
+            },
+            records,
+        ))
+    }
+
+    /// Read a journal without a steward's key (for `journal inspect` while no
+    /// steward runs): the chain and the head's signature are checked under
+    /// the key the head names. Refuses if a steward holds the journal.
+    pub fn read(dir: &Path) -> Result<Vec<Record>, JournalError> {
+        let (database, _lock) = Self::lock_and_open(dir)?;
+        Self::read_all(&database).map(|(records, _)| records)
+    }
+
+    fn lock_and_open(dir: &Path) -> Result<(Database, File), JournalError> {
+        let io = |source| JournalError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let lock_path = dir.join("journal.lock");
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io)?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(JournalError::Locked(dir.to_path_buf()));
+            }
+            Err(std::fs::TryLockError::Error(error)) => return Err(io(error)),
+        }
+        match Database::create(dir.join("journal.redb")) {
+            Ok(database) => Ok((database, lock)),
+            Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
+                Err(JournalError::Locked(dir.to_path_buf()))
+            }
+            Err(error) => Err(storage(error)),
+        }
+    }
+
+    fn head_message(seq: u64, hash: &ContentId) -> Vec<u8> {
+        let mut message = HEAD_DOMAIN.to_vec();
+        message.extend_from_slice(&seq.to_be_bytes());
+        message.extend_from_slice(hash);
+        message
+    }
+
+    fn encode_head(&self, seq: u64, hash: &ContentId) -> Vec<u8> {
+        use ed25519_dalek::Signer;
+        let signature = self.key.sign(&Self::head_message(seq, hash));
+        Cbor::text_map([
+            ("seq", Cbor::Uint(seq)),
+            ("hash", Cbor::bytes(hash.to_vec())),
+            (
+                "steward",
+                Cbor::bytes(self.key.verifying_key().to_bytes().to_vec()),
+            ),
+            ("signature", Cbor::bytes(signature.to_bytes().to_vec())),
+        ])
+        .encode()
+    }
+
+    /// Check the signed head against the last record; returns the key that signed it.
+    fn check_head(
+        bytes: Option<&[u8]>,
+        last: Option<&Record>,
+    ) -> Result<Option<VerifyingKey>, JournalError> {
+        let seq = last.map_or(0, |r| r.seq + 1);
+        let broken = |why: &str| JournalError::Broken {
+            seq,
+            why: why.to_string(),
+        };
+        let (bytes, last) = match (bytes, last) {
+            (None, None) => return Ok(None),
+            (Some(bytes), Some(last)) => (bytes, last),
+            (None, Some(_)) => return Err(broken("records without a signed head")),
+            (Some(_), None) => return Err(broken("a signed head without records")),
+        };
+        let head = Cbor::decode(bytes).map_err(|_| broken("the head is malformed"))?;
+        let field = |k: &str| head.get(k).and_then(Cbor::as_bytes);
+        let key: [u8; 32] = field("steward")
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| broken("the head is malformed"))?;
+        let signature: [u8; 64] = field("signature")
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| broken("the head is malformed"))?;
+        let hash: ContentId = field("hash")
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| broken("the head is malformed"))?;
+        if head.get("seq").and_then(Cbor::as_uint) != Some(last.seq) || hash != last.hash() {
+            return Err(broken(
+                "the last record is not the one the signed head names",
+            ));
+        }
+        let key =
+            VerifyingKey::from_bytes(&key).map_err(|_| broken("the head names no valid key"))?;
+        key.verify_strict(
+            &Self::head_message(last.seq, &hash),
+            &ed25519_dalek::Signature::from_bytes(&signature),
+        )
+        .map_err(|_| broken("the head's signature does not verify"))?;
+        Ok(Some(key))
+    }
+
+    fn read_all(database: &Database) -> Result<(Vec<Record>, Option<VerifyingKey>), JournalError> {
+        let read = database.begin_read().map_err(storage)?;
+        let head = match read.open_table(HEAD) {
+            Ok(table) => table
+                .get(0u64)
+                .map_err(storage)?
+                .map(|v| v.value().to_vec()),
+            Err(redb::TableError::TableDoesNotExist(_)) => None,
+            Err(error) => return Err(storage(error)),
+        };
+        let table = match read.open_table(RECORDS) {
+            Ok(table) => table,
+            Err(redb::TableError::TableDoesNotExist(_)) => {
+                return Self::check_head(head.as_deref(), None).map(|key| (Vec::new(), key));
+            }
+            Err(error) => return Err(storage(error)),
+        };
+        let mut records: Vec<Record> = Vec::new();
+        for (expected, item) in (0u64..).zip(table.iter().map_err(storage)?) {
+            let (key, value) = item.map_err(storage)?;
+            if key.value() != expected {
+                return Err(JournalError::Broken {
+                    seq: expected,
+                    why: format!("record {} is missing", expected),
+                });
+            }
+            let record = Record::decode(value.value(), expected)?;
+            if record.seq != expected {
+                return Err(JournalError::Broken {
+                    seq: expected,
+                    why: format!("stored under {expected} but says {}", record.seq),
+                });
+            }
+            let prev = records.last().map(Record::hash);
+            if record.prev != prev {
+                return Err(JournalError::Broken {
+                    seq: expected,
+                    why: "`prev` is not the hash of the previous record".into(),
+                });
+            }
+            records.push(record);
+        }
+        let key = Self::check_head(head.as_deref(), records.last())?;
+        Ok((records, key))
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Append one entry durably; returns its record.
+    pub fn append(&mut self, entry: Entry) -> Result<Record, JournalError> {
+        self.append_all(vec![entry])
+            .map(|mut records| records.remove(0))
+    }
+
+    /// Append several entries in one durable transaction (one fsync).
+    pub fn append_all(&mut self, entries: Vec<Entry>) -> Result<Vec<Record>, JournalError> {
+        if std::mem::take(&mut self.fail_next_append) {
+            return Err(JournalError::Storage("injected failure (test)".into()));
+        }
+        let mut records = Vec::with_capacity(entries.len());
+        let (mut seq, mut prev) = (self.next_seq, self.head);
+        for entry in entries {
+            let record = Record { seq, prev, entry };
+            prev = Some(record.hash());
+            seq += 1;
+            records.push(record);
+        }
+        let write = self.database.begin_write().map_err(storage)?;
+        {
+            let mut table = write.open_table(RECORDS).map_err(storage)?;
+            for record in &records {
+                table
+                    .insert(record.seq, record.encode().as_slice())
+                    .map_err(storage)?;
+            }
+            if let (Some(last), Some(hash)) = (records.last(), prev) {
+                let mut head = write.open_table(HEAD).map_err(storage)?;
+                head.insert(0u64, self.encode_head(last.seq, &hash).as_slice())
+                    .map_err(storage)?;
+            }
+        }
+        write.commit().map_err(storage)?;
+        self.next_seq = seq;
+        self.head = prev;
+        Ok(records)
+    }
+
+    /// Make the next append fail, as a full or failing disk would (tests of
+    /// the refuse-when-not-journalled rules only).
+    #[doc(hidden)]
+    pub fn inject_append_failure(&mut self) {
+        self.fail_next_append = true;
+    }
+
+    /// Replace one stored record's bytes (tests of tamper detection only).
+    #[doc(hidden)]
+    pub fn overwrite_raw(dir: &Path, seq: u64, bytes: Option<&[u8]>) -> Result<(), JournalError> {
+        let (database, _lock) = Self::lock_and_open(dir)?;
+        let write = database.begin_write().map_err(storage)?;
+        {
+            let mut table = write.open_table(RECORDS).map_err(storage)?;
+            match bytes {
+                Some(bytes) => {
+                    table.insert(seq, bytes).map_err(storage)?;
+                }
+                None => {
+                    table.remove(seq).map_err(storage)?;
+                }
+            }
+        }
+        write.commit().map_err(storage)?;
+        Ok(())
+    }
+
+    /// The raw bytes of one record (tests of tamper detection only).
+    #[doc(hidden)]
+    pub fn raw(dir: &Path, seq: u64) -> Result<Option<Vec<u8>>, JournalError> {
+        let (database, _lock) = Self::lock_and_open(dir)?;
+        let read = database.begin_read().map_err(storage)?;
+        let table = read.open_table(RECORDS).map_err(storage)?;
+        Ok(table.get(seq).map_err(storage)?.map(|v| v.value().to_vec()))
+    }
+}

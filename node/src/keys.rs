@@ -1,0 +1,52 @@
+//! Node key files: the 32-byte Ed25519 seed as 64 lowercase hex digits and a
+//! newline, readable only by its owner. One seed is the node's identity
+//! everywhere: steward, stage records and (later) transport.
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use mesh_protocol::SigningKey;
+
+/// Fresh randomness from the operating system.
+pub fn random_bytes<const N: usize>() -> anyhow::Result<[u8; N]> {
+    let mut bytes = [0u8; N];
+    getrandom::fill(&mut bytes).map_err(|e| anyhow::anyhow!("the OS gave no randomness: {e}"))?;
+    Ok(bytes)
+}
+
+/// Write a new key to `path`, refusing to overwrite one.
+pub fn generate(path: &Path) -> anyhow::Result<SigningKey> {
+    let seed = random_bytes::<32>()?;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut file = options
+        .open(path)
+        .with_context(|| format!("cannot create {} (it must not exist yet)", path.display()))?;
+    writeln!(file, "{}", mesh_protocol::hex::encode(&seed))?;
+    file.sync_all()?;
+    Ok(SigningKey::from_bytes(&seed))
+}
+
+/// Load a key file.
+pub fn load(path: &Path) -> anyhow::Result<SigningKey> {
+    let text = std::fs::read_to_string(path).with_context(|| {
+        format!(
+            "cannot read key file {} (create one with `mesh-node keygen --out {}`)",
+            path.display(),
+            path.display()
+        )
+    })?;
+    let Some(seed) = mesh_protocol::hex::decode_array::<32>(text.trim()) else {
+        bail!(
+            "{} is not a mesh-node key file (64 lowercase hex digits expected)",
+            path.display()
+        );
+    };
+    Ok(SigningKey::from_bytes(&seed))
+}

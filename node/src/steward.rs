@@ -1,0 +1,358 @@
+//! The steward: a node's identity, grant gate, journal, receipt log and
+//! meter, wired in the order the SPEC requires — authorise and journal before
+//! the engine runs, meter around the engine only, debit, journal the seal
+//! before the receipt leaves.
+
+use std::path::Path;
+
+use mesh_protocol::SigningKey;
+use mesh_protocol::grant::{Authorisation, Debit, GrantGate, Presentation, Refusal};
+use mesh_protocol::identity::did_key;
+use mesh_protocol::mesh1::{
+    ContentId, Energy, MeshReceipt, SealedReceipt, ServeRequest, opening_key,
+};
+use thiserror::Error;
+
+use crate::energy::{EnergyMeter, MeterSpan};
+use crate::journal::{Entry, Journal, JournalError, Record};
+
+#[derive(Debug, Error)]
+pub enum StewardError {
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error("refused: {0}")]
+    Refused(#[from] Refusal),
+    #[error("the journal is not one this steward produced: record {seq}: {why}")]
+    ForeignJournal { seq: u64, why: String },
+    #[error("the authorisation could not be journalled, so the serve is refused: {0}")]
+    NotJournalled(JournalError),
+    #[error("the receipt could not be journalled, so it is not handed out: {0}")]
+    SealNotJournalled(JournalError),
+    #[error("receipt: {0}")]
+    Receipt(#[from] mesh_protocol::mesh1::Mesh1Error),
+    #[error("the engine reported weights other than those the grant was decided over")]
+    WeightsChanged,
+}
+
+/// A serve that was authorised and never debited: in flight when the
+/// steward stopped. It stays debited at its ceiling for an operator to settle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unresolved {
+    pub authorised_seq: u64,
+    pub caller: String,
+    pub backend: String,
+    pub request_id: ContentId,
+    pub ceiling_uj: u64,
+    pub decided_at_ms: u64,
+}
+
+/// An authorised serve, held while the engine runs.
+#[derive(Debug)]
+pub struct ServeTicket {
+    authorisation: Option<(u64, Authorisation)>,
+    model: Option<ContentId>,
+    span: Option<MeterSpan>,
+}
+
+impl ServeTicket {
+    pub fn grant_id(&self) -> Option<ContentId> {
+        self.authorisation.as_ref().map(|(_, a)| a.leaf_id)
+    }
+}
+
+/// What metering and debiting a serve produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Metered {
+    pub energy: Energy,
+    pub grant_id: Option<ContentId>,
+    pub debit: Option<Debit>,
+}
+
+/// A steward with its journal open.
+#[derive(Debug)]
+pub struct Steward {
+    key: SigningKey,
+    did: String,
+    gate: GrantGate,
+    journal: Journal,
+    meter: Box<dyn EnergyMeter>,
+    next_sequence: u64,
+    prev_envelope: Option<ContentId>,
+    sealed: std::collections::BTreeMap<u64, ContentId>,
+    unresolved: Vec<Unresolved>,
+}
+
+/// What replaying a journal established.
+#[derive(Debug, Clone)]
+pub struct Replay {
+    pub gate: GrantGate,
+    pub next_sequence: u64,
+    pub prev_envelope: Option<ContentId>,
+    pub sealed: std::collections::BTreeMap<u64, ContentId>,
+    pub unresolved: Vec<Unresolved>,
+}
+
+/// Replay journal records through a fresh gate (§2.2): every authorisation
+/// decided again at its recorded time, every debit applied to its serve,
+/// receipts in sequence. Anything else means the journal is foreign.
+pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardError> {
+    let mut gate = GrantGate::new(steward_did);
+    let mut pending: std::collections::BTreeMap<u64, (Authorisation, String, u64)> =
+        Default::default();
+    let mut next_sequence = 0u64;
+    let mut prev_envelope = None;
+    let mut sealed = std::collections::BTreeMap::new();
+    for record in records {
+        let foreign = |why: String| StewardError::ForeignJournal {
+            seq: record.seq,
+            why,
+        };
+        match &record.entry {
+            Entry::Authorised {
+                presentation,
+                request,
+                model,
+                backend,
+                decided_at_ms,
+            } => {
+                let authorisation = gate
+                    .decide(presentation, request, model.as_ref(), *decided_at_ms)
+                    .map_err(|refusal| {
+                        foreign(format!(
+                            "the gate refuses the recorded authorisation: {refusal}"
+                        ))
+                    })?;
+                pending.insert(record.seq, (authorisation, backend.clone(), *decided_at_ms));
+            }
+            Entry::Debited {
+                authorised_seq,
+                energy,
+                ..
+            } => {
+                let (authorisation, _, _) = pending.remove(authorised_seq).ok_or_else(|| {
+                    foreign(format!(
+                        "a debit for {authorised_seq}, which is not an open authorisation"
+                    ))
+                })?;
+                gate.debit(&authorisation, energy.uj());
+            }
+            Entry::Sealed {
+                sequence,
+                envelope_id,
+            } => {
+                if *sequence != next_sequence {
+                    return Err(foreign(format!(
+                        "receipt {sequence} out of sequence (expected {next_sequence})"
+                    )));
+                }
+                sealed.insert(*sequence, *envelope_id);
+                prev_envelope = Some(*envelope_id);
+                next_sequence += 1;
+            }
+            Entry::Halted { reason, .. } => gate.halt(reason.clone()),
+        }
+    }
+    let mut unresolved = Vec::new();
+    for (seq, (authorisation, backend, decided_at_ms)) in pending {
+        gate.debit(&authorisation, authorisation.ceiling_uj);
+        unresolved.push(Unresolved {
+            authorised_seq: seq,
+            caller: authorisation.caller.clone(),
+            backend,
+            request_id: authorisation.request_id,
+            ceiling_uj: authorisation.ceiling_uj,
+            decided_at_ms,
+        });
+    }
+    Ok(Replay {
+        gate,
+        next_sequence,
+        prev_envelope,
+        sealed,
+        unresolved,
+    })
+}
+
+impl Steward {
+    /// Open the steward's journal in `dir` (exclusively) and replay it.
+    pub fn open(
+        dir: &Path,
+        key: SigningKey,
+        meter: Box<dyn EnergyMeter>,
+    ) -> Result<Self, StewardError> {
+        let did = did_key(&key.verifying_key().to_bytes());
+        let (journal, records) = Journal::open(dir, key.clone())?;
+        let replayed = replay(&did, &records)?;
+        Ok(Self {
+            key,
+            did,
+            gate: replayed.gate,
+            journal,
+            meter,
+            next_sequence: replayed.next_sequence,
+            prev_envelope: replayed.prev_envelope,
+            sealed: replayed.sealed,
+            unresolved: replayed.unresolved,
+        })
+    }
+
+    pub fn did(&self) -> &str {
+        &self.did
+    }
+    pub fn meter_name(&self) -> &str {
+        self.meter.name()
+    }
+    pub fn unresolved(&self) -> &[Unresolved] {
+        &self.unresolved
+    }
+    pub fn gate(&self) -> &GrantGate {
+        &self.gate
+    }
+    pub fn next_sequence(&self) -> u64 {
+        self.next_sequence
+    }
+    pub fn prev_envelope(&self) -> Option<ContentId> {
+        self.prev_envelope
+    }
+    pub fn halted(&self) -> Option<&str> {
+        self.gate.halted()
+    }
+
+    /// The journal (tests inject storage failures through it).
+    #[doc(hidden)]
+    pub fn journal_mut(&mut self) -> &mut Journal {
+        &mut self.journal
+    }
+
+    /// Phase one, before any work: decide the grant (when there is one) and
+    /// journal the decision. A decision that cannot be journalled is undone
+    /// and the serve refused.
+    pub fn authorise(
+        &mut self,
+        presentation: Option<&Presentation>,
+        request: &ServeRequest,
+        model: Option<ContentId>,
+        backend: &str,
+        now_ms: u64,
+    ) -> Result<ServeTicket, StewardError> {
+        let Some(presentation) = presentation else {
+            return Ok(ServeTicket {
+                authorisation: None,
+                model,
+                span: None,
+            });
+        };
+        let before = self.gate.clone();
+        let authorisation = self
+            .gate
+            .decide(presentation, request, model.as_ref(), now_ms)?;
+        let entry = Entry::Authorised {
+            presentation: Box::new(presentation.clone()),
+            request: request.clone(),
+            model,
+            backend: backend.to_string(),
+            decided_at_ms: now_ms,
+        };
+        match self.journal.append(entry) {
+            Ok(record) => Ok(ServeTicket {
+                authorisation: Some((record.seq, authorisation)),
+                model,
+                span: None,
+            }),
+            Err(error) => {
+                self.gate = before;
+                Err(StewardError::NotJournalled(error))
+            }
+        }
+    }
+
+    /// Open the energy window immediately before the engine runs.
+    pub fn begin_engine(&self, ticket: &mut ServeTicket) {
+        ticket.span = Some(self.meter.begin());
+    }
+
+    /// Close the window immediately after the engine returns, and debit. The
+    /// engine must report the weights the grant was decided over.
+    pub fn end_engine(
+        &mut self,
+        mut ticket: ServeTicket,
+        weights_after: Option<ContentId>,
+    ) -> Result<Metered, StewardError> {
+        let span = ticket.span.take().unwrap_or_else(|| self.meter.begin());
+        let energy = self.meter.end(span);
+        let weights_changed = ticket.model.is_some() && ticket.model != weights_after;
+        let grant_id = ticket.grant_id();
+        let debit = match ticket.authorisation.take() {
+            Some((seq, authorisation)) => {
+                // The work ran: debit whatever happens next.
+                let debit = self.gate.debit(&authorisation, energy.uj());
+                self.journal.append(Entry::Debited {
+                    authorised_seq: seq,
+                    energy,
+                    breach: debit.breach.map(str::to_string),
+                })?;
+                Some(debit)
+            }
+            None => None,
+        };
+        if weights_changed {
+            return Err(StewardError::WeightsChanged);
+        }
+        Ok(Metered {
+            energy,
+            grant_id,
+            debit,
+        })
+    }
+
+    /// Stamp the receipt into the log (sequence, prev, steward), seal it,
+    /// journal the seal, and only then return it.
+    pub fn seal(&mut self, mut receipt: MeshReceipt) -> Result<SealedReceipt, StewardError> {
+        receipt.sequence = self.next_sequence;
+        receipt.prev = self.prev_envelope;
+        receipt.steward = self.did.clone();
+        let sealed = receipt.seal(&self.key)?;
+        let envelope_id = sealed.envelope_id();
+        self.journal
+            .append(Entry::Sealed {
+                sequence: receipt.sequence,
+                envelope_id,
+            })
+            .map_err(StewardError::SealNotJournalled)?;
+        self.sealed.insert(receipt.sequence, envelope_id);
+        self.next_sequence += 1;
+        self.prev_envelope = Some(envelope_id);
+        Ok(sealed)
+    }
+
+    /// The opening key of this steward's output commitments.
+    pub fn opening_key(&self) -> [u8; 32] {
+        opening_key(&self.key.to_bytes())
+    }
+
+    /// A party shows a receipt this steward sealed. If the journal lacks it,
+    /// records were cut after it left: refuse every grant from now on (the
+    /// halt is journalled, so it survives a restart).
+    pub fn witness(&mut self, envelope: &[u8], now_ms: u64) -> Result<bool, StewardError> {
+        let sealed = SealedReceipt::verify(envelope)?;
+        if sealed.receipt.steward != self.did {
+            return Err(StewardError::Receipt(
+                mesh_protocol::mesh1::Mesh1Error::StewardMismatch,
+            ));
+        }
+        let held = self.sealed.get(&sealed.receipt.sequence) == Some(&sealed.envelope_id());
+        if !held {
+            let reason = format!(
+                "shown receipt {} (sequence {}) that the journal does not hold; restore the journal",
+                mesh_protocol::hex::encode(&sealed.envelope_id()),
+                sealed.receipt.sequence
+            );
+            self.journal.append(Entry::Halted {
+                reason: reason.clone(),
+                at_ms: now_ms,
+            })?;
+            self.gate.halt(reason);
+        }
+        Ok(held)
+    }
+}

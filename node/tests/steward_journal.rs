@@ -1,0 +1,392 @@
+//! The steward's journal under a real crash: a `mesh-node steward exercise`
+//! child process is killed with SIGKILL mid-serve, and the restarted steward
+//! must give no budget back, surface the in-flight serve as unresolved, and
+//! continue the receipt chain.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use mesh_node::energy::EstimatorMeter;
+use mesh_node::exercise::{
+    EXERCISE_BACKEND, EXERCISE_BUDGET_UJ, EXERCISE_CEILING_UJ, exercise_chain, requester_key,
+};
+use mesh_node::journal::{Entry, Journal, JournalError};
+use mesh_node::steward::{Steward, StewardError};
+use mesh_protocol::identity::did_key;
+use mesh_protocol::mesh1::SealedReceipt;
+
+fn mesh_node() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+}
+
+struct Node {
+    _scratch: tempfile::TempDir,
+    key_file: PathBuf,
+    data: PathBuf,
+}
+
+fn node() -> Node {
+    let scratch = tempfile::tempdir().unwrap();
+    let key_file = scratch.path().join("node.key");
+    let status = mesh_node()
+        .arg("keygen")
+        .arg("--out")
+        .arg(&key_file)
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let data = scratch.path().join("data");
+    Node {
+        key_file,
+        data,
+        _scratch: scratch,
+    }
+}
+
+fn exercise(node: &Node, serves: u32, workload_ms: u64) -> Command {
+    let mut command = mesh_node();
+    command
+        .args([
+            "steward",
+            "exercise",
+            "--serves",
+            &serves.to_string(),
+            "--workload-ms",
+            &workload_ms.to_string(),
+        ])
+        .arg("--key")
+        .arg(&node.key_file)
+        .arg("--data")
+        .arg(&node.data);
+    command
+}
+
+fn run_to_completion(node: &Node, serves: u32) -> String {
+    let output = exercise(node, serves, 15).output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+fn receipt(node: &Node, sequence: u64) -> SealedReceipt {
+    let bytes = std::fs::read(node.data.join(format!("receipts/{sequence}.cbor"))).unwrap();
+    SealedReceipt::verify(&bytes).unwrap()
+}
+
+fn open(node: &Node) -> Result<Steward, StewardError> {
+    Steward::open(
+        &node.data,
+        mesh_node::keys::load(&node.key_file).unwrap(),
+        Box::new(EstimatorMeter::default()),
+    )
+}
+
+fn debited_total(data: &Path) -> u64 {
+    Journal::read(data)
+        .unwrap()
+        .iter()
+        .filter_map(|r| match &r.entry {
+            Entry::Debited { energy, .. } => Some(energy.uj()),
+            _ => None,
+        })
+        .sum()
+}
+
+#[test]
+fn sigkill_mid_serve_gives_no_budget_back_and_the_chain_continues() {
+    let node = node();
+    run_to_completion(&node, 2);
+    let before_crash = debited_total(&node.data);
+
+    // A serve whose engine runs for a minute; kill it once it is authorised.
+    let mut child = exercise(&node, 1, 60_000)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines
+            .next()
+            .expect("the child reports its authorisation")
+            .unwrap();
+        if line.starts_with("authorised request") {
+            break;
+        }
+    }
+    // While it runs, nobody else may open its journal.
+    match open(&node) {
+        Err(StewardError::Journal(JournalError::Locked(_))) => {}
+        other => panic!("a second steward opened a held journal: {other:?}"),
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+
+    let steward = open(&node).expect("the OS released the dead steward's lock");
+    let unresolved = steward.unresolved();
+    assert_eq!(unresolved.len(), 1, "the in-flight serve is unresolved");
+    assert_eq!(
+        unresolved[0].caller,
+        did_key(&requester_key().verifying_key().to_bytes())
+    );
+    assert_eq!(unresolved[0].backend, EXERCISE_BACKEND);
+    assert_eq!(unresolved[0].ceiling_uj, EXERCISE_CEILING_UJ);
+
+    // No budget came back: the two finished serves plus the in-flight one at
+    // its ceiling are all spent.
+    let chain = exercise_chain(steward.did()).unwrap();
+    let remaining = steward.gate().chain_remaining(&chain);
+    assert_eq!(
+        remaining,
+        EXERCISE_BUDGET_UJ - before_crash - EXERCISE_CEILING_UJ
+    );
+
+    // The receipt chain continues from the last sealed receipt.
+    assert_eq!(steward.next_sequence(), 2);
+    assert_eq!(
+        steward.prev_envelope(),
+        Some(receipt(&node, 1).envelope_id())
+    );
+    drop(steward);
+
+    let output = run_to_completion(&node, 1);
+    assert!(output.contains("unresolved authorised-seq"), "{output}");
+    let third = receipt(&node, 2);
+    third.check_follows(&receipt(&node, 1)).unwrap();
+
+    let inspect = mesh_node()
+        .args(["journal", "inspect"])
+        .arg(&node.data)
+        .output()
+        .unwrap();
+    let text = String::from_utf8(inspect.stdout).unwrap();
+    assert!(inspect.status.success(), "{text}");
+    assert!(
+        text.contains("unresolved serves (authorised, never debited"),
+        "{text}"
+    );
+    assert!(text.contains(EXERCISE_BACKEND), "{text}");
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_receipt_the_journal_lacks_halts_grants_across_restarts() {
+    let node = node();
+    run_to_completion(&node, 1);
+    // Snapshot the journal, serve once more, then put the snapshot back: the
+    // records of the second serve are cut from the end.
+    let snapshot = node.data.parent().unwrap().join("snapshot");
+    copy_dir(&node.data, &snapshot);
+    run_to_completion(&node, 1);
+    let cut_receipt = std::fs::read(node.data.join("receipts/1.cbor")).unwrap();
+    for entry in std::fs::read_dir(&snapshot).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), node.data.join(entry.file_name())).unwrap();
+    }
+
+    let mut steward = open(&node).unwrap();
+    assert!(
+        steward
+            .witness(
+                &std::fs::read(node.data.join("receipts/0.cbor")).unwrap(),
+                1
+            )
+            .unwrap()
+    );
+    assert!(steward.halted().is_none());
+    assert!(!steward.witness(&cut_receipt, 2).unwrap());
+    assert!(steward.halted().is_some());
+    drop(steward);
+
+    // Still refused after a restart.
+    let output = exercise(&node, 1, 1).output().unwrap();
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("stopped honouring grants"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn tampering_with_any_journal_record_is_detected() {
+    let node = node();
+    run_to_completion(&node, 2);
+    let records = Journal::read(&node.data).unwrap();
+    let pristine = node.data.parent().unwrap().join("pristine");
+    copy_dir(&node.data, &pristine);
+    let restore = || {
+        for entry in std::fs::read_dir(&pristine).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), node.data.join(entry.file_name())).unwrap();
+        }
+    };
+    for record in &records {
+        let raw = Journal::raw(&node.data, record.seq).unwrap().unwrap();
+        for index in 0..raw.len() {
+            let mut tampered = raw.clone();
+            tampered[index] ^= 0x01;
+            Journal::overwrite_raw(&node.data, record.seq, Some(&tampered)).unwrap();
+            assert!(
+                open(&node).is_err(),
+                "record {} byte {index} flipped and the journal still opened",
+                record.seq
+            );
+            restore();
+        }
+    }
+    // A record removed from the middle, and two records swapped.
+    Journal::overwrite_raw(&node.data, 2, None).unwrap();
+    assert!(matches!(
+        open(&node),
+        Err(StewardError::Journal(JournalError::Broken { seq: 2, .. }))
+    ));
+    restore();
+    let (a, b) = (
+        Journal::raw(&node.data, 1).unwrap().unwrap(),
+        Journal::raw(&node.data, 4).unwrap().unwrap(),
+    );
+    Journal::overwrite_raw(&node.data, 1, Some(&b)).unwrap();
+    Journal::overwrite_raw(&node.data, 4, Some(&a)).unwrap();
+    assert!(open(&node).is_err());
+    restore();
+    assert!(open(&node).is_ok());
+}
+
+#[test]
+fn what_cannot_be_journalled_does_not_happen() {
+    use mesh_protocol::grant::Presentation;
+    use mesh_protocol::mesh1::{Fidelity, MeshReceipt, ServeRequest};
+
+    let node = node();
+    let mut steward = open(&node).unwrap();
+    let chain = exercise_chain(steward.did()).unwrap();
+    let request = ServeRequest {
+        prompt_hash: [1; 32],
+        prompt_tokens: 1,
+        max_tokens: 1,
+        fidelity_floor: Fidelity::F0,
+        joule_ceiling_uj: EXERCISE_CEILING_UJ,
+        decision: None,
+    };
+    let presentation = Presentation::sign(
+        chain.clone(),
+        &request.request_id(),
+        &requester_key(),
+        [9; 16],
+    )
+    .unwrap();
+    let full = steward.gate().chain_remaining(&chain);
+
+    // An authorisation that cannot be recorded refuses the serve and
+    // reserves nothing; the presentation stays unspent.
+    steward.journal_mut().inject_append_failure();
+    assert!(matches!(
+        steward.authorise(Some(&presentation), &request, None, "b", 1_800_000_000_000),
+        Err(StewardError::NotJournalled(_))
+    ));
+    assert_eq!(steward.gate().chain_remaining(&chain), full);
+    let mut ticket = steward
+        .authorise(Some(&presentation), &request, None, "b", 1_800_000_000_000)
+        .unwrap();
+    steward.begin_engine(&mut ticket);
+    let metered = steward.end_engine(ticket, None).unwrap();
+
+    // A receipt that cannot be recorded is not handed out and the chain
+    // does not advance past it.
+    let receipt = MeshReceipt {
+        request_id: request.request_id(),
+        grant_id: metered.grant_id,
+        backend: "b".into(),
+        recipe: "r".into(),
+        weights: None,
+        route: "local".into(),
+        tokens_in: 1,
+        tokens_out: 0,
+        tokens_accepted: 0,
+        cache_hit_tokens: 0,
+        spec_proposed: 0,
+        spec_accepted: 0,
+        fidelity_floor: Fidelity::F0,
+        fidelity: None,
+        fidelity_rating: Fidelity::F0,
+        energy: metered.energy,
+        decision: None,
+        grant_breach: None,
+        output_commitment: None,
+        sequence: 0,
+        prev: None,
+        nonce: [0; 16],
+        steward: String::new(),
+        split: None,
+    };
+    steward.journal_mut().inject_append_failure();
+    assert!(matches!(
+        steward.seal(receipt.clone()),
+        Err(StewardError::SealNotJournalled(_))
+    ));
+    assert_eq!(steward.next_sequence(), 0);
+    let sealed = steward.seal(receipt).unwrap();
+    assert_eq!(sealed.receipt.sequence, 0);
+    assert_eq!(sealed.receipt.prev, None);
+}
+
+#[test]
+fn an_engine_reporting_other_weights_is_not_sealed_but_is_debited() {
+    use mesh_protocol::grant::Presentation;
+    use mesh_protocol::mesh1::{Fidelity, ServeRequest};
+
+    let node = node();
+    let mut steward = open(&node).unwrap();
+    let chain = exercise_chain(steward.did()).unwrap();
+    let request = ServeRequest {
+        prompt_hash: [2; 32],
+        prompt_tokens: 1,
+        max_tokens: 1,
+        fidelity_floor: Fidelity::F0,
+        joule_ceiling_uj: 10,
+        decision: None,
+    };
+    let presentation = Presentation::sign(
+        chain.clone(),
+        &request.request_id(),
+        &requester_key(),
+        [1; 16],
+    )
+    .unwrap();
+    let mut ticket = steward
+        .authorise(
+            Some(&presentation),
+            &request,
+            Some([7; 32]),
+            "b",
+            1_800_000_000_000,
+        )
+        .unwrap();
+    steward.begin_engine(&mut ticket);
+    assert!(matches!(
+        steward.end_engine(ticket, Some([8; 32])),
+        Err(StewardError::WeightsChanged)
+    ));
+    assert!(
+        steward.gate().chain_remaining(&chain) < EXERCISE_BUDGET_UJ,
+        "the work ran and was debited"
+    );
+}
