@@ -159,11 +159,13 @@ pub fn bench_steward(dir: &std::path::Path, serves: u32) -> anyhow::Result<Strin
     let presentations: Vec<(ServeRequest, Presentation)> = (0..decisions)
         .map(|i| {
             let request = request_for(1_000_000 + i);
+            let mut nonce = [0u8; 16];
+            nonce[..4].copy_from_slice(&i.to_le_bytes());
             let presentation = Presentation::sign(
                 chain.clone(),
                 &request.request_id(),
                 &requester_key(),
-                [(i % 251) as u8; 16].map(|b| b ^ (i >> 8) as u8),
+                nonce,
             )?;
             Ok((request, presentation))
         })

@@ -12,3 +12,4 @@ pub mod render;
 pub mod simulate;
 pub mod steward;
 pub mod vectors;
+pub mod vectors_mesh1;

@@ -48,6 +48,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     for (name, bundle) in bundles {
         files.push((format!("split-stage/bundles/{name}.json"), pretty(&bundle)));
     }
+    files.extend(crate::vectors_mesh1::generate()?);
     Ok(files)
 }
 

@@ -190,3 +190,60 @@ fn garbage_never_panics() {
         assert_eq!(status.code(), Some(2), "cut at {cut}");
     }
 }
+
+#[test]
+fn mesh1_envelopes_verify_raw_or_hex_with_their_chain_link() {
+    let reference = repo().join("vectors/mesh1/reference");
+    let scratch = tempfile::tempdir().unwrap();
+    let raw = scratch.path().join("envelope.cbor");
+    let hex_text = std::fs::read_to_string(reference.join("envelope.hex")).unwrap();
+    std::fs::write(&raw, mesh_protocol::hex::decode(hex_text.trim()).unwrap()).unwrap();
+    for first in [raw.clone(), reference.join("envelope.hex")] {
+        let status = mesh_node()
+            .arg("verify")
+            .arg(&first)
+            .output()
+            .unwrap()
+            .status;
+        assert_eq!(status.code(), Some(0), "{}", first.display());
+        let linked = mesh_node()
+            .arg("verify")
+            .arg(reference.join("next_envelope.hex"))
+            .arg("--prev")
+            .arg(&first)
+            .output()
+            .unwrap();
+        assert_eq!(
+            linked.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&linked.stdout)
+        );
+    }
+    let backwards = mesh_node()
+        .arg("verify")
+        .arg(&raw)
+        .arg("--prev")
+        .arg(reference.join("next_envelope.hex"))
+        .output()
+        .unwrap();
+    assert_eq!(backwards.status.code(), Some(1));
+    let (code, value) = verify_json(&reference.join("next_envelope.hex"));
+    assert_eq!(code, 0);
+    assert_eq!(value["sequence"], 1);
+    assert_eq!(value["energy_provenance"], "HwShunt");
+    let mut tampered = mesh_protocol::hex::decode(hex_text.trim()).unwrap();
+    let last = tampered.len() - 1;
+    tampered[last] ^= 1;
+    std::fs::write(&raw, &tampered).unwrap();
+    assert_eq!(
+        mesh_node()
+            .arg("verify")
+            .arg(&raw)
+            .output()
+            .unwrap()
+            .status
+            .code(),
+        Some(1)
+    );
+}

@@ -1029,6 +1029,56 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn delivered_above_advertised_is_refused_not_clamped() {
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let dishonest = MeshReceipt {
+            fidelity: Some(FidelityReport {
+                advertised: Fidelity::F1,
+                delivered: Fidelity::F3,
+            }),
+            ..sample_receipt(&key)
+        };
+        assert!(matches!(dishonest.seal(&key), Err(Mesh1Error::Derived(_))));
+    }
+
+    #[test]
+    fn decision_receipts_carry_per_decision_figures() {
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let receipt = MeshReceipt {
+            tokens_out: 0,
+            tokens_accepted: 0,
+            decision: Some(DecisionOutcome {
+                questions_answered: 4,
+                options_scored: 10,
+                schema_tokens: 121,
+            }),
+            ..sample_receipt(&key)
+        };
+        let core = receipt.signed_core();
+        assert_eq!(
+            core.get("uj_per_decision").and_then(Cbor::as_uint),
+            Some(1_400_000 / 4)
+        );
+        assert_eq!(
+            core.get("uj_per_option_scored").and_then(Cbor::as_uint),
+            Some(1_400_000 / 10)
+        );
+        assert_eq!(
+            core.get("uj_per_accepted_token"),
+            None,
+            "undefined without accepted tokens"
+        );
+        let sealed = receipt.seal(&key).unwrap();
+        assert_eq!(
+            SealedReceipt::verify(&sealed.envelope)
+                .unwrap()
+                .receipt
+                .decision,
+            receipt.decision
+        );
+    }
+
+    #[test]
     fn output_commitment_binds_everything() {
         let key = opening_key(&[1; 32]);
         let request = [2; 32];

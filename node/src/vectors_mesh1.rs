@@ -1,0 +1,585 @@
+//! The generator of the `mesh/1` conformance vectors (`vectors/mesh1/`): a
+//! deterministic reference serve (fixed steward key, signed core, envelope,
+//! the next envelope in its chain), receipt cases, and grant chains,
+//! shards and presentations with the decision each must get. Every negative
+//! case is derived mechanically from a positive one and says what it must
+//! verify as; the generator refuses to write a case the code disagrees with.
+
+use anyhow::{Context, ensure};
+use mesh_protocol::SigningKey;
+use mesh_protocol::cbor::Cbor;
+use mesh_protocol::grant::{Caveat, Grant, GrantGate, Presentation, SignedGrant};
+use mesh_protocol::hex;
+use mesh_protocol::identity::did_key;
+use mesh_protocol::mesh1::{
+    Energy, Fidelity, FidelityReport, MeshReceipt, SealedReceipt, ServeRequest, WeightsBinding,
+    opening, opening_key, output_commitment, prompt_hash, prompt_payload, sign_core_unchecked,
+    weights_digest,
+};
+use serde_json::{Value, json};
+
+use crate::simulate::{Scenario, deterministic_32, simulate};
+use crate::vectors::VectorFile;
+
+fn key(label: &str) -> SigningKey {
+    SigningKey::from_bytes(&deterministic_32(label))
+}
+
+fn did(key: &SigningKey) -> String {
+    did_key(&key.verifying_key().to_bytes())
+}
+
+const STEWARD_LABEL: &str = "mesh-node vectors: mesh/1 steward key";
+/// 2026-09-30T03:38:00.000Z
+const NOW_MS: u64 = 1_790_739_480_000;
+const EXPIRY_MS: u64 = NOW_MS + 86_400_000;
+
+fn request() -> ServeRequest {
+    ServeRequest {
+        prompt_hash: prompt_hash(b"What is the capital of France?"),
+        prompt_tokens: 9,
+        max_tokens: 16,
+        fidelity_floor: Fidelity::F1,
+        joule_ceiling_uj: 5_000_000,
+        decision: None,
+    }
+}
+
+const PROMPT_TOKENS: [u32; 9] = [1, 9690, 314, 260, 3575, 282, 4649, 47, 2];
+const OUTPUT_TOKENS: [u32; 7] = [504, 3575, 282, 4649, 314, 7042, 30];
+
+fn pretty(value: &Value) -> String {
+    let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+fn weights_files() -> Vec<(String, [u8; 32])> {
+    vec![
+        (
+            "config.json".to_string(),
+            *blake3::hash(b"synthetic config").as_bytes(),
+        ),
+        (
+            "model.safetensors".to_string(),
+            *blake3::hash(b"synthetic weights").as_bytes(),
+        ),
+    ]
+}
+
+fn reference_receipts(
+    steward: &SigningKey,
+    grant_id: [u8; 32],
+) -> anyhow::Result<(SealedReceipt, SealedReceipt)> {
+    let request = request();
+    let open = opening(&opening_key(&steward.to_bytes()), &request.request_id());
+    let commitment = output_commitment(
+        &open,
+        &request.request_id(),
+        &prompt_payload(&PROMPT_TOKENS),
+        &OUTPUT_TOKENS,
+    );
+    let split = simulate(&Scenario::default()).sealed.receipt.to_value();
+    let first = MeshReceipt {
+        request_id: request.request_id(),
+        grant_id: Some(grant_id),
+        backend: "mesh-node/split".into(),
+        recipe: "synthetic-llama".into(),
+        weights: Some(WeightsBinding {
+            weights_digest: weights_digest(&weights_files()),
+            precision: "fp32".into(),
+        }),
+        route: "static split over 3 nodes".into(),
+        tokens_in: PROMPT_TOKENS.len() as u64,
+        tokens_out: OUTPUT_TOKENS.len() as u64,
+        tokens_accepted: OUTPUT_TOKENS.len() as u64,
+        cache_hit_tokens: 0,
+        spec_proposed: 0,
+        spec_accepted: 0,
+        fidelity_floor: Fidelity::F1,
+        fidelity: None,
+        fidelity_rating: Fidelity::F2,
+        energy: Energy::estimator(1_234_567),
+        decision: None,
+        grant_breach: None,
+        output_commitment: Some(commitment),
+        sequence: 0,
+        prev: None,
+        nonce: deterministic_32("mesh-node vectors: receipt nonce 0")[..16].try_into()?,
+        steward: did(steward),
+        split: Some(mesh_protocol::json::canonical_bytes(&split)),
+    }
+    .seal(steward)?;
+    let second = MeshReceipt {
+        sequence: 1,
+        prev: Some(first.envelope_id()),
+        energy: Energy::hw_shunt(2_000_000, 1_900_000),
+        fidelity: Some(FidelityReport {
+            advertised: Fidelity::F2,
+            delivered: Fidelity::F2,
+        }),
+        split: None,
+        grant_breach: Some("caveat-unsatisfied".into()),
+        nonce: deterministic_32("mesh-node vectors: receipt nonce 1")[..16].try_into()?,
+        ..first.receipt.clone()
+    }
+    .seal(steward)?;
+    Ok((first, second))
+}
+
+/// A signed core with one member replaced (or removed, with `None`).
+fn core_with(core: &Cbor, member: &str, value: Option<Cbor>) -> Cbor {
+    let Cbor::Map(entries) = core else {
+        return core.clone();
+    };
+    let mut entries: Vec<(Cbor, Cbor)> = entries
+        .iter()
+        .filter(|(k, _)| k.as_text() != Some(member))
+        .cloned()
+        .collect();
+    if let Some(value) = value {
+        entries.push((Cbor::text(member), value));
+    }
+    Cbor::map(entries)
+}
+
+fn receipt_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<Value> {
+    let mut cases = vec![
+        json!({ "name": "reference", "valid": true, "derived_from": null, "envelope_hex": hex::encode(&first.envelope) }),
+    ];
+    let envelope = &first.envelope;
+    let mut push = |name: String, valid: bool, bytes: Vec<u8>| {
+        cases.push(json!({ "name": name, "valid": valid, "derived_from": "reference", "envelope_hex": hex::encode(&bytes) }));
+    };
+    let step = (envelope.len() / 24).max(1);
+    for offset in (0..envelope.len())
+        .step_by(step)
+        .chain([envelope.len() - 1])
+    {
+        let mut flipped = envelope.clone();
+        flipped[offset] ^= 0x01;
+        push(format!("bit_flipped_at_{offset}"), false, flipped);
+    }
+    push(
+        "truncated".into(),
+        false,
+        envelope[..envelope.len() - 1].to_vec(),
+    );
+    let mut trailing = envelope.clone();
+    trailing.push(0);
+    push("trailing_byte".into(), false, trailing);
+    // The kid swapped for another steward's key: the signature no longer holds.
+    let other = key("mesh-node vectors: another steward");
+    let kid = steward.verifying_key().to_bytes();
+    let position = envelope
+        .windows(32)
+        .position(|w| w == kid)
+        .context("kid in envelope")?;
+    let mut swapped = envelope.clone();
+    swapped[position..position + 32].copy_from_slice(&other.verifying_key().to_bytes());
+    push("kid_of_another_key".into(), false, swapped);
+    // The same core signed by another key: `steward` no longer names the signer.
+    push(
+        "signed_by_another_key".into(),
+        false,
+        sign_core_unchecked(first.core.clone(), &other),
+    );
+
+    // Validly signed cores that break a receipt rule.
+    let core = Cbor::decode(&first.core)?;
+    let signed = |core: Cbor| sign_core_unchecked(core.encode(), steward);
+    push(
+        "estimator_with_measured_uj".into(),
+        false,
+        signed(core_with(&core, "measured_uj", Some(Cbor::Uint(5)))),
+    );
+    push(
+        "hwshunt_without_measured_uj".into(),
+        false,
+        signed(core_with(
+            &core,
+            "energy_provenance",
+            Some(Cbor::text("HwShunt")),
+        )),
+    );
+    push(
+        "wedge_metric_wrong".into(),
+        false,
+        signed(core_with(
+            &core,
+            "uj_per_accepted_token",
+            Some(Cbor::Uint(1)),
+        )),
+    );
+    push(
+        "wedge_metric_missing".into(),
+        false,
+        signed(core_with(&core, "uj_per_accepted_token", None)),
+    );
+    push(
+        "unknown_member".into(),
+        false,
+        signed(core_with(&core, "session_id", Some(Cbor::Uint(1)))),
+    );
+    push(
+        "boolean_met_as_2".into(),
+        false,
+        signed(core_with(&core, "fidelity_met", Some(Cbor::Uint(2)))),
+    );
+    push(
+        "delivered_above_advertised".into(),
+        false,
+        signed(core_with(
+            &core_with(&core, "fidelity_advertised", Some(Cbor::Uint(1))),
+            "fidelity_delivered",
+            Some(Cbor::Uint(3)),
+        )),
+    );
+    push(
+        "weights_digest_without_precision".into(),
+        false,
+        signed(core_with(&core, "precision", None)),
+    );
+    push(
+        "prev_at_genesis".into(),
+        false,
+        signed(core_with(
+            &core,
+            "prev",
+            Some(Cbor::text(hex::encode(&[1; 32]))),
+        )),
+    );
+    push(
+        "split_not_canonical_json".into(),
+        false,
+        signed(core_with(
+            &core,
+            "split",
+            Some(Cbor::bytes(b"{ \"v\": 1 }".to_vec())),
+        )),
+    );
+    // Members reordered: not canonical CBOR, though it decodes loosely.
+    let Cbor::Map(entries) = &core else {
+        anyhow::bail!("the core is a map")
+    };
+    let mut reversed = Vec::new();
+    super::vectors_mesh1::encode_map_unsorted(&mut reversed, entries.iter().rev());
+    push(
+        "members_not_in_canonical_order".into(),
+        false,
+        sign_core_unchecked(reversed, steward),
+    );
+    // A re-seal of the very same core by the steward is valid and identical.
+    push(
+        "resigned_same_core".into(),
+        true,
+        sign_core_unchecked(first.core.clone(), steward),
+    );
+
+    for case in &cases {
+        let bytes =
+            hex::decode(case["envelope_hex"].as_str().unwrap_or_default()).unwrap_or_default();
+        let verified = SealedReceipt::verify(&bytes);
+        ensure!(
+            verified.is_ok() == case["valid"].as_bool().unwrap_or_default(),
+            "receipt case {} does not verify as constructed: {verified:?}",
+            case["name"]
+        );
+    }
+    Ok(Value::Array(cases))
+}
+
+/// Encode a map's entries in the order given (for a non-canonical vector).
+fn encode_map_unsorted<'a>(
+    out: &mut Vec<u8>,
+    entries: impl Iterator<Item = &'a (Cbor, Cbor)> + Clone,
+) {
+    let count = entries.clone().count();
+    // Header for a map of `count` entries (count < 256 here).
+    if count < 24 {
+        out.push(0xa0 | count as u8);
+    } else {
+        out.push(0xb8);
+        out.push(count as u8);
+    }
+    for (k, v) in entries {
+        out.extend(k.encode());
+        out.extend(v.encode());
+    }
+}
+
+struct GrantSetup {
+    owner: SigningKey,
+    requester: SigningKey,
+    stewards: Vec<SigningKey>,
+    root: SignedGrant,
+    shards: Vec<SignedGrant>,
+}
+
+fn grant_setup(steward: &SigningKey) -> anyhow::Result<GrantSetup> {
+    let owner = key("mesh-node vectors: grant owner");
+    let requester = key("mesh-node vectors: grant requester");
+    let stewards = vec![
+        steward.clone(),
+        key("mesh-node vectors: steward b"),
+        key("mesh-node vectors: steward c"),
+    ];
+    let root = Grant {
+        issuer: did(&owner),
+        subject: did(&requester),
+        budget_uj: 30_000_000,
+        caveats: vec![
+            Caveat::Actions(vec!["infer".into()]),
+            Caveat::MaxCostUj(8_000_000),
+        ],
+        parent: None,
+        expiry_ms: EXPIRY_MS,
+        nonce: [0; 16],
+    }
+    .sign(&owner)?;
+    let shares: Vec<(String, u64)> = stewards.iter().map(|s| (did(s), 10_000_000)).collect();
+    let shards = root.shard(&requester, &shares, EXPIRY_MS, [7; 16])?;
+    Ok(GrantSetup {
+        owner,
+        requester,
+        stewards,
+        root,
+        shards,
+    })
+}
+
+fn grant_cases(setup: &GrantSetup) -> anyhow::Result<Value> {
+    let request = request();
+    let chain = vec![setup.root.clone(), setup.shards[0].clone()];
+    let present = |chain: Vec<SignedGrant>, key: &SigningKey, nonce: u8| {
+        Presentation::sign(chain, &request.request_id(), key, [nonce; 16]).map(|p| p.encode())
+    };
+    let good = present(chain.clone(), &setup.requester, 1)?;
+    let steward_a = did(&setup.stewards[0]);
+    let mut cases: Vec<Value> = Vec::new();
+    let mut case = |name: &str,
+                    derived: Option<&str>,
+                    steward: &str,
+                    now: u64,
+                    prior: Vec<&[u8]>,
+                    presentation: &[u8],
+                    expect: &str| {
+        cases.push(json!({
+            "name": name, "derived_from": derived, "steward": steward, "now_ms": now,
+            "prior_presentations_hex": prior.iter().map(|p| hex::encode(p)).collect::<Vec<_>>(),
+            "presentation_hex": hex::encode(presentation), "expect": expect,
+        }));
+    };
+    case(
+        "authorised",
+        None,
+        &steward_a,
+        NOW_MS,
+        vec![],
+        &good,
+        "authorised",
+    );
+    case(
+        "replayed",
+        Some("authorised"),
+        &steward_a,
+        NOW_MS,
+        vec![&good],
+        &good,
+        "presentation-replayed",
+    );
+    case(
+        "at_another_steward",
+        Some("authorised"),
+        &did(&setup.stewards[1]),
+        NOW_MS,
+        vec![],
+        &good,
+        "wrong-holder",
+    );
+    case(
+        "expired",
+        Some("authorised"),
+        &steward_a,
+        EXPIRY_MS,
+        vec![],
+        &good,
+        "expired",
+    );
+    case(
+        "caller_not_issuer",
+        Some("authorised"),
+        &steward_a,
+        NOW_MS,
+        vec![],
+        &present(chain.clone(), &setup.owner, 1)?,
+        "caller-not-issuer",
+    );
+    case(
+        "chain_reordered",
+        Some("authorised"),
+        &steward_a,
+        NOW_MS,
+        vec![],
+        &present(
+            vec![setup.shards[0].clone(), setup.root.clone()],
+            &setup.owner,
+            1,
+        )?,
+        "attenuation-violated",
+    );
+    case(
+        "sibling_shard_spliced",
+        Some("authorised"),
+        &steward_a,
+        NOW_MS,
+        vec![],
+        &present(
+            vec![setup.root.clone(), setup.shards[1].clone()],
+            &setup.requester,
+            1,
+        )?,
+        "wrong-holder",
+    );
+    let mut signature_flipped = Presentation::decode(&good)?;
+    signature_flipped.signature[0] ^= 0x01;
+    case(
+        "presentation_signature_bit_flipped",
+        Some("authorised"),
+        &steward_a,
+        NOW_MS,
+        vec![],
+        &signature_flipped.encode(),
+        "presentation-signature",
+    );
+    let mut grant_signature_flipped = Presentation::decode(&good)?;
+    grant_signature_flipped.chain[1].signature[10] ^= 0x01;
+    case(
+        "grant_signature_bit_flipped",
+        Some("authorised"),
+        &steward_a,
+        NOW_MS,
+        vec![],
+        &grant_signature_flipped.encode(),
+        "bad-signature",
+    );
+    case(
+        "truncated",
+        Some("authorised"),
+        &steward_a,
+        NOW_MS,
+        vec![],
+        &good[..good.len() - 1],
+        "malformed",
+    );
+    let mut trailing = good.clone();
+    trailing.push(0);
+    case(
+        "trailing_byte",
+        Some("authorised"),
+        &steward_a,
+        NOW_MS,
+        vec![],
+        &trailing,
+        "malformed",
+    );
+
+    for case in &cases {
+        let mut gate = GrantGate::new(case["steward"].as_str().unwrap_or_default());
+        for prior in case["prior_presentations_hex"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let p = Presentation::decode(
+                &hex::decode(prior.as_str().unwrap_or_default()).unwrap_or_default(),
+            )?;
+            gate.decide(&p, &request, None, NOW_MS)?;
+        }
+        let bytes =
+            hex::decode(case["presentation_hex"].as_str().unwrap_or_default()).unwrap_or_default();
+        let outcome = match Presentation::decode(&bytes) {
+            Err(_) => "malformed".to_string(),
+            Ok(p) => match gate.decide(
+                &p,
+                &request,
+                None,
+                case["now_ms"].as_u64().unwrap_or_default(),
+            ) {
+                Ok(_) => "authorised".to_string(),
+                Err(refusal) => refusal.label().to_string(),
+            },
+        };
+        ensure!(
+            outcome == case["expect"],
+            "grant case {}: decided {outcome}, constructed to be {}",
+            case["name"],
+            case["expect"]
+        );
+    }
+    Ok(json!({
+        "request_cbor_hex": hex::encode(&request.to_cbor().encode()),
+        "root_hex": hex::encode(&setup.root.encode()),
+        "root_id": hex::encode(&setup.root.id()),
+        "shards": setup.shards.iter().map(|s| json!({ "id": hex::encode(&s.id()), "subject": s.grant.subject, "budget_uj": s.grant.budget_uj, "grant_hex": hex::encode(&s.encode()) })).collect::<Vec<_>>(),
+        "cases": cases,
+    }))
+}
+
+/// Generate every file under `vectors/mesh1/`.
+pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
+    let steward = key(STEWARD_LABEL);
+    let setup = grant_setup(&steward)?;
+    let (first, second) = reference_receipts(&steward, setup.shards[0].id())?;
+    second.check_follows(&first)?;
+    let request = request();
+    let open = opening(&opening_key(&steward.to_bytes()), &request.request_id());
+    let meta = json!({
+        "generator": "mesh-node vectors write (node/src/vectors_mesh1.rs)",
+        "description": "A deterministic reference mesh/1 serve. reference/signed_core.hex must encode identically across implementations; reference/envelope.hex must be reproducible from it with the steward seed below (Ed25519 signatures are deterministic). reference/next_envelope.hex follows it in the same receipt chain. See docs/mesh1.md.",
+        "steward": { "seed_hex": hex::encode(&deterministic_32(STEWARD_LABEL)), "key_id": hex::encode(&steward.verifying_key().to_bytes()), "did": did(&steward) },
+        "grant_keys": {
+            "owner_seed_hex": hex::encode(&deterministic_32("mesh-node vectors: grant owner")),
+            "requester_seed_hex": hex::encode(&deterministic_32("mesh-node vectors: grant requester")),
+            "steward_b_seed_hex": hex::encode(&deterministic_32("mesh-node vectors: steward b")),
+            "steward_c_seed_hex": hex::encode(&deterministic_32("mesh-node vectors: steward c")),
+        },
+        "request": {
+            "prompt": "What is the capital of France?",
+            "cbor_hex": hex::encode(&request.to_cbor().encode()),
+            "request_id": hex::encode(&request.request_id()),
+        },
+        "output_commitment": {
+            "prompt_token_ids": PROMPT_TOKENS, "output_token_ids": OUTPUT_TOKENS,
+            "opening_hex": hex::encode(&open),
+            "prompt_payload_hex": hex::encode(&prompt_payload(&PROMPT_TOKENS)),
+            "commitment_hex": hex::encode(&output_commitment(&open, &request.request_id(), &prompt_payload(&PROMPT_TOKENS), &OUTPUT_TOKENS)),
+        },
+        "weights": {
+            "files": weights_files().iter().map(|(p, d)| json!({ "path": p, "blake3": hex::encode(d) })).collect::<Vec<_>>(),
+            "weights_digest": hex::encode(&weights_digest(&weights_files())),
+        },
+        "envelope_id": hex::encode(&first.envelope_id()),
+        "next_envelope_id": hex::encode(&second.envelope_id()),
+    });
+    Ok(vec![
+        ("mesh1/meta.json".into(), pretty(&meta)),
+        (
+            "mesh1/reference/signed_core.hex".into(),
+            format!("{}\n", hex::encode(&first.core)),
+        ),
+        (
+            "mesh1/reference/envelope.hex".into(),
+            format!("{}\n", hex::encode(&first.envelope)),
+        ),
+        (
+            "mesh1/reference/next_envelope.hex".into(),
+            format!("{}\n", hex::encode(&second.envelope)),
+        ),
+        (
+            "mesh1/receipts.json".into(),
+            pretty(&receipt_cases(&steward, &first)?),
+        ),
+        ("mesh1/grants.json".into(), pretty(&grant_cases(&setup)?)),
+    ])
+}
