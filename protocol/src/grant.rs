@@ -1017,6 +1017,58 @@ mod tests {
     }
 
     #[test]
+    fn every_bit_of_a_signed_grant_is_covered() {
+        let (chain, _, _) = chain(
+            1_000,
+            vec![Caveat::MaxCostUj(5), Caveat::ModelIn(vec![[1; 32]])],
+        );
+        for grant in &chain {
+            let bytes = grant.encode();
+            assert!(SignedGrant::decode(&bytes).unwrap().signature_valid());
+            for index in 0..bytes.len() {
+                for bit in 0..8 {
+                    let mut tampered = bytes.clone();
+                    tampered[index] ^= 1 << bit;
+                    if let Ok(decoded) = SignedGrant::decode(&tampered) {
+                        assert!(
+                            !decoded.signature_valid(),
+                            "byte {index} bit {bit} flipped and the grant still verifies"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn grants_round_trip(
+            budget in proptest::prelude::any::<u64>(), expiry in proptest::prelude::any::<u64>(),
+            nonce in proptest::prelude::any::<[u8; 16]>(), limit in proptest::option::of(proptest::prelude::any::<u64>()),
+            models in proptest::collection::vec(proptest::prelude::any::<[u8; 32]>(), 0..4),
+            parent in proptest::option::of(proptest::prelude::any::<[u8; 32]>()),
+        ) {
+            let mut caveats = vec![Caveat::ModelIn(models), Caveat::Actions(vec![INFER.into()])];
+            if let Some(limit) = limit {
+                caveats.push(Caveat::MaxCostUj(limit));
+            }
+            let issuer = key(1);
+            let grant = Grant { issuer: did(&issuer), subject: did(&key(2)), budget_uj: budget, caveats, parent, expiry_ms: expiry, nonce }
+                .sign(&issuer)
+                .unwrap();
+            let decoded = SignedGrant::decode(&grant.encode()).unwrap();
+            proptest::prop_assert!(decoded.signature_valid());
+            proptest::prop_assert_eq!(decoded, grant);
+        }
+
+        #[test]
+        fn decoders_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300)) {
+            let _ = SignedGrant::decode(&bytes);
+            let _ = Presentation::decode(&bytes);
+        }
+    }
+
+    #[test]
     fn wire_round_trip_and_tampering() {
         let (chain, requester, steward) = chain(
             1_000,
