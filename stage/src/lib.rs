@@ -1,11 +1,154 @@
 //! The layer-slice engine: a node holding layers `[a, b)` of a model loads
-//! only those weights and runs only those layers. No networking lives here.
-//!
-//! This crate is filled by the engine issue; for now it only pins the
-//! dependency direction `protocol <- stage <- node`.
+//! only those weights and runs only those layers. No networking lives here:
+//! slices talk through [`frame`] encodings that the node carries.
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+pub mod error;
+pub mod frame;
+pub mod model;
+pub mod pipeline;
+pub mod sampling;
+pub mod source;
+pub mod synthetic;
+pub mod text;
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+pub use error::{EngineError, Result};
 pub use mesh_protocol as protocol;
+pub use model::{LayerSlice, SliceCache, SliceInput, SliceOutput};
+pub use source::{FileDigests, Format, ModelConfig};
+
+/// An opened model: its metadata, tokenizer and file digests, with no
+/// weights loaded. Slices are loaded from it on demand.
+#[derive(Debug)]
+pub struct ModelHandle {
+    path: PathBuf,
+    source: source::Source,
+    config: ModelConfig,
+    digests: FileDigests,
+    codec: text::TextCodec,
+}
+
+impl ModelHandle {
+    /// Open a GGUF file or a safetensors model directory.
+    pub fn open(path: &Path) -> Result<Self> {
+        if !path.exists() {
+            return Err(EngineError::Io {
+                path: path.display().to_string(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no such file or directory",
+                ),
+            });
+        }
+        let (source, config, digests) = source::Source::open(path)?;
+        let codec = text::TextCodec::from_source(&source)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            source,
+            config,
+            digests,
+            codec,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    pub fn format(&self) -> Format {
+        self.source.format()
+    }
+    pub fn text(&self) -> &text::TextCodec {
+        &self.codec
+    }
+    /// SHA-256 over the model's files, in name order: the package id.
+    pub fn package_id(&self) -> [u8; 32] {
+        self.digests.package_sha256
+    }
+    /// The weights digest of seed 001 §3.6 over the model's files.
+    pub fn weights_digest(&self) -> [u8; 32] {
+        protocol::mesh1::weights_digest(&self.digests.files)
+    }
+    pub fn file_digests(&self) -> &FileDigests {
+        &self.digests
+    }
+
+    /// Load the slice of layers `range`.
+    pub fn load_slice(&self, range: Range<u32>) -> Result<LayerSlice> {
+        LayerSlice::load(&self.source, &self.config, range)
+    }
+}
+
+/// Split `layers` into `parts` contiguous ranges as evenly as possible.
+pub fn even_split(layers: u32, parts: u32) -> Vec<Range<u32>> {
+    let parts = parts.clamp(1, layers.max(1));
+    let base = layers / parts;
+    let extra = layers % parts;
+    let mut start = 0;
+    (0..parts)
+        .map(|i| {
+            let len = base + u32::from(i < extra);
+            let range = start..start + len;
+            start += len;
+            range
+        })
+        .collect()
+}
+
+/// Parse `a..b,b..c,...` into ranges that must tile `0..layers`.
+pub fn parse_split(spec: &str, layers: u32) -> Result<Vec<Range<u32>>> {
+    let mut ranges = Vec::new();
+    let mut expected = 0;
+    for part in spec.split(',') {
+        let (a, b) = part
+            .trim()
+            .split_once("..")
+            .ok_or_else(|| EngineError::WrongInput("split must look like 0..10,10..20"))?;
+        let parse = |t: &str| {
+            t.trim()
+                .parse::<u32>()
+                .map_err(|_| EngineError::WrongInput("split bounds must be layer numbers"))
+        };
+        let (a, b) = (parse(a)?, parse(b)?);
+        if a != expected || b <= a || b > layers {
+            return Err(EngineError::BadRange {
+                start: a,
+                end: b,
+                layers,
+            });
+        }
+        ranges.push(a..b);
+        expected = b;
+    }
+    if expected != layers {
+        return Err(EngineError::BadRange {
+            start: expected,
+            end: layers,
+            layers,
+        });
+    }
+    Ok(ranges)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits() {
+        assert_eq!(even_split(30, 3), vec![0..10, 10..20, 20..30]);
+        assert_eq!(even_split(7, 3), vec![0..3, 3..5, 5..7]);
+        assert_eq!(parse_split("0..4,4..30", 30).unwrap(), vec![0..4, 4..30]);
+        assert!(parse_split("0..4,5..30", 30).is_err());
+        assert!(parse_split("0..4,4..31", 31 - 1).is_err());
+        assert!(parse_split("0..4", 30).is_err());
+    }
+}

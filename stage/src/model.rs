@@ -1,0 +1,426 @@
+//! A layer slice `[a, b)` of a Llama-family decoder, and its forward pass.
+//! The first slice also holds the token embedding; the last holds the final
+//! norm and the output head (the embedding again when tied).
+
+use std::ops::Range;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::kv_cache::KvCache;
+
+use crate::error::{EngineError, Result};
+use crate::frame::Activations;
+use crate::source::{ModelConfig, RawTensor, RopeLayout, Source};
+
+/// Longest context a slice prepares rotary tables for.
+pub const MAX_ENGINE_CONTEXT: usize = 8192;
+
+#[derive(Debug)]
+enum Linear {
+    Quantized(QMatMul),
+    Dense(candle_nn::Linear),
+}
+
+impl Linear {
+    fn from_raw(raw: RawTensor) -> Result<Self> {
+        Ok(match raw {
+            RawTensor::Quantized(q) => Linear::Quantized(QMatMul::from_qtensor(q)?),
+            RawTensor::Dense(t) => Linear::Dense(candle_nn::Linear::new(t, None)),
+        })
+    }
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Linear::Quantized(q) => q.forward(x)?,
+            Linear::Dense(l) => l.forward(x)?,
+        })
+    }
+}
+
+#[derive(Debug)]
+enum Embedding {
+    Quantized(QTensor),
+    Dense(Tensor),
+}
+
+#[derive(Debug)]
+struct Block {
+    attn_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    o: Linear,
+    ffn_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+#[derive(Debug)]
+struct Head {
+    norm: Tensor,
+    output: Linear,
+}
+
+/// What a slice takes in.
+#[derive(Debug)]
+pub enum SliceInput<'a> {
+    /// Token ids: only the first slice (it holds the embedding).
+    Tokens(&'a [u32]),
+    /// Hidden states from the previous slice.
+    Hidden(&'a Activations),
+}
+
+/// What a slice gives back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SliceOutput {
+    /// Hidden states for the next slice, one row per input position.
+    Hidden(Activations),
+    /// The last slice: logits of the last position.
+    Logits(Vec<f32>),
+}
+
+/// Per-request state of one slice: a bounded KV cache per layer.
+#[derive(Debug)]
+pub struct SliceCache {
+    layers: Vec<KvCache>,
+    position: usize,
+    capacity: usize,
+}
+
+impl SliceCache {
+    /// Tokens seen so far.
+    pub fn position(&self) -> usize {
+        self.position
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// A loaded slice.
+#[derive(Debug)]
+pub struct LayerSlice {
+    pub range: Range<u32>,
+    config: ModelConfig,
+    embedding: Option<Embedding>,
+    blocks: Vec<Block>,
+    head: Option<Head>,
+    cos: Tensor,
+    sin: Tensor,
+    weights_digest: [u8; 32],
+    weight_bytes: usize,
+}
+
+fn raw_size(raw: &RawTensor) -> usize {
+    match raw {
+        RawTensor::Quantized(q) => q.storage_size_in_bytes(),
+        RawTensor::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+    }
+}
+
+fn dense(raw: RawTensor) -> Result<Tensor> {
+    Ok(match raw {
+        RawTensor::Quantized(q) => q.dequantize(&Device::Cpu)?,
+        RawTensor::Dense(t) => t,
+    })
+}
+
+fn rope_tables(config: &ModelConfig) -> Result<(Tensor, Tensor)> {
+    let positions = config.context.clamp(1, MAX_ENGINE_CONTEXT);
+    let half = config.head_dim / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| {
+            1.0 / config
+                .rope_theta
+                .powf((2 * i) as f32 / config.head_dim as f32)
+        })
+        .collect();
+    let inv_freq = Tensor::from_vec(inv_freq, (1, half), &Device::Cpu)?;
+    let t = Tensor::arange(0u32, positions as u32, &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .reshape((positions, 1))?;
+    let freqs = t.matmul(&inv_freq)?;
+    Ok((freqs.cos()?, freqs.sin()?))
+}
+
+impl LayerSlice {
+    /// Load layers `range` (and the embedding / head at the ends) from `source`.
+    pub fn load(source: &Source, config: &ModelConfig, range: Range<u32>) -> Result<Self> {
+        if range.start >= range.end || range.end > config.layers {
+            return Err(EngineError::BadRange {
+                start: range.start,
+                end: range.end,
+                layers: config.layers,
+            });
+        }
+        let names = source.names();
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(b"mesh-node slice weights v1");
+        let mut weight_bytes = 0usize;
+        let mut read = |name: &str| -> Result<RawTensor> {
+            let raw = source.read(name, &mut hasher)?;
+            weight_bytes += raw_size(&raw);
+            Ok(raw)
+        };
+        let first = range.start == 0;
+        let last = range.end == config.layers;
+        let embedding = if first {
+            Some(match read(names.embedding)? {
+                RawTensor::Quantized(q) => Embedding::Quantized(q),
+                RawTensor::Dense(t) => Embedding::Dense(t),
+            })
+        } else {
+            None
+        };
+        let mut blocks = Vec::with_capacity((range.end - range.start) as usize);
+        for i in range.clone() {
+            let mut part = |p: &str| read(&names.block(i, p));
+            let attn_norm = dense(part("attn_norm.weight")?)?;
+            let q = Linear::from_raw(part("attn_q.weight")?)?;
+            let k = Linear::from_raw(part("attn_k.weight")?)?;
+            let v = Linear::from_raw(part("attn_v.weight")?)?;
+            let (q_bias, k_bias, v_bias) = if config.qkv_bias {
+                (
+                    Some(dense(part("attn_q.bias")?)?),
+                    Some(dense(part("attn_k.bias")?)?),
+                    Some(dense(part("attn_v.bias")?)?),
+                )
+            } else {
+                (None, None, None)
+            };
+            let o = Linear::from_raw(part("attn_output.weight")?)?;
+            let ffn_norm = dense(part("ffn_norm.weight")?)?;
+            let gate = Linear::from_raw(part("ffn_gate.weight")?)?;
+            let up = Linear::from_raw(part("ffn_up.weight")?)?;
+            let down = Linear::from_raw(part("ffn_down.weight")?)?;
+            blocks.push(Block {
+                attn_norm,
+                q,
+                k,
+                v,
+                q_bias,
+                k_bias,
+                v_bias,
+                o,
+                ffn_norm,
+                gate,
+                up,
+                down,
+            });
+        }
+        let head = if last {
+            let norm = dense(read(names.output_norm)?)?;
+            let output_name = if source.has(names.output) {
+                names.output
+            } else {
+                names.embedding
+            };
+            Some(Head {
+                norm,
+                output: Linear::from_raw(read(output_name)?)?,
+            })
+        } else {
+            None
+        };
+        let (cos, sin) = rope_tables(config)?;
+        Ok(Self {
+            range,
+            config: config.clone(),
+            embedding,
+            blocks,
+            head,
+            cos,
+            sin,
+            weights_digest: *hasher.finalize().as_bytes(),
+            weight_bytes,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    pub fn is_first(&self) -> bool {
+        self.embedding.is_some()
+    }
+    pub fn is_last(&self) -> bool {
+        self.head.is_some()
+    }
+    /// BLAKE3 over every tensor this slice read (name, length, stored bytes),
+    /// in load order.
+    pub fn weights_digest(&self) -> [u8; 32] {
+        self.weights_digest
+    }
+    /// Bytes of weights this slice holds in memory.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// A fresh cache for one request of at most `max_tokens` positions.
+    pub fn new_cache(&self, max_tokens: usize) -> Result<SliceCache> {
+        let limit = self.cos.dim(0)?;
+        if max_tokens > limit {
+            return Err(EngineError::ContextExceeded {
+                tokens: max_tokens,
+                max_new: 0,
+                context: limit,
+            });
+        }
+        Ok(SliceCache {
+            layers: self
+                .blocks
+                .iter()
+                .map(|_| KvCache::new(2, max_tokens.max(1)))
+                .collect(),
+            position: 0,
+            capacity: max_tokens,
+        })
+    }
+
+    /// Run this slice over the next positions of one request.
+    pub fn forward(&self, input: SliceInput<'_>, cache: &mut SliceCache) -> Result<SliceOutput> {
+        let mut x = match (input, &self.embedding) {
+            (SliceInput::Tokens(ids), Some(embedding)) => {
+                if ids.is_empty() {
+                    return Err(EngineError::WrongInput("was given no tokens"));
+                }
+                if let Some(bad) = ids.iter().find(|id| **id as usize >= self.config.vocab) {
+                    return Err(EngineError::Tokenizer(format!(
+                        "token id {bad} is outside the vocabulary of {}",
+                        self.config.vocab
+                    )));
+                }
+                let ids = Tensor::new(ids, &Device::Cpu)?;
+                match embedding {
+                    Embedding::Quantized(q) => q.embedding(&ids)?,
+                    Embedding::Dense(t) => t.index_select(&ids, 0)?,
+                }
+            }
+            (SliceInput::Tokens(_), None) => {
+                return Err(EngineError::WrongInput(
+                    "holds no embedding: send it hidden states",
+                ));
+            }
+            (SliceInput::Hidden(_), Some(_)) => {
+                return Err(EngineError::WrongInput(
+                    "is the first slice: send it tokens",
+                ));
+            }
+            (SliceInput::Hidden(a), None) => {
+                if a.cols != self.config.hidden || a.rows == 0 || a.values.len() != a.rows * a.cols
+                {
+                    return Err(EngineError::Frame(format!(
+                        "{}×{} hidden states for a model of width {}",
+                        a.rows, a.cols, self.config.hidden
+                    )));
+                }
+                Tensor::from_slice(&a.values, (a.rows, a.cols), &Device::Cpu)?
+            }
+        };
+        let seq = x.dim(0)?;
+        if cache.position + seq > cache.capacity {
+            return Err(EngineError::ContextExceeded {
+                tokens: cache.position + seq,
+                max_new: 0,
+                context: cache.capacity,
+            });
+        }
+        let position = cache.position;
+        for (block, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            x = self.block_forward(block, &x, kv, position)?;
+        }
+        cache.position += seq;
+        match &self.head {
+            Some(head) => {
+                let last = x.narrow(0, seq - 1, 1)?;
+                let normed =
+                    candle_nn::ops::rms_norm(&last, &head.norm, self.config.rms_eps as f32)?;
+                let logits = head.output.forward(&normed)?;
+                Ok(SliceOutput::Logits(logits.flatten_all()?.to_vec1::<f32>()?))
+            }
+            None => Ok(SliceOutput::Hidden(Activations {
+                rows: seq,
+                cols: self.config.hidden,
+                values: x.flatten_all()?.to_vec1::<f32>()?,
+            })),
+        }
+    }
+
+    fn block_forward(
+        &self,
+        b: &Block,
+        x: &Tensor,
+        kv: &mut KvCache,
+        position: usize,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let seq = x.dim(0)?;
+        let eps = c.rms_eps as f32;
+        let h = candle_nn::ops::rms_norm(x, &b.attn_norm, eps)?;
+        let with_bias = |t: Tensor, bias: &Option<Tensor>| -> Result<Tensor> {
+            Ok(match bias {
+                Some(bias) => t.broadcast_add(bias)?,
+                None => t,
+            })
+        };
+        let q = with_bias(b.q.forward(&h)?, &b.q_bias)?;
+        let k = with_bias(b.k.forward(&h)?, &b.k_bias)?;
+        let v = with_bias(b.v.forward(&h)?, &b.v_bias)?;
+        let q = q
+            .reshape((1, seq, c.heads, c.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let k = k
+            .reshape((1, seq, c.kv_heads, c.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let v = v
+            .reshape((1, seq, c.kv_heads, c.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let cos = self.cos.narrow(0, position, seq)?;
+        let sin = self.sin.narrow(0, position, seq)?;
+        let (q, k) = match c.rope_layout {
+            RopeLayout::Interleaved => (
+                candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?,
+                candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?,
+            ),
+            RopeLayout::Halves => (
+                candle_nn::rotary_emb::rope(&q, &cos, &sin)?,
+                candle_nn::rotary_emb::rope(&k, &cos, &sin)?,
+            ),
+        };
+        let (k_all, v_all) = kv.append(&k, &v)?;
+        let total = k_all.dim(2)?;
+        // Grouped-query attention without copying K/V: the query heads that
+        // share a KV head are stacked along the sequence axis.
+        let group = c.heads / c.kv_heads;
+        let q = q.reshape((1, c.kv_heads, group * seq, c.head_dim))?;
+        let scale = 1.0 / (c.head_dim as f64).sqrt();
+        let scores = (q.matmul(&k_all.t()?)? * scale)?;
+        let scores = if seq > 1 {
+            let mask: Vec<f32> = (0..group * seq)
+                .flat_map(|row| {
+                    let query = position + row % seq;
+                    (0..total).map(move |key| if key <= query { 0.0 } else { f32::NEG_INFINITY })
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (group * seq, total), &Device::Cpu)?;
+            scores.broadcast_add(&mask)?
+        } else {
+            scores
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let attended = probs.matmul(&v_all.contiguous()?)?;
+        let attended = attended
+            .reshape((1, c.heads, seq, c.head_dim))?
+            .transpose(1, 2)?
+            .reshape((seq, c.hidden))?;
+        let x = (x + b.o.forward(&attended)?)?;
+        let h = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
+        let gated = (candle_nn::ops::silu(&b.gate.forward(&h)?)? * b.up.forward(&h)?)?;
+        Ok((x + b.down.forward(&gated)?)?)
+    }
+}

@@ -1,0 +1,563 @@
+//! Model files on disk: GGUF, or a Hugging Face safetensors directory. Opens
+//! read metadata only; tensors are read one by one, as a slice asks for them,
+//! and hashed as they are read.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::{QTensor, gguf_file};
+use candle_core::{Device, Tensor};
+use sha2::{Digest, Sha256};
+
+use crate::error::{EngineError, Result};
+
+/// How the model's weights are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Gguf,
+    Safetensors,
+}
+
+/// Rotary embedding layout: llama.cpp permutes Llama's Q/K rows so pairs are
+/// adjacent (interleaved); Hugging Face and Qwen2 GGUF rotate halves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    Interleaved,
+    Halves,
+}
+
+/// A model's hyper-parameters, read from its own metadata.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: String,
+    pub layers: u32,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub rope_theta: f32,
+    pub rms_eps: f64,
+    pub context: usize,
+    pub rope_layout: RopeLayout,
+    pub qkv_bias: bool,
+}
+
+/// A tensor as read from disk: quantized (GGUF) or dense.
+#[derive(Debug)]
+pub enum RawTensor {
+    Quantized(QTensor),
+    Dense(Tensor),
+}
+
+/// Where tensors come from.
+#[derive(Debug)]
+pub enum Source {
+    Gguf {
+        path: PathBuf,
+        content: Box<gguf_file::Content>,
+    },
+    Safetensors {
+        dir: PathBuf,
+        files: BTreeMap<String, PathBuf>,
+        tensors: BTreeMap<String, StEntry>,
+    },
+}
+
+/// Largest safetensors JSON header accepted.
+pub const MAX_SAFETENSORS_HEADER: u64 = 64 * 1024 * 1024;
+
+/// Where one tensor lives in a safetensors file.
+#[derive(Debug, Clone)]
+pub struct StEntry {
+    path: PathBuf,
+    dtype: String,
+    shape: Vec<usize>,
+    /// Absolute byte range in the file.
+    start: u64,
+    end: u64,
+}
+
+/// Read a safetensors header (8-byte little-endian length, then JSON); the
+/// tensor data itself is read later, tensor by tensor, with ranged reads.
+fn read_safetensors_header(path: &Path, into: &mut BTreeMap<String, StEntry>) -> Result<()> {
+    let mut file = File::open(path).map_err(|e| io_error(path, e))?;
+    let file_len = file.metadata().map_err(|e| io_error(path, e))?.len();
+    let mut len_bytes = [0u8; 8];
+    file.read_exact(&mut len_bytes)
+        .map_err(|e| io_error(path, e))?;
+    let header_len = u64::from_le_bytes(len_bytes);
+    if header_len > MAX_SAFETENSORS_HEADER || header_len + 8 > file_len {
+        return Err(bad(
+            path,
+            format!("header of {header_len} bytes does not fit the file (truncated?)"),
+        ));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| io_error(path, e))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| bad(path, format!("header: {e}")))?;
+    let map = json
+        .as_object()
+        .ok_or_else(|| bad(path, "header is not a JSON object"))?;
+    let data_start = 8 + header_len;
+    for (name, info) in map {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = info["dtype"]
+            .as_str()
+            .ok_or_else(|| bad(path, format!("`{name}` has no dtype")))?
+            .to_string();
+        let shape: Vec<usize> = info["shape"]
+            .as_array()
+            .ok_or_else(|| bad(path, format!("`{name}` has no shape")))?
+            .iter()
+            .map(|d| d.as_u64().map(|d| d as usize))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad(path, format!("`{name}` has a bad shape")))?;
+        let offsets = info["data_offsets"]
+            .as_array()
+            .ok_or_else(|| bad(path, format!("`{name}` has no data_offsets")))?;
+        let (Some(begin), Some(end)) = (
+            offsets.first().and_then(|v| v.as_u64()),
+            offsets.get(1).and_then(|v| v.as_u64()),
+        ) else {
+            return Err(bad(path, format!("`{name}` has bad data_offsets")));
+        };
+        if begin > end || data_start + end > file_len {
+            return Err(bad(
+                path,
+                format!("`{name}` lies outside the file (truncated?)"),
+            ));
+        }
+        into.insert(
+            name.clone(),
+            StEntry {
+                path: path.to_path_buf(),
+                dtype,
+                shape,
+                start: data_start + begin,
+                end: data_start + end,
+            },
+        );
+    }
+    Ok(())
+}
+
+fn read_safetensor(name: &str, entry: &StEntry, hasher: &mut blake3::Hasher) -> Result<Tensor> {
+    use std::io::{Seek, SeekFrom};
+    let path = &entry.path;
+    let element = match entry.dtype.as_str() {
+        "F32" => 4,
+        "F16" | "BF16" => 2,
+        other => {
+            return Err(EngineError::UnsupportedType {
+                name: name.into(),
+                dtype: other.into(),
+            });
+        }
+    };
+    let count: usize = entry.shape.iter().product();
+    let length = entry.end - entry.start;
+    if count as u64 * element != length {
+        return Err(bad(
+            path,
+            format!(
+                "`{name}`: {length} bytes for shape {:?} of {}",
+                entry.shape, entry.dtype
+            ),
+        ));
+    }
+    let mut file = File::open(path).map_err(|e| io_error(path, e))?;
+    file.seek(SeekFrom::Start(entry.start))
+        .map_err(|e| io_error(path, e))?;
+    let mut bytes = vec![0u8; length as usize];
+    file.read_exact(&mut bytes).map_err(|e| io_error(path, e))?;
+    hasher.update(&length.to_le_bytes());
+    hasher.update(&bytes);
+    let values: Vec<f32> = match entry.dtype.as_str() {
+        "F32" => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        "F16" => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+    };
+    Ok(Tensor::from_vec(values, entry.shape.clone(), &Device::Cpu)?)
+}
+
+fn io_error(path: &Path, source: std::io::Error) -> EngineError {
+    EngineError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn bad(path: &Path, why: impl Into<String>) -> EngineError {
+    EngineError::BadModel {
+        path: path.display().to_string(),
+        why: why.into(),
+    }
+}
+
+/// Whole-file digests: SHA-256 for the package id, BLAKE3 per file for the
+/// weights digest (seed 001 §3.6). Files are streamed, never held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileDigests {
+    pub package_sha256: [u8; 32],
+    pub files: Vec<(String, [u8; 32])>,
+}
+
+fn digest_files(files: &[(String, PathBuf)]) -> Result<FileDigests> {
+    let mut package = Sha256::new();
+    let mut per_file = Vec::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    for (name, path) in files {
+        let mut reader = BufReader::new(File::open(path).map_err(|e| io_error(path, e))?);
+        let mut blake = blake3::Hasher::new();
+        loop {
+            let n = reader.read(&mut buffer).map_err(|e| io_error(path, e))?;
+            if n == 0 {
+                break;
+            }
+            package.update(&buffer[..n]);
+            blake.update(&buffer[..n]);
+        }
+        per_file.push((name.clone(), *blake.finalize().as_bytes()));
+    }
+    Ok(FileDigests {
+        package_sha256: package.finalize().into(),
+        files: per_file,
+    })
+}
+
+fn gguf_u64(content: &gguf_file::Content, key: &str) -> Option<u64> {
+    use gguf_file::Value::*;
+    match content.metadata.get(key)? {
+        U8(v) => Some(u64::from(*v)),
+        U16(v) => Some(u64::from(*v)),
+        U32(v) => Some(u64::from(*v)),
+        U64(v) => Some(*v),
+        I32(v) => u64::try_from(*v).ok(),
+        I64(v) => u64::try_from(*v).ok(),
+        _ => None,
+    }
+}
+
+fn gguf_f64(content: &gguf_file::Content, key: &str) -> Option<f64> {
+    use gguf_file::Value::*;
+    match content.metadata.get(key)? {
+        F32(v) => Some(f64::from(*v)),
+        F64(v) => Some(*v),
+        _ => None,
+    }
+}
+
+fn architecture_supported(arch: &str) -> Result<(RopeLayout, bool)> {
+    match arch {
+        "llama" | "mistral" => Ok((RopeLayout::Interleaved, false)),
+        "qwen2" => Ok((RopeLayout::Halves, true)),
+        other => Err(EngineError::UnsupportedArchitecture(other.to_string())),
+    }
+}
+
+impl Source {
+    /// Open a GGUF file or a safetensors directory, reading metadata only,
+    /// and stream its files once for their digests.
+    pub fn open(path: &Path) -> Result<(Self, ModelConfig, FileDigests)> {
+        if path.is_dir() {
+            Self::open_safetensors(path)
+        } else {
+            Self::open_gguf(path)
+        }
+    }
+
+    fn open_gguf(path: &Path) -> Result<(Self, ModelConfig, FileDigests)> {
+        let mut file = File::open(path).map_err(|e| io_error(path, e))?;
+        let content = gguf_file::Content::read(&mut file)
+            .map_err(|e| bad(path, format!("not a readable GGUF file: {e}")))?;
+        let arch = match content.metadata.get("general.architecture") {
+            Some(gguf_file::Value::String(arch)) => arch.clone(),
+            _ => return Err(bad(path, "no general.architecture in the GGUF metadata")),
+        };
+        let (rope_layout, qkv_bias) = architecture_supported(&arch)?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let need = |k: &str| {
+            gguf_u64(&content, &key(k)).ok_or_else(|| bad(path, format!("missing {}", key(k))))
+        };
+        let hidden = need("embedding_length")? as usize;
+        let heads = need("attention.head_count")? as usize;
+        if heads == 0 || hidden % heads != 0 {
+            return Err(bad(
+                path,
+                "embedding_length is not a multiple of head_count",
+            ));
+        }
+        let kv_heads =
+            gguf_u64(&content, &key("attention.head_count_kv")).unwrap_or(heads as u64) as usize;
+        let vocab = match content.metadata.get("tokenizer.ggml.tokens") {
+            Some(gguf_file::Value::Array(tokens)) => tokens.len(),
+            _ => gguf_u64(&content, &key("vocab_size"))
+                .ok_or_else(|| bad(path, "no vocabulary size"))? as usize,
+        };
+        let config = ModelConfig {
+            architecture: arch.clone(),
+            layers: u32::try_from(need("block_count")?)
+                .map_err(|_| bad(path, "block_count too large"))?,
+            hidden,
+            ffn: need("feed_forward_length")? as usize,
+            heads,
+            kv_heads,
+            head_dim: hidden / heads,
+            vocab,
+            rope_theta: gguf_f64(&content, &key("rope.freq_base")).unwrap_or(10_000.0) as f32,
+            rms_eps: gguf_f64(&content, &key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
+            context: gguf_u64(&content, &key("context_length")).unwrap_or(2048) as usize,
+            rope_layout,
+            qkv_bias,
+        };
+        check_config(path, &config)?;
+        let name = path.file_name().map_or("model.gguf".to_string(), |n| {
+            n.to_string_lossy().into_owned()
+        });
+        let digests = digest_files(&[(name, path.to_path_buf())])?;
+        Ok((
+            Source::Gguf {
+                path: path.to_path_buf(),
+                content: Box::new(content),
+            },
+            config,
+            digests,
+        ))
+    }
+
+    fn open_safetensors(dir: &Path) -> Result<(Self, ModelConfig, FileDigests)> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|e| io_error(&config_path, e))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(&config_path, e.to_string()))?;
+        let model_type = json["model_type"].as_str().unwrap_or("llama").to_string();
+        let (_, qkv_bias) = architecture_supported(&model_type)?;
+        let num = |k: &str| {
+            json[k]
+                .as_u64()
+                .ok_or_else(|| bad(&config_path, format!("missing `{k}`")))
+        };
+        let hidden = num("hidden_size")? as usize;
+        let heads = num("num_attention_heads")? as usize;
+        if heads == 0 || hidden % heads != 0 {
+            return Err(bad(
+                &config_path,
+                "hidden_size is not a multiple of num_attention_heads",
+            ));
+        }
+        let config = ModelConfig {
+            architecture: model_type,
+            layers: u32::try_from(num("num_hidden_layers")?)
+                .map_err(|_| bad(&config_path, "too many layers"))?,
+            hidden,
+            ffn: num("intermediate_size")? as usize,
+            heads,
+            kv_heads: json["num_key_value_heads"].as_u64().unwrap_or(heads as u64) as usize,
+            head_dim: hidden / heads,
+            vocab: num("vocab_size")? as usize,
+            rope_theta: json["rope_theta"].as_f64().unwrap_or(10_000.0) as f32,
+            rms_eps: json["rms_norm_eps"].as_f64().unwrap_or(1e-5),
+            context: json["max_position_embeddings"].as_u64().unwrap_or(2048) as usize,
+            rope_layout: RopeLayout::Halves,
+            qkv_bias,
+        };
+        check_config(&config_path, &config)?;
+        let index = dir.join("model.safetensors.index.json");
+        let mut shards: Vec<String> = if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|e| io_error(&index, e))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| bad(&index, e.to_string()))?;
+            let map = json["weight_map"]
+                .as_object()
+                .ok_or_else(|| bad(&index, "no weight_map"))?;
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect();
+            names.sort();
+            names.dedup();
+            names
+        } else {
+            vec!["model.safetensors".to_string()]
+        };
+        shards.sort();
+        let mut files: BTreeMap<String, PathBuf> = BTreeMap::new();
+        files.insert("config.json".into(), config_path.clone());
+        for shard in &shards {
+            let path = dir.join(shard);
+            if !path.is_file() {
+                return Err(bad(&path, "the shard named by the model is missing"));
+            }
+            files.insert(shard.clone(), path);
+        }
+        let mut tensors = BTreeMap::new();
+        for shard in &shards {
+            read_safetensors_header(&dir.join(shard), &mut tensors)?;
+        }
+        let ordered: Vec<(String, PathBuf)> =
+            files.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let digests = digest_files(&ordered)?;
+        Ok((
+            Source::Safetensors {
+                dir: dir.to_path_buf(),
+                files,
+                tensors,
+            },
+            config,
+            digests,
+        ))
+    }
+
+    pub fn format(&self) -> Format {
+        match self {
+            Source::Gguf { .. } => Format::Gguf,
+            Source::Safetensors { .. } => Format::Safetensors,
+        }
+    }
+
+    /// Whether a tensor exists (for tied output heads and optional biases).
+    pub fn has(&self, name: &str) -> bool {
+        match self {
+            Source::Gguf { content, .. } => content.tensor_infos.contains_key(name),
+            Source::Safetensors { tensors, .. } => tensors.contains_key(name),
+        }
+    }
+
+    /// Read one tensor, hashing its stored bytes into `hasher` (name, then
+    /// bytes) as it is read.
+    pub fn read(&self, name: &str, hasher: &mut blake3::Hasher) -> Result<RawTensor> {
+        hasher.update(&(name.len() as u64).to_le_bytes());
+        hasher.update(name.as_bytes());
+        match self {
+            Source::Gguf { path, content } => {
+                let mut file = File::open(path).map_err(|e| io_error(path, e))?;
+                let tensor = content.tensor(&mut file, name, &Device::Cpu).map_err(|e| {
+                    let message = e.to_string();
+                    if message.contains("unknown dtype") || message.contains("unsupported") {
+                        EngineError::UnsupportedType {
+                            name: name.into(),
+                            dtype: message,
+                        }
+                    } else {
+                        bad(path, format!("tensor `{name}`: {message}"))
+                    }
+                })?;
+                let bytes = tensor.data()?;
+                hasher.update(&(bytes.len() as u64).to_le_bytes());
+                hasher.update(&bytes);
+                drop(bytes);
+                Ok(RawTensor::Quantized(tensor))
+            }
+            Source::Safetensors { dir, tensors, .. } => {
+                let entry = tensors
+                    .get(name)
+                    .ok_or_else(|| bad(dir, format!("no tensor `{name}`")))?;
+                Ok(RawTensor::Dense(read_safetensor(name, entry, hasher)?))
+            }
+        }
+    }
+
+    /// Tensor names of the standard Llama layout, per format.
+    pub fn names(&self) -> TensorNames {
+        match self {
+            Source::Gguf { .. } => TensorNames::gguf(),
+            Source::Safetensors { .. } => TensorNames::hf(),
+        }
+    }
+
+    /// The GGUF metadata, when the model is a GGUF file.
+    pub fn gguf(&self) -> Option<&gguf_file::Content> {
+        match self {
+            Source::Gguf { content, .. } => Some(content),
+            Source::Safetensors { .. } => None,
+        }
+    }
+
+    pub fn dir(&self) -> Option<&Path> {
+        match self {
+            Source::Safetensors { dir, .. } => Some(dir),
+            Source::Gguf { .. } => None,
+        }
+    }
+}
+
+fn check_config(path: &Path, c: &ModelConfig) -> Result<()> {
+    let sane = c.layers > 0
+        && c.hidden > 0
+        && c.kv_heads > 0
+        && c.heads % c.kv_heads == 0
+        && c.head_dim % 2 == 0
+        && c.vocab > 0
+        && c.ffn > 0;
+    if sane {
+        Ok(())
+    } else {
+        Err(bad(path, format!("inconsistent hyper-parameters: {c:?}")))
+    }
+}
+
+/// Names of the tensors a Llama-family slice reads.
+#[derive(Debug, Clone)]
+pub struct TensorNames {
+    pub embedding: &'static str,
+    pub output_norm: &'static str,
+    pub output: &'static str,
+    block: fn(u32, &str) -> String,
+}
+
+impl TensorNames {
+    fn gguf() -> Self {
+        Self {
+            embedding: "token_embd.weight",
+            output_norm: "output_norm.weight",
+            output: "output.weight",
+            block: |i, part| format!("blk.{i}.{part}"),
+        }
+    }
+    fn hf() -> Self {
+        Self {
+            embedding: "model.embed_tokens.weight",
+            output_norm: "model.norm.weight",
+            output: "lm_head.weight",
+            block: |i, part| {
+                let hf = match part {
+                    "attn_norm.weight" => "input_layernorm.weight",
+                    "ffn_norm.weight" => "post_attention_layernorm.weight",
+                    "attn_q.weight" => "self_attn.q_proj.weight",
+                    "attn_k.weight" => "self_attn.k_proj.weight",
+                    "attn_v.weight" => "self_attn.v_proj.weight",
+                    "attn_q.bias" => "self_attn.q_proj.bias",
+                    "attn_k.bias" => "self_attn.k_proj.bias",
+                    "attn_v.bias" => "self_attn.v_proj.bias",
+                    "attn_output.weight" => "self_attn.o_proj.weight",
+                    "ffn_gate.weight" => "mlp.gate_proj.weight",
+                    "ffn_up.weight" => "mlp.up_proj.weight",
+                    "ffn_down.weight" => "mlp.down_proj.weight",
+                    other => other,
+                };
+                format!("model.layers.{i}.{hf}")
+            },
+        }
+    }
+    /// The name of `part` (GGUF spelling, e.g. `attn_q.weight`) in block `i`.
+    pub fn block(&self, i: u32, part: &str) -> String {
+        (self.block)(i, part)
+    }
+}

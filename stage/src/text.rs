@@ -1,0 +1,205 @@
+//! Tokenizers and chat templates, from the model's own metadata.
+
+use candle_core::quantized::gguf_file;
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use tokenizers::Tokenizer;
+
+use crate::error::{EngineError, Result};
+use crate::source::Source;
+
+/// A model's tokenizer with what generation needs around it.
+#[derive(Debug, Clone)]
+pub struct TextCodec {
+    tokenizer: Tokenizer,
+    eos: Vec<u32>,
+    bos: Option<u32>,
+    add_bos: bool,
+    chat: Option<ChatTemplate>,
+}
+
+/// The chat formats this engine renders (from the model's own template).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChatTemplate {
+    /// `<|im_start|>role\n…<|im_end|>\n`, with the template's default system
+    /// message when it has one (SmolLM2, Qwen2).
+    ChatMl { default_system: Option<String> },
+    /// Llama 3: `<|start_header_id|>role<|end_header_id|>\n\n…<|eot_id|>`.
+    Llama3,
+    /// Llama 2 / Mistral: `[INST] … [/INST]`.
+    Inst,
+}
+
+impl ChatTemplate {
+    /// Recognise a Jinja chat template by its markers.
+    pub fn recognise(template: &str) -> Option<Self> {
+        if template.contains("<|im_start|>") {
+            let default_system = template.find("<|im_start|>system\n").and_then(|start| {
+                let rest = &template[start + "<|im_start|>system\n".len()..];
+                let end = rest.find("<|im_end|>")?;
+                let text = &rest[..end];
+                (!text.contains("{{") && !text.contains("message")).then(|| text.to_string())
+            });
+            Some(ChatTemplate::ChatMl { default_system })
+        } else if template.contains("<|start_header_id|>") {
+            Some(ChatTemplate::Llama3)
+        } else if template.contains("[INST]") {
+            Some(ChatTemplate::Inst)
+        } else {
+            None
+        }
+    }
+
+    /// One user turn, ready for the assistant's answer.
+    pub fn render_user(&self, prompt: &str) -> String {
+        match self {
+            ChatTemplate::ChatMl { default_system } => {
+                let system = default_system
+                    .as_ref()
+                    .map(|s| format!("<|im_start|>system\n{s}<|im_end|>\n"))
+                    .unwrap_or_default();
+                format!("{system}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+            }
+            ChatTemplate::Llama3 => format!(
+                "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+            ),
+            ChatTemplate::Inst => format!("[INST] {prompt} [/INST]"),
+        }
+    }
+}
+
+fn tokenizer_error(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Tokenizer(e.to_string())
+}
+
+impl TextCodec {
+    /// The tokenizer in the model's metadata (GGUF) or beside it
+    /// (`tokenizer.json`, `tokenizer_config.json` for a safetensors directory).
+    pub fn from_source(source: &Source) -> Result<Self> {
+        match source {
+            Source::Gguf { content, .. } => Self::from_gguf(content),
+            Source::Safetensors { dir, .. } => Self::from_dir(dir),
+        }
+    }
+
+    fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
+        let tokenizer = Tokenizer::from_gguf(content).map_err(tokenizer_error)?;
+        let id = |key: &str| match content.metadata.get(key) {
+            Some(gguf_file::Value::U32(v)) => Some(*v),
+            Some(gguf_file::Value::I32(v)) => u32::try_from(*v).ok(),
+            _ => None,
+        };
+        let add_bos = matches!(
+            content.metadata.get("tokenizer.ggml.add_bos_token"),
+            Some(gguf_file::Value::Bool(true))
+        );
+        let chat = match content.metadata.get("tokenizer.chat_template") {
+            Some(gguf_file::Value::String(t)) => ChatTemplate::recognise(t),
+            _ => None,
+        };
+        let mut codec = Self {
+            tokenizer,
+            eos: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
+            bos: id("tokenizer.ggml.bos_token_id"),
+            add_bos,
+            chat,
+        };
+        codec.add_turn_end_tokens();
+        Ok(codec)
+    }
+
+    fn from_dir(dir: &std::path::Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&path)
+            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let config: serde_json::Value = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
+        let token = |key: &str| -> Option<u32> {
+            let text = match &config[key] {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Object(o) => o.get("content")?.as_str()?.to_string(),
+                _ => return None,
+            };
+            tokenizer.token_to_id(&text)
+        };
+        let chat = config["chat_template"]
+            .as_str()
+            .and_then(ChatTemplate::recognise);
+        let mut codec = Self {
+            eos: token("eos_token").into_iter().collect(),
+            bos: token("bos_token"),
+            add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
+            chat,
+            tokenizer,
+        };
+        codec.add_turn_end_tokens();
+        Ok(codec)
+    }
+
+    /// Chat models end a turn with their own marker; stop there too.
+    fn add_turn_end_tokens(&mut self) {
+        for marker in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>"] {
+            if let Some(id) = self.tokenizer.token_to_id(marker)
+                && !self.eos.contains(&id)
+            {
+                self.eos.push(id);
+            }
+        }
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(tokenizer_error)?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        if self.add_bos
+            && let Some(bos) = self.bos
+        {
+            ids.push(bos);
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer.decode(ids, true).map_err(tokenizer_error)
+    }
+
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos.contains(&id)
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref()
+    }
+
+    /// The prompt wrapped in the model's chat template.
+    pub fn chat_prompt(&self, prompt: &str) -> Result<String> {
+        self.chat
+            .as_ref()
+            .map(|t| t.render_user(prompt))
+            .ok_or_else(|| EngineError::ChatTemplate("the model carries no chat template this engine recognises (ChatML, Llama 3, [INST]); run without --chat".into()))
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_smollm2s_template_and_its_default_system_message() {
+        let template = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+        let chat = ChatTemplate::recognise(template).unwrap();
+        assert_eq!(
+            chat.render_user("Hi"),
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(ChatTemplate::recognise("{{ bos_token }}"), None);
+    }
+}

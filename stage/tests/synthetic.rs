@@ -1,0 +1,214 @@
+//! The engine on the synthetic model: split runs are bit-identical to the
+//! unsplit run, the safetensors copy agrees with the GGUF copies, every
+//! supported quantization loads and runs, and bad inputs fail cleanly.
+
+use std::ops::Range;
+
+use candle_core::quantized::GgmlDType;
+use mesh_stage::frame::WireDType;
+use mesh_stage::pipeline::{Generation, Pipeline};
+use mesh_stage::sampling::{Sampler, SamplingParams};
+use mesh_stage::synthetic::{SyntheticModel, SyntheticSpec, write_synthetic};
+use mesh_stage::{EngineError, ModelHandle};
+
+fn model(types: &[GgmlDType]) -> (tempfile::TempDir, SyntheticModel) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = write_synthetic(dir.path(), &SyntheticSpec::default(), types).unwrap();
+    (dir, model)
+}
+
+fn run(handle: &ModelHandle, ranges: &[Range<u32>], prompt: &str, wire: WireDType) -> Generation {
+    let slices = ranges
+        .iter()
+        .map(|r| handle.load_slice(r.clone()).unwrap())
+        .collect();
+    let pipeline = Pipeline::new(slices, wire).unwrap();
+    let ids = handle.text().encode(prompt).unwrap();
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    pipeline
+        .generate(&ids, 12, &mut sampler, &|_| false, &mut |_| {})
+        .unwrap()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn splits_are_bit_identical_to_the_unsplit_run() {
+    let (_dir, model) = model(&[GgmlDType::F32, GgmlDType::Q8_0]);
+    for path in [
+        model.gguf(GgmlDType::F32).unwrap(),
+        model.gguf(GgmlDType::Q8_0).unwrap(),
+        model.safetensors_dir.as_path(),
+    ] {
+        let handle = ModelHandle::open(path).unwrap();
+        let whole = run(&handle, &[0..6], "The quick brown fox", WireDType::F32);
+        assert_eq!(whole.tokens.len(), 12);
+        for split in [
+            vec![0..3, 3..6],
+            vec![0..1, 1..4, 4..6],
+            vec![0..1, 1..2, 2..3, 3..5, 5..6],
+            vec![0..5, 5..6],
+        ] {
+            let parts = run(&handle, &split, "The quick brown fox", WireDType::F32);
+            assert_eq!(
+                parts.tokens,
+                whole.tokens,
+                "{} split {split:?}",
+                path.display()
+            );
+            assert_eq!(
+                bits(&parts.last_logits),
+                bits(&whole.last_logits),
+                "{} split {split:?}",
+                path.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn safetensors_and_gguf_copies_give_the_same_tokens() {
+    let (_dir, model) = model(&[GgmlDType::F32, GgmlDType::F16]);
+    let st = run(
+        &ModelHandle::open(&model.safetensors_dir).unwrap(),
+        &[0..6],
+        "Hello, world",
+        WireDType::F32,
+    );
+    let f32 = run(
+        &ModelHandle::open(model.gguf(GgmlDType::F32).unwrap()).unwrap(),
+        &[0..6],
+        "Hello, world",
+        WireDType::F32,
+    );
+    let f16 = run(
+        &ModelHandle::open(model.gguf(GgmlDType::F16).unwrap()).unwrap(),
+        &[0..6],
+        "Hello, world",
+        WireDType::F32,
+    );
+    assert_eq!(
+        st.tokens, f32.tokens,
+        "safetensors vs GGUF F32 (Q/K permuted for llama.cpp's rotary layout)"
+    );
+    assert_eq!(st.tokens, f16.tokens, "safetensors vs GGUF F16");
+}
+
+#[test]
+fn every_supported_quantization_loads_and_runs() {
+    let types = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+        GgmlDType::Q8_0,
+        GgmlDType::F16,
+    ];
+    let (_dir, model) = model(&types);
+    for dtype in types {
+        let handle = ModelHandle::open(model.gguf(dtype).unwrap()).unwrap();
+        let out = run(&handle, &[0..2, 2..6], "abc", WireDType::F32);
+        assert_eq!(out.tokens.len(), 12, "{dtype:?}");
+        assert!(out.last_logits.iter().all(|v| v.is_finite()), "{dtype:?}");
+    }
+}
+
+#[test]
+fn f16_frames_halve_the_bytes() {
+    let (_dir, model) = model(&[GgmlDType::F32]);
+    let handle = ModelHandle::open(model.gguf(GgmlDType::F32).unwrap()).unwrap();
+    let f32 = run(&handle, &[0..3, 3..6], "frames", WireDType::F32);
+    let f16 = run(&handle, &[0..3, 3..6], "frames", WireDType::F16);
+    assert_eq!(f32.frame_bytes - 16 * 12, 2 * (f16.frame_bytes - 16 * 12));
+}
+
+#[test]
+fn slices_load_only_their_share_and_report_digests() {
+    let (_dir, model) = model(&[GgmlDType::F32]);
+    let handle = ModelHandle::open(model.gguf(GgmlDType::F32).unwrap()).unwrap();
+    let whole = handle.load_slice(0..6).unwrap();
+    let middle = handle.load_slice(2..4).unwrap();
+    let blocks_only = middle.weight_bytes() as f64;
+    // The middle third holds 2 of 6 blocks and neither end.
+    let per_block = blocks_only / 2.0;
+    assert!(
+        whole.weight_bytes() as f64 > 6.0 * per_block,
+        "the whole model also holds embedding and head"
+    );
+    assert!(blocks_only < whole.weight_bytes() as f64 / 2.5);
+    assert_ne!(middle.weights_digest(), whole.weights_digest());
+    assert_eq!(
+        middle.weights_digest(),
+        handle.load_slice(2..4).unwrap().weights_digest(),
+        "digests are stable"
+    );
+    assert_ne!(handle.package_id(), [0; 32]);
+}
+
+#[test]
+fn bad_inputs_fail_cleanly() {
+    let (dir, model) = model(&[GgmlDType::F32]);
+    let gguf = model.gguf(GgmlDType::F32).unwrap();
+    assert!(matches!(
+        ModelHandle::open(&dir.path().join("missing.gguf")),
+        Err(EngineError::Io { .. })
+    ));
+    let bytes = std::fs::read(gguf).unwrap();
+    let truncated = dir.path().join("truncated.gguf");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    // A truncated file opens (metadata is intact) but its tensors cannot be read.
+    match ModelHandle::open(&truncated) {
+        Err(_) => {}
+        Ok(handle) => assert!(handle.load_slice(0..6).is_err()),
+    }
+    let header_only = dir.path().join("header.gguf");
+    std::fs::write(&header_only, &bytes[..100]).unwrap();
+    assert!(ModelHandle::open(&header_only).is_err());
+    let handle = ModelHandle::open(gguf).unwrap();
+    assert!(matches!(
+        handle.load_slice(4..7),
+        Err(EngineError::BadRange { .. })
+    ));
+    assert!(matches!(
+        handle.load_slice(3..3),
+        Err(EngineError::BadRange { .. })
+    ));
+    // A prompt longer than the context.
+    let pipeline = Pipeline::new(vec![handle.load_slice(0..6).unwrap()], WireDType::F32).unwrap();
+    let long = vec![65u32; 2040];
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    assert!(matches!(
+        pipeline.generate(&long, 16, &mut sampler, &|_| false, &mut |_| {}),
+        Err(EngineError::ContextExceeded { .. })
+    ));
+    // A frame of the wrong width, and tokens to a middle slice.
+    let middle = handle.load_slice(2..4).unwrap();
+    let mut cache = middle.new_cache(8).unwrap();
+    let wrong = mesh_stage::frame::Activations {
+        rows: 1,
+        cols: 10,
+        values: vec![0.0; 10],
+    };
+    assert!(
+        middle
+            .forward(mesh_stage::SliceInput::Hidden(&wrong), &mut cache)
+            .is_err()
+    );
+    assert!(
+        middle
+            .forward(mesh_stage::SliceInput::Tokens(&[1]), &mut cache)
+            .is_err()
+    );
+    // An unknown architecture.
+    let st = &model.safetensors_dir;
+    let config = std::fs::read_to_string(st.join("config.json"))
+        .unwrap()
+        .replace("\"llama\"", "\"mamba\"");
+    std::fs::write(st.join("config.json"), config).unwrap();
+    assert!(matches!(
+        ModelHandle::open(st),
+        Err(EngineError::UnsupportedArchitecture(_))
+    ));
+}
