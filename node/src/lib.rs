@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod energy;
+pub mod engine_cli;
 pub mod exercise;
 pub mod inspect;
 pub mod journal;

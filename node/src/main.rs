@@ -34,6 +34,38 @@ enum Command {
         #[arg(long)]
         prev: Option<PathBuf>,
     },
+    /// Run a model in this process, slice by slice, and print the text.
+    Generate {
+        /// A GGUF file or a safetensors model directory (default: the
+        /// built-in synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long)]
+        prompt: String,
+        #[arg(long, default_value_t = 64)]
+        max_tokens: usize,
+        /// Wrap the prompt in the model's own chat template.
+        #[arg(long)]
+        chat: bool,
+        /// Layer ranges, e.g. 0..10,10..20,20..30 (default: one slice).
+        #[arg(long)]
+        split: Option<String>,
+        /// 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Activation encoding between slices: f32 (exact), f16, bf16.
+        #[arg(long, default_value = "f32")]
+        wire: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Create a node key (an Ed25519 seed) and print the node id (did:key).
     Keygen {
         #[arg(long)]
@@ -241,6 +273,38 @@ fn verify(file: &Path, prev: Option<&Path>, as_json: bool) -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Verify { json, file, prev } => Ok(verify(&file, prev.as_deref(), json)),
+        Command::Generate {
+            model,
+            prompt,
+            max_tokens,
+            chat,
+            split,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            wire,
+            json,
+        } => {
+            let wire = mesh_stage::frame::WireDType::parse(&wire)
+                .context("--wire must be f32, f16 or bf16")?;
+            mesh_node::engine_cli::generate(&mesh_node::engine_cli::GenerateOptions {
+                model,
+                prompt,
+                max_tokens,
+                chat,
+                split,
+                sampling: mesh_stage::sampling::SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed,
+                },
+                wire,
+                json,
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Keygen { out } => {
             let key = mesh_node::keys::generate(&out)?;
             println!(

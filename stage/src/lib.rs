@@ -6,6 +6,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+pub mod cache;
 pub mod error;
 pub mod frame;
 pub mod model;
@@ -20,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 pub use error::{EngineError, Result};
 pub use mesh_protocol as protocol;
-pub use model::{LayerSlice, SliceCache, SliceInput, SliceOutput};
+pub use model::{ExecPolicy, LayerSlice, SliceCache, SliceInput, SliceOutput};
 pub use source::{FileDigests, Format, ModelConfig};
 
 /// An opened model: its metadata, tokenizer and file digests, with no
@@ -81,9 +82,17 @@ impl ModelHandle {
         &self.digests
     }
 
-    /// Load the slice of layers `range`.
+    /// Load the slice of layers `range` with the default execution policy.
     pub fn load_slice(&self, range: Range<u32>) -> Result<LayerSlice> {
-        LayerSlice::load(&self.source, &self.config, range)
+        self.load_slice_with(range, model::ExecPolicy::default())
+    }
+
+    pub fn load_slice_with(
+        &self,
+        range: Range<u32>,
+        policy: model::ExecPolicy,
+    ) -> Result<LayerSlice> {
+        LayerSlice::load(&self.source, &self.config, range, policy)
     }
 }
 

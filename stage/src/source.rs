@@ -298,7 +298,7 @@ impl Source {
         };
         let hidden = need("embedding_length")? as usize;
         let heads = need("attention.head_count")? as usize;
-        if heads == 0 || hidden % heads != 0 {
+        if heads == 0 || !hidden.is_multiple_of(heads) {
             return Err(bad(
                 path,
                 "embedding_length is not a multiple of head_count",
@@ -356,7 +356,7 @@ impl Source {
         };
         let hidden = num("hidden_size")? as usize;
         let heads = num("num_attention_heads")? as usize;
-        if heads == 0 || hidden % heads != 0 {
+        if heads == 0 || !hidden.is_multiple_of(heads) {
             return Err(bad(
                 &config_path,
                 "hidden_size is not a multiple of num_attention_heads",
@@ -502,8 +502,8 @@ fn check_config(path: &Path, c: &ModelConfig) -> Result<()> {
     let sane = c.layers > 0
         && c.hidden > 0
         && c.kv_heads > 0
-        && c.heads % c.kv_heads == 0
-        && c.head_dim % 2 == 0
+        && c.heads.is_multiple_of(c.kv_heads)
+        && c.head_dim.is_multiple_of(2)
         && c.vocab > 0
         && c.ffn > 0;
     if sane {

@@ -1,3 +1,4 @@
+#![allow(clippy::single_range_in_vec_init)] // one range is the whole model, unsplit
 //! The engine on the synthetic model: split runs are bit-identical to the
 //! unsplit run, the safetensors copy agrees with the GGUF copies, every
 //! supported quantization loads and runs, and bad inputs fail cleanly.
@@ -211,4 +212,42 @@ fn bad_inputs_fail_cleanly() {
         ModelHandle::open(st),
         Err(EngineError::UnsupportedArchitecture(_))
     ));
+}
+
+#[test]
+fn cache_pool_is_bounded_and_releases() {
+    use mesh_stage::cache::CachePool;
+    let (_dir, model) = model(&[GgmlDType::F32]);
+    let handle = ModelHandle::open(model.gguf(GgmlDType::F32).unwrap()).unwrap();
+    let slice = handle.load_slice(0..6).unwrap();
+    let mut pool = CachePool::new(2, 64);
+    pool.open(&slice, 1, 32).unwrap();
+    pool.open(&slice, 2, 32).unwrap();
+    assert!(matches!(
+        pool.open(&slice, 3, 32),
+        Err(EngineError::Busy(2))
+    ));
+    assert!(matches!(
+        pool.open(&slice, 4, 65),
+        Err(EngineError::ContextExceeded { .. })
+    ));
+    let cache = pool.get_mut(1).unwrap();
+    slice
+        .forward(mesh_stage::SliceInput::Tokens(&[1, 2, 3]), cache)
+        .unwrap();
+    assert_eq!(pool.get_mut(1).unwrap().position(), 3);
+    assert!(pool.release(1));
+    assert!(!pool.release(1));
+    assert!(matches!(
+        pool.get_mut(1),
+        Err(EngineError::UnknownRequest(1))
+    ));
+    pool.open(&slice, 3, 32).unwrap();
+    // A cache never grows past its capacity.
+    let cache = pool.get_mut(3).unwrap();
+    assert!(
+        slice
+            .forward(mesh_stage::SliceInput::Tokens(&[1; 33]), cache)
+            .is_err()
+    );
 }
