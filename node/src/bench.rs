@@ -213,3 +213,175 @@ pub fn bench_steward(dir: &std::path::Path, serves: u32) -> anyhow::Result<Strin
     )?;
     Ok(out)
 }
+
+/// One configuration of `mesh-node bench engine`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EngineRun {
+    pub execution: String,
+    pub slices: usize,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+}
+
+/// Resident set size of this process, in bytes (Linux).
+pub fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+/// `mesh-node bench engine`: prefill and decode tokens/s, unsplit and split
+/// in-process, for the model's own quantization and for dense f32; and the
+/// memory a third of the layers holds.
+pub fn bench_engine(
+    model: &std::path::Path,
+    prompt_tokens: usize,
+    decode_tokens: usize,
+) -> anyhow::Result<serde_json::Value> {
+    use mesh_stage::frame::WireDType;
+    use mesh_stage::pipeline::Pipeline;
+    use mesh_stage::sampling::{Sampler, SamplingParams};
+    use mesh_stage::{ExecPolicy, ModelHandle};
+
+    let handle = ModelHandle::open(model)?;
+    let layers = handle.config().layers;
+    // A prompt of exactly `prompt_tokens` ids, as llama-bench's -p uses.
+    let text = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of Constantinople. ".repeat(64);
+    let mut prompt = handle.text().encode(&text)?;
+    prompt.truncate(prompt_tokens);
+    let memory_before = resident_bytes();
+    let middle = handle.load_slice(layers / 3..2 * layers / 3)?;
+    let memory_third = resident_bytes()
+        .zip(memory_before)
+        .map(|(a, b)| a.saturating_sub(b));
+    let third_bytes = middle.weight_bytes();
+    drop(middle);
+
+    let mut runs = Vec::new();
+    let mut whole_bytes = 0;
+    for (execution, policy) in [
+        (
+            "stored quantization (Q4_1 runs as Q8_0)",
+            ExecPolicy::default(),
+        ),
+        (
+            "dense f32",
+            ExecPolicy {
+                dense_f32: true,
+                ..ExecPolicy::default()
+            },
+        ),
+    ] {
+        for parts in [1u32, 3] {
+            let slices = mesh_stage::even_split(layers, parts)
+                .into_iter()
+                .map(|r| handle.load_slice_with(r, policy))
+                .collect::<mesh_stage::Result<Vec<_>>>()?;
+            if parts == 1 && policy == ExecPolicy::default() {
+                whole_bytes = slices[0].weight_bytes();
+            }
+            let pipeline = Pipeline::new(slices, WireDType::F32)?;
+            // Warm up once, then measure.
+            let mut sampler = Sampler::new(SamplingParams::greedy());
+            pipeline.generate(
+                &prompt[..prompt.len().min(8)],
+                4,
+                &mut sampler,
+                &|_| false,
+                &mut |_| {},
+            )?;
+            let mut sampler = Sampler::new(SamplingParams::greedy());
+            let generation = pipeline.generate(
+                &prompt,
+                decode_tokens + 1,
+                &mut sampler,
+                &|_| false,
+                &mut |_| {},
+            )?;
+            runs.push(EngineRun {
+                execution: execution.to_string(),
+                slices: parts as usize,
+                prefill_tokens_per_s: generation.timings.prefill_tokens_per_s(),
+                decode_tokens_per_s: generation.timings.decode_tokens_per_s(),
+            });
+        }
+    }
+    let ratio = |execution: &str, field: fn(&EngineRun) -> f64| -> f64 {
+        let find = |n: usize| {
+            runs.iter()
+                .find(|r| r.execution == execution && r.slices == n)
+                .map(field)
+                .unwrap_or(0.0)
+        };
+        find(3) / find(1).max(1e-9)
+    };
+    let quantized = "stored quantization (Q4_1 runs as Q8_0)";
+    Ok(serde_json::json!({
+        "model": model.display().to_string(),
+        "threads": candle_core::utils::get_num_threads(),
+        "prompt_tokens": prompt.len(),
+        "decode_tokens": decode_tokens,
+        "runs": runs,
+        "split_over_unsplit": {
+            "quantized_decode": ratio(quantized, |r| r.decode_tokens_per_s),
+            "quantized_prefill": ratio(quantized, |r| r.prefill_tokens_per_s),
+            "f32_decode": ratio("dense f32", |r| r.decode_tokens_per_s),
+            "f32_prefill": ratio("dense f32", |r| r.prefill_tokens_per_s),
+        },
+        "memory": {
+            "whole_weight_bytes": whole_bytes,
+            "middle_third_weight_bytes": third_bytes,
+            "middle_third_share": third_bytes as f64 / whole_bytes.max(1) as f64,
+            "middle_third_rss_delta_bytes": memory_third,
+        },
+    }))
+}
+
+/// The text form of `bench engine`'s report.
+pub fn render_engine(report: &serde_json::Value) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    let _ = writeln!(
+        out,
+        "model {}  threads {}  prompt {} tokens, decode {} tokens",
+        report["model"].as_str().unwrap_or(""),
+        report["threads"],
+        report["prompt_tokens"],
+        report["decode_tokens"]
+    );
+    let _ = writeln!(
+        out,
+        "{:<42} {:>7} {:>14} {:>14}",
+        "execution", "slices", "prefill tok/s", "decode tok/s"
+    );
+    for run in report["runs"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            out,
+            "{:<42} {:>7} {:>14.1} {:>14.1}",
+            run["execution"].as_str().unwrap_or(""),
+            run["slices"],
+            f(&run["prefill_tokens_per_s"]),
+            f(&run["decode_tokens_per_s"])
+        );
+    }
+    let r = &report["split_over_unsplit"];
+    let _ = writeln!(
+        out,
+        "split/unsplit (3 slices in-process): quantized decode {:.3}, prefill {:.3}; f32 decode {:.3}, prefill {:.3}",
+        f(&r["quantized_decode"]),
+        f(&r["quantized_prefill"]),
+        f(&r["f32_decode"]),
+        f(&r["f32_prefill"])
+    );
+    let m = &report["memory"];
+    let _ = writeln!(
+        out,
+        "memory: the whole model holds {} B of weights; the middle third {} B ({:.1} %); RSS grew {} B loading that third",
+        m["whole_weight_bytes"],
+        m["middle_third_weight_bytes"],
+        100.0 * f(&m["middle_third_share"]),
+        m["middle_third_rss_delta_bytes"]
+    );
+    out
+}

@@ -145,6 +145,20 @@ enum BenchTarget {
         #[arg(long, default_value_t = 1.0)]
         seconds: f64,
     },
+    /// Engine prefill/decode tokens/s, unsplit vs split in-process, and the
+    /// memory a third of the layers holds.
+    Engine {
+        /// A GGUF file or safetensors directory (default: SmolLM2-135M from
+        /// the model cache, else the built-in synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value_t = 64)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 64)]
+        decode_tokens: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Receipts sealed per second (sign + journal fsync), grant decisions per
     /// second, and what the steward adds to one serve.
     Steward {
@@ -423,6 +437,37 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     m.fold_mb_per_s / m.sha256_mb_per_s,
                     m.fold_us_per_frame
                 );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target:
+                BenchTarget::Engine {
+                    model,
+                    prompt_tokens,
+                    decode_tokens,
+                    json,
+                },
+        } => {
+            let model = match model {
+                Some(model) => model,
+                None => {
+                    let cached = std::env::var_os("HOME")
+                        .map(PathBuf::from)
+                        .unwrap_or_default()
+                        .join(".cache/mesh-node/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+                    if cached.is_file() {
+                        cached
+                    } else {
+                        mesh_node::engine_cli::synthetic_model_path()?
+                    }
+                }
+            };
+            let report = mesh_node::bench::bench_engine(&model, prompt_tokens, decode_tokens)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", mesh_node::bench::render_engine(&report));
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -29,11 +29,17 @@ pub struct ExecPolicy {
     /// at 1.7x the memory of Q4_1; the slice's weights digest still covers
     /// the stored Q4_1 bytes. Deterministic, so splits stay bit-identical.
     pub q4_1_as_q8_0: bool,
+    /// Run every matrix dense in f32 (dequantized at load): exact but 4-6x
+    /// the memory of a 4-bit file; for comparison and for debugging.
+    pub dense_f32: bool,
 }
 
 impl Default for ExecPolicy {
     fn default() -> Self {
-        Self { q4_1_as_q8_0: true }
+        Self {
+            q4_1_as_q8_0: true,
+            dense_f32: false,
+        }
     }
 }
 
@@ -41,6 +47,11 @@ impl Linear {
     /// Build the executable form; `resident` grows by the bytes it holds.
     fn from_raw(raw: RawTensor, policy: ExecPolicy, resident: &mut usize) -> Result<Self> {
         Ok(match raw {
+            RawTensor::Quantized(q) if policy.dense_f32 => {
+                let dense = q.dequantize(&Device::Cpu)?;
+                *resident += dense.elem_count() * 4;
+                Linear::Dense(candle_nn::Linear::new(dense, None))
+            }
             RawTensor::Quantized(q) if policy.q4_1_as_q8_0 && q.dtype() == GgmlDType::Q4_1 => {
                 let dense = q.dequantize(&Device::Cpu)?;
                 let q8 = QTensor::quantize(&dense, GgmlDType::Q8_0)?;
