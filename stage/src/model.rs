@@ -80,6 +80,109 @@ impl Linear {
     }
 }
 
+/// Several projections of the same input, run as one matrix when they can be
+/// stacked (one activation quantization and one kernel dispatch instead of
+/// several), or one by one when their stored types differ.
+#[derive(Debug)]
+enum Projections {
+    Stacked { linear: Linear, widths: Vec<usize> },
+    Separate(Vec<Linear>),
+}
+
+impl Projections {
+    fn from_raw(raws: Vec<RawTensor>, policy: ExecPolicy, resident: &mut usize) -> Result<Self> {
+        let widths: Vec<usize> = raws
+            .iter()
+            .map(|r| match r {
+                RawTensor::Quantized(q) => q.shape().dims().first().copied().unwrap_or(0),
+                RawTensor::Dense(t) => t.dims().first().copied().unwrap_or(0),
+            })
+            .collect();
+        let dtypes: Vec<Option<GgmlDType>> = raws
+            .iter()
+            .map(|r| match r {
+                RawTensor::Quantized(q) => Some(q.dtype()),
+                RawTensor::Dense(_) => None,
+            })
+            .collect();
+        let same = dtypes.windows(2).all(|w| w[0] == w[1]);
+        let Some(first) = dtypes.first().copied() else {
+            return Ok(Projections::Separate(Vec::new()));
+        };
+        if !same {
+            return Ok(Projections::Separate(
+                raws.into_iter()
+                    .map(|r| Linear::from_raw(r, policy, resident))
+                    .collect::<Result<_>>()?,
+            ));
+        }
+        let dequantize_all = policy.dense_f32
+            || matches!(first, None | Some(GgmlDType::F32) | Some(GgmlDType::F16))
+            || (policy.q4_1_as_q8_0 && first == Some(GgmlDType::Q4_1));
+        let stacked = if dequantize_all {
+            let dense = raws
+                .into_iter()
+                .map(|r| match r {
+                    RawTensor::Quantized(q) => q.dequantize(&Device::Cpu),
+                    RawTensor::Dense(t) => Ok(t),
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let dense = Tensor::cat(&dense, 0)?;
+            if first == Some(GgmlDType::Q4_1) && policy.q4_1_as_q8_0 && !policy.dense_f32 {
+                RawTensor::Quantized(QTensor::quantize(&dense, GgmlDType::Q8_0)?)
+            } else {
+                RawTensor::Dense(dense)
+            }
+        } else {
+            // Same block type, rows of whole blocks: the stored bytes stack.
+            let cols = match raws.first() {
+                Some(RawTensor::Quantized(q)) => q.shape().dims().get(1).copied().unwrap_or(0),
+                _ => 0,
+            };
+            let mut bytes = Vec::new();
+            for raw in &raws {
+                if let RawTensor::Quantized(q) = raw {
+                    bytes.extend_from_slice(&q.data()?);
+                }
+            }
+            let dtype = first.unwrap_or(GgmlDType::F32);
+            let storage = candle_core::quantized::QStorage::from_data(
+                std::borrow::Cow::Owned(bytes),
+                &Device::Cpu,
+                dtype,
+            )?;
+            RawTensor::Quantized(QTensor::new(storage, (widths.iter().sum::<usize>(), cols))?)
+        };
+        // Already in its executed form: do not requantize again.
+        let policy = ExecPolicy {
+            q4_1_as_q8_0: false,
+            ..policy
+        };
+        Ok(Projections::Stacked {
+            linear: Linear::from_raw(stacked, policy, resident)?,
+            widths,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Projections::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
+            Projections::Stacked { linear, widths } => {
+                let all = linear.forward(x)?;
+                let mut start = 0;
+                widths
+                    .iter()
+                    .map(|w| {
+                        let part = all.narrow(1, start, *w)?.contiguous()?;
+                        start += w;
+                        Ok(part)
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
 #[derive(Debug)]
 enum Embedding {
     Quantized(QTensor),
@@ -89,16 +192,15 @@ enum Embedding {
 #[derive(Debug)]
 struct Block {
     attn_norm: Tensor,
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k, v
+    qkv: Projections,
     q_bias: Option<Tensor>,
     k_bias: Option<Tensor>,
     v_bias: Option<Tensor>,
     o: Linear,
     ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
+    /// gate, up
+    gate_up: Projections,
     down: Linear,
 }
 
@@ -234,9 +336,12 @@ impl LayerSlice {
         for i in range.clone() {
             let mut part = |p: &str| read(&names.block(i, p));
             let attn_norm = dense(part("attn_norm.weight")?, &mut resident)?;
-            let q = Linear::from_raw(part("attn_q.weight")?, policy, &mut resident)?;
-            let k = Linear::from_raw(part("attn_k.weight")?, policy, &mut resident)?;
-            let v = Linear::from_raw(part("attn_v.weight")?, policy, &mut resident)?;
+            let qkv = vec![
+                part("attn_q.weight")?,
+                part("attn_k.weight")?,
+                part("attn_v.weight")?,
+            ];
+            let qkv = Projections::from_raw(qkv, policy, &mut resident)?;
             let (q_bias, k_bias, v_bias) = if config.qkv_bias {
                 (
                     Some(dense(part("attn_q.bias")?, &mut resident)?),
@@ -248,21 +353,18 @@ impl LayerSlice {
             };
             let o = Linear::from_raw(part("attn_output.weight")?, policy, &mut resident)?;
             let ffn_norm = dense(part("ffn_norm.weight")?, &mut resident)?;
-            let gate = Linear::from_raw(part("ffn_gate.weight")?, policy, &mut resident)?;
-            let up = Linear::from_raw(part("ffn_up.weight")?, policy, &mut resident)?;
+            let gate_up = vec![part("ffn_gate.weight")?, part("ffn_up.weight")?];
+            let gate_up = Projections::from_raw(gate_up, policy, &mut resident)?;
             let down = Linear::from_raw(part("ffn_down.weight")?, policy, &mut resident)?;
             blocks.push(Block {
                 attn_norm,
-                q,
-                k,
-                v,
+                qkv,
                 q_bias,
                 k_bias,
                 v_bias,
                 o,
                 ffn_norm,
-                gate,
-                up,
+                gate_up,
                 down,
             });
         }
@@ -425,9 +527,14 @@ impl LayerSlice {
                 None => t,
             })
         };
-        let q = with_bias(b.q.forward(&h)?, &b.q_bias)?;
-        let k = with_bias(b.k.forward(&h)?, &b.k_bias)?;
-        let v = with_bias(b.v.forward(&h)?, &b.v_bias)?;
+        let [q, k, v]: [Tensor; 3] = b
+            .qkv
+            .forward(&h)?
+            .try_into()
+            .map_err(|_| EngineError::WrongInput("has a malformed attention projection"))?;
+        let q = with_bias(q, &b.q_bias)?;
+        let k = with_bias(k, &b.k_bias)?;
+        let v = with_bias(v, &b.v_bias)?;
         let q = q
             .reshape((1, seq, c.heads, c.head_dim))?
             .transpose(1, 2)?
@@ -480,7 +587,12 @@ impl LayerSlice {
             .reshape((seq, c.hidden))?;
         let x = (x + b.o.forward(&attended)?)?;
         let h = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
-        let gated = (candle_nn::ops::silu(&b.gate.forward(&h)?)? * b.up.forward(&h)?)?;
+        let [gate, up]: [Tensor; 2] = b
+            .gate_up
+            .forward(&h)?
+            .try_into()
+            .map_err(|_| EngineError::WrongInput("has a malformed feed-forward projection"))?;
+        let gated = (candle_nn::ops::silu(&gate)? * up)?;
         Ok((x + b.down.forward(&gated)?)?)
     }
 }

@@ -1,0 +1,83 @@
+//! `mesh-node generate` in one process on the built-in synthetic model.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn generate(cache: &std::path::Path, extra: &[&str]) -> Value {
+    let output = Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+        .env("MESH_MODEL_CACHE", cache)
+        .args([
+            "generate",
+            "--prompt",
+            "Hello mesh",
+            "--max-tokens",
+            "10",
+            "--json",
+        ])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+#[test]
+fn json_output_and_split_equals_unsplit() {
+    let cache = tempfile::tempdir().unwrap();
+    let whole = generate(cache.path(), &[]);
+    for member in ["text", "token_ids", "slices", "timings"] {
+        assert!(whole.get(member).is_some(), "missing {member}: {whole:#}");
+    }
+    assert_eq!(whole["token_ids"].as_array().unwrap().len(), 10);
+    assert!(whole["timings"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+    let split = generate(cache.path(), &["--split", "0..2,2..3,3..6"]);
+    assert_eq!(split["token_ids"], whole["token_ids"]);
+    assert_eq!(split["slices"].as_array().unwrap().len(), 3);
+    assert_eq!(split["slices"][1]["range"], serde_json::json!([2, 3]));
+    assert!(split["slices"][0]["weights_digest"].as_str().unwrap().len() == 64);
+    let chat = generate(
+        cache.path(),
+        &["--chat", "--temperature", "0.8", "--seed", "7"],
+    );
+    let again = generate(
+        cache.path(),
+        &["--chat", "--temperature", "0.8", "--seed", "7"],
+    );
+    assert_eq!(
+        chat["token_ids"], again["token_ids"],
+        "seeded sampling repeats"
+    );
+}
+
+#[test]
+fn bad_requests_fail_with_a_message() {
+    let cache = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+            .env("MESH_MODEL_CACHE", cache.path())
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["generate", "--prompt", "x", "--split", "0..2,3..6"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("layer range"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&[
+        "generate",
+        "--prompt",
+        "x",
+        "--model",
+        "/nonexistent/model.gguf",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/model.gguf"));
+}
