@@ -34,12 +34,73 @@ enum Command {
         #[arg(long)]
         prev: Option<PathBuf>,
     },
-    /// Run a model in this process, slice by slice, and print the text.
+    /// Start N nodes in this process, each with its own QUIC endpoint on
+    /// 127.0.0.1, serve one request split over them, and check its bundle.
+    Demo {
+        #[arg(long, default_value_t = 3)]
+        stages: usize,
+        /// A GGUF file or safetensors directory (default: the built-in
+        /// synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long)]
+        prompt: Option<String>,
+        #[arg(long, default_value_t = 24)]
+        max_tokens: usize,
+        /// Where the nodes keep their journals and the bundle is written.
+        #[arg(long, default_value = "mesh-demo")]
+        out: PathBuf,
+        /// relayed or direct.
+        #[arg(long, default_value = "relayed")]
+        return_mode: String,
+    },
+    /// Run a node: a stage for any coordinator, and with --peer a
+    /// coordinator over its peers.
+    Serve {
+        #[arg(long)]
+        key: Option<PathBuf>,
+        /// HOST:PORT to listen on (default 0.0.0.0:7420).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// HOST:PORT other nodes reach this one at.
+        #[arg(long)]
+        advertise: Option<std::net::SocketAddr>,
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// NODEID@HOST:PORT, in stage order; repeat for each peer.
+        #[arg(long = "peer")]
+        peers: Vec<String>,
+        /// A TOML file with these settings (flags override it).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// relayed (default) or direct.
+        #[arg(long)]
+        return_mode: Option<String>,
+        /// How long to wait for stage records (default 2000).
+        #[arg(long)]
+        deadline_ms: Option<u64>,
+        /// How long one step may take at any stage (default 30000).
+        #[arg(long)]
+        step_timeout_ms: Option<u64>,
+        /// f32 (default), f16 or bf16 activations between stages.
+        #[arg(long)]
+        wire: Option<String>,
+    },
+    /// Generate text: in this process (--model), or through a coordinator
+    /// (--coordinator), which streams it and returns a verifiable bundle.
     Generate {
         /// A GGUF file or a safetensors model directory (default: the
         /// built-in synthetic model).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "coordinator")]
         model: Option<PathBuf>,
+        /// NODEID@HOST:PORT of a coordinating node.
+        #[arg(long)]
+        coordinator: Option<String>,
+        /// With --coordinator: where to write the bundle.
+        #[arg(long)]
+        out: Option<PathBuf>,
         #[arg(long)]
         prompt: String,
         #[arg(long, default_value_t = 64)]
@@ -287,6 +348,106 @@ fn verify(file: &Path, prev: Option<&Path>, as_json: bool) -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Verify { json, file, prev } => Ok(verify(&file, prev.as_deref(), json)),
+        Command::Demo {
+            stages,
+            model,
+            prompt,
+            max_tokens,
+            out,
+            return_mode,
+        } => {
+            let return_mode = mesh_node::node_cli::parse_return_mode(&return_mode)?;
+            let ok =
+                runtime()?.block_on(mesh_node::node_cli::demo(mesh_node::node_cli::DemoArgs {
+                    stages,
+                    model,
+                    prompt,
+                    max_tokens,
+                    out,
+                    return_mode,
+                }))?;
+            Ok(if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Command::Serve {
+            key,
+            listen,
+            advertise,
+            model,
+            data,
+            peers,
+            config,
+            return_mode,
+            deadline_ms,
+            step_timeout_ms,
+            wire,
+        } => {
+            let options = mesh_node::node_cli::node_options(mesh_node::node_cli::ServeArgs {
+                key,
+                listen,
+                advertise,
+                model,
+                data,
+                peers,
+                config,
+                return_mode,
+                deadline_ms,
+                step_timeout_ms,
+                wire,
+            })?;
+            runtime()?.block_on(mesh_node::node_cli::serve(options))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Generate {
+            coordinator: Some(coordinator),
+            prompt,
+            max_tokens,
+            chat,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            out,
+            json,
+            ..
+        } => {
+            let request = mesh_node::serve::GenerateRequest {
+                prompt,
+                max_tokens,
+                chat,
+                sampling: mesh_stage::sampling::SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed,
+                },
+            };
+            let summary = runtime()?.block_on(mesh_node::node_cli::generate_via(
+                &coordinator,
+                request,
+                out.as_deref(),
+                json,
+            ))?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "text": summary.text, "terminal_state": summary.terminal_state, "error": summary.error, "details": summary.details,
+                    }))?
+                );
+            }
+            if let Some(error) = &summary.error {
+                eprintln!(
+                    "mesh-node: the request ended early ({}): {error}",
+                    summary.terminal_state
+                );
+                return Ok(ExitCode::from(1));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Generate {
             model,
             prompt,
@@ -299,6 +460,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             seed,
             wire,
             json,
+            ..
         } => {
             let wire = mesh_stage::frame::WireDType::parse(&wire)
                 .context("--wire must be f32, f16 or bf16")?;
@@ -490,6 +652,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
 }
 
 fn main() -> ExitCode {

@@ -502,6 +502,12 @@ pub struct MeshBundle<'a> {
     pub main_record: &'a Value,
     pub split_stage_records: &'a [Value],
     pub stage_exchange_records: &'a [Value],
+    /// The coordinator's `mesh/1` receipt envelope (hex), when it sealed one.
+    pub mesh1_envelope: Option<Vec<u8>>,
+    /// The previous envelope of the same steward (hex), for the chain link.
+    pub mesh1_prev_envelope: Option<Vec<u8>>,
+    /// The node id (did:key) that served each stage, as the coordinator assigned.
+    pub stewards: Vec<(u32, String)>,
 }
 
 impl<'a> MeshBundle<'a> {
@@ -532,11 +538,54 @@ impl<'a> MeshBundle<'a> {
                 format!("more than {MAX_CARRIED_RECORDS} records"),
             ));
         }
+        let hex_member =
+            |m: &mut Members<'_>, key: &'static str| -> Result<Option<Vec<u8>>, ShapeError> {
+                let path = m.path(key);
+                m.optional(key)
+                    .map(|v| {
+                        v.as_str()
+                            .filter(|t| t.len() <= 2 * crate::mesh1::MAX_ENVELOPE_BYTES)
+                            .and_then(hex::decode)
+                            .ok_or_else(|| {
+                                ShapeError::invalid(
+                                    path.clone(),
+                                    "must be lowercase hex of a COSE envelope",
+                                )
+                            })
+                    })
+                    .transpose()
+            };
+        let mesh1_envelope = hex_member(&mut m, "mesh1_envelope")?;
+        let mesh1_prev_envelope = hex_member(&mut m, "mesh1_prev_envelope")?;
+        let stewards_path = m.path("stewards");
+        let stewards = match m.optional("stewards") {
+            None => Vec::new(),
+            Some(Value::Array(items)) if items.len() <= MAX_CARRIED_RECORDS + 1 => items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| {
+                    let mut e = Members::of(item, &format!("{stewards_path}/{i}"))?;
+                    let index = e.u32("stage_index")?;
+                    let node = e.non_empty_string("node_id")?.to_string();
+                    e.finish()?;
+                    Ok((index, node))
+                })
+                .collect::<Result<Vec<_>, ShapeError>>()?,
+            Some(_) => {
+                return Err(ShapeError::new(
+                    stewards_path,
+                    Problem::WrongType("an array of at most 65 entries"),
+                ));
+            }
+        };
         m.finish()?;
         Ok(Self {
             main_record,
             split_stage_records,
             stage_exchange_records,
+            mesh1_envelope,
+            mesh1_prev_envelope,
+            stewards,
         })
     }
 

@@ -429,6 +429,22 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
     );
     if let Some((sealed, _)) = &main {
         verify_stage_exchange_records(&mut report, sealed, bundle.stage_exchange_records);
+        if let Some(envelope) = &bundle.mesh1_envelope {
+            verify_mesh1_link(
+                &mut report,
+                sealed,
+                envelope,
+                bundle.mesh1_prev_envelope.as_deref(),
+            );
+        }
+    }
+    if let Some((_, receipt)) = split {
+        verify_stage_keys(
+            &mut report,
+            receipt,
+            bundle.split_stage_records,
+            &bundle.stewards,
+        );
     }
     match split {
         Some((own, receipt)) => run_hop_check(&mut report, own, receipt, &carried),
@@ -505,4 +521,106 @@ fn verify_stage_exchange_records(
             ))
         },
     });
+}
+
+/// The `mesh/1` receipt: it verifies, it was sealed by the key that signed
+/// the main record, its `split` member is exactly that record's receipt
+/// block, and (given the previous envelope) it follows it in the chain.
+fn verify_mesh1_link(
+    report: &mut VerifyReport,
+    main: &SealedRecord,
+    envelope: &[u8],
+    previous: Option<&[u8]>,
+) {
+    let sealed = match crate::mesh1::SealedReceipt::verify(envelope) {
+        Ok(sealed) => sealed,
+        Err(error) => {
+            report.checks.push(Check {
+                subject: "mesh/1 receipt".into(),
+                property: "COSE signature and receipt rules",
+                outcome: Err(error.to_string()),
+            });
+            return;
+        }
+    };
+    let subject = format!("mesh/1 receipt #{}", sealed.receipt.sequence);
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "COSE signature and receipt rules",
+        outcome: Ok(()),
+    });
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "sealed by the main record's signer",
+        outcome: if sealed.receipt.steward == crate::identity::did_key(&main.key_id()) {
+            Ok(())
+        } else {
+            Err("the receipt's steward is not the key that signed the main record".into())
+        },
+    });
+    let block = main.value().pointer(&format!(
+        "{}/{RECEIPT_BLOCK_MEMBER}",
+        crate::capsule::COMPUTE_ATTESTATION_PATH
+    ));
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "`split` is the main record's coordinator receipt block",
+        outcome: match (block, &sealed.receipt.split) {
+            (Some(block), Some(bytes)) if crate::json::canonical_bytes(block) == *bytes => Ok(()),
+            (_, None) => Err("the receipt carries no split block".into()),
+            _ => Err("the receipt's split block differs from the main record's".into()),
+        },
+    });
+    if let Some(previous) = previous {
+        report.checks.push(Check {
+            subject,
+            property: "follows the previous envelope (sequence, prev)",
+            outcome: crate::mesh1::SealedReceipt::verify(previous)
+                .map_err(|e| format!("previous envelope: {e}"))
+                .and_then(|p| sealed.check_follows(&p).map_err(|e| e.to_string())),
+        });
+    }
+}
+
+/// Where the receipt routes a stage to a node whose id is a did:key, the
+/// stage's record must be signed by that node's key (this closes the gap the
+/// Mesh-LLM design leaves open, for bundles that name their stewards).
+fn verify_stage_keys(
+    report: &mut VerifyReport,
+    receipt: &CoordinatorReceipt,
+    records: &[Value],
+    stewards: &[(u32, String)],
+) {
+    for record in records {
+        let Ok(sealed) = SealedRecord::verify(record.clone()) else {
+            continue;
+        };
+        let Ok(block) = sealed.stage_block() else {
+            continue;
+        };
+        let Some(entry) = receipt.topology.get(block.stage_index as usize) else {
+            continue;
+        };
+        let Some(assigned) = crate::identity::parse_did_key(&entry.assignment.node_id) else {
+            continue;
+        };
+        let listed = stewards
+            .iter()
+            .find(|(k, _)| *k == block.stage_index)
+            .map(|(_, node)| node.as_str());
+        report.checks.push(Check {
+            subject: format!("stage record {}", hex::encode(&sealed.capsule_id()[..6])),
+            property: "signed by the node the receipt routed its stage to",
+            outcome: if sealed.key_id() == assigned
+                && listed.is_none_or(|n| n == entry.assignment.node_id)
+            {
+                Ok(())
+            } else {
+                Err(format!(
+                    "stage {} was routed to {}",
+                    block.stage_index, entry.assignment.node_id
+                ))
+            },
+        });
+    }
 }

@@ -1,0 +1,9 @@
+//! The QUIC data plane: identities, framing, and the three protocols
+//! (`mesh-control/1`, `mesh-stage/1`, `record-push/1`).
+
+pub mod msg;
+pub mod tls;
+
+pub const ALPN_CONTROL: &[u8] = b"mesh-control/1";
+pub const ALPN_STAGE: &[u8] = b"mesh-stage/1";
+pub const ALPN_RECORD_PUSH: &[u8] = b"record-push/1";

@@ -1,0 +1,160 @@
+//! Length-prefixed messages on QUIC streams, bounded and timed. On
+//! `mesh-stage/1` every message is a *frame* for the lane fold: the exact
+//! bytes written (length prefix included) are folded by the writer, and the
+//! exact bytes read by the reader, before anything parses them.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use mesh_protocol::cbor::Cbor;
+use mesh_protocol::fold::LaneFold;
+
+/// Largest control message (a bundle rides in one).
+pub const MAX_CONTROL_MESSAGE: usize = 16 * 1024 * 1024;
+/// Largest stage message: an activation frame plus the header.
+pub const MAX_STAGE_MESSAGE: usize = mesh_stage::frame::MAX_FRAME_PAYLOAD + 64;
+/// Largest record-push body, as Mesh-LLM's MAX_SIDE_STREAM_BYTES.
+pub const MAX_RECORD_PUSH: usize = 1024 * 1024;
+/// How long a peer may stay silent mid-request.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a connection attempt may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Frame a message: `u32 LE length ‖ body`.
+pub fn frame(body: &[u8]) -> anyhow::Result<Vec<u8>> {
+    let length = u32::try_from(body.len()).context("message over 4 GiB")?;
+    let mut out = Vec::with_capacity(body.len() + 4);
+    out.extend_from_slice(&length.to_le_bytes());
+    out.extend_from_slice(body);
+    Ok(out)
+}
+
+/// Write one framed message, folding its exact bytes first.
+pub async fn write(
+    send: &mut quinn::SendStream,
+    body: &[u8],
+    fold: Option<&mut LaneFold>,
+) -> anyhow::Result<usize> {
+    let bytes = frame(body)?;
+    if let Some(fold) = fold {
+        fold.push_frame(&bytes);
+    }
+    tokio::time::timeout(IDLE_TIMEOUT, send.write_all(&bytes))
+        .await
+        .context("timed out writing to the peer")??;
+    Ok(bytes.len())
+}
+
+/// Write bytes that are already a frame (a relayed reply), folding them.
+pub async fn write_framed(
+    send: &mut quinn::SendStream,
+    bytes: &[u8],
+    fold: Option<&mut LaneFold>,
+) -> anyhow::Result<()> {
+    if let Some(fold) = fold {
+        fold.push_frame(bytes);
+    }
+    tokio::time::timeout(IDLE_TIMEOUT, send.write_all(bytes))
+        .await
+        .context("timed out writing to the peer")??;
+    Ok(())
+}
+
+/// Read one framed message; `None` when the peer finished the stream
+/// cleanly between messages. Returns the whole frame (prefix included) and
+/// the offset of the body.
+pub async fn read(
+    recv: &mut quinn::RecvStream,
+    max: usize,
+    timeout: Duration,
+    fold: Option<&mut LaneFold>,
+) -> anyhow::Result<Option<Vec<u8>>> {
+    let mut prefix = [0u8; 4];
+    let mut filled = 0;
+    while filled < 4 {
+        let n = tokio::time::timeout(timeout, recv.read(&mut prefix[filled..]))
+            .await
+            .context("timed out waiting for the peer")??;
+        match n {
+            Some(n) => filled += n,
+            None if filled == 0 => return Ok(None),
+            None => bail!("the peer closed the stream inside a message header"),
+        }
+    }
+    let length = u32::from_le_bytes(prefix) as usize;
+    if length > max {
+        bail!("message of {length} bytes is over the {max}-byte limit");
+    }
+    let mut bytes = vec![0u8; 4 + length];
+    bytes[..4].copy_from_slice(&prefix);
+    tokio::time::timeout(timeout, recv.read_exact(&mut bytes[4..]))
+        .await
+        .context("timed out reading a message body")?
+        .context("the peer closed the stream inside a message")?;
+    if let Some(fold) = fold {
+        fold.frame_chunk(&bytes[..4]);
+        fold.frame_chunk(&bytes[4..]);
+        fold.end_frame();
+    }
+    Ok(Some(bytes))
+}
+
+/// Write a det-CBOR control message.
+pub async fn write_cbor(send: &mut quinn::SendStream, value: &Cbor) -> anyhow::Result<()> {
+    write(send, &value.encode(), None).await.map(|_| ())
+}
+
+/// Read a det-CBOR control message.
+pub async fn read_cbor(
+    recv: &mut quinn::RecvStream,
+    timeout: Duration,
+) -> anyhow::Result<Option<Cbor>> {
+    match read(recv, MAX_CONTROL_MESSAGE, timeout, None).await? {
+        None => Ok(None),
+        Some(bytes) => Ok(Some(
+            Cbor::decode(&bytes[4..]).context("malformed control message")?,
+        )),
+    }
+}
+
+/// Kinds of `mesh-stage/1` messages.
+pub mod kind {
+    /// Upstream opens a request on a hop (payload: det-CBOR request header).
+    pub const OPEN: u8 = 1;
+    /// Activations for the next positions (payload: an activation frame).
+    pub const ACTIVATIONS: u8 = 2;
+    /// The request ended (payload: det-CBOR `{terminal_state}`).
+    pub const STOP: u8 = 3;
+    /// The final stage opens its direct-return stream to stage 0.
+    pub const DIRECT_OPEN: u8 = 4;
+    /// Reply: logits of the last position (payload: f32 LE).
+    pub const LOGITS: u8 = 16;
+    /// Reply: the stage failed (payload: UTF-8 reason).
+    pub const FAILED: u8 = 17;
+}
+
+/// Header of a stage message body: `kind u8 ‖ request_id u64 LE ‖ step u32 LE`.
+pub const STAGE_HEADER: usize = 13;
+
+pub fn stage_body(kind: u8, request_id: u64, step: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(STAGE_HEADER + payload.len());
+    out.push(kind);
+    out.extend_from_slice(&request_id.to_le_bytes());
+    out.extend_from_slice(&step.to_le_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// Parse a stage frame (prefix included): kind, request id, step, payload.
+pub fn parse_stage(frame: &[u8]) -> anyhow::Result<(u8, u64, u32, &[u8])> {
+    let body = frame.get(4..).context("short frame")?;
+    if body.len() < STAGE_HEADER {
+        bail!(
+            "stage message of {} bytes is shorter than its header",
+            body.len()
+        );
+    }
+    let request_id = u64::from_le_bytes(body[1..9].try_into().context("header")?);
+    let step = u32::from_le_bytes(body[9..13].try_into().context("header")?);
+    Ok((body[0], request_id, step, &body[STAGE_HEADER..]))
+}

@@ -1,0 +1,341 @@
+//! `mesh-node serve`, `mesh-node generate --coordinator` and `mesh-node demo`.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use mesh_protocol::block::ReturnMode;
+use mesh_stage::frame::WireDType;
+use mesh_stage::sampling::SamplingParams;
+use serde::Deserialize;
+
+use crate::energy::{EstimatorMeter, POWERCAP_ROOT, select_meter};
+use crate::serve::{
+    GenerateRequest, GenerateSummary, Node, NodeOptions, PeerAddr, generate_remote,
+};
+
+/// `serve`'s TOML configuration; every member is optional and flags win.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Key file (default: none; required here or as --key).
+    pub key: Option<PathBuf>,
+    /// Address to listen on (default 0.0.0.0:7420).
+    pub listen: Option<SocketAddr>,
+    /// Address peers reach this node at (default: the listen address, or
+    /// 127.0.0.1 when listening on all interfaces).
+    pub advertise: Option<SocketAddr>,
+    /// GGUF file or safetensors directory.
+    pub model: Option<PathBuf>,
+    /// Data directory for the steward's journal (default ./mesh-node-data).
+    pub data: Option<PathBuf>,
+    /// Peers to split over, NODEID@HOST:PORT (default: none, stage-only).
+    #[serde(default)]
+    pub peers: Vec<String>,
+    /// `relayed` (default) or `direct`.
+    pub return_mode: Option<String>,
+    /// How long the coordinator waits for stage records (default 2000 ms).
+    pub stage_seal_deadline_ms: Option<u64>,
+    /// How long any stage may take for one step (default 30000 ms).
+    pub step_timeout_ms: Option<u64>,
+    /// Concurrent requests per slice (default 8).
+    pub max_requests: Option<usize>,
+    /// Activation encoding between stages: f32 (default), f16, bf16.
+    pub wire: Option<String>,
+    /// Estimator power when no hardware meter is live (default 35000 mW).
+    pub estimator_milliwatts: Option<u64>,
+}
+
+impl ServeConfig {
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text)
+            .with_context(|| format!("{} is not a valid serve configuration", path.display()))
+    }
+}
+
+pub fn parse_return_mode(text: &str) -> anyhow::Result<ReturnMode> {
+    ReturnMode::parse(text)
+        .with_context(|| format!("return mode `{text}` is neither relayed nor direct"))
+}
+
+/// Everything `serve` needs, after flags override the file.
+#[derive(Debug)]
+pub struct ServeArgs {
+    pub key: Option<PathBuf>,
+    pub listen: Option<SocketAddr>,
+    pub advertise: Option<SocketAddr>,
+    pub model: Option<PathBuf>,
+    pub data: Option<PathBuf>,
+    pub peers: Vec<String>,
+    pub config: Option<PathBuf>,
+    pub return_mode: Option<String>,
+    pub deadline_ms: Option<u64>,
+    pub step_timeout_ms: Option<u64>,
+    pub wire: Option<String>,
+}
+
+pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
+    let file = match &args.config {
+        Some(path) => ServeConfig::load(path)?,
+        None => ServeConfig::default(),
+    };
+    let key_path = args
+        .key
+        .or(file.key)
+        .context("no key: give --key KEYFILE (create one with `mesh-node keygen --out KEYFILE`)")?;
+    let model = args
+        .model
+        .or(file.model)
+        .context("no model: give --model PATH (a GGUF file or a safetensors directory)")?;
+    let peers = if args.peers.is_empty() {
+        file.peers
+    } else {
+        args.peers
+    };
+    let peers = peers
+        .iter()
+        .map(|p| p.parse::<PeerAddr>())
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let wire = args.wire.or(file.wire).unwrap_or_else(|| "f32".into());
+    let (meter, why) = select_meter(
+        Path::new(POWERCAP_ROOT),
+        EstimatorMeter {
+            milliwatts: file
+                .estimator_milliwatts
+                .unwrap_or(crate::energy::DEFAULT_ESTIMATOR_MILLIWATTS),
+        },
+    );
+    eprintln!("{why}");
+    Ok(NodeOptions {
+        key: crate::keys::load(&key_path)?,
+        listen: args
+            .listen
+            .or(file.listen)
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 7420))),
+        advertise: args.advertise.or(file.advertise),
+        model,
+        data: args
+            .data
+            .or(file.data)
+            .unwrap_or_else(|| PathBuf::from("mesh-node-data")),
+        peers,
+        stage_seal_deadline: Duration::from_millis(
+            args.deadline_ms
+                .or(file.stage_seal_deadline_ms)
+                .unwrap_or(2000),
+        ),
+        step_timeout: Duration::from_millis(
+            args.step_timeout_ms
+                .or(file.step_timeout_ms)
+                .unwrap_or(30_000),
+        ),
+        max_requests: file.max_requests.unwrap_or(8),
+        return_mode: parse_return_mode(
+            &args
+                .return_mode
+                .or(file.return_mode)
+                .unwrap_or_else(|| "relayed".into()),
+        )?,
+        wire: WireDType::parse(&wire)
+            .with_context(|| format!("wire `{wire}` is not f32, f16 or bf16"))?,
+        meter,
+    })
+}
+
+pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
+    let peers = options.peers.clone();
+    let node = Node::start(options).await?;
+    println!("node {} listening on {}", node.did(), node.addr());
+    println!("peer address: {}", node.peer_addr());
+    if peers.is_empty() {
+        println!("serving as a stage node: waiting for a coordinator's assignment");
+    } else {
+        println!(
+            "coordinating over {} peer(s): {}",
+            peers.len(),
+            peers
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    let _ = std::io::stdout().flush();
+    tokio::signal::ctrl_c().await?;
+    eprintln!("shutting down");
+    node.shutdown().await;
+    Ok(())
+}
+
+/// Stream a remote generation to stdout; write the bundle to `out`.
+pub async fn generate_via(
+    coordinator: &str,
+    request: GenerateRequest,
+    out: Option<&Path>,
+    json: bool,
+) -> anyhow::Result<GenerateSummary> {
+    let coordinator: PeerAddr = coordinator.parse()?;
+    let mut stdout = std::io::stdout();
+    let summary = generate_remote(&coordinator, &request, &mut |piece| {
+        if !json {
+            let _ = write!(stdout, "{piece}");
+            let _ = stdout.flush();
+        }
+    })
+    .await?;
+    if !json {
+        println!();
+    }
+    if let (Some(path), Some(bundle)) = (out, &summary.bundle) {
+        std::fs::write(path, serde_json::to_vec_pretty(bundle)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!(
+            "bundle written to {} (check it with `mesh-node verify {}`)",
+            path.display(),
+            path.display()
+        );
+    }
+    Ok(summary)
+}
+
+/// `mesh-node demo`: N nodes in this process, one request, everything printed.
+#[derive(Debug)]
+pub struct DemoArgs {
+    pub stages: usize,
+    pub model: Option<PathBuf>,
+    pub prompt: Option<String>,
+    pub max_tokens: usize,
+    pub out: PathBuf,
+    pub return_mode: ReturnMode,
+}
+
+pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
+    let synthetic = args.model.is_none();
+    let model = match args.model {
+        Some(model) => model,
+        None => crate::engine_cli::synthetic_model_path()?,
+    };
+    let layers = mesh_stage::ModelHandle::open(&model)?.config().layers as usize;
+    let stages = args.stages.clamp(2, layers.max(2));
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    println!("mesh-node demo: {stages} nodes on 127.0.0.1, each with its own QUIC endpoint");
+    if synthetic {
+        println!(
+            "model: the built-in synthetic model (seeded weights, NOT a trained model: its text is noise); give --model for a real one"
+        );
+    } else {
+        println!("model: {}", model.display());
+    }
+    let make = |k: usize, peers: Vec<PeerAddr>| -> anyhow::Result<NodeOptions> {
+        Ok(NodeOptions {
+            key: mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            model: model.clone(),
+            data: args.out.join(format!("node-{k}")),
+            peers,
+            stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
+            step_timeout: Duration::from_secs(30),
+            max_requests: 4,
+            return_mode: args.return_mode,
+            wire: WireDType::F32,
+            meter: Box::new(EstimatorMeter::default()),
+        })
+    };
+    let mut stage_nodes = Vec::new();
+    for k in 1..stages {
+        stage_nodes.push(Node::start(make(k, Vec::new())?).await?);
+    }
+    let peers: Vec<PeerAddr> = stage_nodes.iter().map(Node::peer_addr).collect();
+    let coordinator = Node::start(make(0, peers)?).await?;
+    println!(
+        "  node 0 (coordinator) {} at {}",
+        coordinator.did(),
+        coordinator.addr()
+    );
+    for (k, node) in stage_nodes.iter().enumerate() {
+        println!(
+            "  node {} (stage)       {} at {}",
+            k + 1,
+            node.did(),
+            node.addr()
+        );
+    }
+    println!("  energy meter: {} (every node)", coordinator.meter_name());
+    let prompt = args
+        .prompt
+        .unwrap_or_else(|| "What is the capital of France?".into());
+    println!("\nprompt: {prompt}");
+    print!("answer: ");
+    let request = GenerateRequest {
+        prompt,
+        max_tokens: args.max_tokens,
+        chat: true,
+        sampling: SamplingParams::greedy(),
+    };
+    let summary = generate_via(&coordinator.peer_addr().to_string(), request, None, false).await?;
+    if let Some(error) = &summary.error {
+        println!("the request ended early: {error}");
+    }
+    let d = &summary.details;
+    println!(
+        "\nper-stage timing (return mode {}):",
+        d["return_mode"].as_str().unwrap_or("")
+    );
+    for stage in d["stages"].as_array().into_iter().flatten() {
+        println!(
+            "  stage {}  layers {:>3}..{:<3}  compute {:>8.1} ms  folding {:>6} µs  {}",
+            stage["stage_index"],
+            stage["layers"][0],
+            stage["layers"][1],
+            stage["compute_ms"].as_f64().unwrap_or(0.0),
+            stage["fold_us"],
+            stage["node_id"]
+                .as_str()
+                .map(|s| &s[..s.len().min(24)])
+                .unwrap_or("")
+        );
+    }
+    println!(
+        "  prefill {:.1} ms, decode {:.1} tok/s, estimated overhead per hop per step {:.0} µs, folding {:.3} % of the request",
+        d["prefill_ms"].as_f64().unwrap_or(0.0),
+        d["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
+        d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
+        100.0 * d["fold_share"].as_f64().unwrap_or(0.0)
+    );
+    let r = &d["receipt"];
+    println!(
+        "\nmesh/1 receipt: steward {} sequence {} envelope {}\n  energy {} µJ ({}), {} µJ per accepted token",
+        r["steward"].as_str().unwrap_or(""),
+        r["sequence"],
+        r["envelope_id"].as_str().unwrap_or(""),
+        r["energy_uj"],
+        r["energy_provenance"].as_str().unwrap_or(""),
+        r["uj_per_accepted_token"]
+    );
+    let bundle = summary
+        .bundle
+        .context("the coordinator returned no bundle")?;
+    let path = args.out.join("bundle.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&bundle)?)?;
+    let report = mesh_protocol::verify::verify_document(&bundle)?;
+    println!(
+        "\nhop check of {} (what `mesh-node verify {}` prints):\n",
+        path.display(),
+        path.display()
+    );
+    print!(
+        "{}",
+        crate::render::render(&path.display().to_string(), &report)
+    );
+    coordinator.shutdown().await;
+    for node in stage_nodes {
+        node.shutdown().await;
+    }
+    Ok(report.success())
+}

@@ -1,0 +1,189 @@
+//! `record-push/1` at the coordinator: stage records arrive, are verified
+//! before they are acknowledged, and are held per split until the
+//! coordinator seals (or refused with a signed reason).
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ed25519_dalek::Signer;
+use mesh_protocol::SigningKey;
+use mesh_protocol::block::{Side, SplitKey};
+use mesh_protocol::capsule::{SealedRecord, format_timestamp};
+use mesh_protocol::identity::did_key;
+use mesh_protocol::json::{canonical_bytes, parse_strict};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+/// Most splits held open at once.
+pub const MAX_PENDING_SPLITS: usize = 256;
+/// Distinct records kept per stage: a second is kept as a conflict, a third
+/// is refused.
+pub const MAX_RECORDS_PER_STAGE: usize = 2;
+
+/// Why a push is refused (the `reason` of a signed refusal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PushRefusal {
+    RequestMalformed,
+    SignatureUnverified,
+    NotAStageOfThisSplit,
+    OverCap,
+    TooLarge,
+}
+
+impl PushRefusal {
+    pub fn reason(self) -> &'static str {
+        match self {
+            PushRefusal::RequestMalformed => "request_malformed",
+            PushRefusal::SignatureUnverified => "signature_unverified",
+            PushRefusal::NotAStageOfThisSplit => "not_a_stage_of_this_split",
+            PushRefusal::OverCap => "over_cap",
+            PushRefusal::TooLarge => "over_size_cap",
+        }
+    }
+}
+
+/// A split the coordinator is serving or waiting to seal.
+#[derive(Debug)]
+pub struct PendingSplit {
+    pub key: SplitKey,
+    /// Public key of the node assigned to each stage (index 0: the coordinator).
+    pub assigned: Vec<[u8; 32]>,
+    pub records: Vec<Vec<SealedRecord>>,
+}
+
+impl PendingSplit {
+    pub fn complete(&self) -> bool {
+        self.records.iter().skip(1).all(|r| !r.is_empty())
+    }
+}
+
+/// Splits by request id.
+#[derive(Debug, Default)]
+pub struct Collector {
+    pending: HashMap<u64, PendingSplit>,
+}
+
+impl Collector {
+    pub fn open(&mut self, key: SplitKey, assigned: Vec<[u8; 32]>) -> bool {
+        if self.pending.len() >= MAX_PENDING_SPLITS {
+            return false;
+        }
+        let stages = assigned.len();
+        self.pending.insert(
+            key.request_id,
+            PendingSplit {
+                key,
+                assigned,
+                records: vec![Vec::new(); stages],
+            },
+        );
+        true
+    }
+
+    pub fn take(&mut self, request_id: u64) -> Option<PendingSplit> {
+        self.pending.remove(&request_id)
+    }
+
+    pub fn is_complete(&self, request_id: u64) -> bool {
+        self.pending
+            .get(&request_id)
+            .is_none_or(PendingSplit::complete)
+    }
+
+    /// Verify a pushed body from the peer whose key the transport proved.
+    pub fn offer(&mut self, sender_key: &[u8; 32], body: &[u8]) -> Result<(), PushRefusal> {
+        if body.len() > crate::net::msg::MAX_RECORD_PUSH {
+            return Err(PushRefusal::TooLarge);
+        }
+        let newline = body
+            .iter()
+            .position(|b| *b == b'\n')
+            .ok_or(PushRefusal::RequestMalformed)?;
+        let claimed =
+            std::str::from_utf8(&body[..newline]).map_err(|_| PushRefusal::RequestMalformed)?;
+        if claimed != did_key(sender_key) {
+            // The self-declared sender must be the peer the transport authenticated.
+            return Err(PushRefusal::SignatureUnverified);
+        }
+        let value =
+            parse_strict(&body[newline + 1..]).map_err(|_| PushRefusal::RequestMalformed)?;
+        if mesh_protocol::capsule::class1_check(&value).is_err()
+            || mesh_protocol::capsule::check_capsule_id(&value).is_err()
+        {
+            return Err(PushRefusal::RequestMalformed);
+        }
+        let record = SealedRecord::verify(value).map_err(|_| PushRefusal::SignatureUnverified)?;
+        if record.key_id() != *sender_key {
+            return Err(PushRefusal::SignatureUnverified);
+        }
+        let block = record
+            .stage_block()
+            .map_err(|_| PushRefusal::RequestMalformed)?;
+        if block.side != Side::Stage {
+            return Err(PushRefusal::NotAStageOfThisSplit);
+        }
+        let pending = self
+            .pending
+            .get_mut(&block.request_id)
+            .ok_or(PushRefusal::NotAStageOfThisSplit)?;
+        let index = block.stage_index as usize;
+        if block.split_key() != pending.key
+            || pending.assigned.get(index) != Some(sender_key)
+            || index == 0
+        {
+            return Err(PushRefusal::NotAStageOfThisSplit);
+        }
+        let held = &mut pending.records[index];
+        if held.iter().any(|r| r.capsule_id() == record.capsule_id()) {
+            return Ok(());
+        }
+        if held.len() >= MAX_RECORDS_PER_STAGE {
+            return Err(PushRefusal::OverCap);
+        }
+        held.push(record);
+        Ok(())
+    }
+}
+
+/// A refusal signed by the receiver, in Mesh-LLM's shape.
+pub fn signed_refusal(key: &SigningKey, body: &[u8], refusal: PushRefusal) -> Value {
+    let issued_at = format_timestamp(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+    );
+    let request_digest = mesh_protocol::hex::encode(&Sha256::digest(body));
+    let signed = json!({ "issued_at": issued_at, "reason": refusal.reason(), "request_digest": request_digest });
+    let sig = key.sign(&canonical_bytes(&signed));
+    json!({
+        "request_digest": request_digest,
+        "reason": refusal.reason(),
+        "issued_at": issued_at,
+        "key_id": mesh_protocol::hex::encode(&key.verifying_key().to_bytes()),
+        "sig": mesh_protocol::hex::encode(&sig.to_bytes()),
+    })
+}
+
+/// Check a signed refusal (what a pushing stage does with the answer).
+pub fn refusal_verifies(refusal: &Value) -> bool {
+    let text = |k: &str| refusal[k].as_str().unwrap_or_default().to_string();
+    let signed = json!({ "issued_at": text("issued_at"), "reason": text("reason"), "request_digest": text("request_digest") });
+    let (Some(key), Some(sig)) = (
+        mesh_protocol::hex::decode_array::<32>(&text("key_id")),
+        mesh_protocol::hex::decode_array::<64>(&text("sig")),
+    ) else {
+        return false;
+    };
+    mesh_protocol::VerifyingKey::from_bytes(&key)
+        .and_then(|k| {
+            k.verify_strict(
+                &canonical_bytes(&signed),
+                &ed25519_dalek::Signature::from_bytes(&sig),
+            )
+        })
+        .is_ok()
+}
+
+/// How long the coordinator waits for stage records unless configured.
+pub const DEFAULT_DEADLINE: Duration =
+    Duration::from_millis(mesh_protocol::receipt::DEFAULT_STAGE_SEAL_DEADLINE_MS);

@@ -1,0 +1,676 @@
+//! The coordinator's side of one request, and the requester's client.
+
+use super::*;
+
+use mesh_protocol::json::canonical_bytes;
+use serde_json::json;
+
+/// What a requester asks for.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: String,
+    pub max_tokens: usize,
+    pub chat: bool,
+    pub sampling: SamplingParams,
+}
+
+impl GenerateRequest {
+    fn to_cbor(&self) -> Cbor {
+        Cbor::text_map([
+            ("kind", Cbor::text("generate")),
+            ("prompt", Cbor::text(&self.prompt)),
+            ("max_tokens", Cbor::Uint(self.max_tokens as u64)),
+            ("chat", Cbor::Uint(u64::from(self.chat))),
+            (
+                "temperature_milli",
+                Cbor::Uint((self.sampling.temperature.max(0.0) * 1000.0).round() as u64),
+            ),
+            ("top_k", Cbor::Uint(self.sampling.top_k as u64)),
+            (
+                "top_p_milli",
+                Cbor::Uint((self.sampling.top_p.clamp(0.0, 1.0) * 1000.0).round() as u64),
+            ),
+            ("seed", Cbor::Uint(self.sampling.seed)),
+        ])
+    }
+
+    fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
+        let uint = |k: &str| {
+            value
+                .get(k)
+                .and_then(Cbor::as_uint)
+                .with_context(|| format!("generate: `{k}`"))
+        };
+        Ok(Self {
+            prompt: value
+                .get("prompt")
+                .and_then(Cbor::as_text)
+                .context("generate: `prompt`")?
+                .to_string(),
+            max_tokens: uint("max_tokens")? as usize,
+            chat: uint("chat")? == 1,
+            sampling: SamplingParams {
+                temperature: uint("temperature_milli")? as f32 / 1000.0,
+                top_k: uint("top_k")? as usize,
+                top_p: uint("top_p_milli")? as f32 / 1000.0,
+                seed: uint("seed")?,
+            },
+        })
+    }
+}
+
+/// What the coordinator reports when a request ends.
+#[derive(Debug, Clone)]
+pub struct GenerateSummary {
+    pub text: String,
+    pub terminal_state: String,
+    pub error: Option<String>,
+    pub details: serde_json::Value,
+    pub bundle: Option<serde_json::Value>,
+}
+
+async fn send_error(send: &mut quinn::SendStream, reason: &str) -> anyhow::Result<()> {
+    msg::write_cbor(
+        send,
+        &Cbor::text_map([
+            ("kind", Cbor::text("error")),
+            ("reason", Cbor::text(reason)),
+        ]),
+    )
+    .await
+}
+
+pub(super) async fn handle_generate(
+    inner: Arc<Inner>,
+    message: &Cbor,
+    send: &mut quinn::SendStream,
+) -> anyhow::Result<()> {
+    let request = match GenerateRequest::from_cbor(message) {
+        Ok(request) => request,
+        Err(error) => return send_error(send, &format!("{error:#}")).await,
+    };
+    let run = match inner.ensure_run().await {
+        Ok(run) => run,
+        Err(error) => {
+            return send_error(send, &format!("cannot set up the split: {error:#}")).await;
+        }
+    };
+    match serve_request(&inner, &run, &request, send).await {
+        Ok(()) => Ok(()),
+        Err(error) => send_error(send, &format!("{error:#}")).await,
+    }
+}
+
+struct OwnLanes {
+    down_sent: LaneFold,
+    down_replies_received: LaneFold,
+    direct_received: Option<LaneFold>,
+}
+
+async fn serve_request(
+    inner: &Arc<Inner>,
+    run: &Arc<Run>,
+    request: &GenerateRequest,
+    requester: &mut quinn::SendStream,
+) -> anyhow::Result<()> {
+    let codec = inner.model.text();
+    let text = if request.chat {
+        codec.chat_prompt(&request.prompt)?
+    } else {
+        request.prompt.clone()
+    };
+    let prompt_ids = codec.encode(&text)?;
+    let context = inner
+        .model
+        .config()
+        .context
+        .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
+    if prompt_ids.is_empty() || prompt_ids.len() >= context {
+        bail!(
+            "a prompt of {} tokens does not fit the context of {context}",
+            prompt_ids.len()
+        );
+    }
+    let max_new = request.max_tokens.clamp(1, context - prompt_ids.len());
+    let capacity = prompt_ids.len() + max_new;
+    let request_id = u64::from_le_bytes(crate::keys::random_bytes()?);
+    let n = run.assigns.len() as u32;
+    let run_id = run.assigns[0].run_id.clone();
+    let coordinator = inner.tls.did.clone();
+    let return_mode = inner.return_mode;
+    let split_key = SplitKey {
+        coordinator_node_id: coordinator.clone(),
+        run_id: run_id.clone(),
+        request_id,
+    };
+    if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
+        bail!("too many requests waiting to be sealed; retry shortly");
+    }
+    let serve = ServeRequest {
+        prompt_hash: prompt_hash(text.as_bytes()),
+        prompt_tokens: u32::try_from(prompt_ids.len()).unwrap_or(u32::MAX),
+        max_tokens: u32::try_from(max_new).unwrap_or(u32::MAX),
+        fidelity_floor: Fidelity::F0,
+        joule_ceiling_uj: u64::MAX,
+        decision: None,
+    };
+    let mut ticket = lock(&inner.steward).authorise(
+        None,
+        &serve,
+        Some(inner.model.weights_digest()),
+        "mesh-node/split",
+        now_ms(),
+    )?;
+    let mut lanes = OwnLanes {
+        down_sent: lane(&coordinator, &run_id, request_id, 0, Lane::Forward),
+        down_replies_received: lane(&coordinator, &run_id, request_id, 0, Lane::Reply),
+        direct_received: (return_mode == ReturnMode::Direct)
+            .then(|| lane(&coordinator, &run_id, request_id, n - 1, Lane::DirectReturn)),
+    };
+    let mut folds = Folds {
+        spent: Duration::ZERO,
+    };
+    let mut direct_waiter = if return_mode == ReturnMode::Direct {
+        let (sender, receiver) = oneshot::channel();
+        lock(&inner.directs).insert(request_id, sender);
+        Some(receiver)
+    } else {
+        None
+    };
+    lock(&run.own.pool).open(&run.own.slice, request_id, capacity)?;
+    lock(&inner.steward).begin_engine(&mut ticket);
+
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut printed = String::new();
+    let mut own_compute = Duration::ZERO;
+    let mut round_trips = Duration::ZERO;
+    let started = Instant::now();
+    let mut prefill_time = Duration::ZERO;
+    let mut terminal = TerminalState::Completed;
+    let mut failure: Option<String> = None;
+    let mut sampler = Sampler::new(request.sampling.clone());
+    let first_peer = inner.peers[0].clone();
+
+    let outcome: anyhow::Result<()> = async {
+        let (mut send, mut recv) = inner.open(&first_peer, ALPN_STAGE).await?;
+        let open = Cbor::text_map([
+            ("run_id", Cbor::text(&run_id)),
+            ("coordinator", Cbor::text(&coordinator)),
+            ("stage_count", Cbor::Uint(n.into())),
+            ("capacity", Cbor::Uint(capacity as u64)),
+            ("return_mode", Cbor::text(return_mode.as_str())),
+        ]);
+        write_forward(
+            &mut send,
+            &msg::stage_body(kind::OPEN, request_id, 0, &open.encode()),
+            &mut lanes.down_sent,
+            &mut folds,
+            0,
+            0,
+        )
+        .await?;
+        let mut direct: Option<quinn::RecvStream> = None;
+        let mut step: u32 = 0;
+        let mut input: Vec<u32> = prompt_ids.clone();
+        let result: anyhow::Result<()> = async {
+            loop {
+                let compute_start = Instant::now();
+                let output = tokio::task::block_in_place(|| {
+                    let mut pool = lock(&run.own.pool);
+                    let cache = pool.get_mut(request_id)?;
+                    run.own.slice.forward(SliceInput::Tokens(&input), cache)
+                })?;
+                own_compute += compute_start.elapsed();
+                let SliceOutput::Hidden(hidden) = output else {
+                    bail!("the coordinator's slice returned logits")
+                };
+                let frame = encode_frame(&hidden.values, hidden.rows, hidden.cols, inner.wire)?;
+                let trip = Instant::now();
+                write_forward(
+                    &mut send,
+                    &msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame),
+                    &mut lanes.down_sent,
+                    &mut folds,
+                    0,
+                    step,
+                )
+                .await?;
+                let reply = match return_mode {
+                    ReturnMode::Relayed => {
+                        let reply =
+                            msg::read(&mut recv, msg::MAX_STAGE_MESSAGE, inner.step_timeout, None)
+                                .await?
+                                .context("stage 1 closed the request")?;
+                        folds.time(|| lanes.down_replies_received.push_frame(&reply));
+                        reply
+                    }
+                    ReturnMode::Direct => {
+                        if direct.is_none() {
+                            let waiter = direct_waiter
+                                .take()
+                                .context("the direct-return waiter is gone")?;
+                            let (_send, recv, opening_frame) =
+                                tokio::time::timeout(inner.step_timeout, waiter)
+                                    .await
+                                    .context(
+                                        "timed out waiting for the final stage's direct return",
+                                    )?
+                                    .context("the direct return was never opened")?;
+                            if let Some(fold) = lanes.direct_received.as_mut() {
+                                folds.time(|| fold.push_frame(&opening_frame));
+                            }
+                            direct = Some(recv);
+                        }
+                        let Some(stream) = direct.as_mut() else {
+                            bail!("the direct return is unavailable")
+                        };
+                        let reply =
+                            msg::read(stream, msg::MAX_STAGE_MESSAGE, inner.step_timeout, None)
+                                .await?
+                                .context("the final stage closed the direct return")?;
+                        if let Some(fold) = lanes.direct_received.as_mut() {
+                            folds.time(|| fold.push_frame(&reply));
+                        }
+                        reply
+                    }
+                };
+                round_trips += trip.elapsed();
+                let (reply_kind, id, _, payload) = msg::parse_stage(&reply)?;
+                if id != request_id {
+                    bail!("a reply for request {id} on request {request_id}");
+                }
+                if reply_kind == kind::FAILED {
+                    bail!("a stage failed: {}", String::from_utf8_lossy(payload));
+                }
+                if reply_kind != kind::LOGITS || payload.len() % 4 != 0 {
+                    bail!("a malformed reply (kind {reply_kind})");
+                }
+                let logits: Vec<f32> = payload
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                if step == 0 {
+                    prefill_time = started.elapsed();
+                }
+                let next = sampler.sample(&logits).context("no logits")?;
+                tokens.push(next);
+                let stop = codec.is_eos(next);
+                if !stop {
+                    let visible: Vec<u32> = tokens
+                        .iter()
+                        .copied()
+                        .filter(|t| !codec.is_eos(*t))
+                        .collect();
+                    let decoded = codec.decode(&visible)?;
+                    let piece = decoded
+                        .strip_prefix(printed.as_str())
+                        .unwrap_or("")
+                        .to_string();
+                    printed = decoded;
+                    msg::write_cbor(
+                        requester,
+                        &Cbor::text_map([
+                            ("kind", Cbor::text("token")),
+                            ("id", Cbor::Uint(next.into())),
+                            ("text", Cbor::text(piece)),
+                        ]),
+                    )
+                    .await?;
+                }
+                step += 1;
+                if stop || tokens.len() >= max_new {
+                    return Ok(());
+                }
+                input = vec![next];
+            }
+        }
+        .await;
+        let state = if result.is_ok() {
+            TerminalState::Completed
+        } else {
+            TerminalState::TransportError
+        };
+        let stop = Cbor::text_map([("terminal_state", Cbor::text(state.as_str()))]);
+        let _ = write_forward(
+            &mut send,
+            &msg::stage_body(kind::STOP, request_id, step, &stop.encode()),
+            &mut lanes.down_sent,
+            &mut folds,
+            0,
+            step,
+        )
+        .await;
+        let _ = send.finish();
+        result
+    }
+    .await;
+    // A direct return that never arrived must not leave its waiter behind.
+    lock(&inner.directs).remove(&request_id);
+    if let Err(error) = outcome {
+        terminal = if error.to_string().contains("timed out") {
+            TerminalState::TimedOut
+        } else {
+            TerminalState::TransportError
+        };
+        failure = Some(format!("{error:#}"));
+    }
+    let decode_time = started.elapsed().saturating_sub(prefill_time);
+    lock(&run.own.pool).release(request_id);
+    let metered = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()))?;
+
+    // Wait for the stage records, up to the deadline.
+    let deadline = Instant::now() + inner.deadline;
+    loop {
+        let notified = inner.collected.notified();
+        if lock(&inner.collector).is_complete(request_id) {
+            break;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
+            break;
+        }
+    }
+    let pending = lock(&inner.collector).take(request_id);
+    let held: Vec<Vec<SealedRecord>> = pending.map(|p| p.records).unwrap_or_default();
+
+    let own_block = StageBlock {
+        side: Side::Coordinator,
+        coordinator_node_id: coordinator.clone(),
+        run_id: run_id.clone(),
+        request_id,
+        topology_hash: run.assigns[0].topology_hash.clone(),
+        stage_index: 0,
+        stage_count: n,
+        layer_start: run.own.slice.range.start,
+        layer_end: run.own.slice.range.end,
+        package_id: inner.model.package_id(),
+        manifest_sha256: run.assigns[0].manifest,
+        source_model_sha256: inner.model.package_id(),
+        return_mode,
+        upstream: None,
+        downstream: Some(Downstream {
+            sent: lanes.down_sent.digest(),
+            replies_received: lanes.down_replies_received.digest(),
+        }),
+        direct_return: lanes
+            .direct_received
+            .as_ref()
+            .map(|f| DirectReturn::Received(f.digest())),
+        tokens: Some(Tokens {
+            prefill_received: prompt_ids.len() as u64,
+            decode: tokens.len().saturating_sub(1) as u64,
+        }),
+        terminal_state: terminal,
+        coordinator_term: None,
+        data_path_observed: None,
+        coordinator_observed: None,
+    };
+    let nonces = (0..n)
+        .map(|_| crate::keys::random_bytes())
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let chain_head = *lock(&inner.chain_head);
+    let model_id = inner
+        .model
+        .path()
+        .file_name()
+        .map_or("model".to_string(), |f| f.to_string_lossy().into_owned());
+    let sealed = seal_split(
+        &SplitSealInput {
+            own: &own_block,
+            topology: &run.topology,
+            held: &held,
+            not_requested: &[],
+            coordinator_term: inner.coordinator_term,
+            stage_seal_deadline_ms: inner.deadline.as_millis() as u64,
+            model_id: &model_id,
+        },
+        &SealEnvironment {
+            producer: Producer::mesh_node(),
+            timestamp: format_timestamp(now_ms()),
+            nonces,
+            chain_head,
+        },
+        &inner.key,
+    )?;
+    *lock(&inner.chain_head) = Some(sealed.chain_head());
+
+    let visible: Vec<u32> = tokens
+        .iter()
+        .copied()
+        .filter(|t| !codec.is_eos(*t))
+        .collect();
+    let opening_value = opening(&lock(&inner.steward).opening_key(), &serve.request_id());
+    let receipt = MeshReceipt {
+        request_id: serve.request_id(),
+        grant_id: metered.grant_id,
+        backend: "mesh-node/split".into(),
+        recipe: model_id.clone(),
+        weights: Some(WeightsBinding {
+            weights_digest: inner.model.weights_digest(),
+            precision: "q8_0/f32".into(),
+        }),
+        route: format!(
+            "static split over {n} nodes: {}",
+            run.topology
+                .iter()
+                .map(|a| format!("{}..{}", a.layer_start, a.layer_end))
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        tokens_in: prompt_ids.len() as u64,
+        tokens_out: tokens.len() as u64,
+        tokens_accepted: visible.len() as u64,
+        cache_hit_tokens: 0,
+        spec_proposed: 0,
+        spec_accepted: 0,
+        fidelity_floor: Fidelity::F0,
+        fidelity: None,
+        fidelity_rating: Fidelity::F0,
+        energy: metered.energy,
+        decision: None,
+        grant_breach: None,
+        output_commitment: Some(output_commitment(
+            &opening_value,
+            &serve.request_id(),
+            &prompt_payload(&prompt_ids),
+            &tokens,
+        )),
+        sequence: 0,
+        prev: None,
+        nonce: crate::keys::random_bytes()?,
+        steward: String::new(),
+        split: Some(canonical_bytes(&sealed.receipt.to_value())),
+    };
+    let previous_envelope = lock(&inner.last_envelope).clone();
+    let envelope = lock(&inner.steward).seal(receipt)?;
+    *lock(&inner.last_envelope) = Some(envelope.envelope.clone());
+
+    let mut bundle = sealed.bundle();
+    if let serde_json::Value::Object(map) = &mut bundle {
+        map.insert(
+            "mesh1_envelope".into(),
+            json!(mesh_protocol::hex::encode(&envelope.envelope)),
+        );
+        if let Some(prev) = previous_envelope.filter(|_| envelope.receipt.sequence > 0) {
+            map.insert(
+                "mesh1_prev_envelope".into(),
+                json!(mesh_protocol::hex::encode(&prev)),
+            );
+        }
+        map.insert(
+            "stewards".into(),
+            json!(
+                run.keys
+                    .iter()
+                    .enumerate()
+                    .map(|(k, key)| json!({ "stage_index": k, "node_id": did_key(key) }))
+                    .collect::<Vec<_>>()
+            ),
+        );
+    }
+
+    // Per-stage compute, as each stage reports it.
+    let mut stages = vec![
+        json!({ "stage_index": 0, "node_id": coordinator, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "fold_us": folds.spent.as_micros() as u64 }),
+    ];
+    let mut remote_compute = Duration::ZERO;
+    for (k, peer) in inner.peers.iter().enumerate() {
+        let stats = query_stats(inner, peer, request_id)
+            .await
+            .unwrap_or_default();
+        remote_compute += stats.compute;
+        let a = &run.topology[k + 1];
+        stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
+    }
+    let steps = tokens.len().max(1) as f64;
+    let hops = if return_mode == ReturnMode::Direct {
+        n as f64
+    } else {
+        2.0 * (n as f64 - 1.0)
+    };
+    let overhead = round_trips.saturating_sub(remote_compute);
+    let details = json!({
+        "request_id": request_id.to_string(),
+        "run_id": run_id,
+        "return_mode": return_mode.as_str(),
+        "prompt_tokens": prompt_ids.len(),
+        "generated_tokens": tokens.len(),
+        "token_ids": tokens,
+        "prefill_ms": prefill_time.as_secs_f64() * 1e3,
+        "decode_tokens_per_s": (tokens.len().saturating_sub(1)) as f64 / decode_time.as_secs_f64().max(1e-9),
+        "stages": stages,
+        "per_hop_overhead_us": overhead.as_secs_f64() * 1e6 / steps / hops.max(1.0),
+        "fold_share": folds.spent.as_secs_f64() / started.elapsed().as_secs_f64().max(1e-9),
+        "receipt": {
+            "steward": envelope.receipt.steward,
+            "sequence": envelope.receipt.sequence,
+            "envelope_id": mesh_protocol::hex::encode(&envelope.envelope_id()),
+            "energy_uj": envelope.receipt.energy.uj(),
+            "energy_provenance": envelope.receipt.energy.provenance().as_str(),
+            "uj_per_accepted_token": envelope.receipt.uj_per_accepted_token(),
+        },
+    });
+    let done = Cbor::text_map([
+        (
+            "kind",
+            Cbor::text(if failure.is_some() { "failed" } else { "done" }),
+        ),
+        ("text", Cbor::text(&printed)),
+        ("terminal_state", Cbor::text(terminal.as_str())),
+        ("error", Cbor::text(failure.clone().unwrap_or_default())),
+        ("details", Cbor::bytes(serde_json::to_vec(&details)?)),
+        ("bundle", Cbor::bytes(serde_json::to_vec(&bundle)?)),
+    ]);
+    msg::write_cbor(requester, &done).await?;
+    Ok(())
+}
+
+async fn query_stats(
+    inner: &Arc<Inner>,
+    peer: &PeerAddr,
+    request_id: u64,
+) -> anyhow::Result<StageStats> {
+    let (mut send, mut recv) = inner.open(peer, ALPN_CONTROL).await?;
+    msg::write_cbor(
+        &mut send,
+        &Cbor::text_map([
+            ("kind", Cbor::text("stats")),
+            ("request_id", Cbor::Uint(request_id)),
+        ]),
+    )
+    .await?;
+    send.finish()?;
+    let reply = msg::read_cbor(&mut recv, Duration::from_secs(2))
+        .await?
+        .context("no stats")?;
+    let us = |k: &str| Duration::from_micros(reply.get(k).and_then(Cbor::as_uint).unwrap_or(0));
+    Ok(StageStats {
+        compute: us("compute_us"),
+        fold: us("fold_us"),
+        steps: reply.get("steps").and_then(Cbor::as_uint).unwrap_or(0) as u32,
+    })
+}
+
+/// The requester's side: ask a coordinator to generate, printing tokens as
+/// they arrive through `on_token`, and return its summary and bundle.
+pub async fn generate_remote(
+    coordinator: &PeerAddr,
+    request: &GenerateRequest,
+    on_token: &mut (dyn FnMut(&str) + Send),
+) -> anyhow::Result<GenerateSummary> {
+    tls::install_provider();
+    let key = SigningKey::from_bytes(&crate::keys::random_bytes()?);
+    let identity = TlsIdentity::new(&key)?;
+    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into())?;
+    endpoint.set_default_client_config(tls::client_config(
+        &identity,
+        coordinator.key,
+        ALPN_CONTROL,
+    )?);
+    let connection = tokio::time::timeout(
+        msg::CONNECT_TIMEOUT,
+        endpoint.connect(coordinator.addr, "mesh-node")?,
+    )
+    .await
+    .with_context(|| format!("timed out connecting to {coordinator}"))?
+    .with_context(|| format!("connecting to {coordinator}"))?;
+    let (mut send, mut recv) = connection.open_bi().await?;
+    msg::write_cbor(&mut send, &request.to_cbor()).await?;
+    send.finish()?;
+    // Setting up a split loads slices; allow for it on the first message.
+    let mut wait = Duration::from_secs(300);
+    loop {
+        let message = msg::read_cbor(&mut recv, wait)
+            .await?
+            .context("the coordinator closed without an answer")?;
+        wait = msg::IDLE_TIMEOUT.max(Duration::from_secs(60));
+        match message.get("kind").and_then(Cbor::as_text) {
+            Some("token") => on_token(message.get("text").and_then(Cbor::as_text).unwrap_or("")),
+            Some("done") | Some("failed") => {
+                let text = message
+                    .get("text")
+                    .and_then(Cbor::as_text)
+                    .unwrap_or("")
+                    .to_string();
+                let error = message
+                    .get("error")
+                    .and_then(Cbor::as_text)
+                    .filter(|e| !e.is_empty())
+                    .map(str::to_string);
+                let details = message
+                    .get("details")
+                    .and_then(Cbor::as_bytes)
+                    .and_then(|b| serde_json::from_slice(b).ok())
+                    .unwrap_or_default();
+                let bundle = message
+                    .get("bundle")
+                    .and_then(Cbor::as_bytes)
+                    .and_then(|b| serde_json::from_slice(b).ok());
+                let terminal_state = message
+                    .get("terminal_state")
+                    .and_then(Cbor::as_text)
+                    .unwrap_or("")
+                    .to_string();
+                connection.close(0u32.into(), b"done");
+                endpoint.wait_idle().await;
+                return Ok(GenerateSummary {
+                    text,
+                    terminal_state,
+                    error,
+                    details,
+                    bundle,
+                });
+            }
+            Some("error") => {
+                let reason = message
+                    .get("reason")
+                    .and_then(Cbor::as_text)
+                    .unwrap_or("no reason")
+                    .to_string();
+                connection.close(0u32.into(), b"error");
+                bail!("the coordinator refused: {reason}");
+            }
+            _ => bail!("an unknown message from the coordinator"),
+        }
+    }
+}

@@ -1,0 +1,1175 @@
+//! A serving node: stage server for any coordinator, and coordinator over
+//! its configured peers. All I/O of split serving lives here.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, anyhow, bail};
+use mesh_protocol::SigningKey;
+use mesh_protocol::block::{
+    DirectReturn, Downstream, ReturnMode, Side, SplitKey, StageBlock, TerminalState, Tokens,
+    Upstream,
+};
+use mesh_protocol::capsule::{
+    Producer, RecordContext, SealedRecord, format_timestamp, stage_record,
+};
+use mesh_protocol::cbor::Cbor;
+use mesh_protocol::fold::{Lane, LaneContext, LaneFold};
+use mesh_protocol::identity::{did_key, parse_did_key};
+use mesh_protocol::mesh1::{
+    Fidelity, MeshReceipt, ServeRequest, WeightsBinding, opening, output_commitment, prompt_hash,
+    prompt_payload,
+};
+use mesh_protocol::receipt::Assignment;
+use mesh_protocol::split::{SealEnvironment, SplitSealInput, seal_split};
+use mesh_stage::cache::CachePool;
+use mesh_stage::frame::{WireDType, decode_frame, encode_frame};
+use mesh_stage::sampling::{Sampler, SamplingParams};
+use mesh_stage::{LayerSlice, ModelHandle, SliceInput, SliceOutput};
+use tokio::sync::oneshot;
+
+use crate::energy::EnergyMeter;
+use crate::net::msg::{self, kind};
+use crate::net::tls::{self, TlsIdentity};
+use crate::net::{ALPN_CONTROL, ALPN_RECORD_PUSH, ALPN_STAGE};
+use crate::records::{Collector, signed_refusal};
+use crate::steward::Steward;
+
+mod coordinator;
+pub use coordinator::{GenerateRequest, GenerateSummary, generate_remote};
+
+/// A peer: its node id (did:key) and address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerAddr {
+    pub key: [u8; 32],
+    pub addr: SocketAddr,
+}
+
+impl PeerAddr {
+    pub fn did(&self) -> String {
+        did_key(&self.key)
+    }
+}
+
+impl FromStr for PeerAddr {
+    type Err = anyhow::Error;
+    /// `NODEID@HOST:PORT`, NODEID being a did:key.
+    fn from_str(text: &str) -> anyhow::Result<Self> {
+        let (id, addr) = text
+            .rsplit_once('@')
+            .context("a peer is NODEID@HOST:PORT")?;
+        let key = parse_did_key(id)
+            .with_context(|| format!("`{id}` is not an Ed25519 did:key node id"))?;
+        let addr = std::net::ToSocketAddrs::to_socket_addrs(addr)
+            .with_context(|| format!("cannot resolve `{addr}`"))?
+            .next()
+            .with_context(|| format!("`{addr}` resolves to no address"))?;
+        Ok(Self { key, addr })
+    }
+}
+
+impl std::fmt::Display for PeerAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{}", self.did(), self.addr)
+    }
+}
+
+/// How a node serves.
+#[derive(Debug)]
+pub struct NodeOptions {
+    pub key: SigningKey,
+    pub listen: SocketAddr,
+    /// The address other nodes reach this one at (default: the bound address).
+    pub advertise: Option<SocketAddr>,
+    pub model: PathBuf,
+    pub data: PathBuf,
+    pub peers: Vec<PeerAddr>,
+    pub stage_seal_deadline: Duration,
+    pub step_timeout: Duration,
+    pub max_requests: usize,
+    pub return_mode: ReturnMode,
+    pub wire: WireDType,
+    pub meter: Box<dyn EnergyMeter>,
+}
+
+/// Per-request figures a stage keeps for a while (asked for by `stats`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StageStats {
+    pub compute: Duration,
+    pub fold: Duration,
+    pub steps: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Assign {
+    run_id: String,
+    package_id: [u8; 32],
+    layer_start: u32,
+    layer_end: u32,
+    stage_index: u32,
+    stage_count: u32,
+    coordinator: [u8; 32],
+    coordinator_addr: SocketAddr,
+    downstream: Option<PeerAddr>,
+    topology_hash: String,
+    manifest: [u8; 32],
+}
+
+impl Assign {
+    fn to_cbor(&self) -> Cbor {
+        let mut fields = vec![
+            ("kind", Cbor::text("assign")),
+            ("run_id", Cbor::text(&self.run_id)),
+            ("package_id", Cbor::bytes(self.package_id.to_vec())),
+            ("layer_start", Cbor::Uint(self.layer_start.into())),
+            ("layer_end", Cbor::Uint(self.layer_end.into())),
+            ("stage_index", Cbor::Uint(self.stage_index.into())),
+            ("stage_count", Cbor::Uint(self.stage_count.into())),
+            ("coordinator", Cbor::text(did_key(&self.coordinator))),
+            (
+                "coordinator_addr",
+                Cbor::text(self.coordinator_addr.to_string()),
+            ),
+            ("topology_hash", Cbor::text(&self.topology_hash)),
+        ];
+        if let Some(down) = &self.downstream {
+            fields.push(("downstream", Cbor::text(down.to_string())));
+        }
+        Cbor::text_map(fields)
+    }
+
+    fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
+        let text = |k: &str| {
+            value
+                .get(k)
+                .and_then(Cbor::as_text)
+                .with_context(|| format!("assign: `{k}`"))
+        };
+        let uint = |k: &str| -> anyhow::Result<u32> {
+            u32::try_from(
+                value
+                    .get(k)
+                    .and_then(Cbor::as_uint)
+                    .with_context(|| format!("assign: `{k}`"))?,
+            )
+            .map_err(|_| anyhow!("assign: `{k}` out of range"))
+        };
+        let package_id: [u8; 32] = value
+            .get("package_id")
+            .and_then(Cbor::as_bytes)
+            .and_then(|b| b.try_into().ok())
+            .context("assign: `package_id`")?;
+        let downstream = value
+            .get("downstream")
+            .and_then(Cbor::as_text)
+            .map(PeerAddr::from_str)
+            .transpose()?;
+        Ok(Self {
+            run_id: text("run_id")?.to_string(),
+            package_id,
+            layer_start: uint("layer_start")?,
+            layer_end: uint("layer_end")?,
+            stage_index: uint("stage_index")?,
+            stage_count: uint("stage_count")?,
+            coordinator: parse_did_key(text("coordinator")?)
+                .context("assign: coordinator is not a did:key")?,
+            coordinator_addr: text("coordinator_addr")?
+                .parse()
+                .context("assign: coordinator_addr")?,
+            downstream,
+            topology_hash: text("topology_hash")?.to_string(),
+            manifest: *blake3::hash(&value.encode()).as_bytes(),
+        })
+    }
+}
+
+struct Slot {
+    slice: LayerSlice,
+    pool: Mutex<CachePool>,
+    assign: Assign,
+}
+
+struct Run {
+    assigns: Vec<Assign>,
+    topology: Vec<Assignment>,
+    keys: Vec<[u8; 32]>,
+    own: Arc<Slot>,
+}
+
+type DirectStream = (quinn::SendStream, quinn::RecvStream, Vec<u8>);
+/// Open connections by peer key and ALPN.
+type ConnectionCache = tokio::sync::Mutex<HashMap<([u8; 32], &'static [u8]), quinn::Connection>>;
+
+struct Inner {
+    tls: TlsIdentity,
+    key: SigningKey,
+    endpoint: quinn::Endpoint,
+    advertise: SocketAddr,
+    model: ModelHandle,
+    peers: Vec<PeerAddr>,
+    deadline: Duration,
+    step_timeout: Duration,
+    max_requests: usize,
+    return_mode: ReturnMode,
+    wire: WireDType,
+    slots: Mutex<HashMap<String, Arc<Slot>>>,
+    run: tokio::sync::Mutex<Option<Arc<Run>>>,
+    steward: Mutex<Steward>,
+    connections: ConnectionCache,
+    directs: Mutex<HashMap<u64, oneshot::Sender<DirectStream>>>,
+    collector: Mutex<Collector>,
+    collected: tokio::sync::Notify,
+    stats: Mutex<VecDeque<(u64, StageStats)>>,
+    coordinator_term: u64,
+    /// The coordinator's record chain head and last receipt envelope.
+    chain_head: Mutex<Option<[u8; 32]>>,
+    last_envelope: Mutex<Option<Vec<u8>>>,
+}
+
+/// A running node.
+pub struct Node {
+    inner: Arc<Inner>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("did", &self.inner.tls.did)
+            .field("addr", &self.inner.advertise)
+            .finish()
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Node {
+    /// Open the model and the steward, bind the endpoint, start serving.
+    pub async fn start(options: NodeOptions) -> anyhow::Result<Node> {
+        tls::install_provider();
+        let tls = TlsIdentity::new(&options.key)?;
+        let model = ModelHandle::open(&options.model)
+            .with_context(|| format!("opening model {}", options.model.display()))?;
+        let steward = Steward::open(
+            &options.data.join("steward"),
+            options.key.clone(),
+            options.meter,
+        )?;
+        let server = tls::server_config(&tls, &[ALPN_CONTROL, ALPN_STAGE, ALPN_RECORD_PUSH])?;
+        let endpoint = quinn::Endpoint::server(server, options.listen)
+            .with_context(|| format!("binding {}", options.listen))?;
+        let bound = endpoint.local_addr()?;
+        let advertise = options.advertise.unwrap_or_else(|| {
+            if bound.ip().is_unspecified() {
+                SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), bound.port())
+            } else {
+                bound
+            }
+        });
+        let inner = Arc::new(Inner {
+            tls,
+            key: options.key,
+            endpoint,
+            advertise,
+            model,
+            peers: options.peers,
+            deadline: options.stage_seal_deadline,
+            step_timeout: options.step_timeout,
+            max_requests: options.max_requests,
+            return_mode: options.return_mode,
+            wire: options.wire,
+            slots: Mutex::new(HashMap::new()),
+            run: tokio::sync::Mutex::new(None),
+            steward: Mutex::new(steward),
+            connections: tokio::sync::Mutex::new(HashMap::new()),
+            directs: Mutex::new(HashMap::new()),
+            collector: Mutex::new(Collector::default()),
+            collected: tokio::sync::Notify::new(),
+            stats: Mutex::new(VecDeque::new()),
+            coordinator_term: now_ms(),
+            chain_head: Mutex::new(None),
+            last_envelope: Mutex::new(None),
+        });
+        let accept = tokio::spawn(accept_loop(inner.clone()));
+        Ok(Node { inner, accept })
+    }
+
+    pub fn did(&self) -> &str {
+        &self.inner.tls.did
+    }
+    pub fn public_key(&self) -> [u8; 32] {
+        self.inner.tls.public_key
+    }
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.advertise
+    }
+    pub fn peer_addr(&self) -> PeerAddr {
+        PeerAddr {
+            key: self.public_key(),
+            addr: self.addr(),
+        }
+    }
+    pub fn meter_name(&self) -> String {
+        lock(&self.inner.steward).meter_name().to_string()
+    }
+
+    pub async fn shutdown(self) {
+        self.inner.endpoint.close(0u32.into(), b"shutting down");
+        self.accept.abort();
+        self.inner.endpoint.wait_idle().await;
+    }
+}
+
+async fn accept_loop(inner: Arc<Inner>) {
+    while let Some(incoming) = inner.endpoint.accept().await {
+        let inner = inner.clone();
+        tokio::spawn(async move {
+            let Ok(connection) = incoming.await else {
+                return;
+            };
+            let alpn = connection
+                .handshake_data()
+                .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+                .and_then(|d| d.protocol);
+            let Some(peer) = tls::peer_key(&connection) else {
+                return;
+            };
+            loop {
+                let Ok((send, recv)) = connection.accept_bi().await else {
+                    return;
+                };
+                let inner = inner.clone();
+                let alpn = alpn.clone();
+                tokio::spawn(async move {
+                    let outcome = match alpn.as_deref() {
+                        Some(a) if a == ALPN_CONTROL => {
+                            handle_control(inner, peer, send, recv).await
+                        }
+                        Some(a) if a == ALPN_STAGE => handle_stage(inner, send, recv).await,
+                        Some(a) if a == ALPN_RECORD_PUSH => {
+                            handle_push(inner, peer, send, recv).await
+                        }
+                        _ => Ok(()),
+                    };
+                    if let Err(error) = outcome {
+                        eprintln!("mesh-node: stream from {}: {error:#}", did_key(&peer));
+                    }
+                });
+            }
+        });
+    }
+}
+
+impl Inner {
+    async fn connect(
+        &self,
+        peer: &PeerAddr,
+        alpn: &'static [u8],
+    ) -> anyhow::Result<quinn::Connection> {
+        let mut connections = self.connections.lock().await;
+        if let Some(existing) = connections.get(&(peer.key, alpn))
+            && existing.close_reason().is_none()
+        {
+            return Ok(existing.clone());
+        }
+        let config = tls::client_config(&self.tls, peer.key, alpn)?;
+        let connecting = self.endpoint.connect_with(config, peer.addr, "mesh-node")?;
+        let connection = tokio::time::timeout(msg::CONNECT_TIMEOUT, connecting)
+            .await
+            .with_context(|| format!("timed out connecting to {peer}"))?
+            .with_context(|| format!("connecting to {peer}"))?;
+        connections.insert((peer.key, alpn), connection.clone());
+        Ok(connection)
+    }
+
+    async fn open(
+        &self,
+        peer: &PeerAddr,
+        alpn: &'static [u8],
+    ) -> anyhow::Result<(quinn::SendStream, quinn::RecvStream)> {
+        let connection = self.connect(peer, alpn).await?;
+        match connection.open_bi().await {
+            Ok(streams) => Ok(streams),
+            Err(_) => {
+                // A stale cached connection: drop it and try once more.
+                self.connections.lock().await.remove(&(peer.key, alpn));
+                let connection = self.connect(peer, alpn).await?;
+                Ok(connection.open_bi().await?)
+            }
+        }
+    }
+
+    fn record_stats(&self, request_id: u64, stats: StageStats) {
+        let mut all = lock(&self.stats);
+        all.push_back((request_id, stats));
+        while all.len() > 256 {
+            all.pop_front();
+        }
+    }
+}
+
+fn lane(coordinator: &str, run_id: &str, request_id: u64, hop: u32, lane: Lane) -> LaneFold {
+    LaneFold::new(&LaneContext {
+        salt: b"",
+        coordinator_node_id: coordinator,
+        run_id,
+        request_id,
+        hop_index: hop,
+        lane,
+    })
+}
+
+/// Time spent folding, measured around the fold calls of one request.
+struct Folds {
+    spent: Duration,
+}
+
+impl Folds {
+    fn time<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = f();
+        self.spent += start.elapsed();
+        out
+    }
+}
+
+// ---------------------------------------------------------------- control
+
+async fn handle_control(
+    inner: Arc<Inner>,
+    peer: [u8; 32],
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+) -> anyhow::Result<()> {
+    let Some(message) = msg::read_cbor(&mut recv, msg::IDLE_TIMEOUT).await? else {
+        return Ok(());
+    };
+    match message.get("kind").and_then(Cbor::as_text) {
+        Some("assign") => {
+            let reply = match handle_assign(&inner, peer, &message) {
+                Ok((digest, bytes)) => Cbor::text_map([
+                    ("kind", Cbor::text("ready")),
+                    ("weights_digest", Cbor::bytes(digest.to_vec())),
+                    ("resident_bytes", Cbor::Uint(bytes as u64)),
+                    ("max_requests", Cbor::Uint(inner.max_requests as u64)),
+                ]),
+                Err(error) => Cbor::text_map([
+                    ("kind", Cbor::text("refused")),
+                    ("reason", Cbor::text(format!("{error:#}"))),
+                ]),
+            };
+            msg::write_cbor(&mut send, &reply).await?;
+        }
+        Some("generate") => coordinator::handle_generate(inner, &message, &mut send).await?,
+        Some("stats") => {
+            let request_id = message
+                .get("request_id")
+                .and_then(Cbor::as_uint)
+                .unwrap_or(0);
+            let found = lock(&inner.stats)
+                .iter()
+                .rev()
+                .find(|(id, _)| *id == request_id)
+                .map(|(_, s)| *s);
+            let stats = found.unwrap_or_default();
+            msg::write_cbor(
+                &mut send,
+                &Cbor::text_map([
+                    ("kind", Cbor::text("stats")),
+                    ("found", Cbor::Uint(u64::from(found.is_some()))),
+                    ("compute_us", Cbor::Uint(stats.compute.as_micros() as u64)),
+                    ("fold_us", Cbor::Uint(stats.fold.as_micros() as u64)),
+                    ("steps", Cbor::Uint(stats.steps.into())),
+                ]),
+            )
+            .await?;
+        }
+        _ => {
+            msg::write_cbor(
+                &mut send,
+                &Cbor::text_map([
+                    ("kind", Cbor::text("refused")),
+                    ("reason", Cbor::text("unknown control message")),
+                ]),
+            )
+            .await?;
+        }
+    }
+    send.finish()?;
+    let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+    Ok(())
+}
+
+fn handle_assign(
+    inner: &Arc<Inner>,
+    peer: [u8; 32],
+    message: &Cbor,
+) -> anyhow::Result<([u8; 32], usize)> {
+    let assign = Assign::from_cbor(message)?;
+    if assign.coordinator != peer {
+        bail!("the assignment names a coordinator other than the node that sent it");
+    }
+    if assign.package_id != inner.model.package_id() {
+        bail!(
+            "this node holds package sha256:{}, not the assigned sha256:{}",
+            mesh_protocol::hex::encode(&inner.model.package_id()),
+            mesh_protocol::hex::encode(&assign.package_id)
+        );
+    }
+    if assign.stage_index == 0 || assign.stage_index >= assign.stage_count {
+        bail!(
+            "stage index {} is not a remote stage of {}",
+            assign.stage_index,
+            assign.stage_count
+        );
+    }
+    if let Some(slot) = lock(&inner.slots).get(&assign.run_id) {
+        return Ok((slot.slice.weights_digest(), slot.slice.weight_bytes()));
+    }
+    eprintln!(
+        "mesh-node: loading layers {}..{} for run {} (stage {} of {})",
+        assign.layer_start, assign.layer_end, assign.run_id, assign.stage_index, assign.stage_count
+    );
+    let slice = tokio::task::block_in_place(|| {
+        inner.model.load_slice(assign.layer_start..assign.layer_end)
+    })?;
+    let answer = (slice.weights_digest(), slice.weight_bytes());
+    let context = inner
+        .model
+        .config()
+        .context
+        .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
+    let slot = Arc::new(Slot {
+        slice,
+        pool: Mutex::new(CachePool::new(inner.max_requests, context)),
+        assign: assign.clone(),
+    });
+    lock(&inner.slots).insert(assign.run_id.clone(), slot);
+    Ok(answer)
+}
+
+// ------------------------------------------------------------------ stage
+
+struct StageLanes {
+    up_received: LaneFold,
+    up_replies_sent: LaneFold,
+    down_sent: Option<LaneFold>,
+    down_replies_received: Option<LaneFold>,
+    direct_sent: Option<LaneFold>,
+}
+
+#[cfg(feature = "fault-injection")]
+fn inject_fault(stage_index: u32, step: u32, bytes: &mut [u8]) {
+    // MESH_FAULT_FLIP_FORWARD=STAGE:STEP:OFFSET alters one byte of the
+    // forward frame that stage STAGE writes at STEP, after it was folded.
+    if let Ok(spec) = std::env::var("MESH_FAULT_FLIP_FORWARD") {
+        let parts: Vec<usize> = spec.split(':').filter_map(|p| p.parse().ok()).collect();
+        if let [stage, at_step, offset] = parts[..]
+            && stage == stage_index as usize
+            && at_step == step as usize
+            && let Some(byte) = bytes.get_mut(offset)
+        {
+            *byte ^= 0x01;
+        }
+    }
+}
+
+/// Write a forward message downstream: fold the bytes as written, then send.
+async fn write_forward(
+    send: &mut quinn::SendStream,
+    body: &[u8],
+    fold: &mut LaneFold,
+    folds: &mut Folds,
+    stage_index: u32,
+    step: u32,
+) -> anyhow::Result<()> {
+    let bytes = msg::frame(body)?;
+    folds.time(|| fold.push_frame(&bytes));
+    #[cfg(feature = "fault-injection")]
+    let bytes = {
+        let mut bytes = bytes;
+        inject_fault(stage_index, step, &mut bytes);
+        bytes
+    };
+    let _ = (stage_index, step);
+    tokio::time::timeout(msg::IDLE_TIMEOUT, send.write_all(&bytes))
+        .await
+        .context("timed out writing downstream")??;
+    Ok(())
+}
+
+async fn handle_stage(
+    inner: Arc<Inner>,
+    mut up_send: quinn::SendStream,
+    mut up_recv: quinn::RecvStream,
+) -> anyhow::Result<()> {
+    let first = msg::read(
+        &mut up_recv,
+        msg::MAX_STAGE_MESSAGE,
+        msg::IDLE_TIMEOUT,
+        None,
+    )
+    .await?
+    .context("empty stage stream")?;
+    let (message_kind, request_id, _, payload) = msg::parse_stage(&first)?;
+    if message_kind == kind::DIRECT_OPEN {
+        let waiting = lock(&inner.directs).remove(&request_id);
+        match waiting {
+            Some(sender) => {
+                let _ = sender.send((up_send, up_recv, first));
+            }
+            None => bail!(
+                "a direct-return stream for request {request_id}, which is not waiting for one"
+            ),
+        }
+        return Ok(());
+    }
+    if message_kind != kind::OPEN {
+        bail!("a stage stream must start with OPEN");
+    }
+    let open = Cbor::decode(payload).context("malformed OPEN")?;
+    let run_id = open
+        .get("run_id")
+        .and_then(Cbor::as_text)
+        .context("OPEN: run_id")?
+        .to_string();
+    let capacity = open
+        .get("capacity")
+        .and_then(Cbor::as_uint)
+        .context("OPEN: capacity")? as usize;
+    let return_mode = match open.get("return_mode").and_then(Cbor::as_text) {
+        Some("direct") => ReturnMode::Direct,
+        _ => ReturnMode::Relayed,
+    };
+    let slot = lock(&inner.slots).get(&run_id).cloned();
+    let Some(slot) = slot else {
+        let body = msg::stage_body(
+            kind::FAILED,
+            request_id,
+            0,
+            format!("no slice loaded for run {run_id}").as_bytes(),
+        );
+        msg::write(&mut up_send, &body, None).await?;
+        return Ok(());
+    };
+    let assign = &slot.assign;
+    let coordinator = did_key(&assign.coordinator);
+    let k = assign.stage_index;
+    let is_final = k + 1 == assign.stage_count;
+    let mut folds = Folds {
+        spent: Duration::ZERO,
+    };
+    let mut lanes = StageLanes {
+        up_received: lane(&coordinator, &run_id, request_id, k - 1, Lane::Forward),
+        up_replies_sent: lane(&coordinator, &run_id, request_id, k - 1, Lane::Reply),
+        down_sent: None,
+        down_replies_received: None,
+        direct_sent: None,
+    };
+    folds.time(|| lanes.up_received.push_frame(&first));
+    lock(&slot.pool).open(&slot.slice, request_id, capacity)?;
+
+    let mut down: Option<(quinn::SendStream, quinn::RecvStream)> = None;
+    let mut direct: Option<quinn::SendStream> = None;
+    let mut terminal = TerminalState::TransportError;
+    let mut tokens = Tokens {
+        prefill_received: 0,
+        decode: 0,
+    };
+    let mut stats = StageStats::default();
+    let mut ticket = lock(&inner.steward).authorise(
+        None,
+        &span_request(capacity),
+        Some(inner.model.weights_digest()),
+        "mesh-node/stage",
+        now_ms(),
+    )?;
+    lock(&inner.steward).begin_engine(&mut ticket);
+
+    let outcome: anyhow::Result<()> = async {
+        if let Some(next) = &assign.downstream {
+            let (mut send, recv) = inner.open(next, ALPN_STAGE).await?;
+            let mut sent = lane(&coordinator, &run_id, request_id, k, Lane::Forward);
+            write_forward(&mut send, &first[4..], &mut sent, &mut folds, k, 0).await?;
+            lanes.down_sent = Some(sent);
+            lanes.down_replies_received =
+                Some(lane(&coordinator, &run_id, request_id, k, Lane::Reply));
+            down = Some((send, recv));
+        } else if return_mode == ReturnMode::Direct {
+            let coordinator_peer = PeerAddr {
+                key: assign.coordinator,
+                addr: assign.coordinator_addr,
+            };
+            let (mut send, _recv) = inner.open(&coordinator_peer, ALPN_STAGE).await?;
+            let mut fold = lane(
+                &coordinator,
+                &run_id,
+                request_id,
+                assign.stage_count - 1,
+                Lane::DirectReturn,
+            );
+            msg::write(
+                &mut send,
+                &msg::stage_body(kind::DIRECT_OPEN, request_id, 0, &[]),
+                Some(&mut fold),
+            )
+            .await?;
+            lanes.direct_sent = Some(fold);
+            direct = Some(send);
+        }
+        loop {
+            let read = msg::read(
+                &mut up_recv,
+                msg::MAX_STAGE_MESSAGE,
+                inner.step_timeout,
+                None,
+            )
+            .await;
+            let frame = match read {
+                Ok(Some(frame)) => frame,
+                Ok(None) => {
+                    terminal = TerminalState::TransportError;
+                    bail!("upstream closed the request without STOP");
+                }
+                Err(error) => {
+                    terminal = if error.to_string().contains("timed out") {
+                        TerminalState::TimedOut
+                    } else {
+                        TerminalState::TransportError
+                    };
+                    return Err(error);
+                }
+            };
+            folds.time(|| lanes.up_received.push_frame(&frame));
+            let (message_kind, id, step, payload) = msg::parse_stage(&frame)?;
+            if id != request_id {
+                bail!("a frame of request {id} on the stream of request {request_id}");
+            }
+            match message_kind {
+                kind::ACTIVATIONS => {
+                    let (activations, wire) = decode_frame(payload, slot.slice.config().hidden)?;
+                    if stats.steps == 0 {
+                        tokens.prefill_received = activations.rows as u64;
+                    } else {
+                        tokens.decode += 1;
+                    }
+                    stats.steps += 1;
+                    let start = Instant::now();
+                    let output = tokio::task::block_in_place(|| {
+                        let mut pool = lock(&slot.pool);
+                        let cache = pool.get_mut(request_id)?;
+                        slot.slice.forward(SliceInput::Hidden(&activations), cache)
+                    })?;
+                    stats.compute += start.elapsed();
+                    match output {
+                        SliceOutput::Hidden(a) => {
+                            let frame = encode_frame(&a.values, a.rows, a.cols, wire)?;
+                            let (send, recv) = down
+                                .as_mut()
+                                .context("a middle stage without a downstream")?;
+                            let sent = lanes.down_sent.as_mut().context("downstream lane")?;
+                            write_forward(
+                                send,
+                                &msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame),
+                                sent,
+                                &mut folds,
+                                k,
+                                step,
+                            )
+                            .await?;
+                            if return_mode == ReturnMode::Relayed {
+                                let received =
+                                    lanes.down_replies_received.as_mut().context("reply lane")?;
+                                let reply = msg::read(
+                                    recv,
+                                    msg::MAX_STAGE_MESSAGE,
+                                    inner.step_timeout,
+                                    None,
+                                )
+                                .await?
+                                .context("downstream closed before replying")?;
+                                folds.time(|| received.push_frame(&reply));
+                                let bytes = reply.clone();
+                                folds.time(|| lanes.up_replies_sent.push_frame(&bytes));
+                                tokio::time::timeout(msg::IDLE_TIMEOUT, up_send.write_all(&bytes))
+                                    .await
+                                    .context("timed out replying upstream")??;
+                            }
+                        }
+                        SliceOutput::Logits(logits) => {
+                            let payload: Vec<u8> =
+                                logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+                            let body = msg::stage_body(kind::LOGITS, request_id, step, &payload);
+                            match (&mut direct, lanes.direct_sent.as_mut()) {
+                                (Some(send), Some(fold)) => {
+                                    let bytes = msg::frame(&body)?;
+                                    folds.time(|| fold.push_frame(&bytes));
+                                    tokio::time::timeout(msg::IDLE_TIMEOUT, send.write_all(&bytes))
+                                        .await
+                                        .context("timed out on the direct return")??;
+                                }
+                                _ => {
+                                    let bytes = msg::frame(&body)?;
+                                    folds.time(|| lanes.up_replies_sent.push_frame(&bytes));
+                                    tokio::time::timeout(
+                                        msg::IDLE_TIMEOUT,
+                                        up_send.write_all(&bytes),
+                                    )
+                                    .await
+                                    .context("timed out replying upstream")??;
+                                }
+                            }
+                        }
+                    }
+                }
+                kind::STOP => {
+                    let state = Cbor::decode(payload).ok().and_then(|c| {
+                        c.get("terminal_state")
+                            .and_then(Cbor::as_text)
+                            .and_then(TerminalState::parse)
+                    });
+                    terminal = state.unwrap_or(TerminalState::Completed);
+                    if let (Some((send, _)), Some(sent)) = (down.as_mut(), lanes.down_sent.as_mut())
+                    {
+                        write_forward(send, &frame[4..], sent, &mut folds, k, step).await?;
+                    }
+                    return Ok(());
+                }
+                other => bail!("unexpected stage message kind {other}"),
+            }
+        }
+    }
+    .await;
+    if let Err(error) = &outcome {
+        eprintln!("mesh-node: stage {k} request {request_id}: {error:#}");
+    }
+    lock(&slot.pool).release(request_id);
+    if let Some((mut send, _)) = down.take() {
+        let _ = send.finish();
+    }
+    if let Some(mut send) = direct.take() {
+        let _ = send.finish();
+    }
+    let _ = up_send.finish();
+    stats.fold = folds.spent;
+    inner.record_stats(request_id, stats);
+
+    // The stage's own evidence: its steward's receipt for the metered span,
+    // and its stage record, pushed to the coordinator.
+    let metered = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()));
+    if let Ok(metered) = metered {
+        let receipt = stage_receipt(&inner, request_id, &run_id, k, &tokens, metered.energy);
+        if let Err(error) = lock(&inner.steward).seal(receipt) {
+            eprintln!("mesh-node: stage receipt not sealed: {error}");
+        }
+    }
+    let block = StageBlock {
+        side: Side::Stage,
+        coordinator_node_id: coordinator.clone(),
+        run_id: run_id.clone(),
+        request_id,
+        topology_hash: assign.topology_hash.clone(),
+        stage_index: k,
+        stage_count: assign.stage_count,
+        layer_start: slot.slice.range.start,
+        layer_end: slot.slice.range.end,
+        package_id: inner.model.package_id(),
+        manifest_sha256: assign.manifest,
+        source_model_sha256: inner.model.package_id(),
+        return_mode,
+        upstream: Some(Upstream {
+            received: lanes.up_received.digest(),
+            replies_sent: lanes.up_replies_sent.digest(),
+        }),
+        downstream: match (&lanes.down_sent, &lanes.down_replies_received) {
+            (Some(sent), Some(received)) => Some(Downstream {
+                sent: sent.digest(),
+                replies_received: received.digest(),
+            }),
+            _ => None,
+        },
+        direct_return: if is_final && return_mode == ReturnMode::Direct {
+            Some(DirectReturn::Sent(
+                lanes
+                    .direct_sent
+                    .as_ref()
+                    .map(LaneFold::digest)
+                    .unwrap_or_else(|| {
+                        lane(
+                            &coordinator,
+                            &run_id,
+                            request_id,
+                            assign.stage_count - 1,
+                            Lane::DirectReturn,
+                        )
+                        .digest()
+                    }),
+            ))
+        } else {
+            None
+        },
+        tokens: Some(tokens),
+        terminal_state: terminal,
+        coordinator_term: None,
+        data_path_observed: None,
+        coordinator_observed: None,
+    };
+    push_stage_record(&inner, assign, &block).await?;
+    outcome.or(Ok(()))
+}
+
+/// The request a stage's steward meters a span for: a stage never sees the
+/// prompt, so it names the span by its positions only.
+fn span_request(capacity: usize) -> ServeRequest {
+    ServeRequest {
+        prompt_hash: [0; 32],
+        prompt_tokens: u32::try_from(capacity).unwrap_or(u32::MAX),
+        max_tokens: 0,
+        fidelity_floor: Fidelity::F0,
+        joule_ceiling_uj: u64::MAX,
+        decision: None,
+    }
+}
+
+fn stage_receipt(
+    inner: &Inner,
+    request_id: u64,
+    run_id: &str,
+    stage: u32,
+    tokens: &Tokens,
+    energy: mesh_protocol::mesh1::Energy,
+) -> MeshReceipt {
+    let span = span_request((tokens.prefill_received + tokens.decode) as usize);
+    MeshReceipt {
+        request_id: span.request_id(),
+        grant_id: None,
+        backend: "mesh-node/stage".into(),
+        recipe: format!("stage {stage} of run {run_id}, request {request_id}"),
+        weights: Some(WeightsBinding {
+            weights_digest: inner.model.weights_digest(),
+            precision: "q8_0/f32".into(),
+        }),
+        route: format!("assigned by coordinator for run {run_id}"),
+        tokens_in: tokens.prefill_received + tokens.decode,
+        tokens_out: 0,
+        tokens_accepted: 0,
+        cache_hit_tokens: 0,
+        spec_proposed: 0,
+        spec_accepted: 0,
+        fidelity_floor: Fidelity::F0,
+        fidelity: None,
+        fidelity_rating: Fidelity::F0,
+        energy,
+        decision: None,
+        grant_breach: None,
+        output_commitment: None,
+        sequence: 0,
+        prev: None,
+        nonce: crate::keys::random_bytes().unwrap_or([0; 16]),
+        steward: String::new(),
+        split: None,
+    }
+}
+
+async fn push_stage_record(
+    inner: &Arc<Inner>,
+    assign: &Assign,
+    block: &StageBlock,
+) -> anyhow::Result<()> {
+    let context = RecordContext {
+        producer: Producer::mesh_node(),
+        timestamp: format_timestamp(now_ms()),
+        store_nonce: crate::keys::random_bytes()?,
+        chain_parent: None,
+    };
+    let record = SealedRecord::seal(stage_record(&context, block)?, &inner.key)?;
+    let mut body = inner.tls.did.as_bytes().to_vec();
+    body.push(b'\n');
+    body.extend_from_slice(&serde_json::to_vec(record.value())?);
+    let coordinator = PeerAddr {
+        key: assign.coordinator,
+        addr: assign.coordinator_addr,
+    };
+    let (mut send, mut recv) = inner.open(&coordinator, ALPN_RECORD_PUSH).await?;
+    tokio::time::timeout(msg::IDLE_TIMEOUT, send.write_all(&body))
+        .await
+        .context("timed out pushing the stage record")??;
+    send.finish()?;
+    let reply = tokio::time::timeout(msg::IDLE_TIMEOUT, recv.read_to_end(64 * 1024))
+        .await
+        .context("timed out waiting for the push reply")??;
+    let reply: serde_json::Value = serde_json::from_slice(&reply).unwrap_or_default();
+    if reply["status"] != "received" {
+        eprintln!("mesh-node: stage record refused: {reply}");
+    }
+    Ok(())
+}
+
+// ----------------------------------------------------------- record-push/1
+
+async fn handle_push(
+    inner: Arc<Inner>,
+    peer: [u8; 32],
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+) -> anyhow::Result<()> {
+    let body = match tokio::time::timeout(msg::IDLE_TIMEOUT, recv.read_to_end(msg::MAX_RECORD_PUSH))
+        .await
+    {
+        Ok(Ok(body)) => body,
+        Ok(Err(_)) => {
+            let reply = signed_refusal(&inner.key, b"", crate::records::PushRefusal::TooLarge);
+            send.write_all(&serde_json::to_vec(&reply)?).await?;
+            send.finish()?;
+            return Ok(());
+        }
+        Err(_) => bail!("timed out reading a record push"),
+    };
+    let outcome = lock(&inner.collector).offer(&peer, &body);
+    let reply = match outcome {
+        Ok(()) => {
+            inner.collected.notify_waiters();
+            serde_json::json!({ "status": "received" })
+        }
+        Err(refusal) => signed_refusal(&inner.key, &body, refusal),
+    };
+    send.write_all(&serde_json::to_vec(&reply)?).await?;
+    send.finish()?;
+    let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+    Ok(())
+}
+
+// ------------------------------------------------------------ coordinator
+
+impl Inner {
+    /// Plan contiguous ranges over this node (stage 0) and its peers, assign
+    /// them, and load the own slice. Done once; later requests reuse it.
+    async fn ensure_run(self: &Arc<Self>) -> anyhow::Result<Arc<Run>> {
+        let mut guard = self.run.lock().await;
+        if let Some(run) = guard.as_ref() {
+            return Ok(run.clone());
+        }
+        if self.peers.is_empty() {
+            bail!("this node has no peers to split over; start it with --peer NODEID@HOST:PORT");
+        }
+        let layers = self.model.config().layers;
+        let stages = self.peers.len() as u32 + 1;
+        if stages > layers {
+            bail!("{stages} stages for a model of {layers} layers");
+        }
+        let ranges = mesh_stage::even_split(layers, stages);
+        let run_id = format!(
+            "mesh-split-{}",
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        );
+        let mut keys = vec![self.tls.public_key];
+        keys.extend(self.peers.iter().map(|p| p.key));
+        let topology: Vec<Assignment> = ranges
+            .iter()
+            .zip(&keys)
+            .map(|(r, key)| Assignment {
+                node_id: did_key(key),
+                layer_start: r.start,
+                layer_end: r.end,
+                package_id: self.model.package_id(),
+            })
+            .collect();
+        let topology_hash = {
+            let cbor = Cbor::Array(
+                topology
+                    .iter()
+                    .map(|a| {
+                        Cbor::text_map([
+                            ("node_id", Cbor::text(&a.node_id)),
+                            ("layer_start", Cbor::Uint(a.layer_start.into())),
+                            ("layer_end", Cbor::Uint(a.layer_end.into())),
+                        ])
+                    })
+                    .collect(),
+            );
+            mesh_protocol::hex::encode(blake3::hash(&cbor.encode()).as_bytes())
+        };
+        let mut assigns = Vec::new();
+        for (k, range) in ranges.iter().enumerate() {
+            let assign = Assign {
+                run_id: run_id.clone(),
+                package_id: self.model.package_id(),
+                layer_start: range.start,
+                layer_end: range.end,
+                stage_index: k as u32,
+                stage_count: stages,
+                coordinator: self.tls.public_key,
+                coordinator_addr: self.advertise,
+                downstream: self.peers.get(k).cloned(),
+                topology_hash: topology_hash.clone(),
+                manifest: [0; 32],
+            };
+            let manifest = *blake3::hash(&assign.to_cbor().encode()).as_bytes();
+            assigns.push(Assign { manifest, ..assign });
+        }
+        // Remote stages load in parallel with the own slice.
+        let mut waits = Vec::new();
+        for (peer, assign) in self.peers.iter().zip(assigns.iter().skip(1)) {
+            let inner = self.clone();
+            let peer = peer.clone();
+            let message = assign.to_cbor();
+            waits.push(tokio::spawn(async move {
+                let (mut send, mut recv) = inner.open(&peer, ALPN_CONTROL).await?;
+                msg::write_cbor(&mut send, &message).await?;
+                send.finish()?;
+                let reply = msg::read_cbor(&mut recv, Duration::from_secs(300))
+                    .await?
+                    .context("no answer to the assignment")?;
+                match reply.get("kind").and_then(Cbor::as_text) {
+                    Some("ready") => Ok::<(), anyhow::Error>(()),
+                    _ => bail!(
+                        "{peer} refused its slice: {}",
+                        reply
+                            .get("reason")
+                            .and_then(Cbor::as_text)
+                            .unwrap_or("no reason")
+                    ),
+                }
+            }));
+        }
+        let own_range = ranges[0].clone();
+        let own_slice = tokio::task::block_in_place(|| self.model.load_slice(own_range))?;
+        for wait in waits {
+            wait.await.map_err(|e| anyhow!("assignment task: {e}"))??;
+        }
+        let context = self
+            .model
+            .config()
+            .context
+            .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
+        let own = Arc::new(Slot {
+            slice: own_slice,
+            pool: Mutex::new(CachePool::new(self.max_requests, context)),
+            assign: assigns[0].clone(),
+        });
+        let run = Arc::new(Run {
+            assigns,
+            topology,
+            keys,
+            own,
+        });
+        *guard = Some(run.clone());
+        Ok(run)
+    }
+}
