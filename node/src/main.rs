@@ -206,6 +206,15 @@ enum BenchTarget {
         #[arg(long, default_value_t = 1.0)]
         seconds: f64,
     },
+    /// Decode tokens/s unsplit in-process against split over loopback QUIC
+    /// (2 and 3 stages), per-hop overhead, and the share of time folding.
+    Split {
+        /// A GGUF file or safetensors directory (default: the synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+    },
     /// Engine prefill/decode tokens/s, unsplit vs split in-process, and the
     /// memory a third of the layers holds.
     Engine {
@@ -348,6 +357,15 @@ fn verify(file: &Path, prev: Option<&Path>, as_json: bool) -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Verify { json, file, prev } => Ok(verify(&file, prev.as_deref(), json)),
+        Command::Bench {
+            target: BenchTarget::Split { model, tokens },
+        } => {
+            print!(
+                "{}",
+                runtime()?.block_on(mesh_node::node_cli::bench_split(model, tokens))?
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Demo {
             stages,
             model,

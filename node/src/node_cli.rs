@@ -339,3 +339,129 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     }
     Ok(report.success())
 }
+
+/// `mesh-node bench split`: decode tokens/s unsplit in one process against
+/// split over loopback QUIC (2 and 3 stages), with the estimated per-hop
+/// overhead and the share of time spent folding.
+pub async fn bench_split(model: Option<PathBuf>, tokens: usize) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
+    let model = match model {
+        Some(model) => model,
+        None => crate::engine_cli::synthetic_model_path()?,
+    };
+    let prompt = "Write a long story about a dragon who learns to fly.";
+    // Unsplit, in this process.
+    let unsplit = tokio::task::spawn_blocking({
+        let model = model.clone();
+        move || -> anyhow::Result<f64> {
+            let handle = mesh_stage::ModelHandle::open(&model)?;
+            let layers = handle.config().layers;
+            let pipeline = mesh_stage::pipeline::Pipeline::new(
+                vec![handle.load_slice(0..layers)?],
+                WireDType::F32,
+            )?;
+            let ids = handle.text().encode(
+                &handle
+                    .text()
+                    .chat_prompt(prompt)
+                    .unwrap_or_else(|_| prompt.to_string()),
+            )?;
+            let mut sampler = mesh_stage::sampling::Sampler::new(SamplingParams::greedy());
+            let generation =
+                pipeline.generate(&ids, tokens, &mut sampler, &|_| false, &mut |_| {})?;
+            Ok(generation.timings.decode_tokens_per_s())
+        }
+    })
+    .await??;
+    let mut out = String::new();
+    writeln!(
+        out,
+        "model {}  {tokens} decode tokens, greedy, f32 activations",
+        model.display()
+    )?;
+    writeln!(
+        out,
+        "{:<34} {:>12} {:>8} {:>16} {:>10}",
+        "configuration", "decode tok/s", "ratio", "µs/hop/step", "folding"
+    )?;
+    writeln!(
+        out,
+        "{:<34} {:>12.1} {:>8.3} {:>16} {:>10}",
+        "unsplit, in process", unsplit, 1.0, "-", "-"
+    )?;
+    for stages in [2usize, 3] {
+        let scratch = tempfile_dir()?;
+        let mut nodes = Vec::new();
+        for k in 1..stages {
+            nodes.push(Node::start(bench_options(&model, &scratch, k, Vec::new())?).await?);
+        }
+        let peers: Vec<PeerAddr> = nodes.iter().map(Node::peer_addr).collect();
+        let coordinator = Node::start(bench_options(&model, &scratch, 0, peers)?).await?;
+        let request = GenerateRequest {
+            prompt: prompt.into(),
+            max_tokens: tokens,
+            chat: true,
+            sampling: SamplingParams::greedy(),
+        };
+        // Warm up (assignment, slice loads), then measure.
+        generate_remote(
+            &coordinator.peer_addr(),
+            &GenerateRequest {
+                max_tokens: 2,
+                ..request.clone()
+            },
+            &mut |_| {},
+        )
+        .await?;
+        let summary = generate_remote(&coordinator.peer_addr(), &request, &mut |_| {}).await?;
+        let d = &summary.details;
+        let rate = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
+        writeln!(
+            out,
+            "{:<34} {:>12.1} {:>8.3} {:>16.0} {:>9.3}%",
+            format!("{stages} stages over loopback QUIC"),
+            rate,
+            rate / unsplit.max(1e-9),
+            d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
+            100.0 * d["fold_share"].as_f64().unwrap_or(0.0)
+        )?;
+        coordinator.shutdown().await;
+        for node in nodes {
+            node.shutdown().await;
+        }
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+    Ok(out)
+}
+
+fn tempfile_dir() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!(
+        "mesh-node-bench-split-{}-{}",
+        std::process::id(),
+        u64::from_le_bytes(crate::keys::random_bytes()?)
+    ));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn bench_options(
+    model: &Path,
+    scratch: &Path,
+    k: usize,
+    peers: Vec<PeerAddr>,
+) -> anyhow::Result<NodeOptions> {
+    Ok(NodeOptions {
+        key: mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?),
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        advertise: None,
+        model: model.to_path_buf(),
+        data: scratch.join(format!("node-{k}")),
+        peers,
+        stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
+        step_timeout: Duration::from_secs(60),
+        max_requests: 2,
+        return_mode: ReturnMode::Relayed,
+        wire: WireDType::F32,
+        meter: Box::new(EstimatorMeter::default()),
+    })
+}

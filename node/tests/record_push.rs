@@ -1,0 +1,128 @@
+//! `record-push/1` at a coordinator: pushes are verified before they are
+//! acknowledged, and refusals are signed by the receiver.
+
+use std::time::Duration;
+
+use mesh_node::energy::EstimatorMeter;
+use mesh_node::net::ALPN_RECORD_PUSH;
+use mesh_node::net::tls::{self, TlsIdentity};
+use mesh_node::records::refusal_verifies;
+use mesh_node::serve::{Node, NodeOptions};
+use mesh_protocol::SigningKey;
+use mesh_protocol::block::ReturnMode;
+use mesh_protocol::capsule::{Producer, RecordContext, SealedRecord, stage_record};
+use mesh_protocol::identity::did_key;
+use mesh_stage::frame::WireDType;
+use serde_json::Value;
+
+async fn push(node: &Node, key: &SigningKey, claimed: &str, record: &Value) -> Value {
+    tls::install_provider();
+    let identity = TlsIdentity::new(key).unwrap();
+    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::LOCALHOST, 0).into()).unwrap();
+    endpoint.set_default_client_config(
+        tls::client_config(&identity, node.public_key(), ALPN_RECORD_PUSH).unwrap(),
+    );
+    let connection = endpoint
+        .connect(node.addr(), "mesh-node")
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut send, mut recv) = connection.open_bi().await.unwrap();
+    let mut body = claimed.as_bytes().to_vec();
+    body.push(b'\n');
+    body.extend(serde_json::to_vec(record).unwrap());
+    send.write_all(&body).await.unwrap();
+    send.finish().unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(10), recv.read_to_end(65536))
+        .await
+        .unwrap()
+        .unwrap();
+    serde_json::from_slice(&reply).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = mesh_stage::synthetic::write_synthetic(
+        &dir.path().join("model"),
+        &mesh_stage::synthetic::SyntheticSpec::default(),
+        &[candle_core::quantized::GgmlDType::F32],
+    )
+    .unwrap();
+    let node = Node::start(NodeOptions {
+        key: SigningKey::from_bytes(&[1; 32]),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        advertise: None,
+        model: model
+            .gguf(candle_core::quantized::GgmlDType::F32)
+            .unwrap()
+            .to_path_buf(),
+        data: dir.path().join("node"),
+        peers: Vec::new(),
+        stage_seal_deadline: Duration::from_millis(500),
+        step_timeout: Duration::from_secs(5),
+        max_requests: 2,
+        return_mode: ReturnMode::Relayed,
+        wire: WireDType::F32,
+        meter: Box::new(EstimatorMeter::default()),
+    })
+    .await
+    .unwrap();
+
+    // A well-formed stage record, signed by a key this coordinator never assigned.
+    let stranger = SigningKey::from_bytes(&[9; 32]);
+    let run = mesh_node::simulate::simulate(&mesh_node::simulate::Scenario::default());
+    let block = run.stage_records[1][0].stage_block().unwrap();
+    let context = RecordContext {
+        producer: Producer::mesh_node(),
+        timestamp: "2026-11-30T00:00:00.000Z".into(),
+        store_nonce: [4; 32],
+        chain_parent: None,
+    };
+    let record = SealedRecord::seal(stage_record(&context, &block).unwrap(), &stranger).unwrap();
+
+    let reply = push(
+        &node,
+        &stranger,
+        &did_key(&stranger.verifying_key().to_bytes()),
+        record.value(),
+    )
+    .await;
+    assert_eq!(reply["reason"], "not_a_stage_of_this_split", "{reply}");
+    assert!(
+        refusal_verifies(&reply),
+        "the refusal is signed by the coordinator"
+    );
+    assert_eq!(
+        reply["key_id"],
+        mesh_protocol::hex::encode(&node.public_key())
+    );
+
+    // Claiming to be someone else than the transport proved.
+    let other = SigningKey::from_bytes(&[8; 32]);
+    let reply = push(
+        &node,
+        &stranger,
+        &did_key(&other.verifying_key().to_bytes()),
+        record.value(),
+    )
+    .await;
+    assert_eq!(reply["reason"], "signature_unverified", "{reply}");
+    assert!(refusal_verifies(&reply));
+
+    // A record whose signature does not hold.
+    let mut tampered = record.value().clone();
+    tampered["timestamp"] = Value::from("2026-11-30T00:00:00.001Z");
+    let reply = push(
+        &node,
+        &stranger,
+        &did_key(&stranger.verifying_key().to_bytes()),
+        &tampered,
+    )
+    .await;
+    assert_eq!(reply["reason"], "request_malformed", "{reply}");
+    let mut forged = reply.clone();
+    forged["reason"] = Value::from("policy_decline");
+    assert!(!refusal_verifies(&forged), "a refusal cannot be altered");
+    node.shutdown().await;
+}
