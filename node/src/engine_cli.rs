@@ -22,7 +22,11 @@ pub fn synthetic_model_path() -> anyhow::Result<PathBuf> {
         })
         .unwrap_or_else(|| std::env::temp_dir().join("mesh-node-models"));
     let spec = SyntheticSpec::default();
-    let dir = base.join(format!("synthetic-{}", spec.seed));
+    let dir = base.join(format!(
+        "synthetic-v{}-{}",
+        mesh_stage::synthetic::SYNTHETIC_VERSION,
+        spec.seed
+    ));
     let gguf = dir.join("synthetic-f32.gguf");
     if !gguf.exists() {
         eprintln!(

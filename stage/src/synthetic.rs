@@ -23,6 +23,9 @@ pub struct SyntheticSpec {
     pub kv_heads: usize,
     pub ffn: usize,
     pub context: usize,
+    /// Write a Qwen2 (q/k/v biases, rotary by halves in GGUF too) instead of
+    /// a Llama.
+    pub qwen2: bool,
 }
 
 impl Default for SyntheticSpec {
@@ -35,9 +38,13 @@ impl Default for SyntheticSpec {
             kv_heads: 2,
             ffn: 512,
             context: 2048,
+            qwen2: false,
         }
     }
 }
+
+/// Bumped whenever the generated weights change, so cached copies are rewritten.
+pub const SYNTHETIC_VERSION: u32 = 2;
 
 pub const SYNTHETIC_NAME: &str = "synthetic-llama (seeded weights, not a trained model)";
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -125,6 +132,14 @@ fn hf_tensors(spec: &SyntheticSpec, vocab: usize) -> Result<Vec<(String, Tensor)
             p("self_attn.v_proj.weight"),
             noise.tensor(kv, spec.hidden, scale, 0.0)?,
         ));
+        if spec.qwen2 {
+            for (name, width) in [("q", spec.hidden), ("k", kv), ("v", kv)] {
+                tensors.push((
+                    p(&format!("self_attn.{name}_proj.bias")),
+                    noise.tensor(1, width, 0.1, 0.0)?,
+                ));
+            }
+        }
         tensors.push((
             p("self_attn.o_proj.weight"),
             noise.tensor(spec.hidden, spec.hidden, scale, 0.0)?,
@@ -150,10 +165,14 @@ fn hf_tensors(spec: &SyntheticSpec, vocab: usize) -> Result<Vec<(String, Tensor)
         "model.norm.weight".into(),
         noise.tensor(1, spec.hidden, 0.1, 1.0)?,
     ));
-    tensors.push((
-        "lm_head.weight".into(),
-        noise.tensor(vocab, spec.hidden, scale * 4.0, 0.0)?,
-    ));
+    // Damp the output rows of everything but printable ASCII, so that what
+    // the model says, noise as it is, prints as text.
+    let head = noise.tensor(vocab, spec.hidden, scale * 4.0, 0.0)?;
+    let damp: Vec<f32> = (0..vocab)
+        .map(|t| if (32..127).contains(&t) { 1.0 } else { 0.05 })
+        .collect();
+    let head = head.broadcast_mul(&Tensor::from_vec(damp, (vocab, 1), &Device::Cpu)?)?;
+    tensors.push(("lm_head.weight".into(), head));
     Ok(tensors)
 }
 
@@ -175,6 +194,9 @@ fn gguf_name(hf: &str) -> String {
         "self_attn.k_proj.weight" => "attn_k.weight",
         "self_attn.v_proj.weight" => "attn_v.weight",
         "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.bias" => "attn_v.bias",
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
         "mlp.down_proj.weight" => "ffn_down.weight",
@@ -225,20 +247,19 @@ pub fn write_synthetic(
     let metadata: Vec<(String, gguf_file::Value)> = {
         use gguf_file::Value as V;
         let u32v = |v: usize| V::U32(v as u32);
+        let arch = if spec.qwen2 { "qwen2" } else { "llama" };
+        let key = |k: &str| format!("{arch}.{k}");
         vec![
-            ("general.architecture".into(), V::String("llama".into())),
+            ("general.architecture".into(), V::String(arch.into())),
             ("general.name".into(), V::String(SYNTHETIC_NAME.into())),
-            ("llama.block_count".into(), V::U32(spec.layers)),
-            ("llama.context_length".into(), u32v(spec.context)),
-            ("llama.embedding_length".into(), u32v(spec.hidden)),
-            ("llama.feed_forward_length".into(), u32v(spec.ffn)),
-            ("llama.attention.head_count".into(), u32v(spec.heads)),
-            ("llama.attention.head_count_kv".into(), u32v(spec.kv_heads)),
-            ("llama.rope.freq_base".into(), V::F32(10_000.0)),
-            (
-                "llama.attention.layer_norm_rms_epsilon".into(),
-                V::F32(1e-5),
-            ),
+            (key("block_count"), V::U32(spec.layers)),
+            (key("context_length"), u32v(spec.context)),
+            (key("embedding_length"), u32v(spec.hidden)),
+            (key("feed_forward_length"), u32v(spec.ffn)),
+            (key("attention.head_count"), u32v(spec.heads)),
+            (key("attention.head_count_kv"), u32v(spec.kv_heads)),
+            (key("rope.freq_base"), V::F32(10_000.0)),
+            (key("attention.layer_norm_rms_epsilon"), V::F32(1e-5)),
             ("tokenizer.ggml.model".into(), V::String("gpt2".into())),
             ("tokenizer.ggml.pre".into(), V::String("default".into())),
             (
@@ -268,7 +289,9 @@ pub fn write_synthetic(
         let mut quantized = Vec::with_capacity(hf.len());
         for (name, tensor) in &hf {
             let mut t = tensor.clone();
-            if name.ends_with("q_proj.weight") {
+            if spec.qwen2 {
+                // Qwen2 GGUF files keep Hugging Face's layout (rotary by halves).
+            } else if name.ends_with("q_proj.weight") {
                 t = permute_for_gguf(&t, spec.heads)?;
             } else if name.ends_with("k_proj.weight") {
                 t = permute_for_gguf(&t, spec.kv_heads)?;
@@ -296,7 +319,7 @@ pub fn write_synthetic(
     let st = dir.join("safetensors");
     std::fs::create_dir_all(&st).map_err(io(&st))?;
     let config = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [if spec.qwen2 { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }], "model_type": if spec.qwen2 { "qwen2" } else { "llama" },
         "hidden_size": spec.hidden, "intermediate_size": spec.ffn, "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads, "num_hidden_layers": spec.layers, "vocab_size": vocab,
         "max_position_embeddings": spec.context, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,

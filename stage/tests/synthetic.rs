@@ -251,3 +251,27 @@ fn cache_pool_is_bounded_and_releases() {
             .is_err()
     );
 }
+
+#[test]
+fn qwen2_with_qkv_biases_agrees_across_formats_and_splits() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SyntheticSpec {
+        qwen2: true,
+        ..SyntheticSpec::default()
+    };
+    let model = write_synthetic(dir.path(), &spec, &[GgmlDType::F32, GgmlDType::Q8_0]).unwrap();
+    let gguf = ModelHandle::open(model.gguf(GgmlDType::F32).unwrap()).unwrap();
+    assert_eq!(gguf.config().architecture, "qwen2");
+    assert!(gguf.config().qkv_bias);
+    let st = ModelHandle::open(&model.safetensors_dir).unwrap();
+    let a = run(&gguf, &[0..6], "qwen", WireDType::F32);
+    let b = run(&st, &[0..6], "qwen", WireDType::F32);
+    assert_eq!(a.tokens, b.tokens);
+    let split = run(&gguf, &[0..2, 2..6], "qwen", WireDType::F32);
+    assert_eq!(bits(&split.last_logits), bits(&a.last_logits));
+    let q8 = ModelHandle::open(model.gguf(GgmlDType::Q8_0).unwrap()).unwrap();
+    assert_eq!(
+        run(&q8, &[0..3, 3..6], "qwen", WireDType::F32).tokens.len(),
+        12
+    );
+}
