@@ -101,6 +101,15 @@ enum Command {
         /// With --coordinator: where to write the bundle.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// With --coordinator: serve on these grant shards (`grant shard`).
+        #[arg(long, requires = "grant_key")]
+        shards: Option<PathBuf>,
+        /// The shards' holder key, which signs the presentations.
+        #[arg(long)]
+        grant_key: Option<PathBuf>,
+        /// With --shards: the request's joule ceiling, checked at every steward.
+        #[arg(long, default_value_t = 50_000_000)]
+        ceiling_uj: u64,
         #[arg(long)]
         prompt: String,
         #[arg(long, default_value_t = 64)]
@@ -127,6 +136,11 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Issue and shard joule grants.
+    Grant {
+        #[command(subcommand)]
+        action: GrantAction,
+    },
     /// Create a node key (an Ed25519 seed) and print the node id (did:key).
     Keygen {
         #[arg(long)]
@@ -151,6 +165,38 @@ enum Command {
     Bench {
         #[command(subcommand)]
         target: BenchTarget,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum GrantAction {
+    /// Sign a root grant of BUDGET µJ from the owner (--key) to --subject.
+    Issue {
+        #[arg(long)]
+        key: PathBuf,
+        #[arg(long)]
+        subject: String,
+        #[arg(long)]
+        budget_uj: u64,
+        #[arg(long, default_value_t = 86_400)]
+        expires_in_s: u64,
+        /// A per-serve cost cap (MaxCostUj caveat).
+        #[arg(long)]
+        max_cost_uj: Option<u64>,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Shard a grant you hold over a coordinator's stewards, one child each.
+    Shard {
+        #[arg(long)]
+        grant: PathBuf,
+        /// The holder's key (the grant's subject).
+        #[arg(long)]
+        key: PathBuf,
+        #[arg(long)]
+        coordinator: String,
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -430,8 +476,27 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             seed,
             out,
             json,
+            shards,
+            grant_key,
+            ceiling_uj,
             ..
         } => {
+            let grant = match (shards, grant_key) {
+                (Some(shards), Some(holder)) => {
+                    // The prompt-token figure is the requester's own estimate (seed 001 §2.3).
+                    let estimate = u32::try_from(prompt.len().div_ceil(4)).unwrap_or(u32::MAX);
+                    let serve = mesh_node::serve::GrantedServe::derive(
+                        &prompt, max_tokens, estimate, ceiling_uj,
+                    );
+                    let presentations =
+                        mesh_node::node_cli::presentations_for(&shards, &holder, &serve)?;
+                    Some(mesh_node::serve::GrantedServe {
+                        serve,
+                        presentations,
+                    })
+                }
+                _ => None,
+            };
             let request = mesh_node::serve::GenerateRequest {
                 prompt,
                 max_tokens,
@@ -442,6 +507,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     top_p,
                     seed,
                 },
+                grant,
             };
             let summary = runtime()?.block_on(mesh_node::node_cli::generate_via(
                 &coordinator,
@@ -497,6 +563,52 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 wire,
                 json,
             })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Grant {
+            action:
+                GrantAction::Issue {
+                    key,
+                    subject,
+                    budget_uj,
+                    expires_in_s,
+                    max_cost_uj,
+                    out,
+                },
+        } => {
+            let id = mesh_node::node_cli::grant_issue(
+                &key,
+                &subject,
+                budget_uj,
+                Duration::from_secs(expires_in_s),
+                max_cost_uj,
+                &out,
+            )?;
+            println!(
+                "grant {id} ({budget_uj} µJ to {subject}) written to {}",
+                out.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Grant {
+            action:
+                GrantAction::Shard {
+                    grant,
+                    key,
+                    coordinator,
+                    out,
+                },
+        } => {
+            let shares = runtime()?.block_on(mesh_node::node_cli::grant_shard(
+                &grant,
+                &key,
+                &coordinator,
+                &out,
+            ))?;
+            for (steward, budget) in &shares {
+                println!("  {budget} µJ held by {steward}");
+            }
+            println!("{} shards written to {}", shares.len(), out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Keygen { out } => {

@@ -277,6 +277,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         max_tokens: args.max_tokens,
         chat: true,
         sampling: SamplingParams::greedy(),
+        grant: None,
     };
     let summary = generate_via(&coordinator.peer_addr().to_string(), request, None, false).await?;
     if let Some(error) = &summary.error {
@@ -402,6 +403,7 @@ pub async fn bench_split(model: Option<PathBuf>, tokens: usize) -> anyhow::Resul
             max_tokens: tokens,
             chat: true,
             sampling: SamplingParams::greedy(),
+            grant: None,
         };
         // Warm up (assignment, slice loads), then measure.
         generate_remote(
@@ -464,4 +466,102 @@ fn bench_options(
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),
     })
+}
+
+/// `mesh-node grant issue`: sign a root grant from the owner to a holder.
+pub fn grant_issue(
+    owner: &Path,
+    subject: &str,
+    budget_uj: u64,
+    expires_in: Duration,
+    max_cost_uj: Option<u64>,
+    out: &Path,
+) -> anyhow::Result<String> {
+    use mesh_protocol::grant::{Caveat, Grant};
+    let key = crate::keys::load(owner)?;
+    mesh_protocol::identity::parse_did_key(subject)
+        .context("--subject must be a did:key node id")?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let mut caveats = vec![Caveat::Actions(vec![mesh_protocol::grant::INFER.into()])];
+    if let Some(limit) = max_cost_uj {
+        caveats.push(Caveat::MaxCostUj(limit));
+    }
+    let grant = Grant {
+        issuer: mesh_protocol::identity::did_key(&key.verifying_key().to_bytes()),
+        subject: subject.to_string(),
+        budget_uj,
+        caveats,
+        parent: None,
+        expiry_ms: now.saturating_add(expires_in.as_millis() as u64),
+        nonce: crate::keys::random_bytes()?,
+    }
+    .sign(&key)?;
+    std::fs::write(out, grant.encode()).with_context(|| format!("writing {}", out.display()))?;
+    Ok(mesh_protocol::hex::encode(&grant.id()))
+}
+
+/// `mesh-node grant shard`: split a grant you hold into one sibling child
+/// per steward of a coordinator's split, budgets summing to no more than the
+/// grant's. Done once: each steward then enforces only its own shard.
+pub async fn grant_shard(
+    grant: &Path,
+    holder: &Path,
+    coordinator: &str,
+    out: &Path,
+) -> anyhow::Result<Vec<(String, u64)>> {
+    use mesh_protocol::grant::SignedGrant;
+    let root = SignedGrant::decode(
+        &std::fs::read(grant).with_context(|| format!("reading {}", grant.display()))?,
+    )
+    .map_err(|e| anyhow::anyhow!("{} is not a grant: {e}", grant.display()))?;
+    let key = crate::keys::load(holder)?;
+    let stewards = crate::serve::plan_remote(&coordinator.parse()?).await?;
+    let share = root.grant.budget_uj / stewards.len().max(1) as u64;
+    let shares: Vec<(String, u64)> = stewards.iter().map(|s| (s.clone(), share)).collect();
+    let shards = root.shard(
+        &key,
+        &shares,
+        root.grant.expiry_ms,
+        crate::keys::random_bytes()?,
+    )?;
+    let mut all = vec![root];
+    all.extend(shards);
+    let file = mesh_protocol::cbor::Cbor::Array(all.iter().map(SignedGrant::to_cbor).collect());
+    std::fs::write(out, file.encode()).with_context(|| format!("writing {}", out.display()))?;
+    Ok(shares)
+}
+
+/// Presentations of each stage's shard for one request, signed by the holder.
+pub fn presentations_for(
+    shards: &Path,
+    holder: &Path,
+    serve: &mesh_protocol::mesh1::ServeRequest,
+) -> anyhow::Result<Vec<Vec<u8>>> {
+    use mesh_protocol::grant::{Presentation, SignedGrant};
+    let value = mesh_protocol::cbor::Cbor::decode(
+        &std::fs::read(shards).with_context(|| format!("reading {}", shards.display()))?,
+    )
+    .map_err(|e| anyhow::anyhow!("{} is not a shards file: {e}", shards.display()))?;
+    let grants = value
+        .as_array()
+        .context("a shards file is an array of grants")?
+        .iter()
+        .map(|g| SignedGrant::from_cbor(g).map_err(|e| anyhow::anyhow!("{e}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (root, shards) = grants.split_first().context("an empty shards file")?;
+    let key = crate::keys::load(holder)?;
+    shards
+        .iter()
+        .map(|shard| {
+            Ok(Presentation::sign(
+                vec![root.clone(), shard.clone()],
+                &serve.request_id(),
+                &key,
+                crate::keys::random_bytes()?,
+            )?
+            .encode())
+        })
+        .collect()
 }

@@ -20,7 +20,7 @@ use crate::journal::{Entry, Journal, JournalError, Record};
 pub enum StewardError {
     #[error(transparent)]
     Journal(#[from] JournalError),
-    #[error("refused: {0}")]
+    #[error("grant refused ({})", .0.label())]
     Refused(#[from] Refusal),
     #[error("the journal is not one this steward produced: record {seq}: {why}")]
     ForeignJournal { seq: u64, why: String },

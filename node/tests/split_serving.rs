@@ -336,3 +336,124 @@ fn one_altered_forward_byte_breaks_that_hop() {
         .unwrap();
     assert_eq!(hop0["state"], "agree");
 }
+
+#[test]
+fn grant_shards_are_enforced_by_every_steward() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let b = serve(dir.path(), "b", &model, &[], &[], &[]);
+    let c = serve(dir.path(), "c", &model, &[], &[], &[]);
+    let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
+    let owner = keygen(dir.path(), "owner");
+    let holder = keygen(dir.path(), "holder");
+    let holder_did = {
+        let seed = std::fs::read_to_string(&holder).unwrap();
+        let key = mesh_protocol::SigningKey::from_bytes(
+            &mesh_protocol::hex::decode_array(seed.trim()).unwrap(),
+        );
+        mesh_protocol::identity::did_key(&key.verifying_key().to_bytes())
+    };
+    let grant = dir.path().join("root.grant");
+    let shards = dir.path().join("shards.cbor");
+    let issue = Command::new(bin())
+        .args([
+            "grant",
+            "issue",
+            "--subject",
+            &holder_did,
+            "--budget-uj",
+            "36000000",
+            "--key",
+        ])
+        .arg(&owner)
+        .arg("--out")
+        .arg(&grant)
+        .output()
+        .unwrap();
+    assert!(
+        issue.status.success(),
+        "{}",
+        String::from_utf8_lossy(&issue.stderr)
+    );
+    let shard = Command::new(bin())
+        .args([
+            "grant",
+            "shard",
+            "--coordinator",
+            &coordinator.peer,
+            "--grant",
+        ])
+        .arg(&grant)
+        .arg("--key")
+        .arg(&holder)
+        .arg("--out")
+        .arg(&shards)
+        .output()
+        .unwrap();
+    assert!(
+        shard.status.success(),
+        "{}",
+        String::from_utf8_lossy(&shard.stderr)
+    );
+    assert!(String::from_utf8_lossy(&shard.stdout).contains("3 shards"));
+
+    let ask = |key: &Path| {
+        Command::new(bin())
+            .args([
+                "generate",
+                "--json",
+                "--prompt",
+                "granted",
+                "--max-tokens",
+                "8",
+                "--ceiling-uj",
+                "5000000",
+                "--coordinator",
+                &coordinator.peer,
+                "--shards",
+            ])
+            .arg(&shards)
+            .arg("--grant-key")
+            .arg(key)
+            .output()
+            .unwrap()
+    };
+    // Presentations signed by anyone but the shards' holder are refused.
+    let stranger = keygen(dir.path(), "stranger");
+    let refused = ask(&stranger);
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("caller-not-issuer")
+            || String::from_utf8_lossy(&refused.stderr).contains("not the leaf"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+
+    let first = ask(&holder);
+    assert!(
+        first.status.success(),
+        "stranger: {}\nholder: {}",
+        String::from_utf8_lossy(&refused.stderr),
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let value: Value = serde_json::from_slice(&first.stdout).unwrap();
+    assert!(
+        value["details"]["receipt"]["grant_id"].is_string(),
+        "{value:#}"
+    );
+    // Each steward debits its own 12 J shard; a 5 J ceiling is refused once
+    // a shard has less than that left.
+    let mut refusal = None;
+    for _ in 0..40 {
+        let out = ask(&holder);
+        if !out.status.success() {
+            refusal = Some(String::from_utf8_lossy(&out.stderr).into_owned());
+            break;
+        }
+    }
+    let refusal = refusal.expect("the shards run out");
+    assert!(
+        refusal.contains("grant refused") && refusal.contains("budget"),
+        "{refusal}"
+    );
+}

@@ -12,11 +12,41 @@ pub struct GenerateRequest {
     pub max_tokens: usize,
     pub chat: bool,
     pub sampling: SamplingParams,
+    /// A request riding on grants: the request as the requester computed it
+    /// and one presentation per stage (empty: none for that stage).
+    pub grant: Option<GrantedServe>,
+}
+
+/// A granted request (seed 001 §2.3: served as exactly what the requester
+/// derives from its own body, so it can sign presentations for its id).
+#[derive(Debug, Clone)]
+pub struct GrantedServe {
+    pub serve: ServeRequest,
+    pub presentations: Vec<Vec<u8>>,
+}
+
+impl GrantedServe {
+    /// The request a requester derives from its prompt alone.
+    pub fn derive(
+        prompt: &str,
+        max_tokens: usize,
+        prompt_tokens: u32,
+        ceiling_uj: u64,
+    ) -> ServeRequest {
+        ServeRequest {
+            prompt_hash: prompt_hash(prompt.as_bytes()),
+            prompt_tokens,
+            max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
+            fidelity_floor: Fidelity::F0,
+            joule_ceiling_uj: ceiling_uj,
+            decision: None,
+        }
+    }
 }
 
 impl GenerateRequest {
     fn to_cbor(&self) -> Cbor {
-        Cbor::text_map([
+        let mut fields = vec![
             ("kind", Cbor::text("generate")),
             ("prompt", Cbor::text(&self.prompt)),
             ("max_tokens", Cbor::Uint(self.max_tokens as u64)),
@@ -31,7 +61,21 @@ impl GenerateRequest {
                 Cbor::Uint((self.sampling.top_p.clamp(0.0, 1.0) * 1000.0).round() as u64),
             ),
             ("seed", Cbor::Uint(self.sampling.seed)),
-        ])
+        ];
+        if let Some(grant) = &self.grant {
+            fields.push(("serve_request", grant.serve.to_cbor()));
+            fields.push((
+                "presentations",
+                Cbor::Array(
+                    grant
+                        .presentations
+                        .iter()
+                        .map(|p| Cbor::bytes(p.clone()))
+                        .collect(),
+                ),
+            ));
+        }
+        Cbor::text_map(fields)
     }
 
     fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
@@ -54,6 +98,24 @@ impl GenerateRequest {
                 top_k: uint("top_k")? as usize,
                 top_p: uint("top_p_milli")? as f32 / 1000.0,
                 seed: uint("seed")?,
+            },
+            grant: match value.get("serve_request") {
+                None => None,
+                Some(serve) => Some(GrantedServe {
+                    serve: ServeRequest::from_cbor(serve)
+                        .map_err(|e| anyhow!("generate: serve_request: {e}"))?,
+                    presentations: value
+                        .get("presentations")
+                        .and_then(Cbor::as_array)
+                        .context("generate: presentations")?
+                        .iter()
+                        .map(|p| {
+                            p.as_bytes()
+                                .map(<[u8]>::to_vec)
+                                .context("generate: a presentation is not bytes")
+                        })
+                        .collect::<anyhow::Result<_>>()?,
+                }),
             },
         })
     }
@@ -78,6 +140,75 @@ async fn send_error(send: &mut quinn::SendStream, reason: &str) -> anyhow::Resul
         ]),
     )
     .await
+}
+
+/// `plan`: set up the split if needed and name every stage's steward, so a
+/// requester can shard a grant over them.
+pub(super) async fn handle_plan(
+    inner: Arc<Inner>,
+    send: &mut quinn::SendStream,
+) -> anyhow::Result<()> {
+    match inner.ensure_run().await {
+        Ok(run) => {
+            let stewards = Cbor::Array(run.keys.iter().map(|k| Cbor::text(did_key(k))).collect());
+            msg::write_cbor(
+                send,
+                &Cbor::text_map([
+                    ("kind", Cbor::text("plan")),
+                    ("run_id", Cbor::text(&run.assigns[0].run_id)),
+                    ("stewards", stewards),
+                ]),
+            )
+            .await
+        }
+        Err(error) => send_error(send, &format!("cannot set up the split: {error:#}")).await,
+    }
+}
+
+/// Ask a coordinator for its stages' stewards (node ids, stage order).
+pub async fn plan_remote(coordinator: &PeerAddr) -> anyhow::Result<Vec<String>> {
+    tls::install_provider();
+    let key = SigningKey::from_bytes(&crate::keys::random_bytes()?);
+    let identity = TlsIdentity::new(&key)?;
+    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into())?;
+    endpoint.set_default_client_config(tls::client_config(
+        &identity,
+        coordinator.key,
+        ALPN_CONTROL,
+    )?);
+    let connection = tokio::time::timeout(
+        msg::CONNECT_TIMEOUT,
+        endpoint.connect(coordinator.addr, "mesh-node")?,
+    )
+    .await
+    .with_context(|| format!("timed out connecting to {coordinator}"))??;
+    let (mut send, mut recv) = connection.open_bi().await?;
+    msg::write_cbor(&mut send, &Cbor::text_map([("kind", Cbor::text("plan"))])).await?;
+    send.finish()?;
+    let reply = msg::read_cbor(&mut recv, Duration::from_secs(300))
+        .await?
+        .context("no plan")?;
+    connection.close(0u32.into(), b"done");
+    if reply.get("kind").and_then(Cbor::as_text) != Some("plan") {
+        bail!(
+            "{}",
+            reply
+                .get("reason")
+                .and_then(Cbor::as_text)
+                .unwrap_or("the coordinator refused")
+        );
+    }
+    reply
+        .get("stewards")
+        .and_then(Cbor::as_array)
+        .context("plan: stewards")?
+        .iter()
+        .map(|s| {
+            s.as_text()
+                .map(str::to_string)
+                .context("plan: a steward is not text")
+        })
+        .collect()
 }
 
 pub(super) async fn handle_generate(
@@ -132,7 +263,6 @@ async fn serve_request(
         );
     }
     let max_new = request.max_tokens.clamp(1, context - prompt_ids.len());
-    let capacity = prompt_ids.len() + max_new;
     let request_id = u64::from_le_bytes(crate::keys::random_bytes()?);
     let n = run.assigns.len() as u32;
     let run_id = run.assigns[0].run_id.clone();
@@ -147,20 +277,70 @@ async fn serve_request(
         bail!("too many requests waiting to be sealed; retry shortly");
     }
     let serve = ServeRequest {
-        prompt_hash: prompt_hash(text.as_bytes()),
+        prompt_hash: prompt_hash(request.prompt.as_bytes()),
         prompt_tokens: u32::try_from(prompt_ids.len()).unwrap_or(u32::MAX),
         max_tokens: u32::try_from(max_new).unwrap_or(u32::MAX),
         fidelity_floor: Fidelity::F0,
         joule_ceiling_uj: u64::MAX,
         decision: None,
     };
-    let mut ticket = lock(&inner.steward).authorise(
-        None,
+    let (serve, presentations) = match &request.grant {
+        None => (serve, Vec::new()),
+        Some(granted) => {
+            if granted.serve.prompt_hash != serve.prompt_hash {
+                lock(&inner.collector).take(request_id);
+                bail!("the granted request's prompt_hash is not BLAKE3 of the prompt sent");
+            }
+            let presentations = granted
+                .presentations
+                .iter()
+                .map(|p| {
+                    if p.is_empty() {
+                        Ok(None)
+                    } else {
+                        mesh_protocol::grant::Presentation::decode(p).map(Some)
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| anyhow!("a presentation does not decode: {e}"))?;
+            (granted.serve.clone(), presentations)
+        }
+    };
+    let max_new = max_new.min(serve.max_tokens.max(1) as usize);
+    let capacity = prompt_ids.len() + max_new;
+    // Every steward decides its own grant shard before any work runs.
+    let own_presentation = presentations.first().cloned().flatten();
+    let mut ticket = match lock(&inner.steward).authorise(
+        own_presentation.as_ref(),
         &serve,
         Some(inner.model.weights_digest()),
         "mesh-node/split",
         now_ms(),
-    )?;
+    ) {
+        Ok(ticket) => ticket,
+        Err(error) => {
+            lock(&inner.collector).take(request_id);
+            bail!("grant refused at the coordinator: {error}");
+        }
+    };
+    let mut authorised_stages = Vec::new();
+    for (k, peer) in inner.peers.iter().enumerate() {
+        let Some(presentation) = presentations.get(k + 1).cloned().flatten() else {
+            continue;
+        };
+        if let Err(error) =
+            authorise_remote(inner, peer, &run_id, request_id, &serve, &presentation).await
+        {
+            // Nothing ran: release what the other stewards reserved.
+            for earlier in &authorised_stages {
+                let _ = release_remote(inner, earlier, request_id).await;
+            }
+            lock(&inner.collector).take(request_id);
+            let _ = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()));
+            bail!("grant refused at stage {}: {error:#}", k + 1);
+        }
+        authorised_stages.push(peer.clone());
+    }
     let mut lanes = OwnLanes {
         down_sent: lane(&coordinator, &run_id, request_id, 0, Lane::Forward),
         down_replies_received: lane(&coordinator, &run_id, request_id, 0, Lane::Reply),
@@ -468,7 +648,11 @@ async fn serve_request(
         fidelity_rating: Fidelity::F0,
         energy: metered.energy,
         decision: None,
-        grant_breach: None,
+        grant_breach: metered
+            .debit
+            .as_ref()
+            .and_then(|d| d.breach)
+            .map(str::to_string),
         output_commitment: Some(output_commitment(
             &opening_value,
             &serve.request_id(),
@@ -548,6 +732,8 @@ async fn serve_request(
             "energy_uj": envelope.receipt.energy.uj(),
             "energy_provenance": envelope.receipt.energy.provenance().as_str(),
             "uj_per_accepted_token": envelope.receipt.uj_per_accepted_token(),
+            "grant_id": envelope.receipt.grant_id.map(|g| mesh_protocol::hex::encode(&g)),
+            "grant_breach": envelope.receipt.grant_breach,
         },
     });
     let done = Cbor::text_map([
@@ -673,4 +859,56 @@ pub async fn generate_remote(
             _ => bail!("an unknown message from the coordinator"),
         }
     }
+}
+
+async fn authorise_remote(
+    inner: &Arc<Inner>,
+    peer: &PeerAddr,
+    run_id: &str,
+    request_id: u64,
+    serve: &ServeRequest,
+    presentation: &mesh_protocol::grant::Presentation,
+) -> anyhow::Result<()> {
+    let (mut send, mut recv) = inner.open(peer, ALPN_CONTROL).await?;
+    let message = Cbor::text_map([
+        ("kind", Cbor::text("authorise")),
+        ("run_id", Cbor::text(run_id)),
+        ("request_id", Cbor::Uint(request_id)),
+        ("serve_request", serve.to_cbor()),
+        ("presentation", presentation.to_cbor()),
+    ]);
+    msg::write_cbor(&mut send, &message).await?;
+    send.finish()?;
+    let reply = msg::read_cbor(&mut recv, msg::IDLE_TIMEOUT)
+        .await?
+        .context("no answer to the authorisation")?;
+    match reply.get("kind").and_then(Cbor::as_text) {
+        Some("authorised") => Ok(()),
+        _ => bail!(
+            "{}",
+            reply
+                .get("reason")
+                .and_then(Cbor::as_text)
+                .unwrap_or("refused")
+        ),
+    }
+}
+
+async fn release_remote(
+    inner: &Arc<Inner>,
+    peer: &PeerAddr,
+    request_id: u64,
+) -> anyhow::Result<()> {
+    let (mut send, mut recv) = inner.open(peer, ALPN_CONTROL).await?;
+    msg::write_cbor(
+        &mut send,
+        &Cbor::text_map([
+            ("kind", Cbor::text("release")),
+            ("request_id", Cbor::Uint(request_id)),
+        ]),
+    )
+    .await?;
+    send.finish()?;
+    msg::read_cbor(&mut recv, msg::IDLE_TIMEOUT).await?;
+    Ok(())
 }

@@ -40,7 +40,9 @@ use crate::records::{Collector, signed_refusal};
 use crate::steward::Steward;
 
 mod coordinator;
-pub use coordinator::{GenerateRequest, GenerateSummary, generate_remote};
+pub use coordinator::{
+    GenerateRequest, GenerateSummary, GrantedServe, generate_remote, plan_remote,
+};
 
 /// A peer: its node id (did:key) and address.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -225,6 +227,8 @@ struct Inner {
     collected: tokio::sync::Notify,
     stats: Mutex<VecDeque<(u64, StageStats)>>,
     coordinator_term: u64,
+    /// Grant decisions taken ahead of a request's chain, by request id.
+    tickets: Mutex<HashMap<u64, (crate::steward::ServeTicket, ServeRequest, [u8; 32])>>,
     /// The coordinator's record chain head and last receipt envelope.
     chain_head: Mutex<Option<[u8; 32]>>,
     last_envelope: Mutex<Option<Vec<u8>>>,
@@ -301,6 +305,7 @@ impl Node {
             collected: tokio::sync::Notify::new(),
             stats: Mutex::new(VecDeque::new()),
             coordinator_term: now_ms(),
+            tickets: Mutex::new(HashMap::new()),
             chain_head: Mutex::new(None),
             last_envelope: Mutex::new(None),
         });
@@ -475,6 +480,43 @@ async fn handle_control(
             msg::write_cbor(&mut send, &reply).await?;
         }
         Some("generate") => coordinator::handle_generate(inner, &message, &mut send).await?,
+        Some("plan") => coordinator::handle_plan(inner, &mut send).await?,
+        Some("release") => {
+            // The request was refused elsewhere before any work ran here:
+            // close the decision with the (empty) span it metered.
+            let request_id = message
+                .get("request_id")
+                .and_then(Cbor::as_uint)
+                .unwrap_or(0);
+            let held = {
+                let mut tickets = lock(&inner.tickets);
+                // Only the coordinator that asked for the decision may release it.
+                match tickets.get(&request_id) {
+                    Some((_, _, coordinator)) if *coordinator == peer => {
+                        tickets.remove(&request_id)
+                    }
+                    _ => None,
+                }
+            };
+            if let Some((ticket, _, _)) = held {
+                let _ = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()));
+            }
+            msg::write_cbor(
+                &mut send,
+                &Cbor::text_map([("kind", Cbor::text("released"))]),
+            )
+            .await?;
+        }
+        Some("authorise") => {
+            let reply = match handle_authorise(&inner, peer, &message) {
+                Ok(()) => Cbor::text_map([("kind", Cbor::text("authorised"))]),
+                Err(error) => Cbor::text_map([
+                    ("kind", Cbor::text("refused")),
+                    ("reason", Cbor::text(format!("{error:#}"))),
+                ]),
+            };
+            msg::write_cbor(&mut send, &reply).await?;
+        }
         Some("stats") => {
             let request_id = message
                 .get("request_id")
@@ -511,6 +553,51 @@ async fn handle_control(
     }
     send.finish()?;
     let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+    Ok(())
+}
+
+/// A coordinator asks this stage's steward to decide its grant shard for a
+/// request before the chain opens; the decision is journalled and held
+/// until the request's stream arrives.
+fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyhow::Result<()> {
+    let run_id = message
+        .get("run_id")
+        .and_then(Cbor::as_text)
+        .context("authorise: run_id")?;
+    let request_id = message
+        .get("request_id")
+        .and_then(Cbor::as_uint)
+        .context("authorise: request_id")?;
+    let slot = lock(&inner.slots)
+        .get(run_id)
+        .cloned()
+        .context("no slice loaded for that run")?;
+    if slot.assign.coordinator != peer {
+        bail!("only the run's coordinator may ask");
+    }
+    let serve = ServeRequest::from_cbor(
+        message
+            .get("serve_request")
+            .context("authorise: serve_request")?,
+    )
+    .map_err(|e| anyhow!("{e}"))?;
+    let presentation = mesh_protocol::grant::Presentation::from_cbor(
+        message
+            .get("presentation")
+            .context("authorise: presentation")?,
+    )
+    .map_err(|e| anyhow!("{e}"))?;
+    if lock(&inner.tickets).len() >= inner.max_requests * 4 {
+        bail!("too many authorised requests waiting to start");
+    }
+    let ticket = lock(&inner.steward).authorise(
+        Some(&presentation),
+        &serve,
+        Some(inner.model.weights_digest()),
+        "mesh-node/stage",
+        now_ms(),
+    )?;
+    lock(&inner.tickets).insert(request_id, (ticket, serve, peer));
     Ok(())
 }
 
@@ -691,13 +778,23 @@ async fn handle_stage(
         decode: 0,
     };
     let mut stats = StageStats::default();
-    let mut ticket = lock(&inner.steward).authorise(
-        None,
-        &span_request(capacity),
-        Some(inner.model.weights_digest()),
-        "mesh-node/stage",
-        now_ms(),
-    )?;
+    let pre_decided = lock(&inner.tickets).remove(&request_id);
+    let (mut ticket, served) = match pre_decided {
+        Some((ticket, serve, _)) => (ticket, serve),
+        None => {
+            let serve = span_request(capacity);
+            (
+                lock(&inner.steward).authorise(
+                    None,
+                    &serve,
+                    Some(inner.model.weights_digest()),
+                    "mesh-node/stage",
+                    now_ms(),
+                )?,
+                serve,
+            )
+        }
+    };
     lock(&inner.steward).begin_engine(&mut ticket);
 
     let outcome: anyhow::Result<()> = async {
@@ -872,7 +969,7 @@ async fn handle_stage(
     // and its stage record, pushed to the coordinator.
     let metered = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()));
     if let Ok(metered) = metered {
-        let receipt = stage_receipt(&inner, request_id, &run_id, k, &tokens, metered.energy);
+        let receipt = stage_receipt(&inner, request_id, &run_id, k, &tokens, &served, &metered);
         if let Err(error) = lock(&inner.steward).seal(receipt) {
             eprintln!("mesh-node: stage receipt not sealed: {error}");
         }
@@ -951,12 +1048,13 @@ fn stage_receipt(
     run_id: &str,
     stage: u32,
     tokens: &Tokens,
-    energy: mesh_protocol::mesh1::Energy,
+    served: &ServeRequest,
+    metered: &crate::steward::Metered,
 ) -> MeshReceipt {
-    let span = span_request((tokens.prefill_received + tokens.decode) as usize);
+    let energy = metered.energy;
     MeshReceipt {
-        request_id: span.request_id(),
-        grant_id: None,
+        request_id: served.request_id(),
+        grant_id: metered.grant_id,
         backend: "mesh-node/stage".into(),
         recipe: format!("stage {stage} of run {run_id}, request {request_id}"),
         weights: Some(WeightsBinding {
@@ -975,7 +1073,11 @@ fn stage_receipt(
         fidelity_rating: Fidelity::F0,
         energy,
         decision: None,
-        grant_breach: None,
+        grant_breach: metered
+            .debit
+            .as_ref()
+            .and_then(|d| d.breach)
+            .map(str::to_string),
         output_commitment: None,
         sequence: 0,
         prev: None,
