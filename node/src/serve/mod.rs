@@ -203,6 +203,9 @@ struct Run {
 }
 
 type DirectStream = (quinn::SendStream, quinn::RecvStream, Vec<u8>);
+/// A stage's grant decision taken ahead of its request's chain: the ticket,
+/// the request it was decided for, and the coordinator that asked.
+type PreDecided = (crate::steward::ServeTicket, ServeRequest, [u8; 32]);
 /// Open connections by peer key and ALPN.
 type ConnectionCache = tokio::sync::Mutex<HashMap<([u8; 32], &'static [u8]), quinn::Connection>>;
 
@@ -228,7 +231,7 @@ struct Inner {
     stats: Mutex<VecDeque<(u64, StageStats)>>,
     coordinator_term: u64,
     /// Grant decisions taken ahead of a request's chain, by request id.
-    tickets: Mutex<HashMap<u64, (crate::steward::ServeTicket, ServeRequest, [u8; 32])>>,
+    tickets: Mutex<HashMap<u64, PreDecided>>,
     /// The coordinator's record chain head and last receipt envelope.
     chain_head: Mutex<Option<[u8; 32]>>,
     last_envelope: Mutex<Option<Vec<u8>>>,
