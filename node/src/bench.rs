@@ -111,30 +111,19 @@ pub fn bench_steward(dir: &std::path::Path, serves: u32) -> anyhow::Result<Strin
         let metered = steward.end_engine(ticket, None)?;
         let t2 = Instant::now();
         let receipt = MeshReceipt {
-            request_id: request.request_id(),
             grant_id: metered.grant_id,
-            backend: "bench".into(),
-            recipe: "bench".into(),
-            weights: None,
-            route: "local".into(),
             tokens_in: 4,
             tokens_out: 1,
             tokens_accepted: 1,
-            cache_hit_tokens: 0,
-            spec_proposed: 0,
-            spec_accepted: 0,
-            fidelity_floor: Fidelity::F0,
-            fidelity: None,
-            fidelity_rating: Fidelity::F0,
-            energy: metered.energy,
-            decision: None,
-            grant_breach: None,
             output_commitment: Some([0; 32]),
-            sequence: 0,
-            prev: None,
-            nonce: [0; 16],
-            steward: String::new(),
-            split: None,
+            ..MeshReceipt::blank(
+                request.request_id(),
+                "bench",
+                "bench",
+                "local",
+                metered.energy,
+                [0; 16],
+            )
         };
         steward.seal(receipt)?;
         let t3 = Instant::now();

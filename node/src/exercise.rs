@@ -127,30 +127,17 @@ pub fn run(
         burn_cpu(workload);
         let metered = steward.end_engine(ticket, None)?;
         let receipt = MeshReceipt {
-            request_id: request.request_id(),
             grant_id: metered.grant_id,
-            backend: EXERCISE_BACKEND.into(),
-            recipe: "cpu-workload".into(),
-            weights: None,
-            route: "local".into(),
             tokens_in: 4,
-            tokens_out: 0,
-            tokens_accepted: 0,
-            cache_hit_tokens: 0,
-            spec_proposed: 0,
-            spec_accepted: 0,
-            fidelity_floor: Fidelity::F0,
-            fidelity: None,
-            fidelity_rating: Fidelity::F0,
-            energy: metered.energy,
-            decision: None,
             grant_breach: metered.debit.and_then(|d| d.breach).map(str::to_string),
-            output_commitment: None,
-            sequence: 0,
-            prev: None,
-            nonce: crate::keys::random_bytes()?,
-            steward: String::new(),
-            split: None,
+            ..MeshReceipt::blank(
+                request.request_id(),
+                EXERCISE_BACKEND,
+                "cpu-workload",
+                "local",
+                metered.energy,
+                crate::keys::random_bytes()?,
+            )
         };
         let sealed = steward.seal(receipt)?;
         let path = receipts.join(format!("{}.cbor", sealed.receipt.sequence));

@@ -312,30 +312,16 @@ fn what_cannot_be_journalled_does_not_happen() {
     // A receipt that cannot be recorded is not handed out and the chain
     // does not advance past it.
     let receipt = MeshReceipt {
-        request_id: request.request_id(),
         grant_id: metered.grant_id,
-        backend: "b".into(),
-        recipe: "r".into(),
-        weights: None,
-        route: "local".into(),
         tokens_in: 1,
-        tokens_out: 0,
-        tokens_accepted: 0,
-        cache_hit_tokens: 0,
-        spec_proposed: 0,
-        spec_accepted: 0,
-        fidelity_floor: Fidelity::F0,
-        fidelity: None,
-        fidelity_rating: Fidelity::F0,
-        energy: metered.energy,
-        decision: None,
-        grant_breach: None,
-        output_commitment: None,
-        sequence: 0,
-        prev: None,
-        nonce: [0; 16],
-        steward: String::new(),
-        split: None,
+        ..MeshReceipt::blank(
+            request.request_id(),
+            "b",
+            "r",
+            "local",
+            metered.energy,
+            [0; 16],
+        )
     };
     steward.journal_mut().inject_append_failure();
     assert!(matches!(

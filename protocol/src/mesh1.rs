@@ -412,6 +412,45 @@ pub struct MeshReceipt {
 }
 
 impl MeshReceipt {
+    /// A receipt for `request_id` with every counter at zero, no grant, no
+    /// weights, F0, and no split: callers set what their serve filled.
+    /// `sequence`, `prev` and `steward` are stamped by the steward's log.
+    pub fn blank(
+        request_id: ContentId,
+        backend: &str,
+        recipe: &str,
+        route: &str,
+        energy: Energy,
+        nonce: [u8; 16],
+    ) -> Self {
+        Self {
+            request_id,
+            grant_id: None,
+            backend: backend.to_string(),
+            recipe: recipe.to_string(),
+            weights: None,
+            route: route.to_string(),
+            tokens_in: 0,
+            tokens_out: 0,
+            tokens_accepted: 0,
+            cache_hit_tokens: 0,
+            spec_proposed: 0,
+            spec_accepted: 0,
+            fidelity_floor: Fidelity::F0,
+            fidelity: None,
+            fidelity_rating: Fidelity::F0,
+            energy,
+            decision: None,
+            grant_breach: None,
+            output_commitment: None,
+            sequence: 0,
+            prev: None,
+            nonce,
+            steward: String::new(),
+            split: None,
+        }
+    }
+
     /// Whether the floor was met, on the delivered level where there is one.
     pub fn fidelity_met(&self) -> bool {
         let basis = self.fidelity.map_or(self.fidelity_rating, |f| f.delivered);

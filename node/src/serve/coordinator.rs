@@ -167,21 +167,7 @@ pub(super) async fn handle_plan(
 
 /// Ask a coordinator for its stages' stewards (node ids, stage order).
 pub async fn plan_remote(coordinator: &PeerAddr) -> anyhow::Result<Vec<String>> {
-    tls::install_provider();
-    let key = SigningKey::from_bytes(&crate::keys::random_bytes()?);
-    let identity = TlsIdentity::new(&key)?;
-    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into())?;
-    endpoint.set_default_client_config(tls::client_config(
-        &identity,
-        coordinator.key,
-        ALPN_CONTROL,
-    )?);
-    let connection = tokio::time::timeout(
-        msg::CONNECT_TIMEOUT,
-        endpoint.connect(coordinator.addr, "mesh-node")?,
-    )
-    .await
-    .with_context(|| format!("timed out connecting to {coordinator}"))??;
+    let (endpoint, connection) = connect_as_requester(coordinator).await?;
     let (mut send, mut recv) = connection.open_bi().await?;
     msg::write_cbor(&mut send, &Cbor::text_map([("kind", Cbor::text("plan"))])).await?;
     send.finish()?;
@@ -189,6 +175,7 @@ pub async fn plan_remote(coordinator: &PeerAddr) -> anyhow::Result<Vec<String>> 
         .await?
         .context("no plan")?;
     connection.close(0u32.into(), b"done");
+    endpoint.wait_idle().await;
     if reply.get("kind").and_then(Cbor::as_text) != Some("plan") {
         bail!(
             "{}",
@@ -784,22 +771,7 @@ pub async fn generate_remote(
     request: &GenerateRequest,
     on_token: &mut (dyn FnMut(&str) + Send),
 ) -> anyhow::Result<GenerateSummary> {
-    tls::install_provider();
-    let key = SigningKey::from_bytes(&crate::keys::random_bytes()?);
-    let identity = TlsIdentity::new(&key)?;
-    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into())?;
-    endpoint.set_default_client_config(tls::client_config(
-        &identity,
-        coordinator.key,
-        ALPN_CONTROL,
-    )?);
-    let connection = tokio::time::timeout(
-        msg::CONNECT_TIMEOUT,
-        endpoint.connect(coordinator.addr, "mesh-node")?,
-    )
-    .await
-    .with_context(|| format!("timed out connecting to {coordinator}"))?
-    .with_context(|| format!("connecting to {coordinator}"))?;
+    let (endpoint, connection) = connect_as_requester(coordinator).await?;
     let (mut send, mut recv) = connection.open_bi().await?;
     msg::write_cbor(&mut send, &request.to_cbor()).await?;
     send.finish()?;
@@ -911,4 +883,28 @@ async fn release_remote(
     send.finish()?;
     msg::read_cbor(&mut recv, msg::IDLE_TIMEOUT).await?;
     Ok(())
+}
+
+/// Connect to a coordinator's `mesh-control/1` with a fresh key: a
+/// requester needs no identity of its own.
+async fn connect_as_requester(
+    coordinator: &PeerAddr,
+) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+    tls::install_provider();
+    let key = SigningKey::from_bytes(&crate::keys::random_bytes()?);
+    let identity = TlsIdentity::new(&key)?;
+    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into())?;
+    endpoint.set_default_client_config(tls::client_config(
+        &identity,
+        coordinator.key,
+        ALPN_CONTROL,
+    )?);
+    let connection = tokio::time::timeout(
+        msg::CONNECT_TIMEOUT,
+        endpoint.connect(coordinator.addr, "mesh-node")?,
+    )
+    .await
+    .with_context(|| format!("timed out connecting to {coordinator}"))?
+    .with_context(|| format!("connecting to {coordinator}"))?;
+    Ok((endpoint, connection))
 }

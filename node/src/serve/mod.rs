@@ -1054,39 +1054,29 @@ fn stage_receipt(
     served: &ServeRequest,
     metered: &crate::steward::Metered,
 ) -> MeshReceipt {
-    let energy = metered.energy;
+    let recipe = format!("stage {stage} of run {run_id}, request {request_id}");
+    let route = format!("assigned by coordinator for run {run_id}");
+    let nonce = crate::keys::random_bytes().unwrap_or([0; 16]);
     MeshReceipt {
-        request_id: served.request_id(),
         grant_id: metered.grant_id,
-        backend: "mesh-node/stage".into(),
-        recipe: format!("stage {stage} of run {run_id}, request {request_id}"),
         weights: Some(WeightsBinding {
             weights_digest: inner.model.weights_digest(),
             precision: "q8_0/f32".into(),
         }),
-        route: format!("assigned by coordinator for run {run_id}"),
         tokens_in: tokens.prefill_received + tokens.decode,
-        tokens_out: 0,
-        tokens_accepted: 0,
-        cache_hit_tokens: 0,
-        spec_proposed: 0,
-        spec_accepted: 0,
-        fidelity_floor: Fidelity::F0,
-        fidelity: None,
-        fidelity_rating: Fidelity::F0,
-        energy,
-        decision: None,
         grant_breach: metered
             .debit
             .as_ref()
             .and_then(|d| d.breach)
             .map(str::to_string),
-        output_commitment: None,
-        sequence: 0,
-        prev: None,
-        nonce: crate::keys::random_bytes().unwrap_or([0; 16]),
-        steward: String::new(),
-        split: None,
+        ..MeshReceipt::blank(
+            served.request_id(),
+            "mesh-node/stage",
+            &recipe,
+            &route,
+            metered.energy,
+            nonce,
+        )
     }
 }
 
