@@ -444,7 +444,7 @@ fn grant_shards_are_enforced_by_every_steward() {
     // Each steward debits its own 12 J shard; a 5 J ceiling is refused once
     // a shard has less than that left.
     let mut refusal = None;
-    for _ in 0..40 {
+    for _ in 0..100 {
         let out = ask(&holder);
         if !out.status.success() {
             refusal = Some(String::from_utf8_lossy(&out.stderr).into_owned());
