@@ -56,38 +56,7 @@ enum Command {
     },
     /// Run a node: a stage for any coordinator, and with --peer a
     /// coordinator over its peers.
-    Serve {
-        #[arg(long)]
-        key: Option<PathBuf>,
-        /// HOST:PORT to listen on (default 0.0.0.0:7420).
-        #[arg(long)]
-        listen: Option<std::net::SocketAddr>,
-        /// HOST:PORT other nodes reach this one at.
-        #[arg(long)]
-        advertise: Option<std::net::SocketAddr>,
-        #[arg(long)]
-        model: Option<PathBuf>,
-        #[arg(long)]
-        data: Option<PathBuf>,
-        /// NODEID@HOST:PORT, in stage order; repeat for each peer.
-        #[arg(long = "peer")]
-        peers: Vec<String>,
-        /// A TOML file with these settings (flags override it).
-        #[arg(long)]
-        config: Option<PathBuf>,
-        /// relayed (default) or direct.
-        #[arg(long)]
-        return_mode: Option<String>,
-        /// How long to wait for stage records (default 2000).
-        #[arg(long)]
-        deadline_ms: Option<u64>,
-        /// How long one step may take at any stage (default 30000).
-        #[arg(long)]
-        step_timeout_ms: Option<u64>,
-        /// f32 (default), f16 or bf16 activations between stages.
-        #[arg(long)]
-        wire: Option<String>,
-    },
+    Serve(mesh_node::node_cli::ServeArgs),
     /// Generate text: in this process (--model), or through a coordinator
     /// (--coordinator), which streams it and returns a verifiable bundle.
     Generate {
@@ -436,32 +405,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExitCode::from(1)
             })
         }
-        Command::Serve {
-            key,
-            listen,
-            advertise,
-            model,
-            data,
-            peers,
-            config,
-            return_mode,
-            deadline_ms,
-            step_timeout_ms,
-            wire,
-        } => {
-            let options = mesh_node::node_cli::node_options(mesh_node::node_cli::ServeArgs {
-                key,
-                listen,
-                advertise,
-                model,
-                data,
-                peers,
-                config,
-                return_mode,
-                deadline_ms,
-                step_timeout_ms,
-                wire,
-            })?;
+        Command::Serve(args) => {
+            let options = mesh_node::node_cli::node_options(args)?;
             runtime()?.block_on(mesh_node::node_cli::serve(options))?;
             Ok(ExitCode::SUCCESS)
         }

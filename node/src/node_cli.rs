@@ -62,19 +62,41 @@ pub fn parse_return_mode(text: &str) -> anyhow::Result<ReturnMode> {
         .with_context(|| format!("return mode `{text}` is neither relayed nor direct"))
 }
 
-/// Everything `serve` needs, after flags override the file.
-#[derive(Debug)]
+/// `serve`'s flags; each overrides the same setting of `--config`.
+#[derive(Debug, clap::Args)]
 pub struct ServeArgs {
+    /// The node's key file (`mesh-node keygen --out KEYFILE`).
+    #[arg(long)]
     pub key: Option<PathBuf>,
+    /// HOST:PORT to listen on (default 0.0.0.0:7420).
+    #[arg(long)]
     pub listen: Option<SocketAddr>,
+    /// HOST:PORT other nodes reach this one at.
+    #[arg(long)]
     pub advertise: Option<SocketAddr>,
+    /// This node's copy of the model: a GGUF file or a safetensors directory.
+    #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Where the steward keeps its journal (default ./mesh-node-data).
+    #[arg(long)]
     pub data: Option<PathBuf>,
+    /// NODEID@HOST:PORT, in stage order; repeat for each peer.
+    #[arg(long = "peer")]
     pub peers: Vec<String>,
+    /// A TOML file with these settings (flags override it).
+    #[arg(long)]
     pub config: Option<PathBuf>,
+    /// relayed (default) or direct.
+    #[arg(long)]
     pub return_mode: Option<String>,
+    /// How long to wait for stage records (default 2000).
+    #[arg(long)]
     pub deadline_ms: Option<u64>,
+    /// How long one step may take at any stage (default 30000).
+    #[arg(long)]
     pub step_timeout_ms: Option<u64>,
+    /// f32 (default), f16 or bf16 activations between stages.
+    #[arg(long)]
     pub wire: Option<String>,
 }
 

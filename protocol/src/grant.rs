@@ -130,6 +130,15 @@ fn text_field<'a>(value: &'a Cbor, key: &'static str) -> Result<&'a str, GrantEr
         .ok_or(GrantError::Malformed(key))
 }
 
+/// A byte-string member of exactly `N` bytes.
+fn fixed_bytes<const N: usize>(value: &Cbor, key: &'static str) -> Result<[u8; N], GrantError> {
+    value
+        .get(key)
+        .and_then(Cbor::as_bytes)
+        .and_then(|b| b.try_into().ok())
+        .ok_or(GrantError::Malformed(key))
+}
+
 fn check_members(value: &Cbor, allowed: &[&str]) -> Result<(), GrantError> {
     match value {
         Cbor::Map(entries)
@@ -217,11 +226,7 @@ impl Grant {
                 .get("expiry_ms")
                 .and_then(Cbor::as_uint)
                 .ok_or(GrantError::Malformed("expiry_ms"))?,
-            nonce: value
-                .get("nonce")
-                .and_then(Cbor::as_bytes)
-                .and_then(|b| b.try_into().ok())
-                .ok_or(GrantError::Malformed("nonce"))?,
+            nonce: fixed_bytes(value, "nonce")?,
         })
     }
 
@@ -259,11 +264,7 @@ impl SignedGrant {
         check_members(value, &["grant", "signature"])?;
         Ok(Self {
             grant: Grant::from_cbor(value.get("grant").ok_or(GrantError::Malformed("grant"))?)?,
-            signature: value
-                .get("signature")
-                .and_then(Cbor::as_bytes)
-                .and_then(|b| b.try_into().ok())
-                .ok_or(GrantError::Malformed("signature"))?,
+            signature: fixed_bytes(value, "signature")?,
         })
     }
 
@@ -434,16 +435,8 @@ impl Presentation {
                 .map(SignedGrant::from_cbor)
                 .collect::<Result<_, _>>()?,
             caller: text_field(value, "caller")?.to_string(),
-            nonce: value
-                .get("nonce")
-                .and_then(Cbor::as_bytes)
-                .and_then(|b| b.try_into().ok())
-                .ok_or(GrantError::Malformed("nonce"))?,
-            signature: value
-                .get("signature")
-                .and_then(Cbor::as_bytes)
-                .and_then(|b| b.try_into().ok())
-                .ok_or(GrantError::Malformed("signature"))?,
+            nonce: fixed_bytes(value, "nonce")?,
+            signature: fixed_bytes(value, "signature")?,
         })
     }
 
