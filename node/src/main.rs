@@ -36,24 +36,7 @@ enum Command {
     },
     /// Start N nodes in this process, each with its own QUIC endpoint on
     /// 127.0.0.1, serve one request split over them, and check its bundle.
-    Demo {
-        #[arg(long, default_value_t = 3)]
-        stages: usize,
-        /// A GGUF file or safetensors directory (default: the built-in
-        /// synthetic model).
-        #[arg(long)]
-        model: Option<PathBuf>,
-        #[arg(long)]
-        prompt: Option<String>,
-        #[arg(long, default_value_t = 24)]
-        max_tokens: usize,
-        /// Where the nodes keep their journals and the bundle is written.
-        #[arg(long, default_value = "mesh-demo")]
-        out: PathBuf,
-        /// relayed or direct.
-        #[arg(long, default_value = "relayed")]
-        return_mode: String,
-    },
+    Demo(mesh_node::node_cli::DemoArgs),
     /// Run a node: a stage for any coordinator, and with --peer a
     /// coordinator over its peers.
     Serve(mesh_node::node_cli::ServeArgs),
@@ -381,24 +364,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Demo {
-            stages,
-            model,
-            prompt,
-            max_tokens,
-            out,
-            return_mode,
-        } => {
-            let return_mode = mesh_node::node_cli::parse_return_mode(&return_mode)?;
-            let ok =
-                runtime()?.block_on(mesh_node::node_cli::demo(mesh_node::node_cli::DemoArgs {
-                    stages,
-                    model,
-                    prompt,
-                    max_tokens,
-                    out,
-                    return_mode,
-                }))?;
+        Command::Demo(args) => {
+            let ok = runtime()?.block_on(mesh_node::node_cli::demo(args))?;
             Ok(if ok {
                 ExitCode::SUCCESS
             } else {

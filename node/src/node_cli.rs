@@ -225,13 +225,23 @@ pub async fn generate_via(
 }
 
 /// `mesh-node demo`: N nodes in this process, one request, everything printed.
-#[derive(Debug)]
+#[derive(Debug, clap::Args)]
 pub struct DemoArgs {
+    #[arg(long, default_value_t = 3)]
     pub stages: usize,
+    /// A GGUF file or safetensors directory (default: the built-in
+    /// synthetic model).
+    #[arg(long)]
     pub model: Option<PathBuf>,
+    #[arg(long)]
     pub prompt: Option<String>,
+    #[arg(long, default_value_t = 24)]
     pub max_tokens: usize,
+    /// Where the nodes keep their journals and the bundle is written.
+    #[arg(long, default_value = "mesh-demo")]
     pub out: PathBuf,
+    /// relayed or direct.
+    #[arg(long, default_value = "relayed", value_parser = parse_return_mode)]
     pub return_mode: ReturnMode,
 }
 

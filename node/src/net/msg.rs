@@ -45,21 +45,6 @@ pub async fn write(
     Ok(bytes.len())
 }
 
-/// Write bytes that are already a frame (a relayed reply), folding them.
-pub async fn write_framed(
-    send: &mut quinn::SendStream,
-    bytes: &[u8],
-    fold: Option<&mut LaneFold>,
-) -> anyhow::Result<()> {
-    if let Some(fold) = fold {
-        fold.push_frame(bytes);
-    }
-    tokio::time::timeout(IDLE_TIMEOUT, send.write_all(bytes))
-        .await
-        .context("timed out writing to the peer")??;
-    Ok(())
-}
-
 /// Read one framed message; `None` when the peer finished the stream
 /// cleanly between messages. Returns the whole frame (prefix included) and
 /// the offset of the body.

@@ -678,7 +678,23 @@ fn inject_fault(stage_index: u32, step: u32, bytes: &mut [u8]) {
     }
 }
 
-/// Write a forward message downstream: fold the bytes as written, then send.
+/// Fold a whole frame as written (timing the fold), then send it.
+async fn send_frame(
+    send: &mut quinn::SendStream,
+    bytes: &[u8],
+    fold: &mut LaneFold,
+    folds: &mut Folds,
+    towards: &str,
+) -> anyhow::Result<()> {
+    folds.time(|| fold.push_frame(bytes));
+    tokio::time::timeout(msg::IDLE_TIMEOUT, send.write_all(bytes))
+        .await
+        .with_context(|| format!("timed out writing {towards}"))??;
+    Ok(())
+}
+
+/// Frame and send a forward message, folding it first; the test-only fault
+/// hook alters the bytes after the fold, as corruption in flight would.
 async fn write_forward(
     send: &mut quinn::SendStream,
     body: &[u8],
@@ -903,34 +919,41 @@ async fn handle_stage(
                                 .await?
                                 .context("downstream closed before replying")?;
                                 folds.time(|| received.push_frame(&reply));
-                                let bytes = reply.clone();
-                                folds.time(|| lanes.up_replies_sent.push_frame(&bytes));
-                                tokio::time::timeout(msg::IDLE_TIMEOUT, up_send.write_all(&bytes))
-                                    .await
-                                    .context("timed out replying upstream")??;
+                                send_frame(
+                                    &mut up_send,
+                                    &reply,
+                                    &mut lanes.up_replies_sent,
+                                    &mut folds,
+                                    "upstream",
+                                )
+                                .await?;
                             }
                         }
                         SliceOutput::Logits(logits) => {
                             let payload: Vec<u8> =
                                 logits.iter().flat_map(|v| v.to_le_bytes()).collect();
                             let body = msg::stage_body(kind::LOGITS, request_id, step, &payload);
+                            let bytes = msg::frame(&body)?;
                             match (&mut direct, lanes.direct_sent.as_mut()) {
                                 (Some(send), Some(fold)) => {
-                                    let bytes = msg::frame(&body)?;
-                                    folds.time(|| fold.push_frame(&bytes));
-                                    tokio::time::timeout(msg::IDLE_TIMEOUT, send.write_all(&bytes))
-                                        .await
-                                        .context("timed out on the direct return")??;
+                                    send_frame(
+                                        send,
+                                        &bytes,
+                                        fold,
+                                        &mut folds,
+                                        "on the direct return",
+                                    )
+                                    .await?
                                 }
                                 _ => {
-                                    let bytes = msg::frame(&body)?;
-                                    folds.time(|| lanes.up_replies_sent.push_frame(&bytes));
-                                    tokio::time::timeout(
-                                        msg::IDLE_TIMEOUT,
-                                        up_send.write_all(&bytes),
+                                    send_frame(
+                                        &mut up_send,
+                                        &bytes,
+                                        &mut lanes.up_replies_sent,
+                                        &mut folds,
+                                        "upstream",
                                     )
-                                    .await
-                                    .context("timed out replying upstream")??;
+                                    .await?
                                 }
                             }
                         }
