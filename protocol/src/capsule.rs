@@ -191,6 +191,11 @@ pub fn class1_check(record: &Value) -> Result<ClaimedIds, ShapeError> {
 
 /// Check that the claimed `capsule_id` recomputes.
 pub fn check_capsule_id(record: &Value) -> Result<[u8; 32], RecordError> {
+    checked_ids(record).map(|ids| ids.capsule_id)
+}
+
+/// Class-1 structure, then the claimed `capsule_id` against the content.
+fn checked_ids(record: &Value) -> Result<ClaimedIds, RecordError> {
     let claimed = class1_check(record)?;
     let computed = compute_capsule_id(record);
     if computed != claimed.capsule_id {
@@ -199,15 +204,15 @@ pub fn check_capsule_id(record: &Value) -> Result<[u8; 32], RecordError> {
             computed: hex::encode(&computed),
         });
     }
-    Ok(computed)
+    Ok(claimed)
 }
 
 impl SealedRecord {
     /// Verify a record: Class-1 structure, `capsule_id`, then the COSE
     /// envelope under the record's own `key_id`.
     pub fn verify(record: Value) -> Result<Self, RecordError> {
-        let capsule_id = check_capsule_id(&record)?;
-        let claimed = class1_check(&record)?;
+        let claimed = checked_ids(&record)?;
+        let capsule_id = claimed.capsule_id;
         let envelope = hex::decode(&claimed.signature_hex).ok_or(EnvelopeError::NotHex)?;
         verify_envelope(&envelope, &capsule_id, &claimed.key_id)?;
         Ok(Self {
