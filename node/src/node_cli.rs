@@ -34,6 +34,12 @@ pub struct ServeConfig {
     /// Peers to split over, NODEID@HOST:PORT (default: none, stage-only).
     #[serde(default)]
     pub peers: Vec<String>,
+    /// Coordinators (node ids) whose assignments this node accepts as a
+    /// stage (default: none; a stage node needs at least one).
+    #[serde(default)]
+    pub coordinators: Vec<String>,
+    /// Slices held at once, one per coordinator (default 2).
+    pub max_slices: Option<usize>,
     /// `relayed` (default) or `direct`.
     pub return_mode: Option<String>,
     /// How long the coordinator waits for stage records (default 2000 ms).
@@ -83,6 +89,10 @@ pub struct ServeArgs {
     /// NODEID@HOST:PORT, in stage order; repeat for each peer.
     #[arg(long = "peer")]
     pub peers: Vec<String>,
+    /// The node id (did:key) of a coordinator this node serves as a stage;
+    /// repeat for each. Assignments from any other key are refused.
+    #[arg(long = "coordinator")]
+    pub coordinators: Vec<String>,
     /// A TOML file with these settings (flags override it).
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -122,6 +132,18 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         .iter()
         .map(|p| p.parse::<PeerAddr>())
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let coordinators = if args.coordinators.is_empty() {
+        file.coordinators
+    } else {
+        args.coordinators
+    };
+    let coordinators = coordinators
+        .iter()
+        .map(|c| {
+            mesh_protocol::identity::parse_did_key(c)
+                .with_context(|| format!("coordinator `{c}` is not an Ed25519 did:key node id"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let wire = args.wire.or(file.wire).unwrap_or_else(|| "f32".into());
     let (meter, why) = select_meter(
         Path::new(POWERCAP_ROOT),
@@ -145,6 +167,8 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             .or(file.data)
             .unwrap_or_else(|| PathBuf::from("mesh-node-data")),
         peers,
+        coordinators,
+        max_slices: file.max_slices.unwrap_or(crate::serve::DEFAULT_MAX_SLICES),
         stage_seal_deadline: Duration::from_millis(
             args.deadline_ms
                 .or(file.stage_seal_deadline_ms)
@@ -170,12 +194,25 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
 
 pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
     let peers = options.peers.clone();
+    let coordinators: Vec<String> = options
+        .coordinators
+        .iter()
+        .map(mesh_protocol::identity::did_key)
+        .collect();
     let node = Node::start(options).await?;
     println!("node {} listening on {}", node.did(), node.addr());
     println!("peer address: {}", node.peer_addr());
-    if peers.is_empty() {
-        println!("serving as a stage node: waiting for a coordinator's assignment");
-    } else {
+    if !coordinators.is_empty() {
+        println!(
+            "serving as a stage node for coordinator(s): {}",
+            coordinators.join(", ")
+        );
+    } else if peers.is_empty() {
+        println!(
+            "serving no coordinator: assignments will be refused; add --coordinator NODEID (the coordinator's node id) to serve one"
+        );
+    }
+    if !peers.is_empty() {
         println!(
             "coordinating over {} peer(s): {}",
             peers.len(),
@@ -263,14 +300,22 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     } else {
         println!("model: {}", model.display());
     }
+    let coordinator_key = mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?);
     let make = |k: usize, peers: Vec<PeerAddr>| -> anyhow::Result<NodeOptions> {
+        let key = if k == 0 {
+            coordinator_key.clone()
+        } else {
+            mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?)
+        };
         Ok(NodeOptions {
-            key: mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?),
+            key,
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
             model: model.clone(),
             data: args.out.join(format!("node-{k}")),
             peers,
+            coordinators: vec![coordinator_key.verifying_key().to_bytes()],
+            max_slices: crate::serve::DEFAULT_MAX_SLICES,
             stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
             step_timeout: Duration::from_secs(30),
             max_requests: 4,
@@ -425,11 +470,22 @@ pub async fn bench_split(model: Option<PathBuf>, tokens: usize) -> anyhow::Resul
     for stages in [2usize, 3] {
         let scratch = tempfile_dir()?;
         let mut nodes = Vec::new();
+        let coordinator_key = mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?);
         for k in 1..stages {
-            nodes.push(Node::start(bench_options(&model, &scratch, k, Vec::new())?).await?);
+            nodes.push(
+                Node::start(bench_options(
+                    &model,
+                    &scratch,
+                    k,
+                    Vec::new(),
+                    &coordinator_key,
+                )?)
+                .await?,
+            );
         }
         let peers: Vec<PeerAddr> = nodes.iter().map(Node::peer_addr).collect();
-        let coordinator = Node::start(bench_options(&model, &scratch, 0, peers)?).await?;
+        let coordinator =
+            Node::start(bench_options(&model, &scratch, 0, peers, &coordinator_key)?).await?;
         let request = GenerateRequest {
             prompt: prompt.into(),
             max_tokens: tokens,
@@ -478,19 +534,28 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// Bench nodes: node 0 coordinates with `coordinator_key`, the others
+/// serve it.
 fn bench_options(
     model: &Path,
     scratch: &Path,
     k: usize,
     peers: Vec<PeerAddr>,
+    coordinator_key: &mesh_protocol::SigningKey,
 ) -> anyhow::Result<NodeOptions> {
     Ok(NodeOptions {
-        key: mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?),
+        key: if k == 0 {
+            coordinator_key.clone()
+        } else {
+            mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?)
+        },
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         advertise: None,
         model: model.to_path_buf(),
         data: scratch.join(format!("node-{k}")),
         peers,
+        coordinators: vec![coordinator_key.verifying_key().to_bytes()],
+        max_slices: crate::serve::DEFAULT_MAX_SLICES,
         stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
         step_timeout: Duration::from_secs(60),
         max_requests: 2,

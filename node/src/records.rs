@@ -80,6 +80,11 @@ impl Collector {
         true
     }
 
+    /// Splits held open.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
     pub fn take(&mut self, request_id: u64) -> Option<PendingSplit> {
         self.pending.remove(&request_id)
     }

@@ -59,6 +59,8 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
             .to_path_buf(),
         data: dir.path().join("node"),
         peers: Vec::new(),
+        coordinators: Vec::new(),
+        max_slices: 1,
         stage_seal_deadline: Duration::from_millis(500),
         step_timeout: Duration::from_secs(5),
         max_requests: 2,

@@ -29,6 +29,9 @@ impl Drop for Served {
 
 fn keygen(dir: &Path, name: &str) -> PathBuf {
     let path = dir.join(format!("{name}.key"));
+    if path.exists() {
+        return path;
+    }
     let out = Command::new(bin())
         .args(["keygen", "--out"])
         .arg(&path)
@@ -36,6 +39,15 @@ fn keygen(dir: &Path, name: &str) -> PathBuf {
         .unwrap();
     assert!(out.status.success());
     path
+}
+
+/// The node id of `name`'s key (made if needed), for `--coordinator`.
+fn node_id(dir: &Path, name: &str) -> String {
+    let seed = std::fs::read_to_string(keygen(dir, name)).unwrap();
+    let key = mesh_protocol::SigningKey::from_bytes(
+        &mesh_protocol::hex::decode_array(seed.trim()).unwrap(),
+    );
+    mesh_protocol::identity::did_key(&key.verifying_key().to_bytes())
 }
 
 fn serve(
@@ -174,8 +186,13 @@ fn verify(bundle: &Path) -> (i32, Value) {
 
 fn split_equals_unsplit(model: &Path, prompt: &str, max_tokens: usize) {
     let dir = tempfile::tempdir().unwrap();
-    let b = serve(dir.path(), "b", model, &[], &[], &[]);
-    let c = serve(dir.path(), "c", model, &[], &[], &[]);
+    let (relayed_id, direct_id) = (
+        node_id(dir.path(), "relayed"),
+        node_id(dir.path(), "direct"),
+    );
+    let serves = ["--coordinator", &relayed_id, "--coordinator", &direct_id];
+    let b = serve(dir.path(), "b", model, &[], &serves, &[]);
+    let c = serve(dir.path(), "c", model, &[], &serves, &[]);
     let relayed = serve(
         dir.path(),
         "relayed",
@@ -239,8 +256,10 @@ fn three_processes_serve_smollm2_in_both_return_modes() {
 fn a_stage_killed_mid_request_ends_it_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let b = serve(dir.path(), "b", &model, &[], &[], &[]);
-    let mut c = serve(dir.path(), "c", &model, &[], &[], &[]);
+    let serves = ["--coordinator".to_string(), node_id(dir.path(), "coord")];
+    let serves: Vec<&str> = serves.iter().map(String::as_str).collect();
+    let b = serve(dir.path(), "b", &model, &[], &serves, &[]);
+    let mut c = serve(dir.path(), "c", &model, &[], &serves, &[]);
     let coordinator = serve(
         dir.path(),
         "coord",
@@ -310,15 +329,17 @@ fn one_altered_forward_byte_breaks_that_hop() {
     let model = synthetic(dir.path());
     // Stage 1 alters byte 40 of the forward frame it writes at step 1,
     // after folding it: the hop 1 -> 2 forward lane must read `break`.
+    let serves = ["--coordinator".to_string(), node_id(dir.path(), "coord")];
+    let serves: Vec<&str> = serves.iter().map(String::as_str).collect();
     let b = serve(
         dir.path(),
         "b",
         &model,
         &[],
-        &[],
+        &serves,
         &[("MESH_FAULT_FLIP_FORWARD", "1:1:40")],
     );
-    let c = serve(dir.path(), "c", &model, &[], &[], &[]);
+    let c = serve(dir.path(), "c", &model, &[], &serves, &[]);
     let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
     let bundle = dir.path().join("bundle.json");
     let (_, _) = remote(&coordinator.peer, "fault", 6, &bundle);
@@ -341,8 +362,10 @@ fn one_altered_forward_byte_breaks_that_hop() {
 fn grant_shards_are_enforced_by_every_steward() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let b = serve(dir.path(), "b", &model, &[], &[], &[]);
-    let c = serve(dir.path(), "c", &model, &[], &[], &[]);
+    let serves = ["--coordinator".to_string(), node_id(dir.path(), "coord")];
+    let serves: Vec<&str> = serves.iter().map(String::as_str).collect();
+    let b = serve(dir.path(), "b", &model, &[], &serves, &[]);
+    let c = serve(dir.path(), "c", &model, &[], &serves, &[]);
     let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
     let owner = keygen(dir.path(), "owner");
     let holder = keygen(dir.path(), "holder");

@@ -5,12 +5,23 @@
 
 use std::time::Duration;
 
+use std::sync::LazyLock;
+
 use anyhow::{Context, bail};
 use mesh_protocol::cbor::Cbor;
 use mesh_protocol::fold::LaneFold;
+use tokio::sync::Semaphore;
 
 /// Largest control message (a bundle rides in one).
 pub const MAX_CONTROL_MESSAGE: usize = 16 * 1024 * 1024;
+/// Largest control message a node accepts from a peer (a request, an
+/// assignment, an authorisation: prompts and presentations, never bundles).
+pub const MAX_CONTROL_REQUEST: usize = 1024 * 1024;
+/// Bytes of message bodies being read at once, over every stream of the
+/// process: a body is allocated as its bytes arrive and counted here until
+/// it is whole, so declared lengths cost nothing and slow senders together
+/// hold at most this much.
+pub const MAX_INBOUND_BYTES: usize = 512 * 1024 * 1024;
 /// Largest stage message: an activation frame plus the header.
 pub const MAX_STAGE_MESSAGE: usize = mesh_stage::frame::MAX_FRAME_PAYLOAD + 64;
 /// Largest record-push body, as Mesh-LLM's MAX_SIDE_STREAM_BYTES.
@@ -70,12 +81,29 @@ pub async fn read(
     if length > max {
         bail!("message of {length} bytes is over the {max}-byte limit");
     }
-    let mut bytes = vec![0u8; 4 + length];
-    bytes[..4].copy_from_slice(&prefix);
-    tokio::time::timeout(timeout, recv.read_exact(&mut bytes[4..]))
-        .await
-        .context("timed out reading a message body")?
-        .context("the peer closed the stream inside a message")?;
+    let mut bytes = Vec::with_capacity(4 + length.min(READ_CHUNK));
+    bytes.extend_from_slice(&prefix);
+    let mut counted = Vec::new();
+    while bytes.len() < 4 + length {
+        let want = (4 + length - bytes.len()).min(READ_CHUNK);
+        let chunk = tokio::time::timeout(timeout, recv.read_chunk(want, true))
+            .await
+            .context("timed out reading a message body")??
+            .context("the peer closed the stream inside a message")?;
+        let permits = u32::try_from(chunk.bytes.len()).context("chunk size")?;
+        counted.push(
+            INBOUND
+                .clone()
+                .try_acquire_many_owned(permits)
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "this node is reading {MAX_INBOUND_BYTES} bytes of messages already; try again"
+                    )
+                })?,
+        );
+        bytes.extend_from_slice(&chunk.bytes);
+    }
+    drop(counted);
     if let Some(fold) = fold {
         fold.frame_chunk(&bytes[..4]);
         fold.frame_chunk(&bytes[4..]);
@@ -84,17 +112,25 @@ pub async fn read(
     Ok(Some(bytes))
 }
 
+/// Most bytes taken from a stream at once while reading a body.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// Bytes of partly read bodies, process-wide (one permit a byte).
+static INBOUND: LazyLock<std::sync::Arc<Semaphore>> =
+    LazyLock::new(|| std::sync::Arc::new(Semaphore::new(MAX_INBOUND_BYTES)));
+
 /// Write a det-CBOR control message.
 pub async fn write_cbor(send: &mut quinn::SendStream, value: &Cbor) -> anyhow::Result<()> {
     write(send, &value.encode(), None).await.map(|_| ())
 }
 
-/// Read a det-CBOR control message.
+/// Read a det-CBOR control message of at most `max` bytes.
 pub async fn read_cbor(
     recv: &mut quinn::RecvStream,
+    max: usize,
     timeout: Duration,
 ) -> anyhow::Result<Option<Cbor>> {
-    match read(recv, MAX_CONTROL_MESSAGE, timeout, None).await? {
+    match read(recv, max, timeout, None).await? {
         None => Ok(None),
         Some(bytes) => Ok(Some(
             Cbor::decode(&bytes[4..]).context("malformed control message")?,

@@ -14,7 +14,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, Serve
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 
-/// DER prefix of an Ed25519 SubjectPublicKeyInfo; the 32-byte key follows.
+/// DER of an Ed25519 SubjectPublicKeyInfo up to its key: SEQUENCE(42) {
+/// SEQUENCE(5) { OID 1.3.101.112 }, BIT STRING(33) { 0 unused bits, key } }.
 const ED25519_SPKI_PREFIX: [u8; 12] = [
     0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x03, 0x21, 0x00,
 ];
@@ -28,14 +29,18 @@ pub fn install_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
-/// The Ed25519 key a certificate carries.
+/// The Ed25519 key a certificate's SubjectPublicKeyInfo holds, parsed as
+/// X.509 by the same parser rustls checks the handshake signature with, so
+/// the key named is the key that signed. Anything but exactly an Ed25519
+/// SPKI (RFC 8410: algorithm id-Ed25519, no parameters, 32-byte key) is
+/// refused; bytes elsewhere in the certificate (names, extensions) are never
+/// read as a key.
 pub fn certificate_key(cert: &[u8]) -> Option<[u8; 32]> {
-    let at = cert
-        .windows(ED25519_SPKI_PREFIX.len())
-        .position(|w| w == ED25519_SPKI_PREFIX)?;
-    cert.get(at + ED25519_SPKI_PREFIX.len()..at + ED25519_SPKI_PREFIX.len() + 32)?
-        .try_into()
-        .ok()
+    let der = CertificateDer::from(cert);
+    let parsed = webpki::EndEntityCert::try_from(&der).ok()?;
+    let spki = parsed.subject_public_key_info();
+    let key = spki.strip_prefix(&ED25519_SPKI_PREFIX[..])?;
+    key.try_into().ok()
 }
 
 /// A node's certificate and key for TLS.
@@ -48,26 +53,28 @@ pub struct TlsIdentity {
 }
 
 impl TlsIdentity {
+    /// A self-signed certificate for `key`.
     pub fn new(key: &SigningKey) -> anyhow::Result<Self> {
-        let public_key = key.verifying_key().to_bytes();
-        // PKCS#8 v2 (RFC 8410 OneAsymmetricKey) with the public key included.
-        let mut der = vec![
-            0x30, 0x53, 0x02, 0x01, 0x01, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22,
-            0x04, 0x20,
-        ];
-        der.extend_from_slice(&key.to_bytes());
-        der.extend_from_slice(&[0xa1, 0x23, 0x03, 0x21, 0x00]);
-        der.extend_from_slice(&public_key);
+        let der = pkcs8(key);
         let pkcs8 = PrivatePkcs8KeyDer::from(der.clone());
         let key_pair = rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&pkcs8, &rcgen::PKCS_ED25519)?;
-        let did = did_key(&public_key);
         let params = rcgen::CertificateParams::new(vec!["mesh-node".to_string()])?;
         let cert = params.self_signed(&key_pair)?;
+        Self::with_certificate(key, cert.der().to_vec())
+    }
+
+    /// Present a certificate made elsewhere for `key` (tests present forged
+    /// ones). Its SubjectPublicKeyInfo must be `key`'s.
+    pub fn with_certificate(key: &SigningKey, cert: Vec<u8>) -> anyhow::Result<Self> {
+        let public_key = key.verifying_key().to_bytes();
+        if certificate_key(&cert) != Some(public_key) {
+            anyhow::bail!("the certificate's subject public key is not this node's key");
+        }
         Ok(Self {
             public_key,
-            did,
-            cert: cert.der().clone(),
-            key_der: der,
+            did: did_key(&public_key),
+            cert: CertificateDer::from(cert),
+            key_der: pkcs8(key),
         })
     }
 
@@ -77,6 +84,18 @@ impl TlsIdentity {
             PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.key_der.clone())),
         )
     }
+}
+
+/// PKCS#8 v2 (RFC 8410 OneAsymmetricKey) of an Ed25519 key, public key included.
+fn pkcs8(key: &SigningKey) -> Vec<u8> {
+    let mut der = vec![
+        0x30, 0x53, 0x02, 0x01, 0x01, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04,
+        0x20,
+    ];
+    der.extend_from_slice(&key.to_bytes());
+    der.extend_from_slice(&[0xa1, 0x23, 0x03, 0x21, 0x00]);
+    der.extend_from_slice(&key.verifying_key().to_bytes());
+    der
 }
 
 fn algorithms() -> WebPkiSupportedAlgorithms {
@@ -169,6 +188,11 @@ impl ClientCertVerifier for AnyEd25519Client {
     }
 }
 
+/// Streams a peer may have open at once on one connection.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
+/// Bytes a peer may have sent and this node not yet read, per connection.
+pub const CONNECTION_RECEIVE_WINDOW: u32 = 16 * 1024 * 1024;
+
 fn transport() -> Arc<quinn::TransportConfig> {
     let mut transport = quinn::TransportConfig::default();
     transport.max_idle_timeout(Some(
@@ -177,7 +201,10 @@ fn transport() -> Arc<quinn::TransportConfig> {
             .unwrap_or(quinn::IdleTimeout::from(quinn::VarInt::from_u32(30_000))),
     ));
     transport.keep_alive_interval(Some(std::time::Duration::from_secs(5)));
-    transport.max_concurrent_bidi_streams(quinn::VarInt::from_u32(256));
+    transport.max_concurrent_bidi_streams(quinn::VarInt::from_u32(MAX_STREAMS_PER_CONNECTION));
+    // Unread data a peer may have in flight on one connection, all streams
+    // together (quinn's default is unbounded).
+    transport.receive_window(quinn::VarInt::from_u32(CONNECTION_RECEIVE_WINDOW));
     transport.max_concurrent_uni_streams(quinn::VarInt::from_u32(0));
     Arc::new(transport)
 }

@@ -171,9 +171,13 @@ pub async fn plan_remote(coordinator: &PeerAddr) -> anyhow::Result<Vec<String>> 
     let (mut send, mut recv) = connection.open_bi().await?;
     msg::write_cbor(&mut send, &Cbor::text_map([("kind", Cbor::text("plan"))])).await?;
     send.finish()?;
-    let reply = msg::read_cbor(&mut recv, Duration::from_secs(300))
-        .await?
-        .context("no plan")?;
+    let reply = msg::read_cbor(
+        &mut recv,
+        msg::MAX_CONTROL_REQUEST,
+        Duration::from_secs(300),
+    )
+    .await?
+    .context("no plan")?;
     connection.close(0u32.into(), b"done");
     endpoint.wait_idle().await;
     if reply.get("kind").and_then(Cbor::as_text) != Some("plan") {
@@ -219,6 +223,68 @@ pub(super) async fn handle_generate(
     }
 }
 
+/// What one request holds at the coordinator, released when it is dropped,
+/// so every exit path (refusal, busy, a failed stage, an error sealing)
+/// gives back the same things.
+struct Held<'a> {
+    inner: &'a Arc<Inner>,
+    own: &'a Slot,
+    request_id: u64,
+    cache: bool,
+    collector: bool,
+    direct: bool,
+    /// The coordinator's own grant decision, until the serve is debited.
+    ticket: Option<crate::steward::ServeTicket>,
+    /// Stages that decided a grant for this request: told to release it at
+    /// the end (a no-op where the request reached them and was served).
+    authorised: Vec<PeerAddr>,
+}
+
+impl<'a> Held<'a> {
+    fn new(inner: &'a Arc<Inner>, run: &'a Run, request_id: u64) -> Self {
+        Self {
+            inner,
+            own: &run.own,
+            request_id,
+            cache: false,
+            collector: false,
+            direct: false,
+            ticket: None,
+            authorised: Vec::new(),
+        }
+    }
+
+    fn release_cache(&mut self) {
+        if std::mem::take(&mut self.cache) {
+            lock(&self.own.pool).release(self.request_id);
+        }
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.release_cache();
+        if self.collector {
+            lock(&self.inner.collector).take(self.request_id);
+        }
+        if self.direct {
+            lock(&self.inner.directs).remove(&self.request_id);
+        }
+        if let Some(ticket) = self.ticket.take() {
+            self.inner.release_ticket(ticket);
+        }
+        for peer in std::mem::take(&mut self.authorised) {
+            let inner = self.inner.clone();
+            let request_id = self.request_id;
+            tokio::spawn(async move {
+                if let Err(error) = release_remote(&inner, &peer, request_id).await {
+                    eprintln!("mesh-node: releasing request {request_id} at {peer}: {error:#}");
+                }
+            });
+        }
+    }
+}
+
 struct OwnLanes {
     down_sent: LaneFold,
     down_replies_received: LaneFold,
@@ -260,9 +326,6 @@ async fn serve_request(
         run_id: run_id.clone(),
         request_id,
     };
-    if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
-        bail!("too many requests waiting to be sealed; retry shortly");
-    }
     let serve = ServeRequest {
         prompt_hash: prompt_hash(request.prompt.as_bytes()),
         prompt_tokens: u32::try_from(prompt_ids.len()).unwrap_or(u32::MAX),
@@ -275,7 +338,6 @@ async fn serve_request(
         None => (serve, Vec::new()),
         Some(granted) => {
             if granted.serve.prompt_hash != serve.prompt_hash {
-                lock(&inner.collector).take(request_id);
                 bail!("the granted request's prompt_hash is not BLAKE3 of the prompt sent");
             }
             let presentations = granted
@@ -295,38 +357,38 @@ async fn serve_request(
     };
     let max_new = max_new.min(serve.max_tokens.max(1) as usize);
     let capacity = prompt_ids.len() + max_new;
+
+    // Everything this request holds is released by `held` on every path.
+    let mut held = Held::new(inner, run, request_id);
+    // Admission first: a cache and a collector slot, before any grant is
+    // decided, so a busy coordinator refuses without deciding anything.
+    lock(&run.own.pool).open(&run.own.slice, request_id, capacity)?;
+    held.cache = true;
+    if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
+        bail!("too many requests waiting to be sealed; retry shortly");
+    }
+    held.collector = true;
     // Every steward decides its own grant shard before any work runs.
     let own_presentation = presentations.first().cloned().flatten();
-    let mut ticket = match lock(&inner.steward).authorise(
-        own_presentation.as_ref(),
-        &serve,
-        Some(inner.model.weights_digest()),
-        "mesh-node/split",
-        now_ms(),
-    ) {
-        Ok(ticket) => ticket,
-        Err(error) => {
-            lock(&inner.collector).take(request_id);
-            bail!("grant refused at the coordinator: {error}");
-        }
-    };
-    let mut authorised_stages = Vec::new();
+    held.ticket = Some(
+        lock(&inner.steward)
+            .authorise(
+                own_presentation.as_ref(),
+                &serve,
+                Some(inner.model.weights_digest()),
+                "mesh-node/split",
+                now_ms(),
+            )
+            .map_err(|error| anyhow!("grant refused at the coordinator: {error}"))?,
+    );
     for (k, peer) in inner.peers.iter().enumerate() {
         let Some(presentation) = presentations.get(k + 1).cloned().flatten() else {
             continue;
         };
-        if let Err(error) =
-            authorise_remote(inner, peer, &run_id, request_id, &serve, &presentation).await
-        {
-            // Nothing ran: release what the other stewards reserved.
-            for earlier in &authorised_stages {
-                let _ = release_remote(inner, earlier, request_id).await;
-            }
-            lock(&inner.collector).take(request_id);
-            let _ = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()));
-            bail!("grant refused at stage {}: {error:#}", k + 1);
-        }
-        authorised_stages.push(peer.clone());
+        authorise_remote(inner, peer, &run_id, request_id, &serve, &presentation)
+            .await
+            .map_err(|error| anyhow!("grant refused at stage {}: {error:#}", k + 1))?;
+        held.authorised.push(peer.clone());
     }
     let mut lanes = OwnLanes {
         down_sent: lane(&coordinator, &run_id, request_id, 0, Lane::Forward),
@@ -339,13 +401,18 @@ async fn serve_request(
     };
     let mut direct_waiter = if return_mode == ReturnMode::Direct {
         let (sender, receiver) = oneshot::channel();
-        lock(&inner.directs).insert(request_id, sender);
+        lock(&inner.directs).insert(request_id, (run.keys[n as usize - 1], sender));
+        held.direct = true;
         Some(receiver)
     } else {
         None
     };
-    lock(&run.own.pool).open(&run.own.slice, request_id, capacity)?;
+    let mut ticket = held
+        .ticket
+        .take()
+        .context("the coordinator's grant decision")?;
     lock(&inner.steward).begin_engine(&mut ticket);
+    held.ticket = Some(ticket);
 
     let mut tokens: Vec<u32> = Vec::new();
     let mut printed = String::new();
@@ -393,7 +460,7 @@ async fn serve_request(
                 };
                 let frame = encode_frame(&hidden.values, hidden.rows, hidden.cols, inner.wire)?;
                 let trip = Instant::now();
-                write_forward(
+                if let Err(error) = write_forward(
                     &mut send,
                     &msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame),
                     &mut lanes.down_sent,
@@ -401,7 +468,10 @@ async fn serve_request(
                     0,
                     step,
                 )
-                .await?;
+                .await
+                {
+                    return Err(refusal_behind(&mut recv, error).await);
+                }
                 let reply = match return_mode {
                     ReturnMode::Relayed => {
                         let reply =
@@ -492,27 +562,29 @@ async fn serve_request(
             }
         }
         .await;
-        let state = if result.is_ok() {
-            TerminalState::Completed
-        } else {
-            TerminalState::TransportError
-        };
-        let stop = Cbor::text_map([("terminal_state", Cbor::text(state.as_str()))]);
-        let _ = write_forward(
-            &mut send,
-            &msg::stage_body(kind::STOP, request_id, step, &stop.encode()),
-            &mut lanes.down_sent,
-            &mut folds,
-            0,
-            step,
-        )
-        .await;
+        // STOP enters the forward lane only when the chain is healthy. After a
+        // failure stage 1 may have stopped reading, and a frame it never read
+        // folded here would read as tampering on a healthy hop: the stream is
+        // just finished, and each stage records what it saw.
+        if result.is_ok() {
+            let stop = Cbor::text_map([(
+                "terminal_state",
+                Cbor::text(TerminalState::Completed.as_str()),
+            )]);
+            write_forward(
+                &mut send,
+                &msg::stage_body(kind::STOP, request_id, step, &stop.encode()),
+                &mut lanes.down_sent,
+                &mut folds,
+                0,
+                step,
+            )
+            .await?;
+        }
         let _ = send.finish();
         result
     }
     .await;
-    // A direct return that never arrived must not leave its waiter behind.
-    lock(&inner.directs).remove(&request_id);
     if let Err(error) = outcome {
         terminal = if error.to_string().contains("timed out") {
             TerminalState::TimedOut
@@ -522,7 +594,11 @@ async fn serve_request(
         failure = Some(format!("{error:#}"));
     }
     let decode_time = started.elapsed().saturating_sub(prefill_time);
-    lock(&run.own.pool).release(request_id);
+    held.release_cache();
+    let ticket = held
+        .ticket
+        .take()
+        .context("the coordinator's grant decision")?;
     let metered = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()))?;
 
     // Wait for the stage records, up to the deadline.
@@ -538,7 +614,8 @@ async fn serve_request(
         }
     }
     let pending = lock(&inner.collector).take(request_id);
-    let held: Vec<Vec<SealedRecord>> = pending.map(|p| p.records).unwrap_or_default();
+    held.collector = false;
+    let records: Vec<Vec<SealedRecord>> = pending.map(|p| p.records).unwrap_or_default();
 
     let own_block = StageBlock {
         side: Side::Coordinator,
@@ -585,7 +662,7 @@ async fn serve_request(
         &SplitSealInput {
             own: &own_block,
             topology: &run.topology,
-            held: &held,
+            held: &records,
             not_requested: &[],
             coordinator_term: inner.coordinator_term,
             stage_seal_deadline_ms: inner.deadline.as_millis() as u64,
@@ -738,6 +815,18 @@ async fn serve_request(
     Ok(())
 }
 
+/// A stage that refuses a request answers FAILED and stops reading, so the
+/// next write fails: report the stage's reason rather than the write's.
+async fn refusal_behind(recv: &mut quinn::RecvStream, error: anyhow::Error) -> anyhow::Error {
+    let reply = msg::read(recv, msg::MAX_STAGE_MESSAGE, Duration::from_secs(1), None).await;
+    if let Ok(Some(frame)) = reply
+        && let Ok((kind::FAILED, _, _, reason)) = msg::parse_stage(&frame)
+    {
+        return anyhow!("stage 1 refused: {}", String::from_utf8_lossy(reason));
+    }
+    error
+}
+
 async fn query_stats(
     inner: &Arc<Inner>,
     peer: &PeerAddr,
@@ -753,7 +842,7 @@ async fn query_stats(
     )
     .await?;
     send.finish()?;
-    let reply = msg::read_cbor(&mut recv, Duration::from_secs(2))
+    let reply = msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, Duration::from_secs(2))
         .await?
         .context("no stats")?;
     let us = |k: &str| Duration::from_micros(reply.get(k).and_then(Cbor::as_uint).unwrap_or(0));
@@ -778,7 +867,7 @@ pub async fn generate_remote(
     // Setting up a split loads slices; allow for it on the first message.
     let mut wait = Duration::from_secs(300);
     loop {
-        let message = msg::read_cbor(&mut recv, wait)
+        let message = msg::read_cbor(&mut recv, msg::MAX_CONTROL_MESSAGE, wait)
             .await?
             .context("the coordinator closed without an answer")?;
         wait = msg::IDLE_TIMEOUT.max(Duration::from_secs(60));
@@ -851,7 +940,7 @@ async fn authorise_remote(
     ]);
     msg::write_cbor(&mut send, &message).await?;
     send.finish()?;
-    let reply = msg::read_cbor(&mut recv, msg::IDLE_TIMEOUT)
+    let reply = msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, msg::IDLE_TIMEOUT)
         .await?
         .context("no answer to the authorisation")?;
     match reply.get("kind").and_then(Cbor::as_text) {
@@ -881,7 +970,7 @@ async fn release_remote(
     )
     .await?;
     send.finish()?;
-    msg::read_cbor(&mut recv, msg::IDLE_TIMEOUT).await?;
+    msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, msg::IDLE_TIMEOUT).await?;
     Ok(())
 }
 

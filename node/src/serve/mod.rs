@@ -90,6 +90,10 @@ pub struct NodeOptions {
     pub model: PathBuf,
     pub data: PathBuf,
     pub peers: Vec<PeerAddr>,
+    /// Coordinators whose assignments this node accepts as a stage (by key).
+    pub coordinators: Vec<[u8; 32]>,
+    /// Most slices held at once (one per coordinator; a newer run replaces).
+    pub max_slices: usize,
     pub stage_seal_deadline: Duration,
     pub step_timeout: Duration,
     pub max_requests: usize,
@@ -116,6 +120,8 @@ struct Assign {
     stage_count: u32,
     coordinator: [u8; 32],
     coordinator_addr: SocketAddr,
+    /// The only node that may open requests on this stage: the previous one.
+    upstream: [u8; 32],
     downstream: Option<PeerAddr>,
     topology_hash: String,
     manifest: [u8; 32],
@@ -137,6 +143,7 @@ impl Assign {
                 Cbor::text(self.coordinator_addr.to_string()),
             ),
             ("topology_hash", Cbor::text(&self.topology_hash)),
+            ("upstream", Cbor::text(did_key(&self.upstream))),
         ];
         if let Some(down) = &self.downstream {
             fields.push(("downstream", Cbor::text(down.to_string())));
@@ -182,6 +189,8 @@ impl Assign {
             coordinator_addr: text("coordinator_addr")?
                 .parse()
                 .context("assign: coordinator_addr")?,
+            upstream: parse_did_key(text("upstream")?)
+                .context("assign: upstream is not a did:key")?,
             downstream,
             topology_hash: text("topology_hash")?.to_string(),
             manifest: *blake3::hash(&value.encode()).as_bytes(),
@@ -203,9 +212,26 @@ struct Run {
 }
 
 type DirectStream = (quinn::SendStream, quinn::RecvStream, Vec<u8>);
-/// A stage's grant decision taken ahead of its request's chain: the ticket,
-/// the request it was decided for, and the coordinator that asked.
-type PreDecided = (crate::steward::ServeTicket, ServeRequest, [u8; 32]);
+/// A coordinator waiting for its final stage's direct return: the key that
+/// stage must prove, and where to hand the stream.
+type DirectWaiter = ([u8; 32], oneshot::Sender<DirectStream>);
+/// A stage's grant decision taken ahead of its request's chain.
+struct PreDecided {
+    ticket: crate::steward::ServeTicket,
+    serve: ServeRequest,
+    /// The coordinator that asked.
+    coordinator: [u8; 32],
+    decided: Instant,
+}
+
+/// How long a stage holds a grant decision for a request whose chain never
+/// reaches it; then the decision is released (and the release journalled).
+pub const PRE_DECIDED_TTL: Duration = Duration::from_secs(60);
+/// Largest first message of a `mesh-stage/1` stream (OPEN or DIRECT_OPEN),
+/// read before the sender is checked.
+pub const MAX_STAGE_OPEN: usize = 4096;
+/// Slices a stage node holds at once unless configured.
+pub const DEFAULT_MAX_SLICES: usize = 2;
 /// Open connections by peer key and ALPN.
 type ConnectionCache = tokio::sync::Mutex<HashMap<([u8; 32], &'static [u8]), quinn::Connection>>;
 
@@ -216,6 +242,8 @@ struct Inner {
     advertise: SocketAddr,
     model: ModelHandle,
     peers: Vec<PeerAddr>,
+    coordinators: Vec<[u8; 32]>,
+    max_slices: usize,
     deadline: Duration,
     step_timeout: Duration,
     max_requests: usize,
@@ -225,7 +253,7 @@ struct Inner {
     run: tokio::sync::Mutex<Option<Arc<Run>>>,
     steward: Mutex<Steward>,
     connections: ConnectionCache,
-    directs: Mutex<HashMap<u64, oneshot::Sender<DirectStream>>>,
+    directs: Mutex<HashMap<u64, DirectWaiter>>,
     collector: Mutex<Collector>,
     collected: tokio::sync::Notify,
     stats: Mutex<VecDeque<(u64, StageStats)>>,
@@ -294,6 +322,8 @@ impl Node {
             advertise,
             model,
             peers: options.peers,
+            coordinators: options.coordinators,
+            max_slices: options.max_slices.max(1),
             deadline: options.stage_seal_deadline,
             step_timeout: options.step_timeout,
             max_requests: options.max_requests,
@@ -331,6 +361,18 @@ impl Node {
             addr: self.addr(),
         }
     }
+    /// Slices held as a stage (at most one per coordinator served).
+    pub fn slices_held(&self) -> usize {
+        lock(&self.inner.slots).len()
+    }
+    /// Grant decisions held for requests that have not reached this stage.
+    pub fn grant_decisions_waiting(&self) -> usize {
+        lock(&self.inner.tickets).len()
+    }
+    /// Requests this coordinator holds a record-collection slot for.
+    pub fn requests_pending_seal(&self) -> usize {
+        lock(&self.inner.collector).pending()
+    }
     pub fn meter_name(&self) -> String {
         lock(&self.inner.steward).meter_name().to_string()
     }
@@ -342,10 +384,19 @@ impl Node {
     }
 }
 
+/// Connections a node holds open at once; more are refused at the door.
+pub const MAX_CONNECTIONS: usize = 512;
+
 async fn accept_loop(inner: Arc<Inner>) {
+    let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     while let Some(incoming) = inner.endpoint.accept().await {
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            incoming.refuse();
+            continue;
+        };
         let inner = inner.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let Ok(connection) = incoming.await else {
                 return;
             };
@@ -356,6 +407,11 @@ async fn accept_loop(inner: Arc<Inner>) {
             let Some(peer) = tls::peer_key(&connection) else {
                 return;
             };
+            let known = [ALPN_CONTROL, ALPN_STAGE, ALPN_RECORD_PUSH];
+            if !alpn.as_deref().is_some_and(|a| known.contains(&a)) {
+                connection.close(1u32.into(), b"unknown protocol");
+                return;
+            }
             loop {
                 let Ok((send, recv)) = connection.accept_bi().await else {
                     return;
@@ -367,7 +423,7 @@ async fn accept_loop(inner: Arc<Inner>) {
                         Some(a) if a == ALPN_CONTROL => {
                             handle_control(inner, peer, send, recv).await
                         }
-                        Some(a) if a == ALPN_STAGE => handle_stage(inner, send, recv).await,
+                        Some(a) if a == ALPN_STAGE => handle_stage(inner, peer, send, recv).await,
                         Some(a) if a == ALPN_RECORD_PUSH => {
                             handle_push(inner, peer, send, recv).await
                         }
@@ -421,6 +477,52 @@ impl Inner {
         }
     }
 
+    /// Refuse a new slice when the slices of other coordinators fill the bound
+    /// (the sender's own run is replaced, so it never counts against it).
+    fn check_slice_room(
+        &self,
+        slots: &HashMap<String, Arc<Slot>>,
+        coordinator: [u8; 32],
+    ) -> anyhow::Result<()> {
+        let others = slots
+            .values()
+            .filter(|s| s.assign.coordinator != coordinator)
+            .count();
+        if others >= self.max_slices {
+            bail!(
+                "this node already holds its maximum of {} slices",
+                self.max_slices
+            );
+        }
+        Ok(())
+    }
+
+    /// Close a grant decision whose serve never ran: the steward journals the
+    /// (empty) span, so nothing stays open or charged at its ceiling.
+    fn release_ticket(&self, ticket: crate::steward::ServeTicket) {
+        if let Err(error) =
+            lock(&self.steward).end_engine(ticket, Some(self.model.weights_digest()))
+        {
+            eprintln!("mesh-node: releasing an unused grant decision: {error}");
+        }
+    }
+
+    /// Release grant decisions whose requests never arrived.
+    fn expire_pre_decided(&self) {
+        let stale: Vec<PreDecided> = {
+            let mut tickets = lock(&self.tickets);
+            let ids: Vec<u64> = tickets
+                .iter()
+                .filter(|(_, d)| d.decided.elapsed() >= PRE_DECIDED_TTL)
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter().filter_map(|id| tickets.remove(id)).collect()
+        };
+        for decided in stale {
+            self.release_ticket(decided.ticket);
+        }
+    }
+
     fn record_stats(&self, request_id: u64, stats: StageStats) {
         let mut all = lock(&self.stats);
         all.push_back((request_id, stats));
@@ -463,7 +565,9 @@ async fn handle_control(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) -> anyhow::Result<()> {
-    let Some(message) = msg::read_cbor(&mut recv, msg::IDLE_TIMEOUT).await? else {
+    let Some(message) =
+        msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, msg::IDLE_TIMEOUT).await?
+    else {
         return Ok(());
     };
     match message.get("kind").and_then(Cbor::as_text) {
@@ -495,14 +599,12 @@ async fn handle_control(
                 let mut tickets = lock(&inner.tickets);
                 // Only the coordinator that asked for the decision may release it.
                 match tickets.get(&request_id) {
-                    Some((_, _, coordinator)) if *coordinator == peer => {
-                        tickets.remove(&request_id)
-                    }
+                    Some(decided) if decided.coordinator == peer => tickets.remove(&request_id),
                     _ => None,
                 }
             };
-            if let Some((ticket, _, _)) = held {
-                let _ = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()));
+            if let Some(decided) = held {
+                inner.release_ticket(decided.ticket);
             }
             msg::write_cbor(
                 &mut send,
@@ -590,8 +692,15 @@ fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyho
             .context("authorise: presentation")?,
     )
     .map_err(|e| anyhow!("{e}"))?;
-    if lock(&inner.tickets).len() >= inner.max_requests * 4 {
-        bail!("too many authorised requests waiting to start");
+    inner.expire_pre_decided();
+    {
+        let tickets = lock(&inner.tickets);
+        if tickets.len() >= inner.max_requests * 4 {
+            bail!("too many authorised requests waiting to start");
+        }
+        if tickets.contains_key(&request_id) {
+            bail!("request {request_id} is already authorised here");
+        }
     }
     let ticket = lock(&inner.steward).authorise(
         Some(&presentation),
@@ -600,7 +709,15 @@ fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyho
         "mesh-node/stage",
         now_ms(),
     )?;
-    lock(&inner.tickets).insert(request_id, (ticket, serve, peer));
+    lock(&inner.tickets).insert(
+        request_id,
+        PreDecided {
+            ticket,
+            serve,
+            coordinator: peer,
+            decided: Instant::now(),
+        },
+    );
     Ok(())
 }
 
@@ -609,6 +726,13 @@ fn handle_assign(
     peer: [u8; 32],
     message: &Cbor,
 ) -> anyhow::Result<([u8; 32], usize)> {
+    if !inner.coordinators.contains(&peer) {
+        eprintln!(
+            "mesh-node: refused an assignment from {0}: not a coordinator this node serves (start it with --coordinator {0} to serve it)",
+            did_key(&peer)
+        );
+        bail!("this node does not serve coordinator {}", did_key(&peer));
+    }
     let assign = Assign::from_cbor(message)?;
     if assign.coordinator != peer {
         bail!("the assignment names a coordinator other than the node that sent it");
@@ -627,8 +751,15 @@ fn handle_assign(
             assign.stage_count
         );
     }
-    if let Some(slot) = lock(&inner.slots).get(&assign.run_id) {
-        return Ok((slot.slice.weights_digest(), slot.slice.weight_bytes()));
+    {
+        let slots = lock(&inner.slots);
+        if let Some(slot) = slots.get(&assign.run_id) {
+            if slot.assign.coordinator != peer {
+                bail!("run {} belongs to another coordinator", assign.run_id);
+            }
+            return Ok((slot.slice.weights_digest(), slot.slice.weight_bytes()));
+        }
+        inner.check_slice_room(&slots, peer)?;
     }
     eprintln!(
         "mesh-node: loading layers {}..{} for run {} (stage {} of {})",
@@ -648,11 +779,29 @@ fn handle_assign(
         pool: Mutex::new(CachePool::new(inner.max_requests, context)),
         assign: assign.clone(),
     });
-    lock(&inner.slots).insert(assign.run_id.clone(), slot);
+    let mut slots = lock(&inner.slots);
+    inner.check_slice_room(&slots, peer)?;
+    // A coordinator holds one run here: its newer run replaces the older, whose
+    // slice is freed once its last request ends.
+    slots.retain(|_, held| held.assign.coordinator != peer);
+    slots.insert(assign.run_id.clone(), slot);
     Ok(answer)
 }
 
 // ------------------------------------------------------------------ stage
+
+/// Refuse a request on its stage stream with a FAILED reply, before any
+/// lane is folded.
+async fn refuse_stage(
+    up_send: &mut quinn::SendStream,
+    request_id: u64,
+    reason: String,
+) -> anyhow::Result<()> {
+    let body = msg::stage_body(kind::FAILED, request_id, 0, reason.as_bytes());
+    msg::write(up_send, &body, None).await?;
+    let _ = up_send.finish();
+    Ok(())
+}
 
 struct StageLanes {
     up_received: LaneFold,
@@ -720,26 +869,30 @@ async fn write_forward(
 
 async fn handle_stage(
     inner: Arc<Inner>,
+    peer: [u8; 32],
     mut up_send: quinn::SendStream,
     mut up_recv: quinn::RecvStream,
 ) -> anyhow::Result<()> {
-    let first = msg::read(
-        &mut up_recv,
-        msg::MAX_STAGE_MESSAGE,
-        msg::IDLE_TIMEOUT,
-        None,
-    )
-    .await?
-    .context("empty stage stream")?;
+    // Only an opening message's worth is read before the sender is checked.
+    let first = msg::read(&mut up_recv, MAX_STAGE_OPEN, msg::IDLE_TIMEOUT, None)
+        .await?
+        .context("empty stage stream")?;
     let (message_kind, request_id, _, payload) = msg::parse_stage(&first)?;
     if message_kind == kind::DIRECT_OPEN {
-        let waiting = lock(&inner.directs).remove(&request_id);
+        let waiting = {
+            let mut directs = lock(&inner.directs);
+            match directs.get(&request_id) {
+                // Only the final stage the request was routed to may open it.
+                Some((expected, _)) if *expected == peer => directs.remove(&request_id),
+                _ => None,
+            }
+        };
         match waiting {
-            Some(sender) => {
+            Some((_, sender)) => {
                 let _ = sender.send((up_send, up_recv, first));
             }
             None => bail!(
-                "a direct-return stream for request {request_id}, which is not waiting for one"
+                "a direct-return stream for request {request_id}, which is not waiting for one from this peer"
             ),
         }
         return Ok(());
@@ -763,19 +916,65 @@ async fn handle_stage(
     };
     let slot = lock(&inner.slots).get(&run_id).cloned();
     let Some(slot) = slot else {
-        let body = msg::stage_body(
-            kind::FAILED,
+        return refuse_stage(
+            &mut up_send,
             request_id,
-            0,
-            format!("no slice loaded for run {run_id}").as_bytes(),
-        );
-        msg::write(&mut up_send, &body, None).await?;
-        return Ok(());
+            format!("no slice loaded for run {run_id}"),
+        )
+        .await;
     };
+    if slot.assign.upstream != peer {
+        return refuse_stage(
+            &mut up_send,
+            request_id,
+            format!(
+                "{} is not the upstream of this stage of run {run_id}",
+                did_key(&peer)
+            ),
+        )
+        .await;
+    }
     let assign = &slot.assign;
     let coordinator = did_key(&assign.coordinator);
     let k = assign.stage_index;
     let is_final = k + 1 == assign.stage_count;
+
+    // Decide (or take the decision already made for) the grant first, then
+    // the cache: a refusal at either releases what the other holds.
+    inner.expire_pre_decided();
+    let pre_decided = {
+        let mut tickets = lock(&inner.tickets);
+        match tickets.get(&request_id) {
+            Some(decided) if decided.coordinator == assign.coordinator => {
+                tickets.remove(&request_id)
+            }
+            _ => None,
+        }
+    };
+    let (mut ticket, served) = match pre_decided {
+        Some(decided) => (decided.ticket, decided.serve),
+        None => {
+            let serve = span_request(capacity);
+            let decided = lock(&inner.steward).authorise(
+                None,
+                &serve,
+                Some(inner.model.weights_digest()),
+                "mesh-node/stage",
+                now_ms(),
+            );
+            match decided {
+                Ok(ticket) => (ticket, serve),
+                Err(error) => {
+                    return refuse_stage(&mut up_send, request_id, format!("{error}")).await;
+                }
+            }
+        }
+    };
+    let opened = lock(&slot.pool).open(&slot.slice, request_id, capacity);
+    if let Err(error) = opened {
+        inner.release_ticket(ticket);
+        return refuse_stage(&mut up_send, request_id, format!("{error}")).await;
+    }
     let mut folds = Folds {
         spent: Duration::ZERO,
     };
@@ -787,7 +986,6 @@ async fn handle_stage(
         direct_sent: None,
     };
     folds.time(|| lanes.up_received.push_frame(&first));
-    lock(&slot.pool).open(&slot.slice, request_id, capacity)?;
 
     let mut down: Option<(quinn::SendStream, quinn::RecvStream)> = None;
     let mut direct: Option<quinn::SendStream> = None;
@@ -797,23 +995,6 @@ async fn handle_stage(
         decode: 0,
     };
     let mut stats = StageStats::default();
-    let pre_decided = lock(&inner.tickets).remove(&request_id);
-    let (mut ticket, served) = match pre_decided {
-        Some((ticket, serve, _)) => (ticket, serve),
-        None => {
-            let serve = span_request(capacity);
-            (
-                lock(&inner.steward).authorise(
-                    None,
-                    &serve,
-                    Some(inner.model.weights_digest()),
-                    "mesh-node/stage",
-                    now_ms(),
-                )?,
-                serve,
-            )
-        }
-    };
     lock(&inner.steward).begin_engine(&mut ticket);
 
     let outcome: anyhow::Result<()> = async {
@@ -1234,6 +1415,7 @@ impl Inner {
                 stage_count: stages,
                 coordinator: self.tls.public_key,
                 coordinator_addr: self.advertise,
+                upstream: keys[k.saturating_sub(1)],
                 downstream: self.peers.get(k).cloned(),
                 topology_hash: topology_hash.clone(),
                 manifest: [0; 32],
@@ -1251,9 +1433,13 @@ impl Inner {
                 let (mut send, mut recv) = inner.open(&peer, ALPN_CONTROL).await?;
                 msg::write_cbor(&mut send, &message).await?;
                 send.finish()?;
-                let reply = msg::read_cbor(&mut recv, Duration::from_secs(300))
-                    .await?
-                    .context("no answer to the assignment")?;
+                let reply = msg::read_cbor(
+                    &mut recv,
+                    msg::MAX_CONTROL_REQUEST,
+                    Duration::from_secs(300),
+                )
+                .await?
+                .context("no answer to the assignment")?;
                 match reply.get("kind").and_then(Cbor::as_text) {
                     Some("ready") => Ok::<(), anyhow::Error>(()),
                     _ => bail!(

@@ -1,0 +1,663 @@
+//! Regression tests for the defects found by probing running nodes as a
+//! stranger on the network would (issue 8). Every node here runs in this
+//! process on 127.0.0.1 with an ephemeral port; each test failed on the code
+//! before its fix.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use mesh_node::energy::EstimatorMeter;
+use mesh_node::net::tls::{self, TlsIdentity};
+use mesh_node::net::{ALPN_CONTROL, ALPN_STAGE, msg};
+use mesh_node::serve::{
+    GenerateRequest, GenerateSummary, GrantedServe, Node, NodeOptions, PeerAddr, generate_remote,
+};
+use mesh_protocol::SigningKey;
+use mesh_protocol::block::ReturnMode;
+use mesh_protocol::cbor::Cbor;
+use mesh_protocol::identity::did_key;
+use mesh_stage::frame::WireDType;
+use mesh_stage::sampling::SamplingParams;
+
+/// DER of an Ed25519 SubjectPublicKeyInfo up to the key.
+const ED25519_SPKI_PREFIX: [u8; 12] = [
+    0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x03, 0x21, 0x00,
+];
+
+fn key(seed: u8) -> SigningKey {
+    SigningKey::from_bytes(&[seed; 32])
+}
+
+fn public(key: &SigningKey) -> [u8; 32] {
+    key.verifying_key().to_bytes()
+}
+
+fn synthetic(dir: &Path) -> PathBuf {
+    mesh_stage::synthetic::write_synthetic(
+        &dir.join("model"),
+        &mesh_stage::synthetic::SyntheticSpec::default(),
+        &[candle_core::quantized::GgmlDType::F32],
+    )
+    .unwrap()
+    .gguf(candle_core::quantized::GgmlDType::F32)
+    .unwrap()
+    .to_path_buf()
+}
+
+struct Setup<'a> {
+    model: &'a Path,
+    data: PathBuf,
+    key: SigningKey,
+    peers: Vec<PeerAddr>,
+    coordinators: Vec<[u8; 32]>,
+    max_requests: usize,
+    max_slices: usize,
+    step_timeout: Duration,
+}
+
+impl<'a> Setup<'a> {
+    fn new(model: &'a Path, data: PathBuf, key: SigningKey) -> Self {
+        Self {
+            model,
+            data,
+            key,
+            peers: Vec::new(),
+            coordinators: Vec::new(),
+            max_requests: 4,
+            max_slices: 2,
+            step_timeout: Duration::from_secs(20),
+        }
+    }
+
+    async fn start(self) -> Node {
+        Node::start(NodeOptions {
+            key: self.key,
+            listen: "127.0.0.1:0".parse().unwrap(),
+            advertise: None,
+            model: self.model.to_path_buf(),
+            data: self.data,
+            peers: self.peers,
+            coordinators: self.coordinators,
+            max_slices: self.max_slices,
+            stage_seal_deadline: Duration::from_millis(500),
+            step_timeout: self.step_timeout,
+            max_requests: self.max_requests,
+            return_mode: ReturnMode::Relayed,
+            wire: WireDType::F32,
+            meter: Box::new(EstimatorMeter::default()),
+        })
+        .await
+        .unwrap()
+    }
+}
+
+/// A coordinator (key 1) over two stages (keys 2 and 3) that serve it.
+async fn three_nodes(model: &Path, dir: &Path) -> (Node, Node, Node) {
+    let mut b = Setup::new(model, dir.join("b"), key(2));
+    b.coordinators = vec![public(&key(1))];
+    let mut c = Setup::new(model, dir.join("c"), key(3));
+    c.coordinators = vec![public(&key(1))];
+    let (b, c) = (b.start().await, c.start().await);
+    let mut a = Setup::new(model, dir.join("a"), key(1));
+    a.peers = vec![b.peer_addr(), c.peer_addr()];
+    (a.start().await, b, c)
+}
+
+fn request(prompt: &str, max_tokens: usize, grant: Option<GrantedServe>) -> GenerateRequest {
+    GenerateRequest {
+        prompt: prompt.into(),
+        max_tokens,
+        chat: false,
+        sampling: SamplingParams::greedy(),
+        grant,
+    }
+}
+
+async fn ask(coordinator: &PeerAddr, request: &GenerateRequest) -> anyhow::Result<GenerateSummary> {
+    generate_remote(coordinator, request, &mut |_| {}).await
+}
+
+/// A QUIC client proving `identity`, connected to `node` on `alpn`.
+async fn connect(
+    identity: &TlsIdentity,
+    node: &PeerAddr,
+    alpn: &'static [u8],
+) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+    tls::install_provider();
+    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::LOCALHOST, 0).into())?;
+    endpoint.set_default_client_config(tls::client_config(identity, node.key, alpn)?);
+    let connection = tokio::time::timeout(
+        Duration::from_secs(5),
+        endpoint.connect(node.addr, "mesh-node")?,
+    )
+    .await??;
+    Ok((endpoint, connection))
+}
+
+/// One control message and its answer.
+async fn control(connection: &quinn::Connection, message: &Cbor) -> Cbor {
+    let (mut send, mut recv) = connection.open_bi().await.unwrap();
+    msg::write_cbor(&mut send, message).await.unwrap();
+    send.finish().unwrap();
+    msg::read_cbor(&mut recv, msg::MAX_CONTROL_MESSAGE, Duration::from_secs(10))
+        .await
+        .unwrap()
+        .expect("an answer")
+}
+
+/// A self-signed certificate for `holder` whose issuer and subject names
+/// carry an Ed25519 SPKI with `named` in it: what an impostor presents.
+fn certificate_naming(holder: &SigningKey, named: [u8; 32]) -> Vec<u8> {
+    let placeholder = "P".repeat(ED25519_SPKI_PREFIX.len() + 32);
+    let mut pkcs8 = vec![
+        0x30, 0x53, 0x02, 0x01, 0x01, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04,
+        0x20,
+    ];
+    pkcs8.extend_from_slice(&holder.to_bytes());
+    pkcs8.extend_from_slice(&[0xa1, 0x23, 0x03, 0x21, 0x00]);
+    pkcs8.extend_from_slice(&public(holder));
+    let pair =
+        rcgen::KeyPair::from_pkcs8_der_and_sign_algo(&pkcs8.into(), &rcgen::PKCS_ED25519).unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["mesh-node".into()]).unwrap();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, placeholder.clone());
+    let mut der = params.self_signed(&pair).unwrap().der().to_vec();
+    let mut spki = ED25519_SPKI_PREFIX.to_vec();
+    spki.extend_from_slice(&named);
+    let mut replaced = 0;
+    while let Some(at) = der
+        .windows(placeholder.len())
+        .position(|w| w == placeholder.as_bytes())
+    {
+        der[at..at + spki.len()].copy_from_slice(&spki);
+        replaced += 1;
+    }
+    assert_eq!(replaced, 2, "issuer and subject both name the key");
+    der
+}
+
+fn assign_message(model: &Path, coordinator: [u8; 32], run_id: &str) -> Cbor {
+    let handle = mesh_stage::ModelHandle::open(model).unwrap();
+    Cbor::text_map([
+        ("kind", Cbor::text("assign")),
+        ("run_id", Cbor::text(run_id)),
+        ("package_id", Cbor::bytes(handle.package_id().to_vec())),
+        ("layer_start", Cbor::Uint(3)),
+        ("layer_end", Cbor::Uint(6)),
+        ("stage_index", Cbor::Uint(1)),
+        ("stage_count", Cbor::Uint(2)),
+        ("coordinator", Cbor::text(did_key(&coordinator))),
+        ("coordinator_addr", Cbor::text("127.0.0.1:9")),
+        ("topology_hash", Cbor::text("00")),
+        ("upstream", Cbor::text(did_key(&coordinator))),
+    ])
+}
+
+fn kind(reply: &Cbor) -> &str {
+    reply.get("kind").and_then(Cbor::as_text).unwrap_or("")
+}
+
+// ---------------------------------------------------------------- S1
+
+#[test]
+fn the_key_is_read_from_the_subject_public_key_info_only() {
+    let (forger, victim) = (key(7), key(8));
+    let forged = certificate_naming(&forger, public(&victim));
+    assert_eq!(tls::certificate_key(&forged), Some(public(&forger)));
+    // Something that is not a certificate carries no key, even with the
+    // SPKI bytes in it.
+    let mut loose = ED25519_SPKI_PREFIX.to_vec();
+    loose.extend_from_slice(&public(&victim));
+    assert_eq!(tls::certificate_key(&loose), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_certificate_is_refused_as_the_pinned_server() {
+    tls::install_provider();
+    let (forger, victim) = (key(7), key(8));
+    let impostor =
+        TlsIdentity::with_certificate(&forger, certificate_naming(&forger, public(&victim)))
+            .unwrap();
+    let server = quinn::Endpoint::server(
+        tls::server_config(&impostor, &[ALPN_CONTROL]).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    let addr = server.local_addr().unwrap();
+    let accepting = server.clone();
+    tokio::spawn(async move {
+        while let Some(incoming) = accepting.accept().await {
+            tokio::spawn(async move {
+                if let Ok(connection) = incoming.await {
+                    let _ = connection.accept_bi().await;
+                }
+            });
+        }
+    });
+    let requester = TlsIdentity::new(&key(9)).unwrap();
+    let pinned = PeerAddr {
+        key: public(&victim),
+        addr,
+    };
+    let outcome = connect(&requester, &pinned, ALPN_CONTROL).await;
+    assert!(
+        outcome.is_err(),
+        "a requester pinned to the victim's key reached an impostor"
+    );
+    // The impostor is reachable as itself: the refusal is about the key.
+    let itself = PeerAddr {
+        key: public(&forger),
+        addr,
+    };
+    assert!(connect(&requester, &itself, ALPN_CONTROL).await.is_ok());
+    server.close(0u32.into(), b"done");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_certificate_does_not_make_its_holder_the_coordinator() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, forger) = (key(1), key(7));
+    let mut stage = Setup::new(&model, dir.path().join("stage"), key(2));
+    stage.coordinators = vec![public(&coordinator)];
+    let stage = stage.start().await;
+
+    // An impostor whose certificate names the coordinator's key.
+    let impostor =
+        TlsIdentity::with_certificate(&forger, certificate_naming(&forger, public(&coordinator)))
+            .unwrap();
+    let (_endpoint, connection) = connect(&impostor, &stage.peer_addr(), ALPN_CONTROL)
+        .await
+        .unwrap();
+    let reply = control(
+        &connection,
+        &assign_message(&model, public(&coordinator), "forged-run"),
+    )
+    .await;
+    assert_eq!(kind(&reply), "refused", "an impostor assign was accepted");
+    assert_eq!(stage.slices_held(), 0);
+
+    // The real coordinator, with another key written into its certificate's
+    // names, is still itself.
+    let genuine = TlsIdentity::with_certificate(
+        &coordinator,
+        certificate_naming(&coordinator, public(&forger)),
+    )
+    .unwrap();
+    let (_endpoint, connection) = connect(&genuine, &stage.peer_addr(), ALPN_CONTROL)
+        .await
+        .unwrap();
+    let reply = control(
+        &connection,
+        &assign_message(&model, public(&coordinator), "genuine-run"),
+    )
+    .await;
+    assert_eq!(kind(&reply), "ready", "{reply:?}");
+    assert_eq!(stage.slices_held(), 1);
+}
+
+// ---------------------------------------------------------------- S2
+
+/// Open a request on a stage as `who`; the stage's first reply frame.
+async fn open_request_as(
+    who: &SigningKey,
+    stage: &PeerAddr,
+    run_id: &str,
+) -> (
+    quinn::Endpoint,
+    quinn::SendStream,
+    anyhow::Result<Option<Vec<u8>>>,
+) {
+    let identity = TlsIdentity::new(who).unwrap();
+    let (endpoint, connection) = connect(&identity, stage, ALPN_STAGE).await.unwrap();
+    let (mut send, mut recv) = connection.open_bi().await.unwrap();
+    let open = Cbor::text_map([
+        ("run_id", Cbor::text(run_id)),
+        ("capacity", Cbor::Uint(64)),
+        ("return_mode", Cbor::text("relayed")),
+    ]);
+    msg::write(
+        &mut send,
+        &msg::stage_body(msg::kind::OPEN, 77, 0, &open.encode()),
+        None,
+    )
+    .await
+    .unwrap();
+    let reply = msg::read(
+        &mut recv,
+        msg::MAX_STAGE_MESSAGE,
+        Duration::from_secs(3),
+        None,
+    )
+    .await;
+    (endpoint, send, reply)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_assigned_upstream_may_open_a_request_on_a_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (a, b, _c) = three_nodes(&model, dir.path()).await;
+    let first = ask(&a.peer_addr(), &request("set up the run", 2, None))
+        .await
+        .unwrap();
+    assert!(first.error.is_none(), "{:?}", first.error);
+    let run_id = first.details["run_id"].as_str().unwrap().to_string();
+
+    // A stranger who knows the run id (it is in every bundle) is refused.
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let (endpoint, send, reply) = open_request_as(&key(9), &b.peer_addr(), &run_id).await;
+        let frame = reply
+            .expect("the stage answers a stranger at once")
+            .expect("with a refusal");
+        let (message_kind, _, _, payload) = msg::parse_stage(&frame).unwrap();
+        assert_eq!(message_kind, msg::kind::FAILED);
+        assert!(
+            String::from_utf8_lossy(payload).contains("not the upstream"),
+            "{}",
+            String::from_utf8_lossy(payload)
+        );
+        held.push((endpoint, send));
+    }
+    // The coordinator itself is not stage 2's upstream either.
+    let (_endpoint, _send, reply) = open_request_as(&key(1), &_c.peer_addr(), &run_id).await;
+    let (message_kind, _, _, _) = msg::parse_stage(&reply.unwrap().unwrap()).unwrap();
+    assert_eq!(message_kind, msg::kind::FAILED);
+    // Eight held stranger streams block nothing.
+    let after = ask(&a.peer_addr(), &request("still served", 4, None))
+        .await
+        .unwrap();
+    assert!(after.error.is_none(), "{:?}", after.error);
+}
+
+// ---------------------------------------------------------------- S5
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn assignments_come_only_from_served_coordinators_and_slices_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (first, second, stranger) = (key(1), key(4), key(9));
+    let mut stage = Setup::new(&model, dir.path().join("stage"), key(2));
+    stage.coordinators = vec![public(&first), public(&second)];
+    stage.max_slices = 1;
+    let stage = stage.start().await;
+
+    let as_node = |k: &SigningKey| TlsIdentity::new(k).unwrap();
+    let (_e, connection) = connect(&as_node(&stranger), &stage.peer_addr(), ALPN_CONTROL)
+        .await
+        .unwrap();
+    let reply = control(&connection, &assign_message(&model, public(&stranger), "s")).await;
+    assert_eq!(kind(&reply), "refused");
+    assert_eq!(stage.slices_held(), 0);
+
+    // A served coordinator that re-plans (or restarts) many times holds one
+    // slice: each new run replaces its previous one.
+    let (_e, connection) = connect(&as_node(&first), &stage.peer_addr(), ALPN_CONTROL)
+        .await
+        .unwrap();
+    for n in 0..20 {
+        let reply = control(
+            &connection,
+            &assign_message(&model, public(&first), &format!("run-{n}")),
+        )
+        .await;
+        assert_eq!(kind(&reply), "ready", "{reply:?}");
+        assert_eq!(stage.slices_held(), 1);
+    }
+    // Another served coordinator finds the bound full.
+    let (_e, connection) = connect(&as_node(&second), &stage.peer_addr(), ALPN_CONTROL)
+        .await
+        .unwrap();
+    let reply = control(&connection, &assign_message(&model, public(&second), "x")).await;
+    assert_eq!(kind(&reply), "refused");
+    assert!(
+        reply
+            .get("reason")
+            .and_then(Cbor::as_text)
+            .unwrap()
+            .contains("maximum of 1 slices")
+    );
+    assert_eq!(stage.slices_held(), 1);
+}
+
+// ---------------------------------------------------------------- S3
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_leave_no_collector_slot_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (a, _b, _c) = three_nodes(&model, dir.path()).await;
+    let prompt = "undecodable presentation";
+    let bad = GrantedServe {
+        serve: GrantedServe::derive(prompt, 4, 4, 1_000_000),
+        presentations: vec![vec![0xff, 0x00, 0x13]],
+    };
+    // More than the coordinator's 256 collector slots.
+    for _ in 0..270 {
+        let refused = ask(&a.peer_addr(), &request(prompt, 4, Some(bad.clone()))).await;
+        let error = refused.expect_err("an undecodable presentation is refused");
+        assert!(
+            format!("{error:#}").contains("does not decode"),
+            "{error:#}"
+        );
+    }
+    assert_eq!(a.requests_pending_seal(), 0);
+    let served = ask(&a.peer_addr(), &request("served after", 4, None))
+        .await
+        .unwrap();
+    assert!(served.error.is_none(), "{:?}", served.error);
+}
+
+// ---------------------------------------------------------------- S4
+
+/// A stand-in stage 2 that accepts its assignment and every request, and
+/// never answers a step: requests through it stall until it is closed.
+async fn stalling_stage(key: &SigningKey) -> (quinn::Endpoint, PeerAddr) {
+    tls::install_provider();
+    let identity = TlsIdentity::new(key).unwrap();
+    let endpoint = quinn::Endpoint::server(
+        tls::server_config(
+            &identity,
+            &[ALPN_CONTROL, ALPN_STAGE, mesh_node::net::ALPN_RECORD_PUSH],
+        )
+        .unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    let peer = PeerAddr {
+        key: public(key),
+        addr: endpoint.local_addr().unwrap(),
+    };
+    let accepting = endpoint.clone();
+    tokio::spawn(async move {
+        while let Some(incoming) = accepting.accept().await {
+            tokio::spawn(async move {
+                let Ok(connection) = incoming.await else {
+                    return;
+                };
+                while let Ok((mut send, mut recv)) = connection.accept_bi().await {
+                    tokio::spawn(async move {
+                        let mut held = Vec::new();
+                        while let Ok(Some(frame)) = msg::read(
+                            &mut recv,
+                            msg::MAX_STAGE_MESSAGE,
+                            Duration::from_secs(600),
+                            None,
+                        )
+                        .await
+                        {
+                            if let Ok(message) = Cbor::decode(&frame[4..])
+                                && message.get("kind").and_then(Cbor::as_text) == Some("assign")
+                            {
+                                let ready = Cbor::text_map([("kind", Cbor::text("ready"))]);
+                                let _ = msg::write_cbor(&mut send, &ready).await;
+                                let _ = send.finish();
+                            }
+                            held.push(frame);
+                        }
+                    });
+                }
+            });
+        }
+    });
+    (endpoint, peer)
+}
+
+fn unresolved(data: &Path, key: &SigningKey) -> usize {
+    let records = mesh_node::journal::Journal::read(&data.join("steward")).unwrap();
+    mesh_node::steward::replay(&did_key(&public(key)), &records)
+        .unwrap()
+        .unresolved
+        .len()
+}
+
+/// Granted requests refused as busy, at the coordinator (`coordinator_max`
+/// 1) or at stage 1 (`stage_max` 1), while one request holds the only cache.
+async fn busy_refusals_release_their_grants(coordinator_max: usize, stage_max: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (ka, kb, kc) = (key(1), key(2), key(3));
+    let (stall, c) = stalling_stage(&kc).await;
+    let mut b = Setup::new(&model, dir.path().join("b"), kb.clone());
+    b.coordinators = vec![public(&ka)];
+    b.max_requests = stage_max;
+    let b = b.start().await;
+    let mut a = Setup::new(&model, dir.path().join("a"), ka.clone());
+    a.peers = vec![b.peer_addr(), c];
+    a.max_requests = coordinator_max;
+    let a = a.start().await;
+
+    // Grants: a root to the holder, sharded over the three stewards.
+    let owner = dir.path().join("owner.key");
+    let holder = dir.path().join("holder.key");
+    std::fs::write(&owner, mesh_protocol::hex::encode(&[5u8; 32])).unwrap();
+    std::fs::write(&holder, mesh_protocol::hex::encode(&[6u8; 32])).unwrap();
+    let root = dir.path().join("root.grant");
+    let shards = dir.path().join("shards.cbor");
+    mesh_node::node_cli::grant_issue(
+        &owner,
+        &did_key(&public(&key(6))),
+        900_000_000,
+        Duration::from_secs(3600),
+        None,
+        &root,
+    )
+    .unwrap();
+    mesh_node::node_cli::grant_shard(&root, &holder, &a.peer_addr().to_string(), &shards)
+        .await
+        .unwrap();
+
+    // One request takes the only cache and stalls at the stand-in stage.
+    let coordinator = a.peer_addr();
+    let staller =
+        tokio::spawn(async move { ask(&coordinator, &request("hold the cache", 4, None)).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    for n in 0..12 {
+        let prompt = format!("granted {n}");
+        let serve = GrantedServe::derive(&prompt, 4, 4, 1_000_000);
+        let mut presentations =
+            mesh_node::node_cli::presentations_for(&shards, &holder, &serve).unwrap();
+        presentations[2].clear(); // the stand-in stage decides nothing
+        let granted = GrantedServe {
+            serve,
+            presentations,
+        };
+        let outcome = ask(&a.peer_addr(), &request(&prompt, 4, Some(granted))).await;
+        let said = match outcome {
+            Ok(summary) => summary.error.unwrap_or_default(),
+            Err(error) => format!("{error:#}"),
+        };
+        assert!(
+            said.contains("too many concurrent requests"),
+            "request {n}: {said}"
+        );
+        assert!(!said.contains("too many authorised"), "request {n}: {said}");
+    }
+    // Releases at the stages are sent as the refusals end.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        b.grant_decisions_waiting(),
+        0,
+        "a stage holds stale decisions"
+    );
+    assert_eq!(a.requests_pending_seal(), 1, "only the stalled request");
+
+    stall.close(0u32.into(), b"gone");
+    let _ = staller.await;
+    a.shutdown().await;
+    b.shutdown().await;
+    assert_eq!(unresolved(&dir.path().join("a"), &ka), 0);
+    assert_eq!(unresolved(&dir.path().join("b"), &kb), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_coordinator_refuses_before_deciding_any_grant() {
+    busy_refusals_release_their_grants(1, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_stage_releases_the_grant_it_decided() {
+    busy_refusals_release_their_grants(4, 1).await;
+}
+
+// ---------------------------------------------------------------- S6
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declared_lengths_allocate_nothing_before_the_bytes_arrive() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (a, b, _c) = three_nodes(&model, dir.path()).await;
+    let stranger = TlsIdentity::new(&key(9)).unwrap();
+    // Address space, not residency: the old reader's zeroed buffers were
+    // mapped whole (an address-space limit aborted the node) though untouched.
+    let mapped_kib = || {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmSize:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            })
+            .unwrap_or(0)
+    };
+    let before = mapped_kib();
+    let mut held = Vec::new();
+    // Stage streams: a first message may only be as large as an OPEN.
+    let (_e1, stage) = connect(&stranger, &b.peer_addr(), ALPN_STAGE)
+        .await
+        .unwrap();
+    for _ in 0..8 {
+        let (mut send, mut recv) = stage.open_bi().await.unwrap();
+        let length = msg::MAX_STAGE_MESSAGE as u32;
+        send.write_all(&length.to_le_bytes()).await.unwrap();
+        send.write_all(&[0u8; 1024]).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(5), recv.read_to_end(64)).await;
+        assert!(answer.is_ok(), "an oversized opening is dropped at once");
+        held.push((send, recv));
+    }
+    // Control streams: a 1 MiB request limit, allocated as bytes arrive.
+    let (_e2, control_connection) = connect(&stranger, &a.peer_addr(), ALPN_CONTROL)
+        .await
+        .unwrap();
+    for _ in 0..32 {
+        let (mut send, recv) = control_connection.open_bi().await.unwrap();
+        let length = msg::MAX_CONTROL_REQUEST as u32;
+        send.write_all(&length.to_le_bytes()).await.unwrap();
+        send.write_all(&[0xa0; 16]).await.unwrap();
+        held.push((send, recv));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let grown_mib = mapped_kib().saturating_sub(before) / 1024;
+    // 8 x 256 MiB + 32 x 1 MiB were declared; the old reader mapped each.
+    assert!(
+        grown_mib < 1024,
+        "{grown_mib} MiB mapped for declared lengths"
+    );
+    let served = ask(&a.peer_addr(), &request("served meanwhile", 4, None))
+        .await
+        .unwrap();
+    assert!(served.error.is_none(), "{:?}", served.error);
+}
