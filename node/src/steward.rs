@@ -52,11 +52,22 @@ pub struct ServeTicket {
     authorisation: Option<(u64, Authorisation)>,
     model: Option<ContentId>,
     span: Option<MeterSpan>,
+    /// The span's energy when the engine last finished a step.
+    mark: Option<Energy>,
 }
 
 impl ServeTicket {
     pub fn grant_id(&self) -> Option<ContentId> {
         self.authorisation.as_ref().map(|(_, a)| a.leaf_id)
+    }
+
+    /// Most energy this serve may use here: the request's ceiling (which
+    /// the shard's remaining budget covered and now reserves) or the chain's
+    /// least `MaxCostUj`; none for an ungranted serve.
+    pub fn limit_uj(&self) -> Option<u64> {
+        self.authorisation
+            .as_ref()
+            .map(|(_, a)| a.ceiling_uj.min(a.max_cost_uj.unwrap_or(u64::MAX)))
     }
 }
 
@@ -240,6 +251,7 @@ impl Steward {
                 authorisation: None,
                 model,
                 span: None,
+                mark: None,
             });
         };
         let before = self.gate.clone();
@@ -258,6 +270,7 @@ impl Steward {
                 authorisation: Some((record.seq, authorisation)),
                 model,
                 span: None,
+                mark: None,
             }),
             Err(error) => {
                 self.gate = before;
@@ -271,15 +284,49 @@ impl Steward {
         ticket.span = Some(self.meter.begin());
     }
 
+    /// The engine finished a step: read the meter (the serve's energy so
+    /// far, returned) and remember it as the point billing may stop at.
+    pub fn mark_engine(&self, ticket: &mut ServeTicket) -> u64 {
+        let Some(span) = &ticket.span else {
+            return 0;
+        };
+        let energy = self.meter.end(span.clone());
+        let uj = energy.uj();
+        ticket.mark = Some(energy);
+        uj
+    }
+
     /// Close the window immediately after the engine returns, and debit. The
     /// engine must report the weights the grant was decided over.
     pub fn end_engine(
         &mut self,
-        mut ticket: ServeTicket,
+        ticket: ServeTicket,
         weights_after: Option<ContentId>,
     ) -> Result<Metered, StewardError> {
+        self.end_engine_with(ticket, weights_after, false)
+    }
+
+    /// As `end_engine`, billing up to the last step's mark: a serve that
+    /// ended waiting for a peer that is gone does not pay for the wait.
+    pub fn end_engine_at_mark(
+        &mut self,
+        ticket: ServeTicket,
+        weights_after: Option<ContentId>,
+    ) -> Result<Metered, StewardError> {
+        self.end_engine_with(ticket, weights_after, true)
+    }
+
+    fn end_engine_with(
+        &mut self,
+        mut ticket: ServeTicket,
+        weights_after: Option<ContentId>,
+        at_mark: bool,
+    ) -> Result<Metered, StewardError> {
         let span = ticket.span.take().unwrap_or_else(|| self.meter.begin());
-        let energy = self.meter.end(span);
+        let energy = match ticket.mark.take() {
+            Some(mark) if at_mark => mark,
+            _ => self.meter.end(span),
+        };
         let weights_changed = ticket.model.is_some() && ticket.model != weights_after;
         let grant_id = ticket.grant_id();
         let debit = match ticket.authorisation.take() {

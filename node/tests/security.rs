@@ -505,9 +505,80 @@ async fn stalling_stage(key: &SigningKey) -> (quinn::Endpoint, PeerAddr) {
     (endpoint, peer)
 }
 
+/// A root grant of `budget_uj` to a holder, sharded evenly over the
+/// stewards of `coordinator`'s split: (shards file, holder key file).
+async fn grants(dir: &Path, coordinator: &Node, budget_uj: u64) -> (PathBuf, PathBuf) {
+    let owner = dir.join("owner.key");
+    let holder = dir.join("holder.key");
+    std::fs::write(&owner, mesh_protocol::hex::encode(&[5u8; 32])).unwrap();
+    std::fs::write(&holder, mesh_protocol::hex::encode(&[6u8; 32])).unwrap();
+    let root = dir.join("root.grant");
+    let shards = dir.join("shards.cbor");
+    mesh_node::node_cli::grant_issue(
+        &owner,
+        &did_key(&public(&key(6))),
+        budget_uj,
+        Duration::from_secs(3600),
+        None,
+        &root,
+    )
+    .unwrap();
+    mesh_node::node_cli::grant_shard(
+        &root,
+        &holder,
+        &coordinator.peer_addr().to_string(),
+        &shards,
+    )
+    .await
+    .unwrap();
+    (shards, holder)
+}
+
+/// A request riding on the shards, one presentation per steward.
+fn granted(
+    shards: &Path,
+    holder: &Path,
+    prompt: &str,
+    max_tokens: usize,
+    ceiling_uj: u64,
+) -> GrantedServe {
+    let serve = GrantedServe::derive(prompt, max_tokens, 4, ceiling_uj);
+    let presentations = mesh_node::node_cli::presentations_for(shards, holder, &serve).unwrap();
+    GrantedServe {
+        serve,
+        presentations,
+    }
+}
+
+/// A stopped node's journal, once its last in-flight task (a record push
+/// to a peer that is gone, say) has let go of it.
+fn journal(data: &Path) -> Vec<mesh_node::journal::Record> {
+    let started = std::time::Instant::now();
+    loop {
+        match mesh_node::journal::Journal::read(&data.join("steward")) {
+            Ok(records) => return records,
+            Err(error) if started.elapsed() < Duration::from_secs(20) => {
+                let _ = error;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(error) => panic!("{error}"),
+        }
+    }
+}
+
+/// Energy each debit in a steward's journal charged, in order.
+fn debits_uj(data: &Path) -> Vec<u64> {
+    journal(data)
+        .iter()
+        .filter_map(|record| match &record.entry {
+            mesh_node::journal::Entry::Debited { energy, .. } => Some(energy.uj()),
+            _ => None,
+        })
+        .collect()
+}
+
 fn unresolved(data: &Path, key: &SigningKey) -> usize {
-    let records = mesh_node::journal::Journal::read(&data.join("steward")).unwrap();
-    mesh_node::steward::replay(&did_key(&public(key)), &records)
+    mesh_node::steward::replay(&did_key(&public(key)), &journal(data))
         .unwrap()
         .unresolved
         .len()
@@ -529,25 +600,7 @@ async fn busy_refusals_release_their_grants(coordinator_max: usize, stage_max: u
     a.max_requests = coordinator_max;
     let a = a.start().await;
 
-    // Grants: a root to the holder, sharded over the three stewards.
-    let owner = dir.path().join("owner.key");
-    let holder = dir.path().join("holder.key");
-    std::fs::write(&owner, mesh_protocol::hex::encode(&[5u8; 32])).unwrap();
-    std::fs::write(&holder, mesh_protocol::hex::encode(&[6u8; 32])).unwrap();
-    let root = dir.path().join("root.grant");
-    let shards = dir.path().join("shards.cbor");
-    mesh_node::node_cli::grant_issue(
-        &owner,
-        &did_key(&public(&key(6))),
-        900_000_000,
-        Duration::from_secs(3600),
-        None,
-        &root,
-    )
-    .unwrap();
-    mesh_node::node_cli::grant_shard(&root, &holder, &a.peer_addr().to_string(), &shards)
-        .await
-        .unwrap();
+    let (shards, holder) = grants(dir.path(), &a, 900_000_000).await;
 
     // One request takes the only cache and stalls at the stand-in stage.
     let coordinator = a.peer_addr();
@@ -557,14 +610,8 @@ async fn busy_refusals_release_their_grants(coordinator_max: usize, stage_max: u
 
     for n in 0..12 {
         let prompt = format!("granted {n}");
-        let serve = GrantedServe::derive(&prompt, 4, 4, 1_000_000);
-        let mut presentations =
-            mesh_node::node_cli::presentations_for(&shards, &holder, &serve).unwrap();
-        presentations[2].clear(); // the stand-in stage decides nothing
-        let granted = GrantedServe {
-            serve,
-            presentations,
-        };
+        let mut granted = granted(&shards, &holder, &prompt, 4, 1_000_000);
+        granted.presentations[2].clear(); // the stand-in stage decides nothing
         let outcome = ask(&a.peer_addr(), &request(&prompt, 4, Some(granted))).await;
         let said = match outcome {
             Ok(summary) => summary.error.unwrap_or_default(),
@@ -660,4 +707,115 @@ async fn declared_lengths_allocate_nothing_before_the_bytes_arrive() {
         .await
         .unwrap();
     assert!(served.error.is_none(), "{:?}", served.error);
+}
+
+// ---------------------------------------------------------------- S7
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_steward_stops_its_part_at_the_energy_ceiling() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (a, b, c) = three_nodes(&model, dir.path()).await;
+    let (shards, holder) = grants(dir.path(), &a, 90_000_000).await;
+    let ceiling_uj = 3_000_000;
+    let prompt = "a long answer on a small ceiling";
+    let summary = ask(
+        &a.peer_addr(),
+        &request(
+            prompt,
+            1500,
+            Some(granted(&shards, &holder, prompt, 1500, ceiling_uj)),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(summary.terminal_state, "policy_denied", "{summary:?}");
+    assert!(
+        summary
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("energy ceiling")),
+        "{summary:?}"
+    );
+    let generated = summary.details["generated_tokens"].as_u64().unwrap();
+    assert!(generated < 1500, "{generated} tokens on a 3 J ceiling");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for node in [a, b, c] {
+        node.shutdown().await;
+    }
+    for name in ["a", "b", "c"] {
+        let debits = debits_uj(&dir.path().join(name));
+        assert_eq!(debits.len(), 1, "{name}: {debits:?}");
+        // The ceiling, plus at most the step that crossed it.
+        assert!(
+            debits[0] <= 2 * ceiling_uj,
+            "{name} debited {} µJ on a {ceiling_uj} µJ ceiling",
+            debits[0]
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_peer_that_is_gone_is_not_billed() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (ka, kb) = (key(1), key(2));
+    let (stall, c) = stalling_stage(&key(3)).await;
+    let mut b = Setup::new(&model, dir.path().join("b"), kb.clone());
+    b.coordinators = vec![public(&ka)];
+    let b = b.start().await;
+    let mut a = Setup::new(&model, dir.path().join("a"), ka.clone());
+    a.peers = vec![b.peer_addr(), c];
+    let a = a.start().await;
+    let (shards, holder) = grants(dir.path(), &a, 900_000_000).await;
+    let prompt = "stalls at stage 2";
+    let mut granted = granted(&shards, &holder, prompt, 8, 200_000_000);
+    granted.presentations[2].clear();
+    let coordinator = a.peer_addr();
+    let asked =
+        tokio::spawn(async move { ask(&coordinator, &request(prompt, 8, Some(granted))).await });
+    // Three seconds of waiting on a stage that never answers, then it goes.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stall.close(0u32.into(), b"gone");
+    let summary = asked.await.unwrap().unwrap();
+    assert_ne!(summary.terminal_state, "completed");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.shutdown().await;
+    b.shutdown().await;
+    // At the estimator's 35 W the wait alone would be 105 J.
+    for name in ["a", "b"] {
+        let debits = debits_uj(&dir.path().join(name));
+        assert_eq!(debits.len(), 1, "{name}: {debits:?}");
+        assert!(
+            debits[0] < 10_000_000,
+            "{name} billed {} µJ for waiting",
+            debits[0]
+        );
+    }
+}
+
+// ---------------------------------------------------------------- Low
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_is_prefilled_in_chunks_each_its_own_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (a, _b, _c) = three_nodes(&model, dir.path()).await;
+    let prompt: String = (0..300).map(|i| format!("w{i} ")).collect();
+    let summary = ask(&a.peer_addr(), &request(&prompt, 3, None))
+        .await
+        .unwrap();
+    assert!(summary.error.is_none(), "{:?}", summary.error);
+    let prompt_tokens = summary.details["prompt_tokens"].as_u64().unwrap() as usize;
+    assert!(prompt_tokens > 2 * mesh_node::serve::PREFILL_CHUNK_TOKENS);
+    let generated = summary.details["generated_tokens"].as_u64().unwrap() as usize;
+    let chunks = prompt_tokens.div_ceil(mesh_node::serve::PREFILL_CHUNK_TOKENS);
+    for stage in [1, 2] {
+        assert_eq!(
+            summary.details["stages"][stage]["steps"].as_u64().unwrap() as usize,
+            chunks + generated - 1,
+            "stage {stage}: {:#}",
+            summary.details
+        );
+    }
 }

@@ -188,6 +188,11 @@ impl ClientCertVerifier for AnyEd25519Client {
     }
 }
 
+/// A connection silent this long is lost (its streams fail at once).
+pub const CONNECTION_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+/// Keep-alive interval: several fit in the idle timeout, so a lost packet
+/// or two does not end a healthy connection.
+pub const KEEP_ALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(400);
 /// Streams a peer may have open at once on one connection.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
 /// Bytes a peer may have sent and this node not yet read, per connection.
@@ -195,12 +200,13 @@ pub const CONNECTION_RECEIVE_WINDOW: u32 = 16 * 1024 * 1024;
 
 fn transport() -> Arc<quinn::TransportConfig> {
     let mut transport = quinn::TransportConfig::default();
-    transport.max_idle_timeout(Some(
-        std::time::Duration::from_secs(30)
-            .try_into()
-            .unwrap_or(quinn::IdleTimeout::from(quinn::VarInt::from_u32(30_000))),
-    ));
-    transport.keep_alive_interval(Some(std::time::Duration::from_secs(5)));
+    // Both ends send keep-alives, so a peer that died or went off the
+    // network is noticed by its silence within the idle timeout, whatever
+    // any step timeout says.
+    transport.max_idle_timeout(Some(quinn::IdleTimeout::from(quinn::VarInt::from_u32(
+        CONNECTION_IDLE_TIMEOUT.as_millis() as u32,
+    ))));
+    transport.keep_alive_interval(Some(KEEP_ALIVE_INTERVAL));
     transport.max_concurrent_bidi_streams(quinn::VarInt::from_u32(MAX_STREAMS_PER_CONNECTION));
     // Unread data a peer may have in flight on one connection, all streams
     // together (quinn's default is unbounded).

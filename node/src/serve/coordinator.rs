@@ -420,12 +420,14 @@ async fn serve_request(
     let mut round_trips = Duration::ZERO;
     let started = Instant::now();
     let mut prefill_time = Duration::ZERO;
-    let mut terminal = TerminalState::Completed;
-    let mut failure: Option<String> = None;
     let mut sampler = Sampler::new(request.sampling.clone());
+    let mut budget_stop: Option<String> = None;
+    // The prompt runs through the chain in chunks, each its own step, so no
+    // step of a long prompt outlasts the step timeout.
+    let prefill: Vec<&[u32]> = prompt_ids.chunks(PREFILL_CHUNK_TOKENS).collect();
     let first_peer = inner.peers[0].clone();
 
-    let outcome: anyhow::Result<()> = async {
+    let outcome: anyhow::Result<TerminalState> = async {
         let (mut send, mut recv) = inner.open(&first_peer, ALPN_STAGE).await?;
         let open = Cbor::text_map([
             ("run_id", Cbor::text(&run_id)),
@@ -433,6 +435,7 @@ async fn serve_request(
             ("stage_count", Cbor::Uint(n.into())),
             ("capacity", Cbor::Uint(capacity as u64)),
             ("return_mode", Cbor::text(return_mode.as_str())),
+            ("prefill_steps", Cbor::Uint(prefill.len() as u64)),
         ]);
         write_forward(
             &mut send,
@@ -445,8 +448,8 @@ async fn serve_request(
         .await?;
         let mut direct: Option<quinn::RecvStream> = None;
         let mut step: u32 = 0;
-        let mut input: Vec<u32> = prompt_ids.clone();
-        let result: anyhow::Result<()> = async {
+        let mut input: Vec<u32> = prefill[0].to_vec();
+        let result: anyhow::Result<TerminalState> = async {
             loop {
                 let compute_start = Instant::now();
                 let output = tokio::task::block_in_place(|| {
@@ -455,6 +458,16 @@ async fn serve_request(
                     run.own.slice.forward(SliceInput::Tokens(&input), cache)
                 })?;
                 own_compute += compute_start.elapsed();
+                if let Some(ticket) = held.ticket.as_mut() {
+                    let metered = lock(&inner.steward).mark_engine(ticket);
+                    if let Some(limit) = ticket.limit_uj().filter(|limit| metered >= *limit) {
+                        budget_stop = Some(format!(
+                            "the energy ceiling of {limit} µJ was reached at the coordinator ({metered} µJ metered) after {} tokens",
+                            tokens.len()
+                        ));
+                        return Ok(TerminalState::PolicyDenied);
+                    }
+                }
                 let SliceOutput::Hidden(hidden) = output else {
                     bail!("the coordinator's slice returned logits")
                 };
@@ -476,7 +489,8 @@ async fn serve_request(
                     ReturnMode::Relayed => {
                         let reply =
                             msg::read(&mut recv, msg::MAX_STAGE_MESSAGE, inner.step_timeout, None)
-                                .await?
+                                .await
+                                .map_err(|e| step_failure(e, "stage 1", inner.step_timeout))?
                                 .context("stage 1 closed the request")?;
                         folds.time(|| lanes.down_replies_received.push_frame(&reply));
                         reply
@@ -503,7 +517,10 @@ async fn serve_request(
                         };
                         let reply =
                             msg::read(stream, msg::MAX_STAGE_MESSAGE, inner.step_timeout, None)
-                                .await?
+                                .await
+                                .map_err(|e| {
+                                    step_failure(e, "the final stage", inner.step_timeout)
+                                })?
                                 .context("the final stage closed the direct return")?;
                         if let Some(fold) = lanes.direct_received.as_mut() {
                             folds.time(|| fold.push_frame(&reply));
@@ -517,16 +534,29 @@ async fn serve_request(
                     bail!("a reply for request {id} on request {request_id}");
                 }
                 if reply_kind == kind::FAILED {
-                    bail!("a stage failed: {}", String::from_utf8_lossy(payload));
+                    let reason = String::from_utf8_lossy(payload);
+                    if reason.starts_with(POLICY_DENIED) {
+                        // That stage has ended its part: no STOP follows
+                        // into a chain it no longer reads.
+                        budget_stop = Some(format!("a stage stopped the serve: {reason}"));
+                        bail!("{reason}");
+                    }
+                    bail!("a stage failed: {reason}");
                 }
                 if reply_kind != kind::LOGITS || payload.len() % 4 != 0 {
                     bail!("a malformed reply (kind {reply_kind})");
+                }
+                // A prefill chunk's logits are not sampled: the next chunk follows.
+                if let Some(chunk) = prefill.get(step as usize + 1) {
+                    step += 1;
+                    input = chunk.to_vec();
+                    continue;
                 }
                 let logits: Vec<f32> = payload
                     .chunks_exact(4)
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect();
-                if step == 0 {
+                if step as usize + 1 == prefill.len() {
                     prefill_time = started.elapsed();
                 }
                 let next = sampler.sample(&logits).context("no logits")?;
@@ -556,7 +586,7 @@ async fn serve_request(
                 }
                 step += 1;
                 if stop || tokens.len() >= max_new {
-                    return Ok(());
+                    return Ok(TerminalState::Completed);
                 }
                 input = vec![next];
             }
@@ -566,11 +596,8 @@ async fn serve_request(
         // failure stage 1 may have stopped reading, and a frame it never read
         // folded here would read as tampering on a healthy hop: the stream is
         // just finished, and each stage records what it saw.
-        if result.is_ok() {
-            let stop = Cbor::text_map([(
-                "terminal_state",
-                Cbor::text(TerminalState::Completed.as_str()),
-            )]);
+        if let Ok(state) = &result {
+            let stop = Cbor::text_map([("terminal_state", Cbor::text(state.as_str()))]);
             write_forward(
                 &mut send,
                 &msg::stage_body(kind::STOP, request_id, step, &stop.encode()),
@@ -585,21 +612,34 @@ async fn serve_request(
         result
     }
     .await;
-    if let Err(error) = outcome {
-        terminal = if error.to_string().contains("timed out") {
-            TerminalState::TimedOut
-        } else {
-            TerminalState::TransportError
-        };
-        failure = Some(format!("{error:#}"));
-    }
+    let (terminal, failure) = match outcome {
+        Ok(state) => (state, budget_stop),
+        Err(_) if budget_stop.is_some() => (TerminalState::PolicyDenied, budget_stop),
+        Err(error) => {
+            let state = if error.to_string().contains("timed out") {
+                TerminalState::TimedOut
+            } else {
+                TerminalState::TransportError
+            };
+            (state, Some(format!("{error:#}")))
+        }
+    };
     let decode_time = started.elapsed().saturating_sub(prefill_time);
     held.release_cache();
     let ticket = held
         .ticket
         .take()
         .context("the coordinator's grant decision")?;
-    let metered = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()))?;
+    let metered = {
+        let mut steward = lock(&inner.steward);
+        let weights = Some(inner.model.weights_digest());
+        if terminal == TerminalState::Completed {
+            steward.end_engine(ticket, weights)?
+        } else {
+            // Waiting for a peer that failed or went away is not billed.
+            steward.end_engine_at_mark(ticket, weights)?
+        }
+    };
 
     // Wait for the stage records, up to the deadline.
     let deadline = Instant::now() + inner.deadline;
@@ -762,10 +802,23 @@ async fn serve_request(
         json!({ "stage_index": 0, "node_id": coordinator, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "fold_us": folds.spent.as_micros() as u64 }),
     ];
     let mut remote_compute = Duration::ZERO;
-    for (k, peer) in inner.peers.iter().enumerate() {
-        let stats = query_stats(inner, peer, request_id)
-            .await
-            .unwrap_or_default();
+    // Figures are best effort: asked of every stage at once, and a stage that
+    // is gone costs the requester at most STATS_WAIT.
+    let asked: Vec<_> = inner
+        .peers
+        .iter()
+        .map(|peer| {
+            let (inner, peer) = (inner.clone(), peer.clone());
+            tokio::spawn(async move {
+                tokio::time::timeout(STATS_WAIT, query_stats(&inner, &peer, request_id)).await
+            })
+        })
+        .collect();
+    for (k, (peer, asked)) in inner.peers.iter().zip(asked).enumerate() {
+        let stats = match asked.await {
+            Ok(Ok(Ok(stats))) => stats,
+            _ => StageStats::default(),
+        };
         remote_compute += stats.compute;
         let a = &run.topology[k + 1];
         stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
@@ -826,6 +879,24 @@ async fn refusal_behind(recv: &mut quinn::RecvStream, error: anyhow::Error) -> a
     }
     error
 }
+
+/// Prompt positions per prefill step.
+pub const PREFILL_CHUNK_TOKENS: usize = 256;
+
+/// Name the wait that ran out, and the setting that bounds it.
+fn step_failure(error: anyhow::Error, whom: &str, timeout: Duration) -> anyhow::Error {
+    if error.to_string().contains("timed out") {
+        anyhow!(
+            "timed out: no reply from {whom} within the step timeout of {} ms (serve --step-timeout-ms)",
+            timeout.as_millis()
+        )
+    } else {
+        error.context(format!("waiting for {whom}'s reply"))
+    }
+}
+
+/// How long the coordinator waits for the stages' figures after a request.
+const STATS_WAIT: Duration = Duration::from_millis(750);
 
 async fn query_stats(
     inner: &Arc<Inner>,

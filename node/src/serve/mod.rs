@@ -41,7 +41,8 @@ use crate::steward::Steward;
 
 mod coordinator;
 pub use coordinator::{
-    GenerateRequest, GenerateSummary, GrantedServe, generate_remote, plan_remote,
+    GenerateRequest, GenerateSummary, GrantedServe, PREFILL_CHUNK_TOKENS, generate_remote,
+    plan_remote,
 };
 
 /// A peer: its node id (did:key) and address.
@@ -230,6 +231,9 @@ pub const PRE_DECIDED_TTL: Duration = Duration::from_secs(60);
 /// Largest first message of a `mesh-stage/1` stream (OPEN or DIRECT_OPEN),
 /// read before the sender is checked.
 pub const MAX_STAGE_OPEN: usize = 4096;
+/// How a FAILED reply starts when a steward stopped its part of a serve at
+/// the request's energy ceiling (the serve's terminal state).
+pub const POLICY_DENIED: &str = "policy_denied";
 /// Slices a stage node holds at once unless configured.
 pub const DEFAULT_MAX_SLICES: usize = 2;
 /// Open connections by peer key and ALPN.
@@ -910,6 +914,11 @@ async fn handle_stage(
         .get("capacity")
         .and_then(Cbor::as_uint)
         .context("OPEN: capacity")? as usize;
+    let prefill_steps = open
+        .get("prefill_steps")
+        .and_then(Cbor::as_uint)
+        .unwrap_or(1)
+        .max(1);
     let return_mode = match open.get("return_mode").and_then(Cbor::as_text) {
         Some("direct") => ReturnMode::Direct,
         _ => ReturnMode::Relayed,
@@ -1059,8 +1068,8 @@ async fn handle_stage(
             match message_kind {
                 kind::ACTIVATIONS => {
                     let (activations, wire) = decode_frame(payload, slot.slice.config().hidden)?;
-                    if stats.steps == 0 {
-                        tokens.prefill_received = activations.rows as u64;
+                    if u64::from(stats.steps) < prefill_steps {
+                        tokens.prefill_received += activations.rows as u64;
                     } else {
                         tokens.decode += 1;
                     }
@@ -1072,6 +1081,35 @@ async fn handle_stage(
                         slot.slice.forward(SliceInput::Hidden(&activations), cache)
                     })?;
                     stats.compute += start.elapsed();
+                    let metered = lock(&inner.steward).mark_engine(&mut ticket);
+                    if let Some(limit) = ticket.limit_uj().filter(|limit| metered >= *limit) {
+                        // This steward's part of the serve ends here; the
+                        // reply says why to whoever reads replies.
+                        terminal = TerminalState::PolicyDenied;
+                        let reason = format!(
+                            "{POLICY_DENIED}: the energy ceiling of {limit} µJ was reached at stage {k} ({metered} µJ metered)"
+                        );
+                        let body = msg::stage_body(kind::FAILED, request_id, step, reason.as_bytes());
+                        let bytes = msg::frame(&body)?;
+                        match (&mut direct, lanes.direct_sent.as_mut()) {
+                            (Some(send), Some(fold)) => {
+                                send_frame(send, &bytes, fold, &mut folds, "on the direct return")
+                                    .await?
+                            }
+                            _ if return_mode == ReturnMode::Relayed => {
+                                send_frame(
+                                    &mut up_send,
+                                    &bytes,
+                                    &mut lanes.up_replies_sent,
+                                    &mut folds,
+                                    "upstream",
+                                )
+                                .await?
+                            }
+                            _ => {}
+                        }
+                        bail!("{reason}");
+                    }
                     match output {
                         SliceOutput::Hidden(a) => {
                             let frame = encode_frame(&a.values, a.rows, a.cols, wire)?;
@@ -1174,7 +1212,16 @@ async fn handle_stage(
 
     // The stage's own evidence: its steward's receipt for the metered span,
     // and its stage record, pushed to the coordinator.
-    let metered = lock(&inner.steward).end_engine(ticket, Some(inner.model.weights_digest()));
+    let metered = {
+        let mut steward = lock(&inner.steward);
+        let weights = Some(inner.model.weights_digest());
+        if terminal == TerminalState::Completed {
+            steward.end_engine(ticket, weights)
+        } else {
+            // Waiting for a peer that failed or went away is not billed.
+            steward.end_engine_at_mark(ticket, weights)
+        }
+    };
     if let Ok(metered) = metered {
         let receipt = stage_receipt(&inner, request_id, &run_id, k, &tokens, &served, &metered);
         if let Err(error) = lock(&inner.steward).seal(receipt) {
