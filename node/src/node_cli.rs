@@ -40,6 +40,8 @@ pub struct ServeConfig {
     pub coordinators: Vec<String>,
     /// Slices held at once, one per coordinator (default 2).
     pub max_slices: Option<usize>,
+    /// Seconds a slice no request uses is kept before it is freed (default 900).
+    pub slice_idle_s: Option<u64>,
     /// `relayed` (default) or `direct`.
     pub return_mode: Option<String>,
     /// How long the coordinator waits for stage records (default 2000 ms).
@@ -169,6 +171,9 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         peers,
         coordinators,
         max_slices: file.max_slices.unwrap_or(crate::serve::DEFAULT_MAX_SLICES),
+        slice_idle: file
+            .slice_idle_s
+            .map_or(crate::serve::DEFAULT_SLICE_IDLE, Duration::from_secs),
         stage_seal_deadline: Duration::from_millis(
             args.deadline_ms
                 .or(file.stage_seal_deadline_ms)
@@ -316,6 +321,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             peers,
             coordinators: vec![coordinator_key.verifying_key().to_bytes()],
             max_slices: crate::serve::DEFAULT_MAX_SLICES,
+            slice_idle: crate::serve::DEFAULT_SLICE_IDLE,
             stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
             step_timeout: Duration::from_secs(30),
             max_requests: 4,
@@ -556,6 +562,7 @@ fn bench_options(
         peers,
         coordinators: vec![coordinator_key.verifying_key().to_bytes()],
         max_slices: crate::serve::DEFAULT_MAX_SLICES,
+        slice_idle: crate::serve::DEFAULT_SLICE_IDLE,
         stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
         step_timeout: Duration::from_secs(60),
         max_requests: 2,

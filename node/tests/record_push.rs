@@ -61,6 +61,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         peers: Vec::new(),
         coordinators: Vec::new(),
         max_slices: 1,
+        slice_idle: Duration::from_secs(60),
         stage_seal_deadline: Duration::from_millis(500),
         step_timeout: Duration::from_secs(5),
         max_requests: 2,

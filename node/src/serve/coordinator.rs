@@ -483,7 +483,7 @@ async fn serve_request(
                 )
                 .await
                 {
-                    return Err(refusal_behind(&mut recv, error).await);
+                    return Err(refusal_behind(&mut recv, error, "stage 1").await);
                 }
                 let reply = match return_mode {
                     ReturnMode::Relayed => {
@@ -625,6 +625,10 @@ async fn serve_request(
         }
     };
     let decode_time = started.elapsed().saturating_sub(prefill_time);
+    run.own.touch();
+    if failure.as_deref().is_some_and(|f| f.contains(NO_SLICE)) {
+        inner.forget_run(&run_id).await;
+    }
     held.release_cache();
     let ticket = held
         .ticket
@@ -866,18 +870,6 @@ async fn serve_request(
     ]);
     msg::write_cbor(requester, &done).await?;
     Ok(())
-}
-
-/// A stage that refuses a request answers FAILED and stops reading, so the
-/// next write fails: report the stage's reason rather than the write's.
-async fn refusal_behind(recv: &mut quinn::RecvStream, error: anyhow::Error) -> anyhow::Error {
-    let reply = msg::read(recv, msg::MAX_STAGE_MESSAGE, Duration::from_secs(1), None).await;
-    if let Ok(Some(frame)) = reply
-        && let Ok((kind::FAILED, _, _, reason)) = msg::parse_stage(&frame)
-    {
-        return anyhow!("stage 1 refused: {}", String::from_utf8_lossy(reason));
-    }
-    error
 }
 
 /// Prompt positions per prefill step.

@@ -95,6 +95,9 @@ pub struct NodeOptions {
     pub coordinators: Vec<[u8; 32]>,
     /// Most slices held at once (one per coordinator; a newer run replaces).
     pub max_slices: usize,
+    /// A slice no request used for this long is freed (its coordinator
+    /// assigns it again on its next request).
+    pub slice_idle: Duration,
     pub stage_seal_deadline: Duration,
     pub step_timeout: Duration,
     pub max_requests: usize,
@@ -203,6 +206,23 @@ struct Slot {
     slice: LayerSlice,
     pool: Mutex<CachePool>,
     assign: Assign,
+    /// When a request last opened or ended on this slice.
+    last_used: Mutex<Instant>,
+}
+
+impl Slot {
+    fn new(slice: LayerSlice, max_requests: usize, context: usize, assign: Assign) -> Self {
+        Self {
+            slice,
+            pool: Mutex::new(CachePool::new(max_requests, context)),
+            assign,
+            last_used: Mutex::new(Instant::now()),
+        }
+    }
+
+    fn touch(&self) {
+        *lock(&self.last_used) = Instant::now();
+    }
 }
 
 struct Run {
@@ -210,6 +230,9 @@ struct Run {
     topology: Vec<Assignment>,
     keys: Vec<[u8; 32]>,
     own: Arc<Slot>,
+    /// Assignments are sent again before a request once the run has been
+    /// unused this long: half the shortest time a stage keeps an idle slice.
+    refresh_after: Duration,
 }
 
 type DirectStream = (quinn::SendStream, quinn::RecvStream, Vec<u8>);
@@ -236,6 +259,11 @@ pub const MAX_STAGE_OPEN: usize = 4096;
 pub const POLICY_DENIED: &str = "policy_denied";
 /// Slices a stage node holds at once unless configured.
 pub const DEFAULT_MAX_SLICES: usize = 2;
+/// How long a stage keeps a slice no request uses, unless configured.
+pub const DEFAULT_SLICE_IDLE: Duration = Duration::from_secs(15 * 60);
+/// What a stage answers for a run whose slice it does not hold (never
+/// assigned, replaced, or freed as idle): the coordinator plans again.
+pub const NO_SLICE: &str = "no slice loaded for run";
 /// Open connections by peer key and ALPN.
 type ConnectionCache = tokio::sync::Mutex<HashMap<([u8; 32], &'static [u8]), quinn::Connection>>;
 
@@ -248,6 +276,7 @@ struct Inner {
     peers: Vec<PeerAddr>,
     coordinators: Vec<[u8; 32]>,
     max_slices: usize,
+    slice_idle: Duration,
     deadline: Duration,
     step_timeout: Duration,
     max_requests: usize,
@@ -328,6 +357,7 @@ impl Node {
             peers: options.peers,
             coordinators: options.coordinators,
             max_slices: options.max_slices.max(1),
+            slice_idle: options.slice_idle,
             deadline: options.stage_seal_deadline,
             step_timeout: options.step_timeout,
             max_requests: options.max_requests,
@@ -347,6 +377,7 @@ impl Node {
             last_envelope: Mutex::new(None),
         });
         let accept = tokio::spawn(accept_loop(inner.clone()));
+        tokio::spawn(release_idle_slices(Arc::downgrade(&inner)));
         Ok(Node { inner, accept })
     }
 
@@ -390,6 +421,41 @@ impl Node {
 
 /// Connections a node holds open at once; more are refused at the door.
 pub const MAX_CONNECTIONS: usize = 512;
+
+/// Free the slices no request has used for `slice_idle`, until the node stops.
+async fn release_idle_slices(inner: std::sync::Weak<Inner>) {
+    loop {
+        let every = match inner.upgrade() {
+            Some(inner) => {
+                (inner.slice_idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(30))
+            }
+            None => return,
+        };
+        tokio::time::sleep(every).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let released: Vec<String> = {
+            let mut slots = lock(&inner.slots);
+            let idle: Vec<String> = slots
+                .iter()
+                // A request in flight holds a clone of its slot.
+                .filter(|(_, slot)| {
+                    Arc::strong_count(slot) == 1
+                        && lock(&slot.last_used).elapsed() >= inner.slice_idle
+                })
+                .map(|(run, _)| run.clone())
+                .collect();
+            for run in &idle {
+                slots.remove(run);
+            }
+            idle
+        };
+        for run in released {
+            eprintln!("mesh-node: released the slice of run {run} (idle)");
+        }
+    }
+}
 
 async fn accept_loop(inner: Arc<Inner>) {
     let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
@@ -582,6 +648,10 @@ async fn handle_control(
                     ("weights_digest", Cbor::bytes(digest.to_vec())),
                     ("resident_bytes", Cbor::Uint(bytes as u64)),
                     ("max_requests", Cbor::Uint(inner.max_requests as u64)),
+                    (
+                        "slice_idle_ms",
+                        Cbor::Uint(inner.slice_idle.as_millis() as u64),
+                    ),
                 ]),
                 Err(error) => Cbor::text_map([
                     ("kind", Cbor::text("refused")),
@@ -761,6 +831,7 @@ fn handle_assign(
             if slot.assign.coordinator != peer {
                 bail!("run {} belongs to another coordinator", assign.run_id);
             }
+            slot.touch();
             return Ok((slot.slice.weights_digest(), slot.slice.weight_bytes()));
         }
         inner.check_slice_room(&slots, peer)?;
@@ -778,11 +849,12 @@ fn handle_assign(
         .config()
         .context
         .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
-    let slot = Arc::new(Slot {
+    let slot = Arc::new(Slot::new(
         slice,
-        pool: Mutex::new(CachePool::new(inner.max_requests, context)),
-        assign: assign.clone(),
-    });
+        inner.max_requests,
+        context,
+        assign.clone(),
+    ));
     let mut slots = lock(&inner.slots);
     inner.check_slice_room(&slots, peer)?;
     // A coordinator holds one run here: its newer run replaces the older, whose
@@ -793,6 +865,22 @@ fn handle_assign(
 }
 
 // ------------------------------------------------------------------ stage
+
+/// A node that refuses a request answers FAILED and stops reading, so the
+/// next write to it fails: report its reason rather than the write's.
+async fn refusal_behind(
+    recv: &mut quinn::RecvStream,
+    error: anyhow::Error,
+    whom: &str,
+) -> anyhow::Error {
+    let reply = msg::read(recv, msg::MAX_STAGE_MESSAGE, Duration::from_secs(1), None).await;
+    if let Ok(Some(frame)) = reply
+        && let Ok((kind::FAILED, _, _, reason)) = msg::parse_stage(&frame)
+    {
+        return anyhow!("{whom} refused: {}", String::from_utf8_lossy(reason));
+    }
+    error
+}
 
 /// Refuse a request on its stage stream with a FAILED reply, before any
 /// lane is folded.
@@ -925,12 +1013,7 @@ async fn handle_stage(
     };
     let slot = lock(&inner.slots).get(&run_id).cloned();
     let Some(slot) = slot else {
-        return refuse_stage(
-            &mut up_send,
-            request_id,
-            format!("no slice loaded for run {run_id}"),
-        )
-        .await;
+        return refuse_stage(&mut up_send, request_id, format!("{NO_SLICE} {run_id}")).await;
     };
     if slot.assign.upstream != peer {
         return refuse_stage(
@@ -943,6 +1026,7 @@ async fn handle_stage(
         )
         .await;
     }
+    slot.touch();
     let assign = &slot.assign;
     let coordinator = did_key(&assign.coordinator);
     let k = assign.stage_index;
@@ -1004,6 +1088,10 @@ async fn handle_stage(
         decode: 0,
     };
     let mut stats = StageStats::default();
+    // Whether upstream stopped sending, and whether it was told why this
+    // stage stopped: a failure is reported upstream at most once.
+    let mut upstream_gone = false;
+    let mut upstream_told = false;
     lock(&inner.steward).begin_engine(&mut ticket);
 
     let outcome: anyhow::Result<()> = async {
@@ -1049,9 +1137,11 @@ async fn handle_stage(
                 Ok(Some(frame)) => frame,
                 Ok(None) => {
                     terminal = TerminalState::TransportError;
+                    upstream_gone = true;
                     bail!("upstream closed the request without STOP");
                 }
                 Err(error) => {
+                    upstream_gone = true;
                     terminal = if error.to_string().contains("timed out") {
                         TerminalState::TimedOut
                     } else {
@@ -1108,6 +1198,7 @@ async fn handle_stage(
                             }
                             _ => {}
                         }
+                        upstream_told = true;
                         bail!("{reason}");
                     }
                     match output {
@@ -1117,7 +1208,7 @@ async fn handle_stage(
                                 .as_mut()
                                 .context("a middle stage without a downstream")?;
                             let sent = lanes.down_sent.as_mut().context("downstream lane")?;
-                            write_forward(
+                            if let Err(error) = write_forward(
                                 send,
                                 &msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame),
                                 sent,
@@ -1125,7 +1216,11 @@ async fn handle_stage(
                                 k,
                                 step,
                             )
-                            .await?;
+                            .await
+                            {
+                                let whom = format!("stage {}", k + 1);
+                                return Err(refusal_behind(recv, error, &whom).await);
+                            }
                             if return_mode == ReturnMode::Relayed {
                                 let received =
                                     lanes.down_replies_received.as_mut().context("reply lane")?;
@@ -1185,6 +1280,8 @@ async fn handle_stage(
                             .and_then(TerminalState::parse)
                     });
                     terminal = state.unwrap_or(TerminalState::Completed);
+                    // Upstream reads nothing more on this request.
+                    upstream_gone = true;
                     if let (Some((send, _)), Some(sent)) = (down.as_mut(), lanes.down_sent.as_mut())
                     {
                         write_forward(send, &frame[4..], sent, &mut folds, k, step).await?;
@@ -1198,7 +1295,28 @@ async fn handle_stage(
     .await;
     if let Err(error) = &outcome {
         eprintln!("mesh-node: stage {k} request {request_id}: {error:#}");
+        // Upstream is still waiting for this step's reply: say why there is
+        // none (a relayed reply is read, and folded, by the node before).
+        if return_mode == ReturnMode::Relayed && !upstream_gone && !upstream_told {
+            let body = msg::stage_body(
+                kind::FAILED,
+                request_id,
+                stats.steps,
+                format!("stage {k}: {error:#}").as_bytes(),
+            );
+            if let Ok(bytes) = msg::frame(&body) {
+                let _ = send_frame(
+                    &mut up_send,
+                    &bytes,
+                    &mut lanes.up_replies_sent,
+                    &mut folds,
+                    "upstream",
+                )
+                .await;
+            }
+        }
     }
+    slot.touch();
     lock(&slot.pool).release(request_id);
     if let Some((mut send, _)) = down.take() {
         let _ = send.finish();
@@ -1402,11 +1520,73 @@ async fn handle_push(
 // ------------------------------------------------------------ coordinator
 
 impl Inner {
+    /// Send every remote stage its assignment at once and wait for all to be
+    /// ready; the time after which they are to be sent again.
+    async fn assign_remote(self: &Arc<Self>, assigns: &[Assign]) -> anyhow::Result<Duration> {
+        let mut waits = Vec::new();
+        for (peer, assign) in self.peers.iter().zip(assigns.iter().skip(1)) {
+            let inner = self.clone();
+            let peer = peer.clone();
+            let message = assign.to_cbor();
+            waits.push(tokio::spawn(async move {
+                let (mut send, mut recv) = inner.open(&peer, ALPN_CONTROL).await?;
+                msg::write_cbor(&mut send, &message).await?;
+                send.finish()?;
+                let reply = msg::read_cbor(
+                    &mut recv,
+                    msg::MAX_CONTROL_REQUEST,
+                    Duration::from_secs(300),
+                )
+                .await?
+                .context("no answer to the assignment")?;
+                match reply.get("kind").and_then(Cbor::as_text) {
+                    Some("ready") => Ok::<Duration, anyhow::Error>(Duration::from_millis(
+                        reply
+                            .get("slice_idle_ms")
+                            .and_then(Cbor::as_uint)
+                            .unwrap_or(0),
+                    )),
+                    _ => bail!(
+                        "{peer} refused its slice: {}",
+                        reply
+                            .get("reason")
+                            .and_then(Cbor::as_text)
+                            .unwrap_or("no reason")
+                    ),
+                }
+            }));
+        }
+        let mut shortest = DEFAULT_SLICE_IDLE;
+        for wait in waits {
+            let idle = wait.await.map_err(|e| anyhow!("assignment task: {e}"))??;
+            shortest = shortest.min(idle);
+        }
+        Ok(shortest / 2)
+    }
+
+    /// Forget the run if it is `run_id`: a stage no longer holds its slice
+    /// (it restarted), so the next request plans and assigns anew.
+    async fn forget_run(&self, run_id: &str) {
+        let mut guard = self.run.lock().await;
+        if guard
+            .as_ref()
+            .is_some_and(|run| run.assigns[0].run_id == run_id)
+        {
+            *guard = None;
+        }
+    }
+
     /// Plan contiguous ranges over this node (stage 0) and its peers, assign
     /// them, and load the own slice. Done once; later requests reuse it.
     async fn ensure_run(self: &Arc<Self>) -> anyhow::Result<Arc<Run>> {
         let mut guard = self.run.lock().await;
         if let Some(run) = guard.as_ref() {
+            if lock(&run.own.last_used).elapsed() >= run.refresh_after {
+                // A stage may have freed its slice as idle: assigning again
+                // keeps the slice it holds, or loads it once more.
+                self.assign_remote(&run.assigns).await?;
+                run.own.touch();
+            }
             return Ok(run.clone());
         }
         if self.peers.is_empty() {
@@ -1471,54 +1651,33 @@ impl Inner {
             assigns.push(Assign { manifest, ..assign });
         }
         // Remote stages load in parallel with the own slice.
-        let mut waits = Vec::new();
-        for (peer, assign) in self.peers.iter().zip(assigns.iter().skip(1)) {
+        let remote = {
             let inner = self.clone();
-            let peer = peer.clone();
-            let message = assign.to_cbor();
-            waits.push(tokio::spawn(async move {
-                let (mut send, mut recv) = inner.open(&peer, ALPN_CONTROL).await?;
-                msg::write_cbor(&mut send, &message).await?;
-                send.finish()?;
-                let reply = msg::read_cbor(
-                    &mut recv,
-                    msg::MAX_CONTROL_REQUEST,
-                    Duration::from_secs(300),
-                )
-                .await?
-                .context("no answer to the assignment")?;
-                match reply.get("kind").and_then(Cbor::as_text) {
-                    Some("ready") => Ok::<(), anyhow::Error>(()),
-                    _ => bail!(
-                        "{peer} refused its slice: {}",
-                        reply
-                            .get("reason")
-                            .and_then(Cbor::as_text)
-                            .unwrap_or("no reason")
-                    ),
-                }
-            }));
-        }
+            let assigns = assigns.clone();
+            tokio::spawn(async move { inner.assign_remote(&assigns).await })
+        };
         let own_range = ranges[0].clone();
         let own_slice = tokio::task::block_in_place(|| self.model.load_slice(own_range))?;
-        for wait in waits {
-            wait.await.map_err(|e| anyhow!("assignment task: {e}"))??;
-        }
+        let refresh_after = remote
+            .await
+            .map_err(|e| anyhow!("assignment task: {e}"))??;
         let context = self
             .model
             .config()
             .context
             .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
-        let own = Arc::new(Slot {
-            slice: own_slice,
-            pool: Mutex::new(CachePool::new(self.max_requests, context)),
-            assign: assigns[0].clone(),
-        });
+        let own = Arc::new(Slot::new(
+            own_slice,
+            self.max_requests,
+            context,
+            assigns[0].clone(),
+        ));
         let run = Arc::new(Run {
             assigns,
             topology,
             keys,
             own,
+            refresh_after,
         });
         *guard = Some(run.clone());
         Ok(run)
