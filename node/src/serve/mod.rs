@@ -701,10 +701,12 @@ async fn handle_control(
                 .get("request_id")
                 .and_then(Cbor::as_uint)
                 .unwrap_or(0);
+            // A request's timings are the business of its coordinator only.
             let found = lock(&inner.stats)
                 .iter()
                 .rev()
                 .find(|(id, _)| *id == request_id)
+                .filter(|_| inner.coordinators.contains(&peer))
                 .map(|(_, s)| *s);
             let stats = found.unwrap_or_default();
             msg::write_cbor(
