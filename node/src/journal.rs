@@ -10,14 +10,16 @@
 //! cut from the end together with an older head (a rollback) stay invisible
 //! on disk, and the witness rule (a receipt the journal lacks) catches that.
 
+use std::cell::Cell;
 use std::fs::File;
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 
 use mesh_protocol::cbor::Cbor;
 use mesh_protocol::grant::Presentation;
 use mesh_protocol::mesh1::{ContentId, Energy, Provenance, ServeRequest};
 use mesh_protocol::{SigningKey, VerifyingKey};
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadOnlyDatabase, ReadableDatabase, ReadableTable, TableDefinition};
 use thiserror::Error;
 
 const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("journal_records");
@@ -29,6 +31,9 @@ const HEAD_DOMAIN: &[u8] = b"mesh-node journal head v1";
 /// Largest journal record accepted on read (a presentation of 8 grants plus
 /// the request is a few KiB).
 pub const MAX_RECORD_BYTES: usize = 256 * 1024;
+/// The database file and the lock file in a journal directory.
+pub const JOURNAL_FILE: &str = "journal.redb";
+pub const LOCK_FILE: &str = "journal.lock";
 
 /// One journal entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +79,12 @@ pub enum JournalError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "no journal in {0}: it holds no {JOURNAL_FILE} (give the directory a steward wrote its journal to)"
+    )]
+    NoJournal(PathBuf),
+    #[error("the journal in {path} is corrupt: {why}")]
+    Corrupt { path: PathBuf, why: String },
     #[error("journal storage: {0}")]
     Storage(String),
     #[error("journal record {seq} is malformed: {why}")]
@@ -84,6 +95,79 @@ pub enum JournalError {
 
 fn storage<E: std::fmt::Display>(error: E) -> JournalError {
     JournalError::Storage(error.to_string())
+}
+
+thread_local! {
+    /// Set while [`guarded`] runs storage code on this thread: a panic there
+    /// is reported as a corrupt journal, so its default message is not printed.
+    static QUIET_PANICS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Run storage code over a journal file that may be corrupt. redb panics on
+/// some malformed files (a slice index taken from a flipped length); that
+/// panic is caught here and becomes [`JournalError::Corrupt`]. The panic
+/// hook is wrapped once so that it stays silent only on this thread and only
+/// while `work` runs; every other panic is reported as before.
+fn guarded<T>(
+    dir: &Path,
+    work: impl FnOnce() -> Result<T, JournalError>,
+) -> Result<T, JournalError> {
+    static WRAP_HOOK: std::sync::Once = std::sync::Once::new();
+    WRAP_HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET_PANICS.with(Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    let was_quiet = QUIET_PANICS.with(|q| q.replace(true));
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(work));
+    QUIET_PANICS.with(|q| q.set(was_quiet));
+    outcome.unwrap_or_else(|payload| {
+        let why = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "the storage layer failed on its contents".into());
+        let why = why.lines().next().unwrap_or_default();
+        Err(JournalError::Corrupt {
+            path: dir.join(JOURNAL_FILE),
+            why: format!("unreadable storage structure ({why}); restore it from a copy"),
+        })
+    })
+}
+
+/// A private scratch directory, removed on drop (`journal inspect` repairs
+/// a copy of a journal that was not closed cleanly here, never the original).
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> std::io::Result<Self> {
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let path = std::env::temp_dir().join(format!(
+            "mesh-node-journal-{}-{n}-{nanos}",
+            std::process::id()
+        ));
+        let mut builder = std::fs::DirBuilder::new();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            builder.mode(0o700);
+        }
+        builder.create(&path)?;
+        Ok(Self(path))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 fn energy_cbor(energy: &Energy) -> Cbor {
@@ -292,7 +376,7 @@ impl Journal {
     /// verified to form one chain under a head this key signed.
     pub fn open(dir: &Path, key: SigningKey) -> Result<(Self, Vec<Record>), JournalError> {
         let (database, lock) = Self::lock_and_open(dir)?;
-        let (records, head_key) = Self::read_all(&database)?;
+        let (records, head_key) = guarded(dir, || Self::read_all(&database))?;
         if head_key.is_some_and(|k| k != key.verifying_key()) {
             return Err(JournalError::Broken {
                 seq: records.len() as u64,
@@ -319,10 +403,72 @@ impl Journal {
 
     /// Read a journal without a steward's key (for `journal inspect` while no
     /// steward runs): the chain and the head's signature are checked under
-    /// the key the head names. Refuses if a steward holds the journal.
+    /// the key the head names. Refuses if a steward holds the journal, and
+    /// refuses a directory without one ([`JournalError::NoJournal`]).
+    ///
+    /// Read-only: nothing in `dir` is created or written. A journal whose
+    /// steward died (so redb was not closed cleanly) needs redb's repair
+    /// before it can be read; that repair runs on a private copy.
     pub fn read(dir: &Path) -> Result<Vec<Record>, JournalError> {
-        let (database, _lock) = Self::lock_and_open(dir)?;
-        Self::read_all(&database).map(|(records, _)| records)
+        let path = dir.join(JOURNAL_FILE);
+        if !path.is_file() {
+            return Err(JournalError::NoJournal(dir.to_path_buf()));
+        }
+        let _lock = Self::lock_shared(dir)?;
+        guarded(dir, || match ReadOnlyDatabase::open(&path) {
+            Ok(database) => Self::read_all(&database),
+            Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
+                Err(JournalError::Locked(dir.to_path_buf()))
+            }
+            Err(redb::DatabaseError::RepairAborted) => Self::read_repaired_copy(dir, &path),
+            Err(error) => Err(storage(error)),
+        })
+        .map(|(records, _)| records)
+    }
+
+    /// Take the lock file shared, if there is one (a running steward holds
+    /// it exclusively). Opens it read-only; creates nothing.
+    fn lock_shared(dir: &Path) -> Result<Option<File>, JournalError> {
+        let io = |source| JournalError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        let lock = match File::open(dir.join(LOCK_FILE)) {
+            Ok(lock) => lock,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(io(error)),
+        };
+        match lock.try_lock_shared() {
+            Ok(()) => Ok(Some(lock)),
+            Err(std::fs::TryLockError::WouldBlock) => Err(JournalError::Locked(dir.to_path_buf())),
+            Err(std::fs::TryLockError::Error(error)) => Err(io(error)),
+        }
+    }
+
+    /// Copy an unclosed journal into a private scratch directory, let redb
+    /// repair the copy, and read that.
+    fn read_repaired_copy(
+        dir: &Path,
+        path: &Path,
+    ) -> Result<(Vec<Record>, Option<VerifyingKey>), JournalError> {
+        let io = |source| JournalError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        let scratch = Scratch::new().map_err(io)?;
+        let copy = scratch.0.join(JOURNAL_FILE);
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
+        }
+        let mut target = options.open(&copy).map_err(io)?;
+        std::io::copy(&mut File::open(path).map_err(io)?, &mut target).map_err(io)?;
+        drop(target);
+        let database = Database::open(&copy).map_err(storage)?;
+        Self::read_all(&database)
     }
 
     fn lock_and_open(dir: &Path) -> Result<(Database, File), JournalError> {
@@ -331,7 +477,7 @@ impl Journal {
             source,
         };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let lock_path = dir.join("journal.lock");
+        let lock_path = dir.join(LOCK_FILE);
         let lock = File::options()
             .create(true)
             .truncate(false)
@@ -345,13 +491,14 @@ impl Journal {
             }
             Err(std::fs::TryLockError::Error(error)) => return Err(io(error)),
         }
-        match Database::create(dir.join("journal.redb")) {
-            Ok(database) => Ok((database, lock)),
+        let database = guarded(dir, || match Database::create(dir.join(JOURNAL_FILE)) {
+            Ok(database) => Ok(database),
             Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
                 Err(JournalError::Locked(dir.to_path_buf()))
             }
             Err(error) => Err(storage(error)),
-        }
+        })?;
+        Ok((database, lock))
     }
 
     fn head_message(seq: u64, hash: &ContentId) -> Vec<u8> {
@@ -418,7 +565,9 @@ impl Journal {
         Ok(Some(key))
     }
 
-    fn read_all(database: &Database) -> Result<(Vec<Record>, Option<VerifyingKey>), JournalError> {
+    fn read_all(
+        database: &impl ReadableDatabase,
+    ) -> Result<(Vec<Record>, Option<VerifyingKey>), JournalError> {
         let read = database.begin_read().map_err(storage)?;
         let head = match read.open_table(HEAD) {
             Ok(table) => table
