@@ -138,6 +138,36 @@ fn guarded<T>(
     })
 }
 
+/// Create `dir` and any missing parents owner-only (0700 on unix). An
+/// existing directory is left as it is.
+fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        builder.mode(0o700);
+    }
+    builder.create(dir)
+}
+
+/// Open (creating if need be) a journal file for reading and writing,
+/// owner-only (0600 on unix), tightening an existing file's mode.
+fn private_file(path: &Path) -> std::io::Result<File> {
+    let mut options = File::options();
+    options.read(true).write(true).create(true).truncate(false);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        options.mode(0o600);
+        let file = options.open(path)?;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+        Ok(file)
+    }
+    #[cfg(not(unix))]
+    options.open(path)
+}
+
 /// A private scratch directory, removed on drop (`journal inspect` repairs
 /// a copy of a journal that was not closed cleanly here, never the original).
 struct Scratch(PathBuf);
@@ -476,14 +506,8 @@ impl Journal {
             path: dir.to_path_buf(),
             source,
         };
-        std::fs::create_dir_all(dir).map_err(io)?;
-        let lock_path = dir.join(LOCK_FILE);
-        let lock = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io)?;
+        create_private_dir(dir).map_err(io)?;
+        let lock = private_file(&dir.join(LOCK_FILE)).map_err(io)?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
@@ -491,7 +515,10 @@ impl Journal {
             }
             Err(std::fs::TryLockError::Error(error)) => return Err(io(error)),
         }
-        let database = guarded(dir, || match Database::create(dir.join(JOURNAL_FILE)) {
+        // Created (or tightened) owner-only before redb opens it: records
+        // hold request ids and presentations.
+        let file = private_file(&dir.join(JOURNAL_FILE)).map_err(io)?;
+        let database = guarded(dir, || match Database::builder().create_file(file) {
             Ok(database) => Ok(database),
             Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
                 Err(JournalError::Locked(dir.to_path_buf()))
