@@ -31,6 +31,8 @@ const HEAD_DOMAIN: &[u8] = b"mesh-node journal head v1";
 /// Largest journal record accepted on read (a presentation of 8 grants plus
 /// the request is a few KiB).
 pub const MAX_RECORD_BYTES: usize = 256 * 1024;
+/// The largest envelope kept in a `sealed` record (it must fit a record).
+pub const MAX_KEPT_ENVELOPE_BYTES: usize = 192 * 1024;
 /// The database file and the lock file in a journal directory.
 pub const JOURNAL_FILE: &str = "journal.redb";
 pub const LOCK_FILE: &str = "journal.lock";
@@ -52,10 +54,25 @@ pub enum Entry {
         energy: Energy,
         breach: Option<String>,
     },
-    /// A receipt, recorded before it is handed out.
+    /// A serve without a grant, written before its engine runs (so a serve
+    /// that dies is seen, and a journal that cannot be written refuses the
+    /// serve before any work).
+    Started {
+        request_id: ContentId,
+        model: Option<ContentId>,
+        backend: String,
+        started_at_ms: u64,
+    },
+    /// The engine of the ungranted serve at `started_seq` returned.
+    Ended { started_seq: u64, energy: Energy },
+    /// A receipt, recorded before it is handed out. `envelope` is the sealed
+    /// envelope itself (absent in journals from before it was kept, and for
+    /// an envelope over [`MAX_KEPT_ENVELOPE_BYTES`]), so the chain's last
+    /// envelope can be handed back after a restart.
     Sealed {
         sequence: u64,
         envelope_id: ContentId,
+        envelope: Option<Vec<u8>>,
     },
     /// The steward stopped honouring grants (a witness showed a receipt this
     /// journal lacks).
@@ -211,6 +228,24 @@ fn energy_cbor(energy: &Energy) -> Cbor {
     Cbor::text_map(fields)
 }
 
+fn energy_from_cbor(value: &Cbor) -> Result<Energy, String> {
+    let energy = value.get("energy").ok_or("`energy`")?;
+    let provenance = energy
+        .get("provenance")
+        .and_then(Cbor::as_text)
+        .and_then(Provenance::parse)
+        .ok_or("`energy.provenance`")?;
+    Energy::from_parts(
+        energy.get("measured_uj").and_then(Cbor::as_uint),
+        energy
+            .get("estimated_uj")
+            .and_then(Cbor::as_uint)
+            .ok_or("`energy.estimated_uj`")?,
+        provenance,
+    )
+    .map_err(|e| e.to_string())
+}
+
 impl Entry {
     fn to_cbor(&self) -> Cbor {
         match self {
@@ -248,14 +283,46 @@ impl Entry {
                 }
                 Cbor::text_map(fields)
             }
+            Entry::Started {
+                request_id,
+                model,
+                backend,
+                started_at_ms,
+            } => {
+                let mut fields = vec![
+                    ("kind", Cbor::text("started")),
+                    ("request_id", Cbor::bytes(request_id.to_vec())),
+                    ("backend", Cbor::text(backend)),
+                    ("started_at_ms", Cbor::Uint(*started_at_ms)),
+                ];
+                if let Some(model) = model {
+                    fields.push(("model", Cbor::bytes(model.to_vec())));
+                }
+                Cbor::text_map(fields)
+            }
+            Entry::Ended {
+                started_seq,
+                energy,
+            } => Cbor::text_map([
+                ("kind", Cbor::text("ended")),
+                ("started_seq", Cbor::Uint(*started_seq)),
+                ("energy", energy_cbor(energy)),
+            ]),
             Entry::Sealed {
                 sequence,
                 envelope_id,
-            } => Cbor::text_map([
-                ("kind", Cbor::text("sealed")),
-                ("sequence", Cbor::Uint(*sequence)),
-                ("envelope_id", Cbor::bytes(envelope_id.to_vec())),
-            ]),
+                envelope,
+            } => {
+                let mut fields = vec![
+                    ("kind", Cbor::text("sealed")),
+                    ("sequence", Cbor::Uint(*sequence)),
+                    ("envelope_id", Cbor::bytes(envelope_id.to_vec())),
+                ];
+                if let Some(envelope) = envelope {
+                    fields.push(("envelope", Cbor::bytes(envelope.clone())));
+                }
+                Cbor::text_map(fields)
+            }
             Entry::Halted { reason, at_ms } => Cbor::text_map([
                 ("kind", Cbor::text("halted")),
                 ("reason", Cbor::text(reason)),
@@ -294,34 +361,42 @@ impl Entry {
                 backend: text("backend")?.to_string(),
                 decided_at_ms: uint("decided_at_ms")?,
             }),
-            "debited" => {
-                let energy = value.get("energy").ok_or("`energy`")?;
-                let provenance = energy
-                    .get("provenance")
+            "debited" => Ok(Entry::Debited {
+                authorised_seq: uint("authorised_seq")?,
+                energy: energy_from_cbor(value)?,
+                breach: value
+                    .get("breach")
                     .and_then(Cbor::as_text)
-                    .and_then(Provenance::parse)
-                    .ok_or("`energy.provenance`")?;
-                Ok(Entry::Debited {
-                    authorised_seq: uint("authorised_seq")?,
-                    energy: Energy::from_parts(
-                        energy.get("measured_uj").and_then(Cbor::as_uint),
-                        energy
-                            .get("estimated_uj")
-                            .and_then(Cbor::as_uint)
-                            .ok_or("`energy.estimated_uj`")?,
-                        provenance,
-                    )
-                    .map_err(|e| e.to_string())?,
-                    breach: value
-                        .get("breach")
-                        .and_then(Cbor::as_text)
-                        .map(str::to_string),
+                    .map(str::to_string),
+            }),
+            "started" => Ok(Entry::Started {
+                request_id: id(value.get("request_id").ok_or("`request_id`")?)?,
+                model: value.get("model").map(id).transpose()?,
+                backend: text("backend")?.to_string(),
+                started_at_ms: uint("started_at_ms")?,
+            }),
+            "ended" => Ok(Entry::Ended {
+                started_seq: uint("started_seq")?,
+                energy: energy_from_cbor(value)?,
+            }),
+            "sealed" => {
+                let envelope_id = id(value.get("envelope_id").ok_or("`envelope_id`")?)?;
+                let envelope = value
+                    .get("envelope")
+                    .map(|e| e.as_bytes().map(<[u8]>::to_vec).ok_or("`envelope`"))
+                    .transpose()?;
+                if envelope
+                    .as_ref()
+                    .is_some_and(|e| <[u8; 32]>::from(blake3::hash(e)) != envelope_id)
+                {
+                    return Err("`envelope` is not the envelope `envelope_id` names".into());
+                }
+                Ok(Entry::Sealed {
+                    sequence: uint("sequence")?,
+                    envelope_id,
+                    envelope,
                 })
             }
-            "sealed" => Ok(Entry::Sealed {
-                sequence: uint("sequence")?,
-                envelope_id: id(value.get("envelope_id").ok_or("`envelope_id`")?)?,
-            }),
             "halted" => Ok(Entry::Halted {
                 reason: text("reason")?.to_string(),
                 at_ms: uint("at_ms")?,
@@ -391,13 +466,17 @@ impl Record {
 /// An open journal, held exclusively.
 #[derive(Debug)]
 pub struct Journal {
-    database: Database,
+    /// `None` only after a failed write, until the next append reopens it.
+    database: Option<Database>,
     key: SigningKey,
     _lock: File,
     dir: PathBuf,
     next_seq: u64,
     head: Option<ContentId>,
     fail_next_append: bool,
+    /// A write failed (a full disk, an I/O error): redb refuses every later
+    /// write on that handle, so the next append drops and reopens it.
+    reopen: bool,
 }
 
 impl Journal {
@@ -419,13 +498,14 @@ impl Journal {
         };
         Ok((
             Self {
-                database,
+                database: Some(database),
                 key,
                 _lock: lock,
                 dir: dir.to_path_buf(),
                 next_seq,
                 head,
                 fail_next_append: false,
+                reopen: false,
             },
             records,
         ))
@@ -654,10 +734,14 @@ impl Journal {
             .map(|mut records| records.remove(0))
     }
 
-    /// Append several entries in one durable transaction (one fsync).
+    /// Append several entries in one durable transaction (one fsync). After
+    /// a failed write this first reopens the database (see [`Self::reopen`]).
     pub fn append_all(&mut self, entries: Vec<Entry>) -> Result<Vec<Record>, JournalError> {
         if std::mem::take(&mut self.fail_next_append) {
             return Err(JournalError::Storage("injected failure (test)".into()));
+        }
+        if self.reopen || self.database.is_none() {
+            self.reopen()?;
         }
         let mut records = Vec::with_capacity(entries.len());
         let (mut seq, mut prev) = (self.next_seq, self.head);
@@ -667,24 +751,62 @@ impl Journal {
             seq += 1;
             records.push(record);
         }
-        let write = self.database.begin_write().map_err(storage)?;
-        {
-            let mut table = write.open_table(RECORDS).map_err(storage)?;
-            for record in &records {
-                table
-                    .insert(record.seq, record.encode().as_slice())
-                    .map_err(storage)?;
+        let head = match (records.last(), prev) {
+            (Some(last), Some(hash)) => Some(self.encode_head(last.seq, &hash)),
+            _ => None,
+        };
+        let database = self.database.as_ref().ok_or_else(|| storage("not open"))?;
+        let written = guarded(&self.dir, || {
+            let write = database.begin_write().map_err(storage)?;
+            {
+                let mut table = write.open_table(RECORDS).map_err(storage)?;
+                for record in &records {
+                    table
+                        .insert(record.seq, record.encode().as_slice())
+                        .map_err(storage)?;
+                }
+                if let Some(head) = &head {
+                    let mut table = write.open_table(HEAD).map_err(storage)?;
+                    table.insert(0u64, head.as_slice()).map_err(storage)?;
+                }
             }
-            if let (Some(last), Some(hash)) = (records.last(), prev) {
-                let mut head = write.open_table(HEAD).map_err(storage)?;
-                head.insert(0u64, self.encode_head(last.seq, &hash).as_slice())
-                    .map_err(storage)?;
-            }
+            write.commit().map_err(storage)
+        });
+        if let Err(error) = written {
+            self.reopen = true;
+            return Err(error);
         }
-        write.commit().map_err(storage)?;
         self.next_seq = seq;
         self.head = prev;
         Ok(records)
+    }
+
+    /// Drop the database handle and open the file again, as after a failed
+    /// write (redb refuses every write on a handle that saw an I/O error,
+    /// so a freed disk would otherwise never be used again). The reopened
+    /// journal must end where this one believes it does; if the failed write
+    /// reached the disk after all, appends stay refused until a restart
+    /// replays the journal.
+    pub fn reopen(&mut self) -> Result<(), JournalError> {
+        self.reopen = true;
+        // redb holds its own lock on the file: release it before reopening.
+        self.database = None;
+        let dir = self.dir.clone();
+        let database = guarded(&dir, || {
+            Database::create(dir.join(JOURNAL_FILE)).map_err(storage)
+        })?;
+        let (records, _) = guarded(&dir, || Self::read_all(&database))?;
+        if records.len() as u64 != self.next_seq || records.last().map(Record::hash) != self.head {
+            return Err(JournalError::Storage(format!(
+                "after a failed write the journal holds {} record(s) where this steward confirmed {}; \
+                 restart the steward so it replays the journal",
+                records.len(),
+                self.next_seq
+            )));
+        }
+        self.database = Some(database);
+        self.reopen = false;
+        Ok(())
     }
 
     /// Make the next append fail, as a full or failing disk would (tests of

@@ -7,11 +7,13 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+use mesh_node::energy::EstimatorMeter;
 use mesh_node::exercise::{EXERCISE_CEILING_UJ, exercise_chain, requester_key};
 use mesh_node::journal::{Entry, Journal};
+use mesh_node::steward::{Steward, StewardError};
 use mesh_protocol::SigningKey;
 use mesh_protocol::grant::Presentation;
-use mesh_protocol::mesh1::{Energy, Fidelity, Provenance, ServeRequest};
+use mesh_protocol::mesh1::{Energy, Fidelity, MeshReceipt, Provenance, ServeRequest};
 
 fn mesh_node() -> Command {
     Command::new(env!("CARGO_BIN_EXE_mesh-node"))
@@ -38,6 +40,10 @@ fn request(tag: u8) -> ServeRequest {
         joule_ceiling_uj: EXERCISE_CEILING_UJ,
         decision: None,
     }
+}
+
+fn steward(dir: &Path, key: &SigningKey) -> Steward {
+    Steward::open(dir, key.clone(), Box::new(EstimatorMeter::default())).unwrap()
 }
 
 fn files_in(dir: &Path) -> Vec<PathBuf> {
@@ -234,3 +240,90 @@ fn bit_flips_in_the_journal_never_panic() {
 /// Bits whose flip made redb panic (exit 101 from `journal inspect`) before
 /// the journal caught it, found by this test's sweep on the unfixed code.
 const PANICKED_BEFORE: [u64; 6] = [100, 180, 576, 33226, 393325, 399005];
+
+#[test]
+fn an_ungranted_serve_that_cannot_be_journalled_is_refused_up_front() {
+    let scratch = tempfile::tempdir().unwrap();
+    let key = SigningKey::from_bytes(&[3; 32]);
+    let mut steward = steward(scratch.path(), &key);
+    steward.journal_mut().inject_append_failure();
+    assert!(matches!(
+        steward.authorise(None, &request(1), None, "b", 1_800_000_000_000),
+        Err(StewardError::NotJournalled(_))
+    ));
+}
+
+#[test]
+fn an_ungranted_serve_that_dies_is_unresolved() {
+    let scratch = tempfile::tempdir().unwrap();
+    let key = SigningKey::from_bytes(&[4; 32]);
+    let mut steward = steward(scratch.path(), &key);
+    // One ungranted serve that finishes, one that never does.
+    let mut done = steward
+        .authorise(
+            None,
+            &request(1),
+            None,
+            "finished-backend",
+            1_800_000_000_000,
+        )
+        .unwrap();
+    steward.begin_engine(&mut done);
+    steward.end_engine(done, None).unwrap();
+    let mut dying = steward
+        .authorise(None, &request(2), None, "dying-backend", 1_800_000_000_001)
+        .unwrap();
+    steward.begin_engine(&mut dying);
+    drop(dying);
+    drop(steward);
+
+    let steward = self::steward(scratch.path(), &key);
+    let unresolved = steward.unresolved();
+    assert_eq!(unresolved.len(), 1, "{unresolved:?}");
+    assert_eq!(unresolved[0].backend, "dying-backend");
+    assert_eq!(unresolved[0].request_id, request(2).request_id());
+    drop(steward);
+
+    let output = inspect(scratch.path());
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(stdout.contains("dying-backend"), "{stdout}");
+    assert!(stdout.contains("unresolved"), "{stdout}");
+}
+
+#[test]
+fn the_last_envelope_survives_a_restart() {
+    let scratch = tempfile::tempdir().unwrap();
+    let key = SigningKey::from_bytes(&[5; 32]);
+    let mut steward = steward(scratch.path(), &key);
+    assert_eq!(steward.last_envelope(), None);
+    let mut sealed = Vec::new();
+    for i in 0..2u8 {
+        let mut ticket = steward
+            .authorise(None, &request(i), None, "b", 1_800_000_000_000)
+            .unwrap();
+        steward.begin_engine(&mut ticket);
+        let metered = steward.end_engine(ticket, None).unwrap();
+        let receipt = MeshReceipt::blank(
+            request(i).request_id(),
+            "b",
+            "r",
+            "local",
+            metered.energy,
+            [i; 16],
+        );
+        sealed.push(steward.seal(receipt).unwrap());
+        assert_eq!(
+            steward.last_envelope(),
+            Some(sealed[i as usize].envelope.clone())
+        );
+    }
+    drop(steward);
+
+    let steward = self::steward(scratch.path(), &key);
+    let last = steward.last_envelope().expect("recovered on open");
+    assert_eq!(last, sealed[1].envelope);
+    let previous = mesh_protocol::mesh1::SealedReceipt::verify(&last).unwrap();
+    assert_eq!(steward.prev_envelope(), Some(previous.envelope_id()));
+    previous.check_follows(&sealed[0]).unwrap();
+}
