@@ -55,9 +55,29 @@ pub fn render_journal(
                     .map(|b| format!(" BREACH {b}"))
                     .unwrap_or_default()
             ),
+            Entry::Started {
+                request_id,
+                backend,
+                started_at_ms,
+                ..
+            } => format!(
+                "started     request {} (no grant) backend {} at {}",
+                short(request_id),
+                backend,
+                mesh_protocol::capsule::format_timestamp(*started_at_ms)
+            ),
+            Entry::Ended {
+                started_seq,
+                energy,
+            } => format!(
+                "ended       #{started_seq} {} µJ ({})",
+                energy.uj(),
+                energy.provenance().as_str()
+            ),
             Entry::Sealed {
                 sequence,
                 envelope_id,
+                ..
             } => format!(
                 "sealed      receipt {sequence} envelope {}",
                 short(envelope_id)
@@ -94,11 +114,32 @@ fn render_unresolved(out: &mut String, unresolved: &[Unresolved]) {
         let _ = writeln!(out, "unresolved serves: none");
         return;
     }
+    let (granted, ungranted): (Vec<&Unresolved>, Vec<&Unresolved>) =
+        unresolved.iter().partition(|u| u.granted);
+    if !ungranted.is_empty() {
+        let _ = writeln!(
+            out,
+            "unresolved serves without a grant (started, never ended; nothing to settle):"
+        );
+        for u in &ungranted {
+            let _ = writeln!(
+                out,
+                "  #{} request {} backend {} started {}",
+                u.authorised_seq,
+                short(&u.request_id),
+                u.backend,
+                mesh_protocol::capsule::format_timestamp(u.decided_at_ms)
+            );
+        }
+    }
+    if granted.is_empty() {
+        return;
+    }
     let _ = writeln!(
         out,
         "unresolved serves (authorised, never debited; held at their ceiling for an operator to settle):"
     );
-    for u in unresolved {
+    for u in granted {
         let _ = writeln!(
             out,
             "  #{} request {} caller {} backend {} ceiling {} µJ",

@@ -10,14 +10,16 @@
 //! cut from the end together with an older head (a rollback) stay invisible
 //! on disk, and the witness rule (a receipt the journal lacks) catches that.
 
+use std::cell::Cell;
 use std::fs::File;
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 
 use mesh_protocol::cbor::Cbor;
 use mesh_protocol::grant::Presentation;
 use mesh_protocol::mesh1::{ContentId, Energy, Provenance, ServeRequest};
 use mesh_protocol::{SigningKey, VerifyingKey};
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadOnlyDatabase, ReadableDatabase, ReadableTable, TableDefinition};
 use thiserror::Error;
 
 const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("journal_records");
@@ -29,6 +31,11 @@ const HEAD_DOMAIN: &[u8] = b"mesh-node journal head v1";
 /// Largest journal record accepted on read (a presentation of 8 grants plus
 /// the request is a few KiB).
 pub const MAX_RECORD_BYTES: usize = 256 * 1024;
+/// The largest envelope kept in a `sealed` record (it must fit a record).
+pub const MAX_KEPT_ENVELOPE_BYTES: usize = 192 * 1024;
+/// The database file and the lock file in a journal directory.
+pub const JOURNAL_FILE: &str = "journal.redb";
+pub const LOCK_FILE: &str = "journal.lock";
 
 /// One journal entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,10 +54,25 @@ pub enum Entry {
         energy: Energy,
         breach: Option<String>,
     },
-    /// A receipt, recorded before it is handed out.
+    /// A serve without a grant, written before its engine runs (so a serve
+    /// that dies is seen, and a journal that cannot be written refuses the
+    /// serve before any work).
+    Started {
+        request_id: ContentId,
+        model: Option<ContentId>,
+        backend: String,
+        started_at_ms: u64,
+    },
+    /// The engine of the ungranted serve at `started_seq` returned.
+    Ended { started_seq: u64, energy: Energy },
+    /// A receipt, recorded before it is handed out. `envelope` is the sealed
+    /// envelope itself (absent in journals from before it was kept, and for
+    /// an envelope over [`MAX_KEPT_ENVELOPE_BYTES`]), so the chain's last
+    /// envelope can be handed back after a restart.
     Sealed {
         sequence: u64,
         envelope_id: ContentId,
+        envelope: Option<Vec<u8>>,
     },
     /// The steward stopped honouring grants (a witness showed a receipt this
     /// journal lacks).
@@ -74,6 +96,12 @@ pub enum JournalError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "no journal in {0}: it holds no {JOURNAL_FILE} (give the directory a steward wrote its journal to)"
+    )]
+    NoJournal(PathBuf),
+    #[error("the journal in {path} is corrupt: {why}")]
+    Corrupt { path: PathBuf, why: String },
     #[error("journal storage: {0}")]
     Storage(String),
     #[error("journal record {seq} is malformed: {why}")]
@@ -86,6 +114,109 @@ fn storage<E: std::fmt::Display>(error: E) -> JournalError {
     JournalError::Storage(error.to_string())
 }
 
+thread_local! {
+    /// Set while [`guarded`] runs storage code on this thread: a panic there
+    /// is reported as a corrupt journal, so its default message is not printed.
+    static QUIET_PANICS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Run storage code over a journal file that may be corrupt. redb panics on
+/// some malformed files (a slice index taken from a flipped length); that
+/// panic is caught here and becomes [`JournalError::Corrupt`]. The panic
+/// hook is wrapped once so that it stays silent only on this thread and only
+/// while `work` runs; every other panic is reported as before.
+fn guarded<T>(
+    dir: &Path,
+    work: impl FnOnce() -> Result<T, JournalError>,
+) -> Result<T, JournalError> {
+    static WRAP_HOOK: std::sync::Once = std::sync::Once::new();
+    WRAP_HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !QUIET_PANICS.with(Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    let was_quiet = QUIET_PANICS.with(|q| q.replace(true));
+    let outcome = std::panic::catch_unwind(AssertUnwindSafe(work));
+    QUIET_PANICS.with(|q| q.set(was_quiet));
+    outcome.unwrap_or_else(|payload| {
+        let why = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "the storage layer failed on its contents".into());
+        let why = why.lines().next().unwrap_or_default();
+        Err(JournalError::Corrupt {
+            path: dir.join(JOURNAL_FILE),
+            why: format!("unreadable storage structure ({why}); restore it from a copy"),
+        })
+    })
+}
+
+/// Create `dir` and any missing parents owner-only (0700 on unix). An
+/// existing directory is left as it is.
+fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        builder.mode(0o700);
+    }
+    builder.create(dir)
+}
+
+/// Open (creating if need be) a journal file for reading and writing,
+/// owner-only (0600 on unix), tightening an existing file's mode.
+fn private_file(path: &Path) -> std::io::Result<File> {
+    let mut options = File::options();
+    options.read(true).write(true).create(true).truncate(false);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        options.mode(0o600);
+        let file = options.open(path)?;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+        Ok(file)
+    }
+    #[cfg(not(unix))]
+    options.open(path)
+}
+
+/// A private scratch directory, removed on drop (`journal inspect` repairs
+/// a copy of a journal that was not closed cleanly here, never the original).
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> std::io::Result<Self> {
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let path = std::env::temp_dir().join(format!(
+            "mesh-node-journal-{}-{n}-{nanos}",
+            std::process::id()
+        ));
+        let mut builder = std::fs::DirBuilder::new();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            builder.mode(0o700);
+        }
+        builder.create(&path)?;
+        Ok(Self(path))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 fn energy_cbor(energy: &Energy) -> Cbor {
     let mut fields = vec![
         ("estimated_uj", Cbor::Uint(energy.estimated_uj())),
@@ -95,6 +226,24 @@ fn energy_cbor(energy: &Energy) -> Cbor {
         fields.push(("measured_uj", Cbor::Uint(measured)));
     }
     Cbor::text_map(fields)
+}
+
+fn energy_from_cbor(value: &Cbor) -> Result<Energy, String> {
+    let energy = value.get("energy").ok_or("`energy`")?;
+    let provenance = energy
+        .get("provenance")
+        .and_then(Cbor::as_text)
+        .and_then(Provenance::parse)
+        .ok_or("`energy.provenance`")?;
+    Energy::from_parts(
+        energy.get("measured_uj").and_then(Cbor::as_uint),
+        energy
+            .get("estimated_uj")
+            .and_then(Cbor::as_uint)
+            .ok_or("`energy.estimated_uj`")?,
+        provenance,
+    )
+    .map_err(|e| e.to_string())
 }
 
 impl Entry {
@@ -134,14 +283,46 @@ impl Entry {
                 }
                 Cbor::text_map(fields)
             }
+            Entry::Started {
+                request_id,
+                model,
+                backend,
+                started_at_ms,
+            } => {
+                let mut fields = vec![
+                    ("kind", Cbor::text("started")),
+                    ("request_id", Cbor::bytes(request_id.to_vec())),
+                    ("backend", Cbor::text(backend)),
+                    ("started_at_ms", Cbor::Uint(*started_at_ms)),
+                ];
+                if let Some(model) = model {
+                    fields.push(("model", Cbor::bytes(model.to_vec())));
+                }
+                Cbor::text_map(fields)
+            }
+            Entry::Ended {
+                started_seq,
+                energy,
+            } => Cbor::text_map([
+                ("kind", Cbor::text("ended")),
+                ("started_seq", Cbor::Uint(*started_seq)),
+                ("energy", energy_cbor(energy)),
+            ]),
             Entry::Sealed {
                 sequence,
                 envelope_id,
-            } => Cbor::text_map([
-                ("kind", Cbor::text("sealed")),
-                ("sequence", Cbor::Uint(*sequence)),
-                ("envelope_id", Cbor::bytes(envelope_id.to_vec())),
-            ]),
+                envelope,
+            } => {
+                let mut fields = vec![
+                    ("kind", Cbor::text("sealed")),
+                    ("sequence", Cbor::Uint(*sequence)),
+                    ("envelope_id", Cbor::bytes(envelope_id.to_vec())),
+                ];
+                if let Some(envelope) = envelope {
+                    fields.push(("envelope", Cbor::bytes(envelope.clone())));
+                }
+                Cbor::text_map(fields)
+            }
             Entry::Halted { reason, at_ms } => Cbor::text_map([
                 ("kind", Cbor::text("halted")),
                 ("reason", Cbor::text(reason)),
@@ -180,34 +361,42 @@ impl Entry {
                 backend: text("backend")?.to_string(),
                 decided_at_ms: uint("decided_at_ms")?,
             }),
-            "debited" => {
-                let energy = value.get("energy").ok_or("`energy`")?;
-                let provenance = energy
-                    .get("provenance")
+            "debited" => Ok(Entry::Debited {
+                authorised_seq: uint("authorised_seq")?,
+                energy: energy_from_cbor(value)?,
+                breach: value
+                    .get("breach")
                     .and_then(Cbor::as_text)
-                    .and_then(Provenance::parse)
-                    .ok_or("`energy.provenance`")?;
-                Ok(Entry::Debited {
-                    authorised_seq: uint("authorised_seq")?,
-                    energy: Energy::from_parts(
-                        energy.get("measured_uj").and_then(Cbor::as_uint),
-                        energy
-                            .get("estimated_uj")
-                            .and_then(Cbor::as_uint)
-                            .ok_or("`energy.estimated_uj`")?,
-                        provenance,
-                    )
-                    .map_err(|e| e.to_string())?,
-                    breach: value
-                        .get("breach")
-                        .and_then(Cbor::as_text)
-                        .map(str::to_string),
+                    .map(str::to_string),
+            }),
+            "started" => Ok(Entry::Started {
+                request_id: id(value.get("request_id").ok_or("`request_id`")?)?,
+                model: value.get("model").map(id).transpose()?,
+                backend: text("backend")?.to_string(),
+                started_at_ms: uint("started_at_ms")?,
+            }),
+            "ended" => Ok(Entry::Ended {
+                started_seq: uint("started_seq")?,
+                energy: energy_from_cbor(value)?,
+            }),
+            "sealed" => {
+                let envelope_id = id(value.get("envelope_id").ok_or("`envelope_id`")?)?;
+                let envelope = value
+                    .get("envelope")
+                    .map(|e| e.as_bytes().map(<[u8]>::to_vec).ok_or("`envelope`"))
+                    .transpose()?;
+                if envelope
+                    .as_ref()
+                    .is_some_and(|e| <[u8; 32]>::from(blake3::hash(e)) != envelope_id)
+                {
+                    return Err("`envelope` is not the envelope `envelope_id` names".into());
+                }
+                Ok(Entry::Sealed {
+                    sequence: uint("sequence")?,
+                    envelope_id,
+                    envelope,
                 })
             }
-            "sealed" => Ok(Entry::Sealed {
-                sequence: uint("sequence")?,
-                envelope_id: id(value.get("envelope_id").ok_or("`envelope_id`")?)?,
-            }),
             "halted" => Ok(Entry::Halted {
                 reason: text("reason")?.to_string(),
                 at_ms: uint("at_ms")?,
@@ -277,13 +466,17 @@ impl Record {
 /// An open journal, held exclusively.
 #[derive(Debug)]
 pub struct Journal {
-    database: Database,
+    /// `None` only after a failed write, until the next append reopens it.
+    database: Option<Database>,
     key: SigningKey,
     _lock: File,
     dir: PathBuf,
     next_seq: u64,
     head: Option<ContentId>,
     fail_next_append: bool,
+    /// A write failed (a full disk, an I/O error): redb refuses every later
+    /// write on that handle, so the next append drops and reopens it.
+    reopen: bool,
 }
 
 impl Journal {
@@ -292,7 +485,7 @@ impl Journal {
     /// verified to form one chain under a head this key signed.
     pub fn open(dir: &Path, key: SigningKey) -> Result<(Self, Vec<Record>), JournalError> {
         let (database, lock) = Self::lock_and_open(dir)?;
-        let (records, head_key) = Self::read_all(&database)?;
+        let (records, head_key) = guarded(dir, || Self::read_all(&database))?;
         if head_key.is_some_and(|k| k != key.verifying_key()) {
             return Err(JournalError::Broken {
                 seq: records.len() as u64,
@@ -305,13 +498,14 @@ impl Journal {
         };
         Ok((
             Self {
-                database,
+                database: Some(database),
                 key,
                 _lock: lock,
                 dir: dir.to_path_buf(),
                 next_seq,
                 head,
                 fail_next_append: false,
+                reopen: false,
             },
             records,
         ))
@@ -319,10 +513,72 @@ impl Journal {
 
     /// Read a journal without a steward's key (for `journal inspect` while no
     /// steward runs): the chain and the head's signature are checked under
-    /// the key the head names. Refuses if a steward holds the journal.
+    /// the key the head names. Refuses if a steward holds the journal, and
+    /// refuses a directory without one ([`JournalError::NoJournal`]).
+    ///
+    /// Read-only: nothing in `dir` is created or written. A journal whose
+    /// steward died (so redb was not closed cleanly) needs redb's repair
+    /// before it can be read; that repair runs on a private copy.
     pub fn read(dir: &Path) -> Result<Vec<Record>, JournalError> {
-        let (database, _lock) = Self::lock_and_open(dir)?;
-        Self::read_all(&database).map(|(records, _)| records)
+        let path = dir.join(JOURNAL_FILE);
+        if !path.is_file() {
+            return Err(JournalError::NoJournal(dir.to_path_buf()));
+        }
+        let _lock = Self::lock_shared(dir)?;
+        guarded(dir, || match ReadOnlyDatabase::open(&path) {
+            Ok(database) => Self::read_all(&database),
+            Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
+                Err(JournalError::Locked(dir.to_path_buf()))
+            }
+            Err(redb::DatabaseError::RepairAborted) => Self::read_repaired_copy(dir, &path),
+            Err(error) => Err(storage(error)),
+        })
+        .map(|(records, _)| records)
+    }
+
+    /// Take the lock file shared, if there is one (a running steward holds
+    /// it exclusively). Opens it read-only; creates nothing.
+    fn lock_shared(dir: &Path) -> Result<Option<File>, JournalError> {
+        let io = |source| JournalError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        let lock = match File::open(dir.join(LOCK_FILE)) {
+            Ok(lock) => lock,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(io(error)),
+        };
+        match lock.try_lock_shared() {
+            Ok(()) => Ok(Some(lock)),
+            Err(std::fs::TryLockError::WouldBlock) => Err(JournalError::Locked(dir.to_path_buf())),
+            Err(std::fs::TryLockError::Error(error)) => Err(io(error)),
+        }
+    }
+
+    /// Copy an unclosed journal into a private scratch directory, let redb
+    /// repair the copy, and read that.
+    fn read_repaired_copy(
+        dir: &Path,
+        path: &Path,
+    ) -> Result<(Vec<Record>, Option<VerifyingKey>), JournalError> {
+        let io = |source| JournalError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        let scratch = Scratch::new().map_err(io)?;
+        let copy = scratch.0.join(JOURNAL_FILE);
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
+        }
+        let mut target = options.open(&copy).map_err(io)?;
+        std::io::copy(&mut File::open(path).map_err(io)?, &mut target).map_err(io)?;
+        drop(target);
+        let database = Database::open(&copy).map_err(storage)?;
+        Self::read_all(&database)
     }
 
     fn lock_and_open(dir: &Path) -> Result<(Database, File), JournalError> {
@@ -330,14 +586,8 @@ impl Journal {
             path: dir.to_path_buf(),
             source,
         };
-        std::fs::create_dir_all(dir).map_err(io)?;
-        let lock_path = dir.join("journal.lock");
-        let lock = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io)?;
+        create_private_dir(dir).map_err(io)?;
+        let lock = private_file(&dir.join(LOCK_FILE)).map_err(io)?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
@@ -345,13 +595,17 @@ impl Journal {
             }
             Err(std::fs::TryLockError::Error(error)) => return Err(io(error)),
         }
-        match Database::create(dir.join("journal.redb")) {
-            Ok(database) => Ok((database, lock)),
+        // Created (or tightened) owner-only before redb opens it: records
+        // hold request ids and presentations.
+        let file = private_file(&dir.join(JOURNAL_FILE)).map_err(io)?;
+        let database = guarded(dir, || match Database::builder().create_file(file) {
+            Ok(database) => Ok(database),
             Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
                 Err(JournalError::Locked(dir.to_path_buf()))
             }
             Err(error) => Err(storage(error)),
-        }
+        })?;
+        Ok((database, lock))
     }
 
     fn head_message(seq: u64, hash: &ContentId) -> Vec<u8> {
@@ -418,7 +672,9 @@ impl Journal {
         Ok(Some(key))
     }
 
-    fn read_all(database: &Database) -> Result<(Vec<Record>, Option<VerifyingKey>), JournalError> {
+    fn read_all(
+        database: &impl ReadableDatabase,
+    ) -> Result<(Vec<Record>, Option<VerifyingKey>), JournalError> {
         let read = database.begin_read().map_err(storage)?;
         let head = match read.open_table(HEAD) {
             Ok(table) => table
@@ -478,10 +734,14 @@ impl Journal {
             .map(|mut records| records.remove(0))
     }
 
-    /// Append several entries in one durable transaction (one fsync).
+    /// Append several entries in one durable transaction (one fsync). After
+    /// a failed write this first reopens the database (see [`Self::reopen`]).
     pub fn append_all(&mut self, entries: Vec<Entry>) -> Result<Vec<Record>, JournalError> {
         if std::mem::take(&mut self.fail_next_append) {
             return Err(JournalError::Storage("injected failure (test)".into()));
+        }
+        if self.reopen || self.database.is_none() {
+            self.reopen()?;
         }
         let mut records = Vec::with_capacity(entries.len());
         let (mut seq, mut prev) = (self.next_seq, self.head);
@@ -491,24 +751,62 @@ impl Journal {
             seq += 1;
             records.push(record);
         }
-        let write = self.database.begin_write().map_err(storage)?;
-        {
-            let mut table = write.open_table(RECORDS).map_err(storage)?;
-            for record in &records {
-                table
-                    .insert(record.seq, record.encode().as_slice())
-                    .map_err(storage)?;
+        let head = match (records.last(), prev) {
+            (Some(last), Some(hash)) => Some(self.encode_head(last.seq, &hash)),
+            _ => None,
+        };
+        let database = self.database.as_ref().ok_or_else(|| storage("not open"))?;
+        let written = guarded(&self.dir, || {
+            let write = database.begin_write().map_err(storage)?;
+            {
+                let mut table = write.open_table(RECORDS).map_err(storage)?;
+                for record in &records {
+                    table
+                        .insert(record.seq, record.encode().as_slice())
+                        .map_err(storage)?;
+                }
+                if let Some(head) = &head {
+                    let mut table = write.open_table(HEAD).map_err(storage)?;
+                    table.insert(0u64, head.as_slice()).map_err(storage)?;
+                }
             }
-            if let (Some(last), Some(hash)) = (records.last(), prev) {
-                let mut head = write.open_table(HEAD).map_err(storage)?;
-                head.insert(0u64, self.encode_head(last.seq, &hash).as_slice())
-                    .map_err(storage)?;
-            }
+            write.commit().map_err(storage)
+        });
+        if let Err(error) = written {
+            self.reopen = true;
+            return Err(error);
         }
-        write.commit().map_err(storage)?;
         self.next_seq = seq;
         self.head = prev;
         Ok(records)
+    }
+
+    /// Drop the database handle and open the file again, as after a failed
+    /// write (redb refuses every write on a handle that saw an I/O error,
+    /// so a freed disk would otherwise never be used again). The reopened
+    /// journal must end where this one believes it does; if the failed write
+    /// reached the disk after all, appends stay refused until a restart
+    /// replays the journal.
+    pub fn reopen(&mut self) -> Result<(), JournalError> {
+        self.reopen = true;
+        // redb holds its own lock on the file: release it before reopening.
+        self.database = None;
+        let dir = self.dir.clone();
+        let database = guarded(&dir, || {
+            Database::create(dir.join(JOURNAL_FILE)).map_err(storage)
+        })?;
+        let (records, _) = guarded(&dir, || Self::read_all(&database))?;
+        if records.len() as u64 != self.next_seq || records.last().map(Record::hash) != self.head {
+            return Err(JournalError::Storage(format!(
+                "after a failed write the journal holds {} record(s) where this steward confirmed {}; \
+                 restart the steward so it replays the journal",
+                records.len(),
+                self.next_seq
+            )));
+        }
+        self.database = Some(database);
+        self.reopen = false;
+        Ok(())
     }
 
     /// Make the next append fail, as a full or failing disk would (tests of

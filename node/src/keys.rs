@@ -33,8 +33,34 @@ pub fn generate(path: &Path) -> anyhow::Result<SigningKey> {
     Ok(SigningKey::from_bytes(&seed))
 }
 
-/// Load a key file.
+/// Why a key file's permissions are unsafe, if they are: anyone in its
+/// group or beyond can read it (the seed is the node's whole identity).
+pub fn permission_warning(path: &Path) -> Option<String> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+        (mode & 0o077 != 0).then(|| {
+            format!(
+                "warning: key file {} is readable by others than its owner (mode {mode:04o}); \
+                 anyone who can read it can act as this node. Fix with: chmod 600 {}",
+                path.display(),
+                path.display()
+            )
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
+}
+
+/// Load a key file; warns on stderr when its permissions let others read it.
 pub fn load(path: &Path) -> anyhow::Result<SigningKey> {
+    if let Some(warning) = permission_warning(path) {
+        eprintln!("mesh-node: {warning}");
+    }
     let text = std::fs::read_to_string(path).with_context(|| {
         format!(
             "cannot read key file {} (create one with `mesh-node keygen --out {}`)",

@@ -242,6 +242,28 @@ enum BenchTarget {
 /// Exit status for input that cannot be read.
 const EXIT_UNREADABLE: u8 = 2;
 
+/// The largest file `verify` reads: the largest JSON document it accepts
+/// (an envelope, raw or as hex, is far smaller).
+const MAX_VERIFY_BYTES: usize = mesh_protocol::json::MAX_JSON_BYTES;
+
+/// Read a file for `verify`, at most `MAX_VERIFY_BYTES` + 1 bytes of it, so
+/// a huge file is refused without being read.
+fn read_bounded(path: &Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let shown = path.display();
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_VERIFY_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read {shown}: {e}"))?;
+    if bytes.len() > MAX_VERIFY_BYTES {
+        return Err(format!(
+            "{shown} is too large (over {MAX_VERIFY_BYTES} bytes); nothing mesh-node writes is that big"
+        ));
+    }
+    Ok(bytes)
+}
+
 /// A mesh/1 envelope given as raw CBOR (tag 18 first) or as hex text.
 fn as_envelope(bytes: &[u8]) -> Option<Vec<u8>> {
     if bytes.first() == Some(&0xd2) {
@@ -269,8 +291,7 @@ fn verify_envelope(shown: &str, envelope: &[u8], prev: Option<&Path>, as_json: b
     let link = match prev {
         None => None,
         Some(path) => {
-            let previous = std::fs::read(path)
-                .map_err(|e| format!("cannot read {}: {e}", path.display()))
+            let previous = read_bounded(path)
                 .and_then(|b| {
                     as_envelope(&b).ok_or(format!("{} is not a mesh/1 envelope", path.display()))
                 })
@@ -313,10 +334,10 @@ fn verify_envelope(shown: &str, envelope: &[u8], prev: Option<&Path>, as_json: b
 
 fn verify(file: &Path, prev: Option<&Path>, as_json: bool) -> ExitCode {
     let shown = file.display().to_string();
-    let bytes = match std::fs::read(file) {
+    let bytes = match read_bounded(file) {
         Ok(bytes) => bytes,
         Err(error) => {
-            eprintln!("mesh-node verify: cannot read {shown}: {error}");
+            eprintln!("mesh-node verify: {error}");
             return ExitCode::from(EXIT_UNREADABLE);
         }
     };

@@ -14,7 +14,7 @@ use mesh_protocol::mesh1::{
 use thiserror::Error;
 
 use crate::energy::{EnergyMeter, MeterSpan};
-use crate::journal::{Entry, Journal, JournalError, Record};
+use crate::journal::{Entry, Journal, JournalError, MAX_KEPT_ENVELOPE_BYTES, Record};
 
 #[derive(Debug, Error)]
 pub enum StewardError {
@@ -34,11 +34,15 @@ pub enum StewardError {
     WeightsChanged,
 }
 
-/// A serve that was authorised and never debited: in flight when the
-/// steward stopped. It stays debited at its ceiling for an operator to settle.
+/// A serve that started and never finished: in flight when the steward
+/// stopped. A granted one was authorised and never debited, and stays
+/// debited at its ceiling for an operator to settle; an ungranted one
+/// (`granted: false`, no caller, ceiling 0) was started and never ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unresolved {
+    /// The record that authorised (or, ungranted, started) the serve.
     pub authorised_seq: u64,
+    pub granted: bool,
     pub caller: String,
     pub backend: String,
     pub request_id: ContentId,
@@ -50,6 +54,8 @@ pub struct Unresolved {
 #[derive(Debug)]
 pub struct ServeTicket {
     authorisation: Option<(u64, Authorisation)>,
+    /// For a serve without a grant: the seq of its `started` record.
+    started: Option<u64>,
     model: Option<ContentId>,
     span: Option<MeterSpan>,
     /// The span's energy when the engine last finished a step.
@@ -89,6 +95,7 @@ pub struct Steward {
     meter: Box<dyn EnergyMeter>,
     next_sequence: u64,
     prev_envelope: Option<ContentId>,
+    last_envelope: Option<Vec<u8>>,
     sealed: std::collections::BTreeMap<u64, ContentId>,
     unresolved: Vec<Unresolved>,
 }
@@ -99,6 +106,8 @@ pub struct Replay {
     pub gate: GrantGate,
     pub next_sequence: u64,
     pub prev_envelope: Option<ContentId>,
+    /// The last sealed envelope, when the journal kept it.
+    pub last_envelope: Option<Vec<u8>>,
     pub sealed: std::collections::BTreeMap<u64, ContentId>,
     pub unresolved: Vec<Unresolved>,
 }
@@ -110,8 +119,10 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
     let mut gate = GrantGate::new(steward_did);
     let mut pending: std::collections::BTreeMap<u64, (Authorisation, String, u64)> =
         Default::default();
+    let mut started: std::collections::BTreeMap<u64, (ContentId, String, u64)> = Default::default();
     let mut next_sequence = 0u64;
     let mut prev_envelope = None;
+    let mut last_envelope = None;
     let mut sealed = std::collections::BTreeMap::new();
     for record in records {
         let foreign = |why: String| StewardError::ForeignJournal {
@@ -147,9 +158,25 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
                 })?;
                 gate.debit(&authorisation, energy.uj());
             }
+            Entry::Started {
+                request_id,
+                backend,
+                started_at_ms,
+                ..
+            } => {
+                started.insert(record.seq, (*request_id, backend.clone(), *started_at_ms));
+            }
+            Entry::Ended { started_seq, .. } => {
+                started.remove(started_seq).ok_or_else(|| {
+                    foreign(format!(
+                        "an end for {started_seq}, which is not an open ungranted serve"
+                    ))
+                })?;
+            }
             Entry::Sealed {
                 sequence,
                 envelope_id,
+                envelope,
             } => {
                 if *sequence != next_sequence {
                     return Err(foreign(format!(
@@ -158,6 +185,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
                 }
                 sealed.insert(*sequence, *envelope_id);
                 prev_envelope = Some(*envelope_id);
+                last_envelope = envelope.clone();
                 next_sequence += 1;
             }
             Entry::Halted { reason, .. } => gate.halt(reason.clone()),
@@ -168,6 +196,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
         gate.debit(&authorisation, authorisation.ceiling_uj);
         unresolved.push(Unresolved {
             authorised_seq: seq,
+            granted: true,
             caller: authorisation.caller.clone(),
             backend,
             request_id: authorisation.request_id,
@@ -175,10 +204,23 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
             decided_at_ms,
         });
     }
+    for (seq, (request_id, backend, started_at_ms)) in started {
+        unresolved.push(Unresolved {
+            authorised_seq: seq,
+            granted: false,
+            caller: String::new(),
+            backend,
+            request_id,
+            ceiling_uj: 0,
+            decided_at_ms: started_at_ms,
+        });
+    }
+    unresolved.sort_by_key(|u| u.authorised_seq);
     Ok(Replay {
         gate,
         next_sequence,
         prev_envelope,
+        last_envelope,
         sealed,
         unresolved,
     })
@@ -202,6 +244,7 @@ impl Steward {
             meter,
             next_sequence: replayed.next_sequence,
             prev_envelope: replayed.prev_envelope,
+            last_envelope: replayed.last_envelope,
             sealed: replayed.sealed,
             unresolved: replayed.unresolved,
         })
@@ -225,6 +268,13 @@ impl Steward {
     pub fn prev_envelope(&self) -> Option<ContentId> {
         self.prev_envelope
     }
+    /// The last receipt envelope this steward sealed (its bytes), kept in
+    /// the journal so it survives a restart: what a bundle shows as the
+    /// previous envelope for the chain link. `None` before the first
+    /// receipt, or when the journal predates kept envelopes.
+    pub fn last_envelope(&self) -> Option<Vec<u8>> {
+        self.last_envelope.clone()
+    }
     pub fn halted(&self) -> Option<&str> {
         self.gate.halted()
     }
@@ -236,8 +286,10 @@ impl Steward {
     }
 
     /// Phase one, before any work: decide the grant (when there is one) and
-    /// journal the decision. A decision that cannot be journalled is undone
-    /// and the serve refused.
+    /// journal the decision; a serve without a grant is journalled as
+    /// started. Either way a journal that cannot take the write refuses the
+    /// serve here ([`StewardError::NotJournalled`]), before any work, and a
+    /// decision that cannot be journalled is undone.
     pub fn authorise(
         &mut self,
         presentation: Option<&Presentation>,
@@ -247,8 +299,18 @@ impl Steward {
         now_ms: u64,
     ) -> Result<ServeTicket, StewardError> {
         let Some(presentation) = presentation else {
+            let record = self
+                .journal
+                .append(Entry::Started {
+                    request_id: request.request_id(),
+                    model,
+                    backend: backend.to_string(),
+                    started_at_ms: now_ms,
+                })
+                .map_err(StewardError::NotJournalled)?;
             return Ok(ServeTicket {
                 authorisation: None,
+                started: Some(record.seq),
                 model,
                 span: None,
                 mark: None,
@@ -268,6 +330,7 @@ impl Steward {
         match self.journal.append(entry) {
             Ok(record) => Ok(ServeTicket {
                 authorisation: Some((record.seq, authorisation)),
+                started: None,
                 model,
                 span: None,
                 mark: None,
@@ -340,7 +403,15 @@ impl Steward {
                 })?;
                 Some(debit)
             }
-            None => None,
+            None => {
+                if let Some(started_seq) = ticket.started.take() {
+                    self.journal.append(Entry::Ended {
+                        started_seq,
+                        energy,
+                    })?;
+                }
+                None
+            }
         };
         if weights_changed {
             return Err(StewardError::WeightsChanged);
@@ -360,15 +431,19 @@ impl Steward {
         receipt.steward = self.did.clone();
         let sealed = receipt.seal(&self.key)?;
         let envelope_id = sealed.envelope_id();
+        let kept =
+            (sealed.envelope.len() <= MAX_KEPT_ENVELOPE_BYTES).then(|| sealed.envelope.clone());
         self.journal
             .append(Entry::Sealed {
                 sequence: receipt.sequence,
                 envelope_id,
+                envelope: kept.clone(),
             })
             .map_err(StewardError::SealNotJournalled)?;
         self.sealed.insert(receipt.sequence, envelope_id);
         self.next_sequence += 1;
         self.prev_envelope = Some(envelope_id);
+        self.last_envelope = kept;
         Ok(sealed)
     }
 
