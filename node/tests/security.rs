@@ -72,6 +72,10 @@ impl<'a> Setup<'a> {
     }
 
     async fn start(self) -> Node {
+        self.try_start().await.unwrap()
+    }
+
+    async fn try_start(self) -> anyhow::Result<Node> {
         Node::start(NodeOptions {
             key: self.key,
             listen: "127.0.0.1:0".parse().unwrap(),
@@ -90,7 +94,6 @@ impl<'a> Setup<'a> {
             meter: Box::new(EstimatorMeter::default()),
         })
         .await
-        .unwrap()
     }
 }
 
@@ -855,4 +858,47 @@ async fn an_idle_slice_is_freed_and_assigned_again_when_needed() {
             "round {round}: an idle slice is still held"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_receipt_chain_link_survives_a_coordinator_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (a, b, c) = three_nodes(&model, dir.path()).await;
+    let peers = vec![b.peer_addr(), c.peer_addr()];
+    let first = ask(&a.peer_addr(), &request("before", 2, None))
+        .await
+        .unwrap();
+    let envelope = |summary: &GenerateSummary, member: &str| {
+        summary.bundle.as_ref().unwrap()[member]
+            .as_str()
+            .map(|hex| mesh_protocol::hex::decode(hex).unwrap())
+    };
+    let before = envelope(&first, "mesh1_envelope").unwrap();
+    a.shutdown().await;
+    // Start again on the same journal once the old node has let go of it.
+    let started = std::time::Instant::now();
+    let a = loop {
+        let mut again = Setup::new(&model, dir.path().join("a"), key(1));
+        again.peers = peers.clone();
+        match again.try_start().await {
+            Ok(node) => break node,
+            Err(error) if started.elapsed() < Duration::from_secs(20) => {
+                let _ = error;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(error) => panic!("{error:#}"),
+        }
+    };
+    let second = ask(&a.peer_addr(), &request("after", 2, None))
+        .await
+        .unwrap();
+    let previous = envelope(&second, "mesh1_prev_envelope")
+        .expect("the first bundle after a restart carries the previous envelope");
+    assert_eq!(previous, before);
+    let sealed =
+        mesh_protocol::mesh1::SealedReceipt::verify(&envelope(&second, "mesh1_envelope").unwrap())
+            .unwrap();
+    let linked = mesh_protocol::mesh1::SealedReceipt::verify(&previous).unwrap();
+    assert_eq!(sealed.receipt.prev, Some(linked.envelope_id()));
 }

@@ -379,7 +379,10 @@ async fn serve_request(
                 "mesh-node/split",
                 now_ms(),
             )
-            .map_err(|error| anyhow!("grant refused at the coordinator: {error}"))?,
+            .map_err(|error| match own_presentation {
+                Some(_) => anyhow!("grant refused at the coordinator: {error}"),
+                None => anyhow!("the coordinator cannot take the request: {error}"),
+            })?,
     );
     for (k, peer) in inner.peers.iter().enumerate() {
         let Some(presentation) = presentations.get(k + 1).cloned().flatten() else {
@@ -773,9 +776,13 @@ async fn serve_request(
         steward: String::new(),
         split: Some(canonical_bytes(&sealed.receipt.to_value())),
     };
-    let previous_envelope = lock(&inner.last_envelope).clone();
-    let envelope = lock(&inner.steward).seal(receipt)?;
-    *lock(&inner.last_envelope) = Some(envelope.envelope.clone());
+    // The previous envelope is the steward's (kept in its journal, so the
+    // chain link survives a restart), read under the same lock as the seal.
+    let (previous_envelope, envelope) = {
+        let mut steward = lock(&inner.steward);
+        let previous = steward.last_envelope();
+        (previous, steward.seal(receipt)?)
+    };
 
     let mut bundle = sealed.bundle();
     if let serde_json::Value::Object(map) = &mut bundle {

@@ -293,9 +293,8 @@ struct Inner {
     coordinator_term: u64,
     /// Grant decisions taken ahead of a request's chain, by request id.
     tickets: Mutex<HashMap<u64, PreDecided>>,
-    /// The coordinator's record chain head and last receipt envelope.
+    /// The coordinator's record chain head.
     chain_head: Mutex<Option<[u8; 32]>>,
-    last_envelope: Mutex<Option<Vec<u8>>>,
 }
 
 /// A running node.
@@ -374,7 +373,6 @@ impl Node {
             coordinator_term: now_ms(),
             tickets: Mutex::new(HashMap::new()),
             chain_head: Mutex::new(None),
-            last_envelope: Mutex::new(None),
         });
         let accept = tokio::spawn(accept_loop(inner.clone()));
         tokio::spawn(release_idle_slices(Arc::downgrade(&inner)));
