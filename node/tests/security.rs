@@ -4,6 +4,7 @@
 //! before its fix.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mesh_node::energy::EstimatorMeter;
@@ -54,6 +55,7 @@ struct Setup<'a> {
     max_slices: usize,
     slice_idle: Duration,
     step_timeout: Duration,
+    return_mode: ReturnMode,
 }
 
 impl<'a> Setup<'a> {
@@ -67,6 +69,7 @@ impl<'a> Setup<'a> {
             max_requests: 4,
             max_slices: 2,
             slice_idle: Duration::from_secs(600),
+            return_mode: ReturnMode::Relayed,
             step_timeout: Duration::from_secs(20),
         }
     }
@@ -89,7 +92,7 @@ impl<'a> Setup<'a> {
             stage_seal_deadline: Duration::from_millis(500),
             step_timeout: self.step_timeout,
             max_requests: self.max_requests,
-            return_mode: ReturnMode::Relayed,
+            return_mode: self.return_mode,
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter::default()),
         })
@@ -461,6 +464,16 @@ async fn refused_requests_leave_no_collector_slot_behind() {
 /// A stand-in stage 2 that accepts its assignment and every request, and
 /// never answers a step: requests through it stall until it is closed.
 async fn stalling_stage(key: &SigningKey) -> (quinn::Endpoint, PeerAddr) {
+    let (endpoint, peer, _) = observed_stalling_stage(key).await;
+    (endpoint, peer)
+}
+
+/// The stalling stage, and the ids of the requests opened on it.
+async fn observed_stalling_stage(
+    key: &SigningKey,
+) -> (quinn::Endpoint, PeerAddr, Arc<Mutex<Vec<u64>>>) {
+    let opened = Arc::new(Mutex::new(Vec::new()));
+    let seen = opened.clone();
     tls::install_provider();
     let identity = TlsIdentity::new(key).unwrap();
     let endpoint = quinn::Endpoint::server(
@@ -479,11 +492,13 @@ async fn stalling_stage(key: &SigningKey) -> (quinn::Endpoint, PeerAddr) {
     let accepting = endpoint.clone();
     tokio::spawn(async move {
         while let Some(incoming) = accepting.accept().await {
+            let seen = seen.clone();
             tokio::spawn(async move {
                 let Ok(connection) = incoming.await else {
                     return;
                 };
                 while let Ok((mut send, mut recv)) = connection.accept_bi().await {
+                    let seen = seen.clone();
                     tokio::spawn(async move {
                         let mut held = Vec::new();
                         while let Ok(Some(frame)) = msg::read(
@@ -494,6 +509,11 @@ async fn stalling_stage(key: &SigningKey) -> (quinn::Endpoint, PeerAddr) {
                         )
                         .await
                         {
+                            if let Ok((msg::kind::OPEN, request_id, _, _)) =
+                                msg::parse_stage(&frame)
+                            {
+                                seen.lock().unwrap().push(request_id);
+                            }
                             if let Ok(message) = Cbor::decode(&frame[4..])
                                 && message.get("kind").and_then(Cbor::as_text) == Some("assign")
                             {
@@ -508,7 +528,7 @@ async fn stalling_stage(key: &SigningKey) -> (quinn::Endpoint, PeerAddr) {
             });
         }
     });
-    (endpoint, peer)
+    (endpoint, peer, opened)
 }
 
 /// A root grant of `budget_uj` to a holder, sharded evenly over the
@@ -901,4 +921,64 @@ async fn the_receipt_chain_link_survives_a_coordinator_restart() {
             .unwrap();
     let linked = mesh_protocol::mesh1::SealedReceipt::verify(&previous).unwrap();
     assert_eq!(sealed.receipt.prev, Some(linked.envelope_id()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_final_stage_may_open_the_direct_return() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (ka, kb) = (key(1), key(2));
+    let (stall, c, opened) = observed_stalling_stage(&key(3)).await;
+    let mut b = Setup::new(&model, dir.path().join("b"), kb);
+    b.coordinators = vec![public(&ka)];
+    let b = b.start().await;
+    let mut a = Setup::new(&model, dir.path().join("a"), ka);
+    a.peers = vec![b.peer_addr(), c];
+    a.return_mode = ReturnMode::Direct;
+    let a = a.start().await;
+    let coordinator = a.peer_addr();
+    let asked =
+        tokio::spawn(async move { ask(&coordinator, &request("whose logits?", 4, None)).await });
+    // The request id reaches the final stage in its OPEN (and every bundle).
+    let started = std::time::Instant::now();
+    let request_id = loop {
+        if let Some(id) = opened.lock().unwrap().first().copied() {
+            break id;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "no OPEN");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // A stranger opens the direct return and sends logits of its choosing.
+    let vocab = mesh_stage::ModelHandle::open(&model)
+        .unwrap()
+        .config()
+        .vocab;
+    let mut chosen = vec![0f32; vocab];
+    chosen[7] = 1e9;
+    let payload: Vec<u8> = chosen.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let stranger = TlsIdentity::new(&key(9)).unwrap();
+    let (_endpoint, connection) = connect(&stranger, &a.peer_addr(), ALPN_STAGE)
+        .await
+        .unwrap();
+    let (mut send, _recv) = connection.open_bi().await.unwrap();
+    for (kind, body) in [
+        (msg::kind::DIRECT_OPEN, Vec::new()),
+        (msg::kind::LOGITS, payload),
+    ] {
+        let _ = msg::write(
+            &mut send,
+            &msg::stage_body(kind, request_id, 0, &body),
+            None,
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stall.close(0u32.into(), b"gone");
+    let summary = asked.await.unwrap().unwrap();
+    assert_eq!(
+        summary.details["generated_tokens"], 0,
+        "the stranger's logits were sampled: {:#}",
+        summary.details
+    );
+    assert!(summary.error.is_some());
 }

@@ -254,6 +254,15 @@ fn three_processes_serve_smollm2_in_both_return_modes() {
 
 #[test]
 fn a_stage_killed_mid_request_ends_it_cleanly() {
+    stage_killed_mid_request("relayed");
+}
+
+#[test]
+fn a_stage_killed_mid_request_ends_it_cleanly_in_direct_mode() {
+    stage_killed_mid_request("direct");
+}
+
+fn stage_killed_mid_request(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
     let serves = ["--coordinator".to_string(), node_id(dir.path(), "coord")];
@@ -265,7 +274,7 @@ fn a_stage_killed_mid_request_ends_it_cleanly() {
         "coord",
         &model,
         &[&b.peer, &c.peer],
-        &["--deadline-ms", "500"],
+        &["--deadline-ms", "500", "--return-mode", mode],
         &[],
     );
     let bundle = dir.path().join("bundle.json");
@@ -307,7 +316,7 @@ fn a_stage_killed_mid_request_ends_it_cleanly() {
     };
     // A lost stage is noticed by the connection, not by the step timeout.
     let noticed = started.elapsed();
-    eprintln!("the requester learned of the loss after {noticed:?}");
+    eprintln!("{mode}: the requester learned of the loss after {noticed:?}");
     assert!(
         // connection idle timeout 2 s + seal deadline 0.5 s + stats 0.75 s
         noticed < Duration::from_secs(7),

@@ -499,36 +499,39 @@ async fn serve_request(
                         reply
                     }
                     ReturnMode::Direct => {
-                        if direct.is_none() {
-                            let waiter = direct_waiter
-                                .take()
-                                .context("the direct-return waiter is gone")?;
-                            let (_send, recv, opening_frame) =
-                                tokio::time::timeout(inner.step_timeout, waiter)
-                                    .await
-                                    .context(
-                                        "timed out waiting for the final stage's direct return",
-                                    )?
-                                    .context("the direct return was never opened")?;
-                            if let Some(fold) = lanes.direct_received.as_mut() {
-                                folds.time(|| fold.push_frame(&opening_frame));
-                            }
-                            direct = Some(recv);
-                        }
-                        let Some(stream) = direct.as_mut() else {
-                            bail!("the direct return is unavailable")
+                        // Stage 1 writes on its own stream only to say why it
+                        // stopped; watching it ends the wait when the chain
+                        // breaks, instead of at the step timeout.
+                        let arrived = tokio::select! {
+                            reply = next_direct(
+                                &mut direct,
+                                &mut direct_waiter,
+                                inner.step_timeout,
+                            ) => Arrived::Direct(reply?),
+                            watched = msg::read(
+                                &mut recv,
+                                msg::MAX_STAGE_MESSAGE,
+                                inner.step_timeout,
+                                None,
+                            ) => Arrived::FromStage1(watched),
                         };
-                        let reply =
-                            msg::read(stream, msg::MAX_STAGE_MESSAGE, inner.step_timeout, None)
-                                .await
-                                .map_err(|e| {
-                                    step_failure(e, "the final stage", inner.step_timeout)
-                                })?
-                                .context("the final stage closed the direct return")?;
-                        if let Some(fold) = lanes.direct_received.as_mut() {
-                            folds.time(|| fold.push_frame(&reply));
+                        match arrived {
+                            Arrived::Direct((opening, reply)) => {
+                                if let Some(fold) = lanes.direct_received.as_mut() {
+                                    for frame in opening.iter().chain([&reply]) {
+                                        folds.time(|| fold.push_frame(frame));
+                                    }
+                                }
+                                reply
+                            }
+                            Arrived::FromStage1(watched) => {
+                                let frame = watched
+                                    .map_err(|e| step_failure(e, "stage 1", inner.step_timeout))?
+                                    .context("stage 1 closed the request")?;
+                                folds.time(|| lanes.down_replies_received.push_frame(&frame));
+                                frame
+                            }
                         }
-                        reply
                     }
                 };
                 round_trips += trip.elapsed();
@@ -877,6 +880,43 @@ async fn serve_request(
     ]);
     msg::write_cbor(requester, &done).await?;
     Ok(())
+}
+
+/// What ended a direct-mode wait for a step's reply.
+enum Arrived {
+    /// The final stage's message (and its opening frame, the first time).
+    Direct((Option<Vec<u8>>, Vec<u8>)),
+    /// Stage 1's stream said something, or closed.
+    FromStage1(anyhow::Result<Option<Vec<u8>>>),
+}
+
+/// The final stage's next direct-return message, waiting first for the
+/// stream to be opened: (its opening frame when it just was, the message).
+async fn next_direct(
+    direct: &mut Option<quinn::RecvStream>,
+    waiter: &mut Option<oneshot::Receiver<DirectStream>>,
+    step_timeout: Duration,
+) -> anyhow::Result<(Option<Vec<u8>>, Vec<u8>)> {
+    let mut opening = None;
+    if direct.is_none() {
+        let waiter = waiter
+            .as_mut()
+            .context("the direct-return waiter is gone")?;
+        let (_send, recv, opening_frame) = tokio::time::timeout(step_timeout, waiter)
+            .await
+            .context("timed out waiting for the final stage's direct return")?
+            .context("the direct return was never opened")?;
+        *direct = Some(recv);
+        opening = Some(opening_frame);
+    }
+    let stream = direct
+        .as_mut()
+        .context("the direct return is unavailable")?;
+    let reply = msg::read(stream, msg::MAX_STAGE_MESSAGE, step_timeout, None)
+        .await
+        .map_err(|e| step_failure(e, "the final stage", step_timeout))?
+        .context("the final stage closed the direct return")?;
+    Ok((opening, reply))
 }
 
 /// Prompt positions per prefill step.

@@ -254,6 +254,9 @@ pub const PRE_DECIDED_TTL: Duration = Duration::from_secs(60);
 /// Largest first message of a `mesh-stage/1` stream (OPEN or DIRECT_OPEN),
 /// read before the sender is checked.
 pub const MAX_STAGE_OPEN: usize = 4096;
+/// How long a direct-mode stage watches its downstream's stream in one wait
+/// for upstream (that wait has the step timeout; this one never ends first).
+const WATCH_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
 /// How a FAILED reply starts when a steward stopped its part of a serve at
 /// the request's energy ceiling (the serve's terminal state).
 pub const POLICY_DENIED: &str = "policy_denied";
@@ -1126,13 +1129,29 @@ async fn handle_stage(
             direct = Some(send);
         }
         loop {
-            let read = msg::read(
+            let upstream = msg::read(
                 &mut up_recv,
                 msg::MAX_STAGE_MESSAGE,
                 inner.step_timeout,
                 None,
-            )
-            .await;
+            );
+            // In direct mode replies skip this stage, so its downstream writes
+            // to it only to say why it stopped: watch for that (or for the
+            // stream closing) while waiting for upstream.
+            let read = match (return_mode, down.as_mut()) {
+                (ReturnMode::Direct, Some((_, down_recv))) => tokio::select! {
+                    read = upstream => read,
+                    said = msg::read(down_recv, msg::MAX_STAGE_MESSAGE, WATCH_TIMEOUT, None) => {
+                        let frame = said?.with_context(|| format!("stage {} closed the request", k + 1))?;
+                        if let Some(received) = lanes.down_replies_received.as_mut() {
+                            folds.time(|| received.push_frame(&frame));
+                        }
+                        let (_, _, _, reason) = msg::parse_stage(&frame)?;
+                        bail!("{}", String::from_utf8_lossy(reason));
+                    }
+                },
+                _ => upstream.await,
+            };
             let frame = match read {
                 Ok(Some(frame)) => frame,
                 Ok(None) => {
@@ -1186,7 +1205,7 @@ async fn handle_stage(
                                 send_frame(send, &bytes, fold, &mut folds, "on the direct return")
                                     .await?
                             }
-                            _ if return_mode == ReturnMode::Relayed => {
+                            _ => {
                                 send_frame(
                                     &mut up_send,
                                     &bytes,
@@ -1196,7 +1215,6 @@ async fn handle_stage(
                                 )
                                 .await?
                             }
-                            _ => {}
                         }
                         upstream_told = true;
                         bail!("{reason}");
@@ -1297,13 +1315,15 @@ async fn handle_stage(
         eprintln!("mesh-node: stage {k} request {request_id}: {error:#}");
         // Upstream is still waiting for this step's reply: say why there is
         // none (a relayed reply is read, and folded, by the node before).
-        if return_mode == ReturnMode::Relayed && !upstream_gone && !upstream_told {
-            let body = msg::stage_body(
-                kind::FAILED,
-                request_id,
-                stats.steps,
-                format!("stage {k}: {error:#}").as_bytes(),
-            );
+        if !upstream_gone && !upstream_told {
+            // A steward's stop keeps its `policy_denied` prefix on the way up.
+            let reason = format!("{error:#}");
+            let reason = if reason.starts_with(POLICY_DENIED) {
+                reason
+            } else {
+                format!("stage {k}: {reason}")
+            };
+            let body = msg::stage_body(kind::FAILED, request_id, stats.steps, reason.as_bytes());
             if let Ok(bytes) = msg::frame(&body) {
                 let _ = send_frame(
                     &mut up_send,
