@@ -636,7 +636,7 @@ async fn busy_refusals_release_their_grants(coordinator_max: usize, stage_max: u
 
     for n in 0..12 {
         let prompt = format!("granted {n}");
-        let mut granted = granted(&shards, &holder, &prompt, 4, 1_000_000);
+        let mut granted = granted(&shards, &holder, &prompt, 4, 20_000_000);
         granted.presentations[2].clear(); // the stand-in stage decides nothing
         let outcome = ask(&a.peer_addr(), &request(&prompt, 4, Some(granted))).await;
         let said = match outcome {

@@ -60,8 +60,12 @@ fn serve(
 ) -> Served {
     let key = keygen(dir, name);
     let mut command = Command::new(bin());
+    command.arg("serve");
+    if !extra.contains(&"--listen") {
+        command.args(["--listen", "127.0.0.1:0"]);
+    }
     command
-        .args(["serve", "--listen", "127.0.0.1:0", "--key"])
+        .arg("--key")
         .arg(&key)
         .arg("--model")
         .arg(model)
@@ -502,4 +506,33 @@ fn grant_shards_are_enforced_by_every_steward() {
         refusal.contains("grant refused") && refusal.contains("budget"),
         "{refusal}"
     );
+}
+
+#[test]
+fn a_restarted_stage_is_assigned_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let serves = ["--coordinator".to_string(), node_id(dir.path(), "coord")];
+    let serves: Vec<&str> = serves.iter().map(String::as_str).collect();
+    let b = serve(dir.path(), "b", &model, &[], &serves, &[]);
+    let c = serve(dir.path(), "c", &model, &[], &serves, &[]);
+    let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
+    let bundle = dir.path().join("bundle.json");
+    let (ok, value) = remote(&coordinator.peer, "before the restart", 4, &bundle);
+    assert!(ok, "{value:#}");
+    // Stage 2 restarts on the same key and address, holding no slice.
+    let address = c.peer.rsplit_once('@').unwrap().1.to_string();
+    drop(c);
+    let mut restarted = serves.clone();
+    restarted.extend(["--listen", &address]);
+    let c = serve(dir.path(), "c", &model, &[], &restarted, &[]);
+    // The request that meets the restart may fail (stage 1 still holds its
+    // connection to the dead process, or the new one holds no slice); the
+    // coordinator then assigns again, and the next request is served.
+    let (ok, _) = remote(&coordinator.peer, "meets the restart", 4, &bundle);
+    if !ok {
+        let (ok, value) = remote(&coordinator.peer, "after the restart", 4, &bundle);
+        assert!(ok, "{value:#}");
+    }
+    drop(c);
 }

@@ -632,8 +632,11 @@ async fn serve_request(
     };
     let decode_time = started.elapsed().saturating_sub(prefill_time);
     run.own.touch();
-    if failure.as_deref().is_some_and(|f| f.contains(NO_SLICE)) {
-        inner.forget_run(&run_id).await;
+    if matches!(
+        terminal,
+        TerminalState::TransportError | TerminalState::TimedOut
+    ) {
+        run.stale.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     held.release_cache();
     let ticket = held

@@ -233,6 +233,9 @@ struct Run {
     /// Assignments are sent again before a request once the run has been
     /// unused this long: half the shortest time a stage keeps an idle slice.
     refresh_after: Duration,
+    /// Assignments are sent again before the next request: one failed, so a
+    /// stage may have restarted without its slice.
+    stale: std::sync::atomic::AtomicBool,
 }
 
 type DirectStream = (quinn::SendStream, quinn::RecvStream, Vec<u8>);
@@ -265,7 +268,8 @@ pub const DEFAULT_MAX_SLICES: usize = 2;
 /// How long a stage keeps a slice no request uses, unless configured.
 pub const DEFAULT_SLICE_IDLE: Duration = Duration::from_secs(15 * 60);
 /// What a stage answers for a run whose slice it does not hold (never
-/// assigned, replaced, or freed as idle): the coordinator plans again.
+/// assigned, replaced, freed as idle, or lost in a restart): the request
+/// fails, and the coordinator assigns again before its next one.
 pub const NO_SLICE: &str = "no slice loaded for run";
 /// Open connections by peer key and ALPN.
 type ConnectionCache = tokio::sync::Mutex<HashMap<([u8; 32], &'static [u8]), quinn::Connection>>;
@@ -1584,27 +1588,19 @@ impl Inner {
         Ok(shortest / 2)
     }
 
-    /// Forget the run if it is `run_id`: a stage no longer holds its slice
-    /// (it restarted), so the next request plans and assigns anew.
-    async fn forget_run(&self, run_id: &str) {
-        let mut guard = self.run.lock().await;
-        if guard
-            .as_ref()
-            .is_some_and(|run| run.assigns[0].run_id == run_id)
-        {
-            *guard = None;
-        }
-    }
-
     /// Plan contiguous ranges over this node (stage 0) and its peers, assign
     /// them, and load the own slice. Done once; later requests reuse it.
     async fn ensure_run(self: &Arc<Self>) -> anyhow::Result<Arc<Run>> {
         let mut guard = self.run.lock().await;
         if let Some(run) = guard.as_ref() {
-            if lock(&run.own.last_used).elapsed() >= run.refresh_after {
-                // A stage may have freed its slice as idle: assigning again
-                // keeps the slice it holds, or loads it once more.
-                self.assign_remote(&run.assigns).await?;
+            let stale = run.stale.swap(false, std::sync::atomic::Ordering::Relaxed);
+            if stale || lock(&run.own.last_used).elapsed() >= run.refresh_after {
+                // A stage may have freed its slice as idle, or restarted:
+                // assigning again keeps the slice it holds, or loads it anew.
+                if let Err(error) = self.assign_remote(&run.assigns).await {
+                    run.stale.store(true, std::sync::atomic::Ordering::Relaxed);
+                    return Err(error);
+                }
                 run.own.touch();
             }
             return Ok(run.clone());
@@ -1698,6 +1694,7 @@ impl Inner {
             keys,
             own,
             refresh_after,
+            stale: std::sync::atomic::AtomicBool::new(false),
         });
         *guard = Some(run.clone());
         Ok(run)
