@@ -982,3 +982,93 @@ async fn only_the_final_stage_may_open_the_direct_return() {
     );
     assert!(summary.error.is_some());
 }
+
+// ---------------------------------------------------------------- bounds
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_holds_at_most_64_streams_on_a_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let node = Setup::new(&model, dir.path().join("n"), key(2))
+        .start()
+        .await;
+    let stranger = TlsIdentity::new(&key(9)).unwrap();
+    let (_endpoint, connection) = connect(&stranger, &node.peer_addr(), ALPN_CONTROL)
+        .await
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..tls::MAX_STREAMS_PER_CONNECTION {
+        let (mut send, recv) = connection.open_bi().await.unwrap();
+        // A stream counts once the node sees it.
+        send.write_all(&[0]).await.unwrap();
+        held.push((send, recv));
+    }
+    let one_more = tokio::time::timeout(Duration::from_secs(1), connection.open_bi()).await;
+    assert!(one_more.is_err(), "a 65th stream was opened");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_bound_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let node = Setup::new(&model, dir.path().join("n"), key(2))
+        .start()
+        .await;
+    tls::install_provider();
+    let stranger = TlsIdentity::new(&key(9)).unwrap();
+    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::LOCALHOST, 0).into()).unwrap();
+    endpoint.set_default_client_config(
+        tls::client_config(&stranger, node.public_key(), ALPN_CONTROL).unwrap(),
+    );
+    let mut held = Vec::new();
+    for _ in 0..mesh_node::serve::MAX_CONNECTIONS {
+        held.push(
+            endpoint
+                .connect(node.addr(), "mesh-node")
+                .unwrap()
+                .await
+                .unwrap(),
+        );
+    }
+    let refused = tokio::time::timeout(
+        Duration::from_secs(5),
+        endpoint.connect(node.addr(), "mesh-node").unwrap(),
+    )
+    .await
+    .expect("refused at once, not left waiting");
+    assert!(
+        refused.is_err(),
+        "connection {} was accepted",
+        held.len() + 1
+    );
+    // Closing one makes room again.
+    held.pop().unwrap().close(0u32.into(), b"done");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let again = endpoint.connect(node.addr(), "mesh-node").unwrap().await;
+    assert!(again.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stage_times_out_naming_the_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (ka, kb) = (key(1), key(2));
+    let (_stall, c) = stalling_stage(&key(3)).await;
+    let mut b = Setup::new(&model, dir.path().join("b"), kb);
+    b.coordinators = vec![public(&ka)];
+    b.step_timeout = Duration::from_secs(30);
+    let b = b.start().await;
+    let mut a = Setup::new(&model, dir.path().join("a"), ka);
+    a.peers = vec![b.peer_addr(), c];
+    a.step_timeout = Duration::from_millis(1500);
+    let a = a.start().await;
+    let summary = ask(&a.peer_addr(), &request("no answer comes", 4, None))
+        .await
+        .unwrap();
+    assert_eq!(summary.terminal_state, "timed_out", "{summary:?}");
+    let error = summary.error.unwrap_or_default();
+    assert!(
+        error.contains("step timeout of 1500 ms") && error.contains("--step-timeout-ms"),
+        "{error}"
+    );
+}
