@@ -80,6 +80,14 @@ impl Collector {
         true
     }
 
+    /// Whether `key` is assigned a stage (other than the coordinator's) of
+    /// any split held open: only such a peer has a record to push.
+    pub fn expects_from(&self, key: &[u8; 32]) -> bool {
+        self.pending
+            .values()
+            .any(|split| split.assigned.iter().skip(1).any(|k| k == key))
+    }
+
     /// Splits held open.
     pub fn pending(&self) -> usize {
         self.pending.len()

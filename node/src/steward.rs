@@ -386,9 +386,11 @@ impl Steward {
         at_mark: bool,
     ) -> Result<Metered, StewardError> {
         let span = ticket.span.take().unwrap_or_else(|| self.meter.begin());
-        let energy = match ticket.mark.take() {
-            Some(mark) if at_mark => mark,
-            _ => self.meter.end(span),
+        let energy = match (ticket.mark.take(), at_mark) {
+            (Some(mark), true) => mark,
+            // No step finished: the engine did no work worth billing.
+            (None, true) => self.meter.end(self.meter.begin()),
+            (_, false) => self.meter.end(span),
         };
         let weights_changed = ticket.model.is_some() && ticket.model != weights_after;
         let grant_id = ticket.grant_id();

@@ -14,6 +14,7 @@ use mesh_protocol::capsule::{Producer, RecordContext, SealedRecord, stage_record
 use mesh_protocol::identity::did_key;
 use mesh_stage::frame::WireDType;
 use serde_json::Value;
+use sha2::Digest;
 
 async fn push(node: &Node, key: &SigningKey, claimed: &str, record: &Value) -> Value {
     tls::install_provider();
@@ -101,31 +102,68 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         mesh_protocol::hex::encode(&node.public_key())
     );
 
-    // Claiming to be someone else than the transport proved.
-    let other = SigningKey::from_bytes(&[8; 32]);
-    let reply = push(
-        &node,
-        &stranger,
-        &did_key(&other.verifying_key().to_bytes()),
-        record.value(),
-    )
-    .await;
-    assert_eq!(reply["reason"], "signature_unverified", "{reply}");
-    assert!(refusal_verifies(&reply));
-
-    // A record whose signature does not hold.
-    let mut tampered = record.value().clone();
-    tampered["timestamp"] = Value::from("2026-11-30T00:00:00.001Z");
-    let reply = push(
-        &node,
-        &stranger,
-        &did_key(&stranger.verifying_key().to_bytes()),
-        &tampered,
-    )
-    .await;
-    assert_eq!(reply["reason"], "request_malformed", "{reply}");
+    // A stranger's body is not even read.
+    assert_eq!(
+        reply["request_digest"],
+        mesh_protocol::hex::encode(&sha2::Sha256::digest(b"")),
+        "{reply}"
+    );
     let mut forged = reply.clone();
     forged["reason"] = Value::from("policy_decline");
     assert!(!refusal_verifies(&forged), "a refusal cannot be altered");
     node.shutdown().await;
+}
+
+/// What the collector checks of a push from a node that is assigned a stage
+/// (strangers are refused before their body is read, above).
+#[test]
+fn an_assigned_stage_is_held_to_its_claims_and_its_signature() {
+    let stage = SigningKey::from_bytes(&[9; 32]);
+    let run = mesh_node::simulate::simulate(&mesh_node::simulate::Scenario::default());
+    let block = run.stage_records[1][0].stage_block().unwrap();
+    let context = RecordContext {
+        producer: Producer::mesh_node(),
+        timestamp: "2026-11-30T00:00:00.000Z".into(),
+        store_nonce: [4; 32],
+        chain_parent: None,
+    };
+    let record = SealedRecord::seal(stage_record(&context, &block).unwrap(), &stage).unwrap();
+    let stage_key = stage.verifying_key().to_bytes();
+    let mut collector = mesh_node::records::Collector::default();
+    let assigned: Vec<[u8; 32]> = (0..block.stage_count as usize)
+        .map(|k| {
+            if k == block.stage_index as usize {
+                stage_key
+            } else {
+                [k as u8; 32]
+            }
+        })
+        .collect();
+    assert!(collector.open(block.split_key(), assigned));
+    assert!(collector.expects_from(&stage_key));
+    let body = |claimed: &str, value: &Value| {
+        let mut body = claimed.as_bytes().to_vec();
+        body.push(b'\n');
+        body.extend(serde_json::to_vec(value).unwrap());
+        body
+    };
+    let own = did_key(&stage_key);
+    // Claiming to be someone else than the transport proved.
+    let other = did_key(&SigningKey::from_bytes(&[8; 32]).verifying_key().to_bytes());
+    assert_eq!(
+        collector.offer(&stage_key, &body(&other, record.value())),
+        Err(mesh_node::records::PushRefusal::SignatureUnverified)
+    );
+    // A record whose signature does not hold.
+    let mut tampered = record.value().clone();
+    tampered["timestamp"] = Value::from("2026-11-30T00:00:00.001Z");
+    assert_eq!(
+        collector.offer(&stage_key, &body(&own, &tampered)),
+        Err(mesh_node::records::PushRefusal::RequestMalformed)
+    );
+    // The genuine record is held.
+    assert_eq!(
+        collector.offer(&stage_key, &body(&own, record.value())),
+        Ok(())
+    );
 }

@@ -16,6 +16,8 @@ use thiserror::Error;
 pub const MAX_CBOR_DEPTH: usize = 16;
 /// Most data items (of any kind) one document may hold.
 pub const MAX_CBOR_ITEMS: usize = 65_536;
+/// Items reserved ahead for an array or map, whatever length it declares.
+const RESERVE_ITEMS: usize = 64;
 
 /// A deterministic-CBOR value.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -288,9 +290,10 @@ impl Decoder<'_> {
                 Ok(Cbor::Text(text.to_string()))
             }
             4 => {
-                // Each item takes at least one byte: bounds the allocation.
+                // Each item takes at least one byte, but a declared length is
+                // not trusted for memory: reserve a little, grow as items decode.
                 let len = self.length(value)?;
-                let mut items = Vec::with_capacity(len);
+                let mut items = Vec::with_capacity(len.min(RESERVE_ITEMS));
                 for _ in 0..len {
                     items.push(self.value(depth + 1)?);
                 }
@@ -298,7 +301,7 @@ impl Decoder<'_> {
             }
             5 => {
                 let len = self.length(value.saturating_mul(2))? / 2;
-                let mut entries = Vec::with_capacity(len);
+                let mut entries = Vec::with_capacity(len.min(RESERVE_ITEMS));
                 let mut previous_key: Option<Vec<u8>> = None;
                 for _ in 0..len {
                     let key_start = self.pos;

@@ -57,13 +57,38 @@ pub async fn write(
 }
 
 /// Read one framed message; `None` when the peer finished the stream
-/// cleanly between messages. Returns the whole frame (prefix included) and
-/// the offset of the body.
+/// cleanly between messages. Returns the whole frame (prefix included).
+/// `timeout` bounds the wait for the message to start, and then the whole
+/// body. Bodies count against the process-wide `MAX_INBOUND_BYTES` while
+/// they arrive.
 pub async fn read(
     recv: &mut quinn::RecvStream,
     max: usize,
     timeout: Duration,
     fold: Option<&mut LaneFold>,
+) -> anyhow::Result<Option<Vec<u8>>> {
+    read_framed(recv, max, timeout, fold, true).await
+}
+
+/// As `read`, for a stream whose sender's authority was checked (a stage's
+/// assigned upstream or downstream, the final stage's direct return): its
+/// messages are bounded by the protocol (one per step per request), so they
+/// do not compete with unchecked senders for `MAX_INBOUND_BYTES`.
+pub async fn read_checked(
+    recv: &mut quinn::RecvStream,
+    max: usize,
+    timeout: Duration,
+    fold: Option<&mut LaneFold>,
+) -> anyhow::Result<Option<Vec<u8>>> {
+    read_framed(recv, max, timeout, fold, false).await
+}
+
+async fn read_framed(
+    recv: &mut quinn::RecvStream,
+    max: usize,
+    timeout: Duration,
+    fold: Option<&mut LaneFold>,
+    counted_inbound: bool,
 ) -> anyhow::Result<Option<Vec<u8>>> {
     let mut prefix = [0u8; 4];
     let mut filled = 0;
@@ -84,23 +109,28 @@ pub async fn read(
     let mut bytes = Vec::with_capacity(4 + length.min(READ_CHUNK));
     bytes.extend_from_slice(&prefix);
     let mut counted = Vec::new();
+    // The whole body within one timeout: a sender trickling bytes holds its
+    // share of the bound for at most that long.
+    let body_deadline = tokio::time::Instant::now() + timeout;
     while bytes.len() < 4 + length {
         let want = (4 + length - bytes.len()).min(READ_CHUNK);
-        let chunk = tokio::time::timeout(timeout, recv.read_chunk(want, true))
+        let chunk = tokio::time::timeout_at(body_deadline, recv.read_chunk(want, true))
             .await
             .context("timed out reading a message body")??
             .context("the peer closed the stream inside a message")?;
-        let permits = u32::try_from(chunk.bytes.len()).context("chunk size")?;
-        counted.push(
-            INBOUND
-                .clone()
-                .try_acquire_many_owned(permits)
-                .map_err(|_| {
-                    anyhow::anyhow!(
-                        "this node is reading {MAX_INBOUND_BYTES} bytes of messages already; try again"
-                    )
-                })?,
-        );
+        if counted_inbound {
+            let permits = u32::try_from(chunk.bytes.len()).context("chunk size")?;
+            counted.push(
+                INBOUND
+                    .clone()
+                    .try_acquire_many_owned(permits)
+                    .map_err(|_| {
+                        anyhow::anyhow!(
+                            "this node is reading {MAX_INBOUND_BYTES} bytes of messages already; try again"
+                        )
+                    })?,
+            );
+        }
         bytes.extend_from_slice(&chunk.bytes);
     }
     drop(counted);

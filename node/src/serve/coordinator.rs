@@ -298,17 +298,26 @@ async fn serve_request(
     requester: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
     let codec = inner.model.text();
-    let text = if request.chat {
-        codec.chat_prompt(&request.prompt)?
-    } else {
-        request.prompt.clone()
-    };
-    let prompt_ids = codec.encode(&text)?;
     let context = inner
         .model
         .config()
         .context
         .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
+    // A prompt that cannot fit is refused before it costs any tokenizing.
+    if request.prompt.len() > context.saturating_mul(MAX_PROMPT_BYTES_PER_TOKEN) {
+        bail!(
+            "a prompt of {} bytes cannot fit the context of {context} tokens",
+            request.prompt.len()
+        );
+    }
+    let prompt_ids = tokio::task::block_in_place(|| -> anyhow::Result<_> {
+        let text = if request.chat {
+            codec.chat_prompt(&request.prompt)?
+        } else {
+            request.prompt.clone()
+        };
+        Ok(codec.encode(&text)?)
+    })?;
     if prompt_ids.is_empty() || prompt_ids.len() >= context {
         bail!(
             "a prompt of {} tokens does not fit the context of {context}",
@@ -431,7 +440,7 @@ async fn serve_request(
     let first_peer = inner.peers[0].clone();
 
     let outcome: anyhow::Result<TerminalState> = async {
-        let (mut send, mut recv) = inner.open(&first_peer, ALPN_STAGE).await?;
+        let (mut send, recv) = inner.open(&first_peer, ALPN_STAGE).await?;
         let open = Cbor::text_map([
             ("run_id", Cbor::text(&run_id)),
             ("coordinator", Cbor::text(&coordinator)),
@@ -449,7 +458,15 @@ async fn serve_request(
             0,
         )
         .await?;
-        let mut direct: Option<quinn::RecvStream> = None;
+        // Direct mode: the final stage's return, and stage 1's own stream
+        // (which it writes only to say why it stopped), each read whole-frame
+        // by a task so a wait on both can be abandoned without losing bytes.
+        let mut direct: Option<Frames> = None;
+        let mut stage1: Option<Frames> = None;
+        let mut recv = Some(recv);
+        if return_mode == ReturnMode::Direct {
+            stage1 = recv.take().map(spawn_frames);
+        }
         let mut step: u32 = 0;
         let mut input: Vec<u32> = prefill[0].to_vec();
         let result: anyhow::Result<TerminalState> = async {
@@ -486,50 +503,55 @@ async fn serve_request(
                 )
                 .await
                 {
-                    return Err(refusal_behind(&mut recv, error, "stage 1").await);
+                    let received = Some(&mut lanes.down_replies_received);
+                    return Err(match recv.as_mut() {
+                        Some(recv) => refusal_behind(recv, error, "stage 1", received).await,
+                        None => error,
+                    });
                 }
-                let reply = match return_mode {
-                    ReturnMode::Relayed => {
+                let reply = match recv.as_mut() {
+                    Some(recv) => {
                         let reply =
-                            msg::read(&mut recv, msg::MAX_STAGE_MESSAGE, inner.step_timeout, None)
+                            msg::read_checked(recv, msg::MAX_STAGE_MESSAGE, inner.step_timeout, None)
                                 .await
                                 .map_err(|e| step_failure(e, "stage 1", inner.step_timeout))?
                                 .context("stage 1 closed the request")?;
                         folds.time(|| lanes.down_replies_received.push_frame(&reply));
                         reply
                     }
-                    ReturnMode::Direct => {
-                        // Stage 1 writes on its own stream only to say why it
-                        // stopped; watching it ends the wait when the chain
-                        // breaks, instead of at the step timeout.
-                        let arrived = tokio::select! {
-                            reply = next_direct(
-                                &mut direct,
-                                &mut direct_waiter,
-                                inner.step_timeout,
-                            ) => Arrived::Direct(reply?),
-                            watched = msg::read(
-                                &mut recv,
-                                msg::MAX_STAGE_MESSAGE,
-                                inner.step_timeout,
-                                None,
-                            ) => Arrived::FromStage1(watched),
-                        };
-                        match arrived {
-                            Arrived::Direct((opening, reply)) => {
-                                if let Some(fold) = lanes.direct_received.as_mut() {
-                                    for frame in opening.iter().chain([&reply]) {
-                                        folds.time(|| fold.push_frame(frame));
+                    None => {
+                        let until = tokio::time::Instant::now() + inner.step_timeout;
+                        loop {
+                            tokio::select! {
+                                opened = wait_direct(&mut direct_waiter), if direct.is_none() => {
+                                    direct_waiter = None;
+                                    let (_send, stream, opening) =
+                                        opened.context("the direct return was never opened")?;
+                                    if let Some(fold) = lanes.direct_received.as_mut() {
+                                        folds.time(|| fold.push_frame(&opening));
                                     }
+                                    direct = Some(spawn_frames(stream));
                                 }
-                                reply
-                            }
-                            Arrived::FromStage1(watched) => {
-                                let frame = watched
-                                    .map_err(|e| step_failure(e, "stage 1", inner.step_timeout))?
-                                    .context("stage 1 closed the request")?;
-                                folds.time(|| lanes.down_replies_received.push_frame(&frame));
-                                frame
+                                arrived = next_frame(&mut direct) => {
+                                    let reply = arrived
+                                        .context("the final stage closed the direct return")??;
+                                    if let Some(fold) = lanes.direct_received.as_mut() {
+                                        folds.time(|| fold.push_frame(&reply));
+                                    }
+                                    break reply;
+                                }
+                                said = next_frame(&mut stage1) => {
+                                    let frame = said.context("stage 1 closed the request")??;
+                                    folds.time(|| lanes.down_replies_received.push_frame(&frame));
+                                    break frame;
+                                }
+                                () = tokio::time::sleep_until(until) => {
+                                    let whom = if direct.is_none() { "the final stage's direct return" } else { "the final stage" };
+                                    bail!(
+                                        "timed out: no reply from {whom} within the step timeout of {} ms (serve --step-timeout-ms)",
+                                        inner.step_timeout.as_millis()
+                                    );
+                                }
                             }
                         }
                     }
@@ -615,6 +637,29 @@ async fn serve_request(
             .await?;
         }
         let _ = send.finish();
+        // Stage 1 may have said more after the step that failed (a stage
+        // further on closing): read and fold it, so hop 0 still agrees.
+        if result.is_err()
+            && let Some(stage1) = stage1.as_mut()
+        {
+            drain(stage1, &mut lanes.down_replies_received).await;
+        }
+        // Likewise the direct return: the final stage may have opened it (and
+        // folded its opening) before the failure reached it.
+        if result.is_err() && return_mode == ReturnMode::Direct {
+            if direct.is_none()
+                && let Ok(Ok((_send, stream, opening))) =
+                    tokio::time::timeout(DRAIN_WAIT, wait_direct(&mut direct_waiter)).await
+            {
+                if let Some(fold) = lanes.direct_received.as_mut() {
+                    fold.push_frame(&opening);
+                }
+                direct = Some(spawn_frames(stream));
+            }
+            if let (Some(frames), Some(fold)) = (direct.as_mut(), lanes.direct_received.as_mut()) {
+                drain(frames, fold).await;
+            }
+        }
         result
     }
     .await;
@@ -885,42 +930,18 @@ async fn serve_request(
     Ok(())
 }
 
-/// What ended a direct-mode wait for a step's reply.
-enum Arrived {
-    /// The final stage's message (and its opening frame, the first time).
-    Direct((Option<Vec<u8>>, Vec<u8>)),
-    /// Stage 1's stream said something, or closed.
-    FromStage1(anyhow::Result<Option<Vec<u8>>>),
+/// The final stage's direct-return stream, once it opens it.
+async fn wait_direct(
+    waiter: &mut Option<oneshot::Receiver<DirectStream>>,
+) -> anyhow::Result<DirectStream> {
+    match waiter {
+        Some(waiter) => Ok(waiter.await?),
+        None => std::future::pending().await,
+    }
 }
 
-/// The final stage's next direct-return message, waiting first for the
-/// stream to be opened: (its opening frame when it just was, the message).
-async fn next_direct(
-    direct: &mut Option<quinn::RecvStream>,
-    waiter: &mut Option<oneshot::Receiver<DirectStream>>,
-    step_timeout: Duration,
-) -> anyhow::Result<(Option<Vec<u8>>, Vec<u8>)> {
-    let mut opening = None;
-    if direct.is_none() {
-        let waiter = waiter
-            .as_mut()
-            .context("the direct-return waiter is gone")?;
-        let (_send, recv, opening_frame) = tokio::time::timeout(step_timeout, waiter)
-            .await
-            .context("timed out waiting for the final stage's direct return")?
-            .context("the direct return was never opened")?;
-        *direct = Some(recv);
-        opening = Some(opening_frame);
-    }
-    let stream = direct
-        .as_mut()
-        .context("the direct return is unavailable")?;
-    let reply = msg::read(stream, msg::MAX_STAGE_MESSAGE, step_timeout, None)
-        .await
-        .map_err(|e| step_failure(e, "the final stage", step_timeout))?
-        .context("the final stage closed the direct return")?;
-    Ok((opening, reply))
-}
+/// A token is rarely longer than this many bytes of text.
+const MAX_PROMPT_BYTES_PER_TOKEN: usize = 16;
 
 /// Prompt positions per prefill step.
 pub const PREFILL_CHUNK_TOKENS: usize = 256;

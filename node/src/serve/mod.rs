@@ -257,9 +257,11 @@ pub const PRE_DECIDED_TTL: Duration = Duration::from_secs(60);
 /// Largest first message of a `mesh-stage/1` stream (OPEN or DIRECT_OPEN),
 /// read before the sender is checked.
 pub const MAX_STAGE_OPEN: usize = 4096;
-/// How long a direct-mode stage watches its downstream's stream in one wait
-/// for upstream (that wait has the step timeout; this one never ends first).
+/// How long a frame reader waits for its stream's next frame: the consumer
+/// applies the step timeout, so this one never ends first.
 const WATCH_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
+/// How long a node keeps reading a peer's stream after a request failed.
+pub const DRAIN_WAIT: Duration = Duration::from_secs(1);
 /// How a FAILED reply starts when a steward stopped its part of a serve at
 /// the request's energy ceiling (the serve's terminal state).
 pub const POLICY_DENIED: &str = "policy_denied";
@@ -420,19 +422,30 @@ impl Node {
     pub async fn shutdown(self) {
         self.inner.endpoint.close(0u32.into(), b"shutting down");
         self.accept.abort();
+        // Decisions for requests that will now never arrive are released, so
+        // none stays in the journal as unresolved.
+        let waiting: Vec<PreDecided> = lock(&self.inner.tickets).drain().map(|(_, d)| d).collect();
+        for decided in waiting {
+            self.inner.release_ticket(decided.ticket);
+        }
         self.inner.endpoint.wait_idle().await;
     }
 }
 
-/// Connections a node holds open at once; more are refused at the door.
+/// Connections from strangers a node holds open at once; more are closed
+/// once their key is known (configured peers and coordinators still get in).
 pub const MAX_CONNECTIONS: usize = 512;
+/// Handshakes in progress at once; past this, unvalidated source addresses
+/// get a stateless retry and validated ones are refused.
+pub const MAX_HANDSHAKES: usize = 128;
 
-/// Free the slices no request has used for `slice_idle`, until the node stops.
+/// Free the slices no request has used for `slice_idle`, and release grant
+/// decisions whose requests never came, until the node stops.
 async fn release_idle_slices(inner: std::sync::Weak<Inner>) {
     loop {
         let every = match inner.upgrade() {
             Some(inner) => {
-                (inner.slice_idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(30))
+                (inner.slice_idle / 4).clamp(Duration::from_millis(50), PRE_DECIDED_TTL / 4)
             }
             None => return,
         };
@@ -440,6 +453,7 @@ async fn release_idle_slices(inner: std::sync::Weak<Inner>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
+        inner.expire_pre_decided();
         let released: Vec<String> = {
             let mut slots = lock(&inner.slots);
             let idle: Vec<String> = slots
@@ -464,15 +478,23 @@ async fn release_idle_slices(inner: std::sync::Weak<Inner>) {
 
 async fn accept_loop(inner: Arc<Inner>) {
     let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let handshaking = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     while let Some(incoming) = inner.endpoint.accept().await {
-        let Ok(permit) = open.clone().try_acquire_owned() else {
-            incoming.refuse();
+        let Ok(handshake) = handshaking.clone().try_acquire_owned() else {
+            // Under a flood of handshakes, make unproven source addresses
+            // prove themselves (a stateless retry) before any work is done.
+            if incoming.remote_address_validated() {
+                incoming.refuse();
+            } else {
+                let _ = incoming.retry();
+            }
             continue;
         };
-        let inner = inner.clone();
+        let (inner, open) = (inner.clone(), open.clone());
         tokio::spawn(async move {
-            let _permit = permit;
-            let Ok(connection) = incoming.await else {
+            let connection = incoming.await;
+            drop(handshake);
+            let Ok(connection) = connection else {
                 return;
             };
             let alpn = connection
@@ -482,6 +504,16 @@ async fn accept_loop(inner: Arc<Inner>) {
             let Some(peer) = tls::peer_key(&connection) else {
                 return;
             };
+            // Strangers share MAX_CONNECTIONS; a configured coordinator or
+            // peer is let in even when strangers hold them all.
+            let permit = open.try_acquire_owned().ok();
+            let known_peer =
+                inner.coordinators.contains(&peer) || inner.peers.iter().any(|p| p.key == peer);
+            if permit.is_none() && !known_peer {
+                connection.close(2u32.into(), b"busy: too many connections");
+                return;
+            }
+            let _permit = permit;
             let known = [ALPN_CONTROL, ALPN_STAGE, ALPN_RECORD_PUSH];
             if !alpn.as_deref().is_some_and(|a| known.contains(&a)) {
                 connection.close(1u32.into(), b"unknown protocol");
@@ -541,13 +573,20 @@ impl Inner {
         alpn: &'static [u8],
     ) -> anyhow::Result<(quinn::SendStream, quinn::RecvStream)> {
         let connection = self.connect(peer, alpn).await?;
-        match connection.open_bi().await {
+        // A peer that grants no stream credit must not hold a request forever.
+        let open = |connection: quinn::Connection| async move {
+            tokio::time::timeout(msg::CONNECT_TIMEOUT, connection.open_bi())
+                .await
+                .with_context(|| format!("timed out opening a stream to {peer}"))?
+                .map_err(anyhow::Error::from)
+        };
+        match open(connection).await {
             Ok(streams) => Ok(streams),
             Err(_) => {
                 // A stale cached connection: drop it and try once more.
                 self.connections.lock().await.remove(&(peer.key, alpn));
                 let connection = self.connect(peer, alpn).await?;
-                Ok(connection.open_bi().await?)
+                open(connection).await
             }
         }
     }
@@ -774,14 +813,15 @@ fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyho
     )
     .map_err(|e| anyhow!("{e}"))?;
     inner.expire_pre_decided();
-    {
-        let tickets = lock(&inner.tickets);
-        if tickets.len() >= inner.max_requests * 4 {
-            bail!("too many authorised requests waiting to start");
-        }
-        if tickets.contains_key(&request_id) {
-            bail!("request {request_id} is already authorised here");
-        }
+    // Checked and inserted under one lock, so two asks for one request
+    // cannot both decide (the steward's lock is taken inside, never the
+    // other way round).
+    let mut tickets = lock(&inner.tickets);
+    if tickets.len() >= inner.max_requests.max(1) * 4 {
+        bail!("too many authorised requests waiting to start");
+    }
+    if tickets.contains_key(&request_id) {
+        bail!("request {request_id} is already authorised here");
     }
     let ticket = lock(&inner.steward).authorise(
         Some(&presentation),
@@ -790,7 +830,7 @@ fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyho
         "mesh-node/stage",
         now_ms(),
     )?;
-    lock(&inner.tickets).insert(
+    tickets.insert(
         request_id,
         PreDecided {
             ticket,
@@ -874,19 +914,71 @@ fn handle_assign(
 // ------------------------------------------------------------------ stage
 
 /// A node that refuses a request answers FAILED and stops reading, so the
-/// next write to it fails: report its reason rather than the write's.
+/// next write to it fails: report its reason rather than the write's. The
+/// answer is folded as received (the refusing side folded it as sent when it
+/// had lanes; when it refused before any, its hop has no record to compare).
 async fn refusal_behind(
     recv: &mut quinn::RecvStream,
     error: anyhow::Error,
     whom: &str,
+    received: Option<&mut LaneFold>,
 ) -> anyhow::Error {
-    let reply = msg::read(recv, msg::MAX_STAGE_MESSAGE, Duration::from_secs(1), None).await;
+    let reply = msg::read_checked(recv, msg::MAX_STAGE_MESSAGE, DRAIN_WAIT, None).await;
     if let Ok(Some(frame)) = reply
         && let Ok((kind::FAILED, _, _, reason)) = msg::parse_stage(&frame)
     {
+        if let Some(fold) = received {
+            fold.push_frame(&frame);
+        }
         return anyhow!("{whom} refused: {}", String::from_utf8_lossy(reason));
     }
     error
+}
+
+/// Whole frames of a stream, read by their own task so that waiting on them
+/// can be abandoned (in a `select!`) without losing part of a frame. The
+/// channel ends when the stream finishes; a read error is its last item.
+type Frames = tokio::sync::mpsc::Receiver<anyhow::Result<Vec<u8>>>;
+
+fn spawn_frames(mut recv: quinn::RecvStream) -> Frames {
+    let (sender, frames) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        loop {
+            let read = tokio::select! {
+                read = msg::read_checked(&mut recv, msg::MAX_STAGE_MESSAGE, WATCH_TIMEOUT, None) => read,
+                // The request is over: stop reading for it.
+                () = sender.closed() => return,
+            };
+            let last = !matches!(read, Ok(Some(_)));
+            let item = match read {
+                Ok(Some(frame)) => Ok(frame),
+                Ok(None) => return,
+                Err(error) => Err(error),
+            };
+            if sender.send(item).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    frames
+}
+
+/// The next frame of `frames`, or never when there is none to wait on.
+async fn next_frame(frames: &mut Option<Frames>) -> Option<anyhow::Result<Vec<u8>>> {
+    match frames {
+        Some(frames) => frames.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// After a failure, keep reading what a peer still sends on this request,
+/// folding it, until it finishes or `DRAIN_WAIT` passes: a frame it wrote
+/// before it learned of the failure is then in both ends' digests.
+async fn drain(frames: &mut Frames, fold: &mut LaneFold) {
+    let until = tokio::time::Instant::now() + DRAIN_WAIT;
+    while let Ok(Some(Ok(frame))) = tokio::time::timeout_at(until, frames.recv()).await {
+        fold.push_frame(&frame);
+    }
 }
 
 /// Refuse a request on its stage stream with a FAILED reply, before any
@@ -1087,8 +1179,12 @@ async fn handle_stage(
     };
     folds.time(|| lanes.up_received.push_frame(&first));
 
-    let mut down: Option<(quinn::SendStream, quinn::RecvStream)> = None;
+    // Downstream: its send stream, and its reply stream read in step
+    // (relayed) or watched whole-frame by a task (direct, `down_watch`).
+    let mut down: Option<(quinn::SendStream, Option<quinn::RecvStream>)> = None;
+    let mut down_watch: Option<Frames> = None;
     let mut direct: Option<quinn::SendStream> = None;
+    let mut upstream = spawn_frames(up_recv);
     let mut terminal = TerminalState::TransportError;
     let mut tokens = Tokens {
         prefill_received: 0,
@@ -1109,7 +1205,12 @@ async fn handle_stage(
             lanes.down_sent = Some(sent);
             lanes.down_replies_received =
                 Some(lane(&coordinator, &run_id, request_id, k, Lane::Reply));
-            down = Some((send, recv));
+            if return_mode == ReturnMode::Direct {
+                down_watch = Some(spawn_frames(recv));
+                down = Some((send, None));
+            } else {
+                down = Some((send, Some(recv)));
+            }
         } else if return_mode == ReturnMode::Direct {
             let coordinator_peer = PeerAddr {
                 key: assign.coordinator,
@@ -1133,44 +1234,40 @@ async fn handle_stage(
             direct = Some(send);
         }
         loop {
-            let upstream = msg::read(
-                &mut up_recv,
-                msg::MAX_STAGE_MESSAGE,
-                inner.step_timeout,
-                None,
-            );
             // In direct mode replies skip this stage, so its downstream writes
             // to it only to say why it stopped: watch for that (or for the
             // stream closing) while waiting for upstream.
-            let read = match (return_mode, down.as_mut()) {
-                (ReturnMode::Direct, Some((_, down_recv))) => tokio::select! {
-                    read = upstream => read,
-                    said = msg::read(down_recv, msg::MAX_STAGE_MESSAGE, WATCH_TIMEOUT, None) => {
-                        let frame = said?.with_context(|| format!("stage {} closed the request", k + 1))?;
-                        if let Some(received) = lanes.down_replies_received.as_mut() {
-                            folds.time(|| received.push_frame(&frame));
-                        }
-                        let (_, _, _, reason) = msg::parse_stage(&frame)?;
-                        bail!("{}", String::from_utf8_lossy(reason));
+            let read = tokio::select! {
+                read = tokio::time::timeout(inner.step_timeout, upstream.recv()) => read,
+                said = next_frame(&mut down_watch) => {
+                    let frame = said
+                        .with_context(|| format!("stage {} closed the request", k + 1))??;
+                    if let Some(received) = lanes.down_replies_received.as_mut() {
+                        folds.time(|| received.push_frame(&frame));
                     }
-                },
-                _ => upstream.await,
+                    let (_, _, _, reason) = msg::parse_stage(&frame)?;
+                    bail!("{}", String::from_utf8_lossy(reason));
+                }
             };
             let frame = match read {
-                Ok(Some(frame)) => frame,
+                Ok(Some(Ok(frame))) => frame,
                 Ok(None) => {
                     terminal = TerminalState::TransportError;
                     upstream_gone = true;
                     bail!("upstream closed the request without STOP");
                 }
-                Err(error) => {
+                Ok(Some(Err(error))) => {
                     upstream_gone = true;
-                    terminal = if error.to_string().contains("timed out") {
-                        TerminalState::TimedOut
-                    } else {
-                        TerminalState::TransportError
-                    };
+                    terminal = TerminalState::TransportError;
                     return Err(error);
+                }
+                Err(_) => {
+                    upstream_gone = true;
+                    terminal = TerminalState::TimedOut;
+                    bail!(
+                        "timed out: nothing from upstream within the step timeout of {} ms",
+                        inner.step_timeout.as_millis()
+                    );
                 }
             };
             folds.time(|| lanes.up_received.push_frame(&frame));
@@ -1226,7 +1323,7 @@ async fn handle_stage(
                     match output {
                         SliceOutput::Hidden(a) => {
                             let frame = encode_frame(&a.values, a.rows, a.cols, wire)?;
-                            let (send, recv) = down
+                            let (send, down_recv) = down
                                 .as_mut()
                                 .context("a middle stage without a downstream")?;
                             let sent = lanes.down_sent.as_mut().context("downstream lane")?;
@@ -1241,12 +1338,18 @@ async fn handle_stage(
                             .await
                             {
                                 let whom = format!("stage {}", k + 1);
-                                return Err(refusal_behind(recv, error, &whom).await);
+                                let received = lanes.down_replies_received.as_mut();
+                                return Err(match down_recv.as_mut() {
+                                    Some(recv) => refusal_behind(recv, error, &whom, received).await,
+                                    None => error,
+                                });
                             }
                             if return_mode == ReturnMode::Relayed {
                                 let received =
                                     lanes.down_replies_received.as_mut().context("reply lane")?;
-                                let reply = msg::read(
+                                let recv =
+                                    down_recv.as_mut().context("a relayed downstream's replies")?;
+                                let reply = msg::read_checked(
                                     recv,
                                     msg::MAX_STAGE_MESSAGE,
                                     inner.step_timeout,
@@ -1338,6 +1441,20 @@ async fn handle_stage(
                 )
                 .await;
             }
+        }
+        // Upstream may have sent more before it learned of the failure:
+        // read and fold it, so its digest and this one still agree. The
+        // downstream ends its part once this stage's stream to it finishes.
+        if let Some((send, _)) = down.as_mut() {
+            let _ = send.finish();
+        }
+        if !upstream_gone {
+            drain(&mut upstream, &mut lanes.up_received).await;
+        }
+        if let (Some(watch), Some(received)) =
+            (down_watch.as_mut(), lanes.down_replies_received.as_mut())
+        {
+            drain(watch, received).await;
         }
     }
     slot.touch();
@@ -1515,6 +1632,19 @@ async fn handle_push(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
 ) -> anyhow::Result<()> {
+    // Only a node assigned a stage of a split this coordinator holds open has
+    // a record to push: anyone else is refused before its body is read.
+    if !lock(&inner.collector).expects_from(&peer) {
+        let reply = signed_refusal(
+            &inner.key,
+            b"",
+            crate::records::PushRefusal::NotAStageOfThisSplit,
+        );
+        send.write_all(&serde_json::to_vec(&reply)?).await?;
+        send.finish()?;
+        let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+        return Ok(());
+    }
     let body = match tokio::time::timeout(msg::IDLE_TIMEOUT, recv.read_to_end(msg::MAX_RECORD_PUSH))
         .await
     {
