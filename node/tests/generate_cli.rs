@@ -81,3 +81,35 @@ fn bad_requests_fail_with_a_message() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/model.gguf"));
 }
+
+#[test]
+fn a_broken_model_file_is_one_short_error_even_with_backtraces_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = mesh_stage::synthetic::write_synthetic(
+        &dir.path().join("model"),
+        &mesh_stage::synthetic::SyntheticSpec::default(),
+        &[candle_core::quantized::GgmlDType::F32],
+    )
+    .unwrap();
+    let whole = std::fs::read(model.gguf(candle_core::quantized::GgmlDType::F32).unwrap()).unwrap();
+    // Cut in its header, in its metadata (candle's reader fails there, and
+    // used to append ~50 lines of backtrace), and in its tensor data.
+    for cut in [1000, 4000, whole.len() / 2] {
+        let broken = dir.path().join(format!("cut-{cut}.gguf"));
+        std::fs::write(&broken, &whole[..cut]).unwrap();
+        let output = Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+            .env("RUST_BACKTRACE", "1")
+            .args(["generate", "--prompt", "hi", "--model"])
+            .arg(&broken)
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.lines().count() <= 3,
+            "cut at {cut}: {} lines:\n{stderr}",
+            stderr.lines().count()
+        );
+        assert!(stderr.contains(&broken.display().to_string()), "{stderr}");
+    }
+}

@@ -38,7 +38,26 @@ pub enum EngineError {
     #[error("this slice {0}")]
     WrongInput(&'static str),
     #[error("tensor computation: {0}")]
-    Compute(#[from] candle_core::Error),
+    Compute(String),
+}
+
+impl From<candle_core::Error> for EngineError {
+    fn from(error: candle_core::Error) -> Self {
+        EngineError::Compute(candle_message(&error))
+    }
+}
+
+/// A candle error as one short message: candle appends a captured
+/// backtrace (dozens of lines) when `RUST_BACKTRACE` is set, which is for
+/// candle's developers, not for someone whose model file is broken.
+pub fn candle_message(error: &candle_core::Error) -> String {
+    match error {
+        candle_core::Error::WithBacktrace { inner, .. } => candle_message(inner),
+        candle_core::Error::Context { inner, context } => {
+            format!("{context}: {}", candle_message(inner))
+        }
+        other => other.to_string(),
+    }
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -11,7 +11,7 @@ use candle_core::quantized::{QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 use sha2::{Digest, Sha256};
 
-use crate::error::{EngineError, Result};
+use crate::error::{EngineError, Result, candle_message};
 
 /// How the model's weights are laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,8 +285,12 @@ impl Source {
 
     fn open_gguf(path: &Path) -> Result<(Self, ModelConfig, FileDigests)> {
         let mut file = File::open(path).map_err(|e| io_error(path, e))?;
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| bad(path, format!("not a readable GGUF file: {e}")))?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| {
+            bad(
+                path,
+                format!("not a readable GGUF file: {}", candle_message(&e)),
+            )
+        })?;
         let arch = match content.metadata.get("general.architecture") {
             Some(gguf_file::Value::String(arch)) => arch.clone(),
             _ => return Err(bad(path, "no general.architecture in the GGUF metadata")),
@@ -449,7 +453,7 @@ impl Source {
             Source::Gguf { path, content } => {
                 let mut file = File::open(path).map_err(|e| io_error(path, e))?;
                 let tensor = content.tensor(&mut file, name, &Device::Cpu).map_err(|e| {
-                    let message = e.to_string();
+                    let message = candle_message(&e);
                     if message.contains("unknown dtype") || message.contains("unsupported") {
                         EngineError::UnsupportedType {
                             name: name.into(),
