@@ -120,7 +120,7 @@ pub fn parse_split(spec: &str, layers: u32) -> Result<Vec<Range<u32>>> {
         let (a, b) = part
             .trim()
             .split_once("..")
-            .ok_or_else(|| EngineError::WrongInput("split must look like 0..10,10..20"))?;
+            .ok_or(EngineError::WrongInput("split must look like 0..10,10..20"))?;
         let parse = |t: &str| {
             t.trim()
                 .parse::<u32>()
