@@ -15,12 +15,7 @@ use serde_json::json;
 
 /// Where the built-in synthetic model is written on first use.
 pub fn synthetic_model_path() -> anyhow::Result<PathBuf> {
-    let base = std::env::var_os("MESH_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/mesh-node/models"))
-        })
-        .unwrap_or_else(|| std::env::temp_dir().join("mesh-node-models"));
+    let base = crate::models::cache_dir();
     let spec = SyntheticSpec::default();
     let dir = base.join(format!(
         "synthetic-v{}-{}",

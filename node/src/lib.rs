@@ -9,6 +9,7 @@ pub mod exercise;
 pub mod inspect;
 pub mod journal;
 pub mod keys;
+pub mod models;
 pub mod net;
 pub mod node_cli;
 pub mod records;

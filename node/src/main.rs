@@ -677,10 +677,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let model = match model {
                 Some(model) => model,
                 None => {
-                    let cached = std::env::var_os("HOME")
-                        .map(PathBuf::from)
-                        .unwrap_or_default()
-                        .join(".cache/mesh-node/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+                    let cached = mesh_node::models::smollm2_path();
                     if cached.is_file() {
                         cached
                     } else {

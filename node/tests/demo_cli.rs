@@ -1,0 +1,85 @@
+//! `mesh-node demo`, the README's first command: a real answer when SmolLM2
+//! can be had, the synthetic model (said so) when it cannot, and a verdict
+//! either way.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn demo(cache: &Path, out: &Path, offline: bool) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_mesh-node"));
+    command
+        .env("MESH_MODEL_CACHE", cache)
+        .args(["demo", "--quiet", "--max-tokens", "12", "--out"])
+        .arg(out);
+    if offline {
+        command.env("MESH_OFFLINE", "1");
+    }
+    command.output().unwrap()
+}
+
+#[test]
+fn offline_the_demo_says_it_falls_back_and_still_verifies() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = demo(&dir.path().join("cache"), &dir.path().join("out"), true);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("synthetic model") && stderr.contains("MESH_OFFLINE"),
+        "{stderr}"
+    );
+    // Just the answer and the verdict.
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    assert!(lines[0].starts_with("answer: "), "{stdout}");
+    assert!(lines[1].starts_with("verdict: OK"), "{stdout}");
+    // A second run in the same directory is the same nodes, going on.
+    let again = demo(&dir.path().join("cache"), &dir.path().join("out"), true);
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+}
+
+fn smollm2() -> Option<PathBuf> {
+    let path = std::env::var_os("MESH_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(mesh_node::models::smollm2_path);
+    if path.is_file() {
+        return Some(path);
+    }
+    let message = format!(
+        "SmolLM2-135M not found at {}: the real-model demo test is SKIPPED",
+        path.display()
+    );
+    if std::env::var("MESH_REQUIRE_MODEL").is_ok_and(|v| v == "1") {
+        panic!("{message} (MESH_REQUIRE_MODEL=1)");
+    }
+    eprintln!("{message}");
+    None
+}
+
+#[test]
+fn with_smollm2_the_demo_answers_paris() {
+    let Some(model) = smollm2() else { return };
+    assert_eq!(
+        model.file_name().unwrap(),
+        mesh_node::models::SMOLLM2_FILE,
+        "the demo finds SmolLM2 by its file name in the model cache"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    // Offline: the model is found in the cache, never downloaded here.
+    let output = demo(model.parent().unwrap(), &dir.path().join("out"), true);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        stdout.contains("answer: The capital of France is Paris."),
+        "{stdout}"
+    );
+    assert!(stdout.contains("verdict: OK"), "{stdout}");
+}
