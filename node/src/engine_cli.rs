@@ -69,7 +69,21 @@ pub fn open_model(model: Option<&Path>) -> anyhow::Result<ModelHandle> {
         None => synthetic_model_path()?,
     };
     eprintln!("loading {} …", path.display());
-    ModelHandle::open(&path).with_context(|| format!("opening model {}", path.display()))
+    open_model_at(&path)
+}
+
+/// Open a model; the error names the file once (most engine errors name it
+/// already).
+pub fn open_model_at(path: &Path) -> anyhow::Result<ModelHandle> {
+    ModelHandle::open(path).map_err(|error| {
+        let named = error.to_string().contains(&path.display().to_string());
+        let error = anyhow::Error::new(error);
+        if named {
+            error
+        } else {
+            error.context(format!("opening model {}", path.display()))
+        }
+    })
 }
 
 pub fn generate(options: &GenerateOptions) -> anyhow::Result<()> {

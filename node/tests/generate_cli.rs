@@ -110,6 +110,11 @@ fn a_broken_model_file_is_one_short_error_even_with_backtraces_on() {
             "cut at {cut}: {} lines:\n{stderr}",
             stderr.lines().count()
         );
-        assert!(stderr.contains(&broken.display().to_string()), "{stderr}");
+        // Named once, with what is wrong.
+        assert_eq!(
+            stderr.matches(&broken.display().to_string()).count(),
+            2, // "loading PATH …" and the error
+            "{stderr}"
+        );
     }
 }

@@ -338,8 +338,7 @@ impl Node {
     pub async fn start(options: NodeOptions) -> anyhow::Result<Node> {
         tls::install_provider();
         let tls = TlsIdentity::new(&options.key)?;
-        let model = ModelHandle::open(&options.model)
-            .with_context(|| format!("opening model {}", options.model.display()))?;
+        let model = crate::engine_cli::open_model_at(&options.model)?;
         let steward = Steward::open(
             &options.data.join("steward"),
             options.key.clone(),
