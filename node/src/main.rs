@@ -721,8 +721,27 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
+/// Logs go to stderr through `tracing`; `RUST_LOG` chooses what is shown.
+/// By default a serving node says what it does (info), and every other
+/// command only what went wrong (warn), so the demo's answer stays in view.
+fn init_logging(command: &Command) {
+    let default = match command {
+        Command::Serve(_) => "mesh_node=info",
+        _ => "mesh_node=warn",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    init_logging(&cli.command);
+    match run(cli) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("mesh-node: {error:#}");

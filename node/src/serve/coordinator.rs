@@ -278,7 +278,7 @@ impl Drop for Held<'_> {
             let request_id = self.request_id;
             tokio::spawn(async move {
                 if let Err(error) = release_remote(&inner, &peer, request_id).await {
-                    eprintln!("mesh-node: releasing request {request_id} at {peer}: {error:#}");
+                    tracing::warn!(request_id, %peer, "releasing the request's grant decision: {error:#}");
                 }
             });
         }

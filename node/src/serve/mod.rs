@@ -470,7 +470,7 @@ async fn release_idle_slices(inner: std::sync::Weak<Inner>) {
             idle
         };
         for run in released {
-            eprintln!("mesh-node: released the slice of run {run} (idle)");
+            tracing::info!(run, "released an idle slice");
         }
     }
 }
@@ -536,7 +536,7 @@ async fn accept_loop(inner: Arc<Inner>) {
                         _ => Ok(()),
                     };
                     if let Err(error) = outcome {
-                        eprintln!("mesh-node: stream from {}: {error:#}", did_key(&peer));
+                        tracing::warn!(peer = %did_key(&peer), "stream: {error:#}");
                     }
                 });
             }
@@ -616,7 +616,7 @@ impl Inner {
         if let Err(error) =
             lock(&self.steward).end_engine(ticket, Some(self.model.weights_digest()))
         {
-            eprintln!("mesh-node: releasing an unused grant decision: {error}");
+            tracing::warn!("releasing an unused grant decision: {error}");
         }
     }
 
@@ -847,8 +847,8 @@ fn handle_assign(
     message: &Cbor,
 ) -> anyhow::Result<([u8; 32], usize)> {
     if !inner.coordinators.contains(&peer) {
-        eprintln!(
-            "mesh-node: refused an assignment from {0}: not a coordinator this node serves (start it with --coordinator {0} to serve it)",
+        tracing::warn!(
+            "refused an assignment from {0}: not a coordinator this node serves (start it with --coordinator {0} to serve it)",
             did_key(&peer)
         );
         bail!("this node does not serve coordinator {}", did_key(&peer));
@@ -882,9 +882,13 @@ fn handle_assign(
         }
         inner.check_slice_room(&slots, peer)?;
     }
-    eprintln!(
-        "mesh-node: loading layers {}..{} for run {} (stage {} of {})",
-        assign.layer_start, assign.layer_end, assign.run_id, assign.stage_index, assign.stage_count
+    tracing::info!(
+        run = %assign.run_id,
+        "loading layers {}..{} (stage {} of {})",
+        assign.layer_start,
+        assign.layer_end,
+        assign.stage_index,
+        assign.stage_count
     );
     let slice = tokio::task::block_in_place(|| {
         inner.model.load_slice(assign.layer_start..assign.layer_end)
@@ -1418,7 +1422,7 @@ async fn handle_stage(
     }
     .await;
     if let Err(error) = &outcome {
-        eprintln!("mesh-node: stage {k} request {request_id}: {error:#}");
+        tracing::warn!(stage = k, request_id, "{error:#}");
         // Upstream is still waiting for this step's reply: say why there is
         // none (a relayed reply is read, and folded, by the node before).
         if !upstream_gone && !upstream_told {
@@ -1483,7 +1487,7 @@ async fn handle_stage(
     if let Ok(metered) = metered {
         let receipt = stage_receipt(&inner, request_id, &run_id, k, &tokens, &served, &metered);
         if let Err(error) = lock(&inner.steward).seal(receipt) {
-            eprintln!("mesh-node: stage receipt not sealed: {error}");
+            tracing::error!(request_id, "stage receipt not sealed: {error}");
         }
     }
     let block = StageBlock {
@@ -1618,7 +1622,7 @@ async fn push_stage_record(
         .context("timed out waiting for the push reply")??;
     let reply: serde_json::Value = serde_json::from_slice(&reply).unwrap_or_default();
     if reply["status"] != "received" {
-        eprintln!("mesh-node: stage record refused: {reply}");
+        tracing::warn!("stage record refused: {reply}");
     }
     Ok(())
 }
