@@ -547,10 +547,7 @@ async fn serve_request(
                                 }
                                 () = tokio::time::sleep_until(until) => {
                                     let whom = if direct.is_none() { "the final stage's direct return" } else { "the final stage" };
-                                    bail!(
-                                        "timed out: no reply from {whom} within the step timeout of {} ms (serve --step-timeout-ms)",
-                                        inner.step_timeout.as_millis()
-                                    );
+                                    return Err(step_timed_out(whom, inner.step_timeout));
                                 }
                             }
                         }
@@ -949,10 +946,7 @@ pub const PREFILL_CHUNK_TOKENS: usize = 256;
 /// Name the wait that ran out, and the setting that bounds it.
 fn step_failure(error: anyhow::Error, whom: &str, timeout: Duration) -> anyhow::Error {
     if error.to_string().contains("timed out") {
-        anyhow!(
-            "timed out: no reply from {whom} within the step timeout of {} ms (serve --step-timeout-ms)",
-            timeout.as_millis()
-        )
+        step_timed_out(whom, timeout)
     } else {
         error.context(format!("waiting for {whom}'s reply"))
     }

@@ -916,6 +916,14 @@ fn handle_assign(
 
 // ------------------------------------------------------------------ stage
 
+/// A wait for a step's message ran out: name it, and the setting that bounds it.
+fn step_timed_out(whom: &str, timeout: Duration) -> anyhow::Error {
+    anyhow!(
+        "timed out: no reply from {whom} within the step timeout of {} ms (serve --step-timeout-ms)",
+        timeout.as_millis()
+    )
+}
+
 /// A node that refuses a request answers FAILED and stops reading, so the
 /// next write to it fails: report its reason rather than the write's. The
 /// answer is folded as received (the refusing side folded it as sent when it
@@ -1194,10 +1202,8 @@ async fn handle_stage(
         decode: 0,
     };
     let mut stats = StageStats::default();
-    // Whether upstream stopped sending, and whether it was told why this
-    // stage stopped: a failure is reported upstream at most once.
+    // Whether upstream stopped sending: then nothing is reported to it.
     let mut upstream_gone = false;
-    let mut upstream_told = false;
     lock(&inner.steward).begin_engine(&mut ticket);
 
     let outcome: anyhow::Result<()> = async {
@@ -1267,10 +1273,7 @@ async fn handle_stage(
                 Err(_) => {
                     upstream_gone = true;
                     terminal = TerminalState::TimedOut;
-                    bail!(
-                        "timed out: nothing from upstream within the step timeout of {} ms",
-                        inner.step_timeout.as_millis()
-                    );
+                    return Err(step_timed_out("upstream", inner.step_timeout));
                 }
             };
             folds.time(|| lanes.up_received.push_frame(&frame));
@@ -1297,31 +1300,11 @@ async fn handle_stage(
                     let metered = lock(&inner.steward).mark_engine(&mut ticket);
                     if let Some(limit) = ticket.limit_uj().filter(|limit| metered >= *limit) {
                         // This steward's part of the serve ends here; the
-                        // reply says why to whoever reads replies.
+                        // failure path tells upstream why, once.
                         terminal = TerminalState::PolicyDenied;
-                        let reason = format!(
+                        bail!(
                             "{POLICY_DENIED}: the energy ceiling of {limit} µJ was reached at stage {k} ({metered} µJ metered)"
                         );
-                        let body = msg::stage_body(kind::FAILED, request_id, step, reason.as_bytes());
-                        let bytes = msg::frame(&body)?;
-                        match (&mut direct, lanes.direct_sent.as_mut()) {
-                            (Some(send), Some(fold)) => {
-                                send_frame(send, &bytes, fold, &mut folds, "on the direct return")
-                                    .await?
-                            }
-                            _ => {
-                                send_frame(
-                                    &mut up_send,
-                                    &bytes,
-                                    &mut lanes.up_replies_sent,
-                                    &mut folds,
-                                    "upstream",
-                                )
-                                .await?
-                            }
-                        }
-                        upstream_told = true;
-                        bail!("{reason}");
                     }
                     match output {
                         SliceOutput::Hidden(a) => {
@@ -1425,7 +1408,7 @@ async fn handle_stage(
         tracing::warn!(stage = k, request_id, "{error:#}");
         // Upstream is still waiting for this step's reply: say why there is
         // none (a relayed reply is read, and folded, by the node before).
-        if !upstream_gone && !upstream_told {
+        if !upstream_gone {
             // A steward's stop keeps its `policy_denied` prefix on the way up.
             let reason = format!("{error:#}");
             let reason = if reason.starts_with(POLICY_DENIED) {
