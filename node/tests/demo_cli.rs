@@ -2,7 +2,9 @@
 //! can be had, the synthetic model (said so) when it cannot, and a verdict
 //! either way.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn demo(cache: &Path, out: &Path, offline: bool) -> Output {
@@ -42,27 +44,11 @@ fn offline_the_demo_says_it_falls_back_and_still_verifies() {
     );
 }
 
-fn smollm2() -> Option<PathBuf> {
-    let path = std::env::var_os("MESH_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(mesh_node::models::smollm2_path);
-    if path.is_file() {
-        return Some(path);
-    }
-    let message = format!(
-        "SmolLM2-135M not found at {}: the real-model demo test is SKIPPED",
-        path.display()
-    );
-    if std::env::var("MESH_REQUIRE_MODEL").is_ok_and(|v| v == "1") {
-        panic!("{message} (MESH_REQUIRE_MODEL=1)");
-    }
-    eprintln!("{message}");
-    None
-}
-
 #[test]
 fn with_smollm2_the_demo_answers_paris() {
-    let Some(model) = smollm2() else { return };
+    let Some(model) = common::smollm2("the real-model demo test") else {
+        return;
+    };
     assert_eq!(
         model.file_name().unwrap(),
         mesh_node::models::SMOLLM2_FILE,

@@ -9,12 +9,26 @@ use mesh_node::net::tls::{self, TlsIdentity};
 use mesh_node::records::refusal_verifies;
 use mesh_node::serve::{Node, NodeOptions};
 use mesh_protocol::SigningKey;
-use mesh_protocol::block::ReturnMode;
+use mesh_protocol::block::{ReturnMode, StageBlock};
 use mesh_protocol::capsule::{Producer, RecordContext, SealedRecord, stage_record};
 use mesh_protocol::identity::did_key;
 use mesh_stage::frame::WireDType;
 use serde_json::Value;
 use sha2::Digest;
+
+/// Stage 1's block of a simulated split, sealed as a stage record by `key`.
+fn simulated_stage_record(key: &SigningKey) -> (StageBlock, SealedRecord) {
+    let run = mesh_node::simulate::simulate(&mesh_node::simulate::Scenario::default());
+    let block = run.stage_records[1][0].stage_block().unwrap();
+    let context = RecordContext {
+        producer: Producer::mesh_node(),
+        timestamp: "2026-11-30T00:00:00.000Z".into(),
+        store_nonce: [4; 32],
+        chain_parent: None,
+    };
+    let record = SealedRecord::seal(stage_record(&context, &block).unwrap(), key).unwrap();
+    (block, record)
+}
 
 async fn push(node: &Node, key: &SigningKey, claimed: &str, record: &Value) -> Value {
     tls::install_provider();
@@ -75,15 +89,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
 
     // A well-formed stage record, signed by a key this coordinator never assigned.
     let stranger = SigningKey::from_bytes(&[9; 32]);
-    let run = mesh_node::simulate::simulate(&mesh_node::simulate::Scenario::default());
-    let block = run.stage_records[1][0].stage_block().unwrap();
-    let context = RecordContext {
-        producer: Producer::mesh_node(),
-        timestamp: "2026-11-30T00:00:00.000Z".into(),
-        store_nonce: [4; 32],
-        chain_parent: None,
-    };
-    let record = SealedRecord::seal(stage_record(&context, &block).unwrap(), &stranger).unwrap();
+    let (_, record) = simulated_stage_record(&stranger);
 
     let reply = push(
         &node,
@@ -119,15 +125,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
 #[test]
 fn an_assigned_stage_is_held_to_its_claims_and_its_signature() {
     let stage = SigningKey::from_bytes(&[9; 32]);
-    let run = mesh_node::simulate::simulate(&mesh_node::simulate::Scenario::default());
-    let block = run.stage_records[1][0].stage_block().unwrap();
-    let context = RecordContext {
-        producer: Producer::mesh_node(),
-        timestamp: "2026-11-30T00:00:00.000Z".into(),
-        store_nonce: [4; 32],
-        chain_parent: None,
-    };
-    let record = SealedRecord::seal(stage_record(&context, &block).unwrap(), &stage).unwrap();
+    let (block, record) = simulated_stage_record(&stage);
     let stage_key = stage.verifying_key().to_bytes();
     let mut collector = mesh_node::records::Collector::default();
     let assigned: Vec<[u8; 32]> = (0..block.stage_count as usize)

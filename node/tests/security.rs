@@ -77,6 +77,20 @@ impl<'a> Setup<'a> {
         }
     }
 
+    /// Stage `name` (key `seed`) serving the coordinator of key 1.
+    fn stage(model: &'a Path, dir: &Path, name: &str, seed: u8) -> Self {
+        let mut stage = Self::new(model, dir.join(name), key(seed));
+        stage.coordinators = vec![public(&key(1))];
+        stage
+    }
+
+    /// The coordinator (key 1) over `peers`.
+    fn coordinator(model: &'a Path, dir: &Path, peers: Vec<PeerAddr>) -> Self {
+        let mut coordinator = Self::new(model, dir.join("a"), key(1));
+        coordinator.peers = peers;
+        coordinator
+    }
+
     async fn start(self) -> Node {
         self.try_start().await.unwrap()
     }
@@ -107,13 +121,9 @@ impl<'a> Setup<'a> {
 
 /// A coordinator (key 1) over two stages (keys 2 and 3) that serve it.
 async fn three_nodes(model: &Path, dir: &Path) -> (Node, Node, Node) {
-    let mut b = Setup::new(model, dir.join("b"), key(2));
-    b.coordinators = vec![public(&key(1))];
-    let mut c = Setup::new(model, dir.join("c"), key(3));
-    c.coordinators = vec![public(&key(1))];
-    let (b, c) = (b.start().await, c.start().await);
-    let mut a = Setup::new(model, dir.join("a"), key(1));
-    a.peers = vec![b.peer_addr(), c.peer_addr()];
+    let b = Setup::stage(model, dir, "b", 2).start().await;
+    let c = Setup::stage(model, dir, "c", 3).start().await;
+    let a = Setup::coordinator(model, dir, vec![b.peer_addr(), c.peer_addr()]);
     (a.start().await, b, c)
 }
 
@@ -620,14 +630,12 @@ fn unresolved(data: &Path, key: &SigningKey) -> usize {
 async fn busy_refusals_release_their_grants(coordinator_max: usize, stage_max: usize) {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let (ka, kb, kc) = (key(1), key(2), key(3));
-    let (stall, c) = stalling_stage(&kc).await;
-    let mut b = Setup::new(&model, dir.path().join("b"), kb.clone());
-    b.coordinators = vec![public(&ka)];
+    let (ka, kb) = (key(1), key(2));
+    let (stall, c) = stalling_stage(&key(3)).await;
+    let mut b = Setup::stage(&model, dir.path(), "b", 2);
     b.max_requests = stage_max;
     let b = b.start().await;
-    let mut a = Setup::new(&model, dir.path().join("a"), ka.clone());
-    a.peers = vec![b.peer_addr(), c];
+    let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c]);
     a.max_requests = coordinator_max;
     let a = a.start().await;
 
@@ -793,16 +801,13 @@ async fn the_final_stage_stopping_first_leaves_every_hop_agreeing() {
 async fn stops_at_the_energy_ceiling_first_at(mode: ReturnMode, first: Option<&str>) {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let mut b = Setup::new(&model, dir.path().join("b"), key(2));
-    b.coordinators = vec![public(&key(1))];
-    let mut c = Setup::new(&model, dir.path().join("c"), key(3));
-    c.coordinators = vec![public(&key(1))];
+    let b = Setup::stage(&model, dir.path(), "b", 2).start().await;
+    let mut c = Setup::stage(&model, dir.path(), "c", 3);
     if first == Some("c") {
         c.milliwatts *= 1000;
     }
-    let (b, c) = (b.start().await, c.start().await);
-    let mut a = Setup::new(&model, dir.path().join("a"), key(1));
-    a.peers = vec![b.peer_addr(), c.peer_addr()];
+    let c = c.start().await;
+    let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c.peer_addr()]);
     a.return_mode = mode;
     let a = a.start().await;
     let (shards, holder) = grants(dir.path(), &a, 90_000_000).await;
@@ -867,14 +872,11 @@ async fn stops_at_the_energy_ceiling_first_at(mode: ReturnMode, first: Option<&s
 async fn waiting_for_a_peer_that_is_gone_is_not_billed() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let (ka, kb) = (key(1), key(2));
     let (stall, c) = stalling_stage(&key(3)).await;
-    let mut b = Setup::new(&model, dir.path().join("b"), kb.clone());
-    b.coordinators = vec![public(&ka)];
-    let b = b.start().await;
-    let mut a = Setup::new(&model, dir.path().join("a"), ka.clone());
-    a.peers = vec![b.peer_addr(), c];
-    let a = a.start().await;
+    let b = Setup::stage(&model, dir.path(), "b", 2).start().await;
+    let a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c])
+        .start()
+        .await;
     let (shards, holder) = grants(dir.path(), &a, 900_000_000).await;
     let prompt = "stalls at stage 2";
     let mut granted = granted(&shards, &holder, prompt, 8, 200_000_000);
@@ -936,14 +938,12 @@ async fn an_idle_slice_is_freed_and_assigned_again_when_needed() {
     let idle = Duration::from_millis(400);
     let mut stages = Vec::new();
     for (name, k) in [("b", 2), ("c", 3)] {
-        let mut stage = Setup::new(&model, dir.path().join(name), key(k));
-        stage.coordinators = vec![public(&key(1))];
+        let mut stage = Setup::stage(&model, dir.path(), name, k);
         stage.slice_idle = idle;
         stages.push(stage.start().await);
     }
-    let mut a = Setup::new(&model, dir.path().join("a"), key(1));
-    a.peers = stages.iter().map(Node::peer_addr).collect();
-    let a = a.start().await;
+    let peers = stages.iter().map(Node::peer_addr).collect();
+    let a = Setup::coordinator(&model, dir.path(), peers).start().await;
     for round in 0..2 {
         let summary = ask(&a.peer_addr(), &request("idle and back", 3, None))
             .await
@@ -981,9 +981,10 @@ async fn the_receipt_chain_link_survives_a_coordinator_restart() {
     // Start again on the same journal once the old node has let go of it.
     let started = std::time::Instant::now();
     let a = loop {
-        let mut again = Setup::new(&model, dir.path().join("a"), key(1));
-        again.peers = peers.clone();
-        match again.try_start().await {
+        match Setup::coordinator(&model, dir.path(), peers.clone())
+            .try_start()
+            .await
+        {
             Ok(node) => break node,
             Err(error) if started.elapsed() < Duration::from_secs(20) => {
                 let _ = error;
@@ -1009,13 +1010,9 @@ async fn the_receipt_chain_link_survives_a_coordinator_restart() {
 async fn only_the_final_stage_may_open_the_direct_return() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let (ka, kb) = (key(1), key(2));
     let (stall, c, opened) = observed_stalling_stage(&key(3)).await;
-    let mut b = Setup::new(&model, dir.path().join("b"), kb);
-    b.coordinators = vec![public(&ka)];
-    let b = b.start().await;
-    let mut a = Setup::new(&model, dir.path().join("a"), ka);
-    a.peers = vec![b.peer_addr(), c];
+    let b = Setup::stage(&model, dir.path(), "b", 2).start().await;
+    let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c]);
     a.return_mode = ReturnMode::Direct;
     let a = a.start().await;
     let coordinator = a.peer_addr();
@@ -1159,14 +1156,11 @@ async fn connections_past_the_bound_are_refused_but_known_peers_get_in() {
 async fn a_silent_stage_times_out_naming_the_setting() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let (ka, kb) = (key(1), key(2));
     let (_stall, c) = stalling_stage(&key(3)).await;
-    let mut b = Setup::new(&model, dir.path().join("b"), kb);
-    b.coordinators = vec![public(&ka)];
+    let mut b = Setup::stage(&model, dir.path(), "b", 2);
     b.step_timeout = Duration::from_secs(30);
     let b = b.start().await;
-    let mut a = Setup::new(&model, dir.path().join("a"), ka);
-    a.peers = vec![b.peer_addr(), c];
+    let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c]);
     a.step_timeout = Duration::from_millis(1500);
     let a = a.start().await;
     let summary = ask(&a.peer_addr(), &request("no answer comes", 4, None))

@@ -3,6 +3,8 @@
 //! a stage killed mid-request ends the request cleanly, and a record pushed
 //! by an unknown key is refused with a signed reason.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -48,6 +50,14 @@ fn node_id(dir: &Path, name: &str) -> String {
         &mesh_protocol::hex::decode_array(seed.trim()).unwrap(),
     );
     mesh_protocol::identity::did_key(&key.verifying_key().to_bytes())
+}
+
+/// A stage node serving the coordinator named "coord" in `dir`.
+fn stage(dir: &Path, name: &str, model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Served {
+    let coordinator = node_id(dir, "coord");
+    let mut args = vec!["--coordinator", coordinator.as_str()];
+    args.extend_from_slice(extra);
+    serve(dir, name, model, &[], &args, env)
 }
 
 fn serve(
@@ -108,27 +118,6 @@ fn synthetic(dir: &Path) -> PathBuf {
         .gguf(candle_core::quantized::GgmlDType::F32)
         .unwrap()
         .to_path_buf()
-}
-
-fn smollm2() -> Option<PathBuf> {
-    let path = std::env::var_os("MESH_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                .join(".cache/mesh-node/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if path.is_file() {
-        return Some(path);
-    }
-    let message = format!(
-        "SmolLM2-135M not found at {}: the real-model split test is SKIPPED",
-        path.display()
-    );
-    if std::env::var("MESH_REQUIRE_MODEL").is_ok_and(|v| v == "1") {
-        panic!("{message} (MESH_REQUIRE_MODEL=1)");
-    }
-    eprintln!("{message}");
-    None
 }
 
 fn local_tokens(model: &Path, prompt: &str, max_tokens: usize) -> Value {
@@ -252,7 +241,9 @@ fn three_processes_serve_the_synthetic_model_in_both_return_modes() {
 
 #[test]
 fn three_processes_serve_smollm2_in_both_return_modes() {
-    let Some(model) = smollm2() else { return };
+    let Some(model) = common::smollm2("the real-model split test") else {
+        return;
+    };
     split_equals_unsplit(&model, "What is the capital of France?", 16);
 }
 
@@ -269,10 +260,8 @@ fn a_stage_killed_mid_request_ends_it_cleanly_in_direct_mode() {
 fn stage_killed_mid_request(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let serves = ["--coordinator".to_string(), node_id(dir.path(), "coord")];
-    let serves: Vec<&str> = serves.iter().map(String::as_str).collect();
-    let b = serve(dir.path(), "b", &model, &[], &serves, &[]);
-    let mut c = serve(dir.path(), "c", &model, &[], &serves, &[]);
+    let b = stage(dir.path(), "b", &model, &[], &[]);
+    let mut c = stage(dir.path(), "c", &model, &[], &[]);
     let coordinator = serve(
         dir.path(),
         "coord",
@@ -356,17 +345,14 @@ fn one_altered_forward_byte_breaks_that_hop() {
     let model = synthetic(dir.path());
     // Stage 1 alters byte 40 of the forward frame it writes at step 1,
     // after folding it: the hop 1 -> 2 forward lane must read `break`.
-    let serves = ["--coordinator".to_string(), node_id(dir.path(), "coord")];
-    let serves: Vec<&str> = serves.iter().map(String::as_str).collect();
-    let b = serve(
+    let b = stage(
         dir.path(),
         "b",
         &model,
         &[],
-        &serves,
         &[("MESH_FAULT_FLIP_FORWARD", "1:1:40")],
     );
-    let c = serve(dir.path(), "c", &model, &[], &serves, &[]);
+    let c = stage(dir.path(), "c", &model, &[], &[]);
     let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
     let bundle = dir.path().join("bundle.json");
     let (_, _) = remote(&coordinator.peer, "fault", 6, &bundle);
@@ -389,10 +375,8 @@ fn one_altered_forward_byte_breaks_that_hop() {
 fn grant_shards_are_enforced_by_every_steward() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let serves = ["--coordinator".to_string(), node_id(dir.path(), "coord")];
-    let serves: Vec<&str> = serves.iter().map(String::as_str).collect();
-    let b = serve(dir.path(), "b", &model, &[], &serves, &[]);
-    let c = serve(dir.path(), "c", &model, &[], &serves, &[]);
+    let b = stage(dir.path(), "b", &model, &[], &[]);
+    let c = stage(dir.path(), "c", &model, &[], &[]);
     let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
     let owner = keygen(dir.path(), "owner");
     let holder = keygen(dir.path(), "holder");
@@ -518,10 +502,8 @@ fn grant_shards_are_enforced_by_every_steward() {
 fn a_restarted_stage_is_assigned_again() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let serves = ["--coordinator".to_string(), node_id(dir.path(), "coord")];
-    let serves: Vec<&str> = serves.iter().map(String::as_str).collect();
-    let b = serve(dir.path(), "b", &model, &[], &serves, &[]);
-    let c = serve(dir.path(), "c", &model, &[], &serves, &[]);
+    let b = stage(dir.path(), "b", &model, &[], &[]);
+    let c = stage(dir.path(), "c", &model, &[], &[]);
     let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
     let bundle = dir.path().join("bundle.json");
     let (ok, value) = remote(&coordinator.peer, "before the restart", 4, &bundle);
@@ -529,9 +511,7 @@ fn a_restarted_stage_is_assigned_again() {
     // Stage 2 restarts on the same key and address, holding no slice.
     let address = c.peer.rsplit_once('@').unwrap().1.to_string();
     drop(c);
-    let mut restarted = serves.clone();
-    restarted.extend(["--listen", &address]);
-    let c = serve(dir.path(), "c", &model, &[], &restarted, &[]);
+    let c = stage(dir.path(), "c", &model, &["--listen", &address], &[]);
     // The request that meets the restart may fail (stage 1 still holds its
     // connection to the dead process, or the new one holds no slice); the
     // coordinator then assigns again, and the next request is served.
