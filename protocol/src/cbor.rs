@@ -4,9 +4,25 @@
 //! negative numbers, because the records signed with it forbid them
 //! (booleans are written as `0|1`, absent options are dropped).
 //!
-//! The decoder is strict and bounded: it accepts only canonical encodings (a
-//! decoded value re-encodes to the same bytes), at most `MAX_CBOR_DEPTH`
-//! nesting, at most `MAX_CBOR_ITEMS` items, and refuses trailing bytes.
+//! `ciborium` does the generic work: it writes every head (always in
+//! shortest form, always with definite lengths) and parses every document.
+//! What it cannot do is kept here, on top of it:
+//!
+//! - map keys in RFC 8949 *bytewise* order: ciborium's canonical ordering
+//!   is RFC 7049's length-first one, which orders mixed key types
+//!   differently, so maps are sorted here before they are written;
+//! - refusing what is not canonical: ciborium accepts long-form heads,
+//!   indefinite lengths, unsorted or repeated keys, tags, floats and simple
+//!   values, and its value model forgets how a head was written. So after
+//!   ciborium has parsed a document, [`Canonical`] walks the parsed value and
+//!   the input side by side and refuses, with the byte offset, the first head
+//!   that is not shortest, the first value outside the model and the first
+//!   map key out of order;
+//! - bounds: at most `MAX_CBOR_DEPTH` nesting (also passed to ciborium as
+//!   its recursion limit, so a deep document is refused while it is parsed),
+//!   at most `MAX_CBOR_ITEMS` items, no trailing bytes. ciborium grows byte
+//!   and text strings chunk by chunk as their bytes arrive, never by a
+//!   declared length, so what it allocates is bounded by the input's length.
 
 use std::collections::BTreeMap;
 
@@ -16,8 +32,6 @@ use thiserror::Error;
 pub const MAX_CBOR_DEPTH: usize = 16;
 /// Most data items (of any kind) one document may hold.
 pub const MAX_CBOR_ITEMS: usize = 65_536;
-/// Items reserved ahead for an array or map, whatever length it declares.
-const RESERVE_ITEMS: usize = 64;
 
 /// A deterministic-CBOR value.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -47,30 +61,12 @@ pub enum CborError {
     KeyOrder(usize),
     #[error("byte {0}: text is not UTF-8")]
     Utf8(usize),
+    #[error("byte {0}: malformed CBOR")]
+    Malformed(usize),
     #[error("nesting deeper than {MAX_CBOR_DEPTH}")]
     TooDeep,
     #[error("more than {MAX_CBOR_ITEMS} items")]
     TooMany,
-}
-
-fn head(out: &mut Vec<u8>, major: u8, value: u64) {
-    let major = major << 5;
-    match value {
-        0..=23 => out.push(major | value as u8),
-        24..=0xff => out.extend_from_slice(&[major | 24, value as u8]),
-        0x100..=0xffff => {
-            out.push(major | 25);
-            out.extend_from_slice(&(value as u16).to_be_bytes());
-        }
-        0x1_0000..=0xffff_ffff => {
-            out.push(major | 26);
-            out.extend_from_slice(&(value as u32).to_be_bytes());
-        }
-        _ => {
-            out.push(major | 27);
-            out.extend_from_slice(&value.to_be_bytes());
-        }
-    }
 }
 
 impl Cbor {
@@ -99,53 +95,25 @@ impl Cbor {
 
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
-        self.encode_into(&mut out);
+        // Writing into a Vec cannot fail, and every value of this model is
+        // representable, so there is no error to report.
+        let _ = ciborium::into_writer(self, &mut out);
         out
-    }
-
-    fn encode_into(&self, out: &mut Vec<u8>) {
-        match self {
-            Cbor::Uint(value) => head(out, 0, *value),
-            Cbor::Bytes(bytes) => {
-                head(out, 2, bytes.len() as u64);
-                out.extend_from_slice(bytes);
-            }
-            Cbor::Text(text) => {
-                head(out, 3, text.len() as u64);
-                out.extend_from_slice(text.as_bytes());
-            }
-            Cbor::Array(items) => {
-                head(out, 4, items.len() as u64);
-                for item in items {
-                    item.encode_into(out);
-                }
-            }
-            Cbor::Map(entries) => {
-                // Re-sort defensively: a map built by hand must still encode
-                // canonically.
-                let mut encoded: Vec<(Vec<u8>, &Cbor)> =
-                    entries.iter().map(|(k, v)| (k.encode(), v)).collect();
-                encoded.sort_by(|a, b| a.0.cmp(&b.0));
-                encoded.dedup_by(|a, b| a.0 == b.0);
-                head(out, 5, encoded.len() as u64);
-                for (key, value) in encoded {
-                    out.extend_from_slice(&key);
-                    value.encode_into(out);
-                }
-            }
-        }
     }
 
     /// Decode one canonical value that spans all of `bytes`.
     pub fn decode(bytes: &[u8]) -> Result<Cbor, CborError> {
-        let mut decoder = Decoder {
-            bytes,
+        let parsed: ciborium::Value =
+            ciborium::de::from_reader_with_recursion_limit(bytes, MAX_CBOR_DEPTH + 1)
+                .map_err(|error| parse_error(bytes, error))?;
+        let mut canonical = Canonical {
+            input: bytes,
             pos: 0,
             items: 0,
         };
-        let value = decoder.value(0)?;
-        if decoder.pos != bytes.len() {
-            return Err(CborError::Trailing(bytes.len() - decoder.pos));
+        let value = canonical.value(parsed, 0)?;
+        if canonical.pos != bytes.len() {
+            return Err(CborError::Trailing(bytes.len() - canonical.pos));
         }
         Ok(value)
     }
@@ -187,68 +155,160 @@ impl Cbor {
     }
 }
 
-struct Decoder<'a> {
-    bytes: &'a [u8],
+/// ciborium writes the heads; map entries go out in bytewise order of their
+/// encoded keys, whatever order a hand-built `Cbor::Map` holds them in, and a
+/// repeated key is written once.
+impl serde::Serialize for Cbor {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{SerializeMap, SerializeSeq};
+        match self {
+            Cbor::Uint(value) => serializer.serialize_u64(*value),
+            Cbor::Bytes(bytes) => serializer.serialize_bytes(bytes),
+            Cbor::Text(text) => serializer.serialize_str(text),
+            Cbor::Array(items) => {
+                let mut seq = serializer.serialize_seq(Some(items.len()))?;
+                for item in items {
+                    seq.serialize_element(item)?;
+                }
+                seq.end()
+            }
+            Cbor::Map(entries) => {
+                let mut sorted: Vec<(Vec<u8>, &Cbor, &Cbor)> =
+                    entries.iter().map(|(k, v)| (k.encode(), k, v)).collect();
+                sorted.sort_by(|a, b| a.0.cmp(&b.0));
+                sorted.dedup_by(|a, b| a.0 == b.0);
+                let mut map = serializer.serialize_map(Some(sorted.len()))?;
+                for (_, key, value) in sorted {
+                    map.serialize_entry(key, value)?;
+                }
+                map.end()
+            }
+        }
+    }
+}
+
+/// The major type and additional information of the head at `offset`.
+fn head_at(input: &[u8], offset: usize) -> Option<(u8, u8)> {
+    input.get(offset).map(|first| (first >> 5, first & 0x1f))
+}
+
+/// ciborium's parse errors, in this module's terms.
+fn parse_error(input: &[u8], error: ciborium::de::Error<std::io::Error>) -> CborError {
+    use ciborium::de::Error;
+    let offset = match error {
+        Error::Io(_) => return CborError::Truncated(input.len()),
+        Error::RecursionLimitExceeded => return CborError::TooDeep,
+        Error::Syntax(offset) | Error::Semantic(Some(offset), _) => offset,
+        Error::Semantic(None, _) => return CborError::Malformed(0),
+    };
+    match head_at(input, offset) {
+        Some((3, _)) => CborError::Utf8(offset),
+        Some((major, info)) if !matches!(major, 0 | 2 | 4 | 5) || info > 27 => {
+            CborError::Unsupported {
+                offset,
+                major,
+                info,
+            }
+        }
+        _ => CborError::Malformed(offset),
+    }
+}
+
+/// Walks a value ciborium parsed alongside the bytes it came from, refusing
+/// whatever the deterministic profile does not allow.
+struct Canonical<'a> {
+    input: &'a [u8],
+    /// Offset of the next head in `input`.
     pos: usize,
     items: usize,
 }
 
-impl Decoder<'_> {
-    fn take(&mut self, n: usize) -> Result<&[u8], CborError> {
-        let end = self
-            .pos
-            .checked_add(n)
-            .filter(|end| *end <= self.bytes.len());
-        let end = end.ok_or(CborError::Truncated(self.pos))?;
-        let slice = &self.bytes[self.pos..end];
-        self.pos = end;
-        Ok(slice)
-    }
-
-    fn head(&mut self) -> Result<(u8, u64, usize), CborError> {
+impl Canonical<'_> {
+    fn value(&mut self, parsed: ciborium::Value, depth: usize) -> Result<Cbor, CborError> {
+        use ciborium::Value;
+        if depth > MAX_CBOR_DEPTH {
+            return Err(CborError::TooDeep);
+        }
+        self.items += 1;
+        if self.items > MAX_CBOR_ITEMS {
+            return Err(CborError::TooMany);
+        }
         let offset = self.pos;
-        let first = self.take(1)?[0];
-        let (major, info) = (first >> 5, first & 0x1f);
-        if !matches!(major, 0 | 2 | 3 | 4 | 5) {
+        let (major, info) = head_at(self.input, offset).ok_or(CborError::Truncated(offset))?;
+        // The input byte, not the parsed value, decides: ciborium turns a
+        // bignum tag into an integer and an indefinite string into a
+        // definite one.
+        if !matches!(major, 0 | 2 | 3 | 4 | 5) || info > 27 {
             return Err(CborError::Unsupported {
                 offset,
                 major,
                 info,
             });
         }
-        let value = match info {
-            0..=23 => u64::from(info),
-            24 => {
-                let v = u64::from(self.take(1)?[0]);
-                if v < 24 {
-                    return Err(CborError::NotShortest(offset));
-                }
-                v
+        let argument = match &parsed {
+            Value::Integer(integer) => u64::try_from(*integer).ok(),
+            Value::Bytes(bytes) => Some(bytes.len() as u64),
+            Value::Text(text) => Some(text.len() as u64),
+            Value::Array(items) => Some(items.len() as u64),
+            Value::Map(entries) => Some(entries.len() as u64),
+            _ => None,
+        };
+        let argument = argument.ok_or(CborError::Unsupported {
+            offset,
+            major,
+            info,
+        })?;
+        let written = match info {
+            0..=23 => 1,
+            24 => 2,
+            25 => 3,
+            26 => 5,
+            _ => 9,
+        };
+        let shortest = match argument {
+            0..=23 => 1,
+            24..=0xff => 2,
+            0x100..=0xffff => 3,
+            0x1_0000..=0xffff_ffff => 5,
+            _ => 9,
+        };
+        if written != shortest {
+            return Err(CborError::NotShortest(offset));
+        }
+        self.pos += written;
+        Ok(match parsed {
+            Value::Integer(_) => Cbor::Uint(argument),
+            Value::Bytes(bytes) => {
+                self.pos += bytes.len();
+                Cbor::Bytes(bytes)
             }
-            25 => {
-                let v = u64::from(u16::from_be_bytes([self.take(1)?[0], self.take(1)?[0]]));
-                if v <= 0xff {
-                    return Err(CborError::NotShortest(offset));
-                }
-                v
+            Value::Text(text) => {
+                self.pos += text.len();
+                Cbor::Text(text)
             }
-            26 => {
-                let raw = self.take(4)?;
-                let v = u64::from(u32::from_be_bytes([raw[0], raw[1], raw[2], raw[3]]));
-                if v <= 0xffff {
-                    return Err(CborError::NotShortest(offset));
+            Value::Array(items) => Cbor::Array(
+                items
+                    .into_iter()
+                    .map(|item| self.value(item, depth + 1))
+                    .collect::<Result<_, _>>()?,
+            ),
+            Value::Map(entries) => {
+                let mut map = Vec::with_capacity(entries.len());
+                let mut previous_key: Option<&[u8]> = None;
+                for (key, value) in entries {
+                    let key_start = self.pos;
+                    let key = self.value(key, depth + 1)?;
+                    let input = self.input;
+                    let key_bytes = input
+                        .get(key_start..self.pos)
+                        .ok_or(CborError::Truncated(key_start))?;
+                    if previous_key.is_some_and(|previous| previous >= key_bytes) {
+                        return Err(CborError::KeyOrder(key_start));
+                    }
+                    previous_key = Some(key_bytes);
+                    map.push((key, self.value(value, depth + 1)?));
                 }
-                v
-            }
-            27 => {
-                let raw = self.take(8)?;
-                let mut buf = [0u8; 8];
-                buf.copy_from_slice(raw);
-                let v = u64::from_be_bytes(buf);
-                if v <= 0xffff_ffff {
-                    return Err(CborError::NotShortest(offset));
-                }
-                v
+                Cbor::Map(map)
             }
             _ => {
                 return Err(CborError::Unsupported {
@@ -257,71 +317,7 @@ impl Decoder<'_> {
                     info,
                 });
             }
-        };
-        Ok((major, value, offset))
-    }
-
-    fn length(&self, value: u64) -> Result<usize, CborError> {
-        usize::try_from(value)
-            .ok()
-            .filter(|len| *len <= self.bytes.len() - self.pos)
-            .ok_or(CborError::Truncated(self.pos))
-    }
-
-    fn value(&mut self, depth: usize) -> Result<Cbor, CborError> {
-        if depth > MAX_CBOR_DEPTH {
-            return Err(CborError::TooDeep);
-        }
-        self.items += 1;
-        if self.items > MAX_CBOR_ITEMS {
-            return Err(CborError::TooMany);
-        }
-        let (major, value, offset) = self.head()?;
-        match major {
-            0 => Ok(Cbor::Uint(value)),
-            2 => {
-                let len = self.length(value)?;
-                Ok(Cbor::Bytes(self.take(len)?.to_vec()))
-            }
-            3 => {
-                let len = self.length(value)?;
-                let raw = self.take(len)?;
-                let text = std::str::from_utf8(raw).map_err(|_| CborError::Utf8(offset))?;
-                Ok(Cbor::Text(text.to_string()))
-            }
-            4 => {
-                // Each item takes at least one byte, but a declared length is
-                // not trusted for memory: reserve a little, grow as items decode.
-                let len = self.length(value)?;
-                let mut items = Vec::with_capacity(len.min(RESERVE_ITEMS));
-                for _ in 0..len {
-                    items.push(self.value(depth + 1)?);
-                }
-                Ok(Cbor::Array(items))
-            }
-            5 => {
-                let len = self.length(value.saturating_mul(2))? / 2;
-                let mut entries = Vec::with_capacity(len.min(RESERVE_ITEMS));
-                let mut previous_key: Option<Vec<u8>> = None;
-                for _ in 0..len {
-                    let key_start = self.pos;
-                    let key = self.value(depth + 1)?;
-                    let key_bytes = self.bytes[key_start..self.pos].to_vec();
-                    if previous_key.as_ref().is_some_and(|p| *p >= key_bytes) {
-                        return Err(CborError::KeyOrder(key_start));
-                    }
-                    previous_key = Some(key_bytes);
-                    let value = self.value(depth + 1)?;
-                    entries.push((key, value));
-                }
-                Ok(Cbor::Map(entries))
-            }
-            _ => Err(CborError::Unsupported {
-                offset,
-                major,
-                info: self.bytes[offset] & 0x1f,
-            }),
-        }
+        })
     }
 }
 
@@ -384,6 +380,71 @@ pub(crate) mod tests {
         assert_eq!(
             Cbor::decode(&[0x5a, 0xff, 0xff, 0xff, 0xff]),
             Err(CborError::Truncated(5))
+        );
+    }
+
+    #[test]
+    fn refuses_what_ciborium_accepts_but_the_profile_does_not() {
+        // Indefinite-length text ("a" in one chunk), bignum 1, undefined,
+        // a tagged uint, -1 as a map key.
+        for (bytes, offset) in [
+            (&[0x7f, 0x61, 0x61, 0xff][..], 0),
+            (&[0xc2, 0x41, 0x01], 0),
+            (&[0xf7], 0),
+            (&[0x81, 0xd8, 0x20, 0x01], 1),
+            (&[0xa1, 0x20, 0x00], 1),
+        ] {
+            assert!(
+                matches!(Cbor::decode(bytes), Err(CborError::Unsupported { offset: o, .. }) if o == offset),
+                "{bytes:02x?}: {:?}",
+                Cbor::decode(bytes)
+            );
+        }
+        // A long-form length inside an array, at its own offset.
+        assert_eq!(
+            Cbor::decode(&[0x82, 0x00, 0x58, 0x01, 0x07]),
+            Err(CborError::NotShortest(2))
+        );
+        // Text that is not UTF-8.
+        assert_eq!(Cbor::decode(&[0x62, 0xc3, 0x28]), Err(CborError::Utf8(0)));
+    }
+
+    #[test]
+    fn bounds_depth_and_items() {
+        let nested = |depth: usize| {
+            let mut value = Cbor::Uint(0);
+            for _ in 0..depth {
+                value = Cbor::Array(vec![value]);
+            }
+            value.encode()
+        };
+        // The innermost value sits at depth `depth`.
+        assert!(Cbor::decode(&nested(MAX_CBOR_DEPTH)).is_ok());
+        assert_eq!(
+            Cbor::decode(&nested(MAX_CBOR_DEPTH + 1)),
+            Err(CborError::TooDeep)
+        );
+        // Refused while ciborium parses, long before the stack runs out.
+        let deep: Vec<u8> = [0x81; 100_000].into_iter().chain([0x00]).collect();
+        assert_eq!(Cbor::decode(&deep), Err(CborError::TooDeep));
+        let many = |n: usize| Cbor::Array(vec![Cbor::Uint(0); n]).encode();
+        assert!(Cbor::decode(&many(MAX_CBOR_ITEMS - 1)).is_ok());
+        assert_eq!(Cbor::decode(&many(MAX_CBOR_ITEMS)), Err(CborError::TooMany));
+    }
+
+    #[test]
+    fn a_hand_built_map_still_encodes_canonically() {
+        let unsorted = Cbor::Map(vec![
+            (Cbor::text("b"), Cbor::Uint(1)),
+            (Cbor::Uint(1000), Cbor::Uint(2)),
+            (Cbor::text("b"), Cbor::Uint(3)),
+            (Cbor::text("a"), Cbor::Uint(0)),
+        ]);
+        // Bytewise order of the encoded keys puts the uint first (major 0),
+        // which ciborium's length-first ordering would not.
+        assert_eq!(
+            crate::hex::encode(&unsorted.encode()),
+            "a31903e8026161006162".to_string() + "01"
         );
     }
 

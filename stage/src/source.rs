@@ -8,7 +8,10 @@ use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{QTensor, gguf_file};
-use candle_core::{Device, Tensor};
+use candle_core::safetensors::Load;
+use candle_core::{DType, Device, Tensor};
+use safetensors::Dtype;
+use safetensors::tensor::{Metadata, TensorView};
 use sha2::{Digest, Sha256};
 
 use crate::error::{EngineError, Result, candle_message};
@@ -74,15 +77,20 @@ pub const MAX_SAFETENSORS_HEADER: u64 = 64 * 1024 * 1024;
 #[derive(Debug, Clone)]
 pub struct StEntry {
     path: PathBuf,
-    dtype: String,
+    dtype: Dtype,
     shape: Vec<usize>,
     /// Absolute byte range in the file.
     start: u64,
     end: u64,
 }
 
-/// Read a safetensors header (8-byte little-endian length, then JSON); the
-/// tensor data itself is read later, tensor by tensor, with ranged reads.
+/// Read a safetensors header; the tensor data itself is read later, tensor
+/// by tensor, with ranged reads. The `safetensors` crate parses the header
+/// and checks it (dtypes, offsets contiguous from zero, each range the size
+/// its shape and dtype need); its own loaders want the whole file in memory
+/// (a buffer or a map), which a slice that needs a few of the tensors must
+/// not pay for, so the bounded read of the header and the ranged reads stay
+/// here.
 fn read_safetensors_header(path: &Path, into: &mut BTreeMap<String, StEntry>) -> Result<()> {
     let mut file = File::open(path).map_err(|e| io_error(path, e))?;
     let file_len = file.metadata().map_err(|e| io_error(path, e))?.len();
@@ -99,80 +107,48 @@ fn read_safetensors_header(path: &Path, into: &mut BTreeMap<String, StEntry>) ->
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header)
         .map_err(|e| io_error(path, e))?;
-    let json: serde_json::Value =
+    let metadata: Metadata =
         serde_json::from_slice(&header).map_err(|e| bad(path, format!("header: {e}")))?;
-    let map = json
-        .as_object()
-        .ok_or_else(|| bad(path, "header is not a JSON object"))?;
     let data_start = 8 + header_len;
-    for (name, info) in map {
-        if name == "__metadata__" {
-            continue;
-        }
-        let dtype = info["dtype"]
-            .as_str()
-            .ok_or_else(|| bad(path, format!("`{name}` has no dtype")))?
-            .to_string();
-        let shape: Vec<usize> = info["shape"]
-            .as_array()
-            .ok_or_else(|| bad(path, format!("`{name}` has no shape")))?
-            .iter()
-            .map(|d| d.as_u64().map(|d| d as usize))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad(path, format!("`{name}` has a bad shape")))?;
-        let offsets = info["data_offsets"]
-            .as_array()
-            .ok_or_else(|| bad(path, format!("`{name}` has no data_offsets")))?;
-        let (Some(begin), Some(end)) = (
-            offsets.first().and_then(|v| v.as_u64()),
-            offsets.get(1).and_then(|v| v.as_u64()),
-        ) else {
-            return Err(bad(path, format!("`{name}` has bad data_offsets")));
-        };
-        if begin > end || data_start + end > file_len {
-            return Err(bad(
-                path,
-                format!("`{name}` lies outside the file (truncated?)"),
-            ));
-        }
+    let data_len = metadata.data_len() as u64;
+    if data_start + data_len != file_len {
+        return Err(bad(
+            path,
+            format!(
+                "the header describes {data_len} bytes of tensors, the file holds {} \
+                 (truncated or altered?)",
+                file_len - data_start
+            ),
+        ));
+    }
+    for (name, info) in metadata.tensors() {
+        let (begin, end) = info.data_offsets;
         into.insert(
-            name.clone(),
+            name,
             StEntry {
                 path: path.to_path_buf(),
-                dtype,
-                shape,
-                start: data_start + begin,
-                end: data_start + end,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                start: data_start + begin as u64,
+                end: data_start + end as u64,
             },
         );
     }
     Ok(())
 }
 
+/// Read one tensor's bytes (its size was checked against its shape and dtype
+/// when the header was read) and widen it to f32.
 fn read_safetensor(name: &str, entry: &StEntry, hasher: &mut blake3::Hasher) -> Result<Tensor> {
     use std::io::{Seek, SeekFrom};
-    let path = &entry.path;
-    let element = match entry.dtype.as_str() {
-        "F32" => 4,
-        "F16" | "BF16" => 2,
-        other => {
-            return Err(EngineError::UnsupportedType {
-                name: name.into(),
-                dtype: other.into(),
-            });
-        }
-    };
-    let count: usize = entry.shape.iter().product();
-    let length = entry.end - entry.start;
-    if count as u64 * element != length {
-        return Err(bad(
-            path,
-            format!(
-                "`{name}`: {length} bytes for shape {:?} of {}",
-                entry.shape, entry.dtype
-            ),
-        ));
+    if !matches!(entry.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+        return Err(EngineError::UnsupportedType {
+            name: name.into(),
+            dtype: entry.dtype.to_string(),
+        });
     }
+    let path = &entry.path;
+    let length = entry.end - entry.start;
     let mut file = File::open(path).map_err(|e| io_error(path, e))?;
     file.seek(SeekFrom::Start(entry.start))
         .map_err(|e| io_error(path, e))?;
@@ -180,21 +156,9 @@ fn read_safetensor(name: &str, entry: &StEntry, hasher: &mut blake3::Hasher) -> 
     file.read_exact(&mut bytes).map_err(|e| io_error(path, e))?;
     hasher.update(&length.to_le_bytes());
     hasher.update(&bytes);
-    let values: Vec<f32> = match entry.dtype.as_str() {
-        "F32" => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        "F16" => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-    };
-    Ok(Tensor::from_vec(values, entry.shape.clone(), &Device::Cpu)?)
+    let view = TensorView::new(entry.dtype, entry.shape.clone(), &bytes)
+        .map_err(|e| bad(path, format!("`{name}`: {e}")))?;
+    Ok(view.load(&Device::Cpu)?.to_dtype(DType::F32)?)
 }
 
 fn io_error(path: &Path, source: std::io::Error) -> EngineError {

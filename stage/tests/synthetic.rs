@@ -275,3 +275,43 @@ fn qwen2_with_qkv_biases_agrees_across_formats_and_splits() {
         12
     );
 }
+
+#[test]
+fn a_damaged_safetensors_file_is_refused_at_open() {
+    let (_dir, model) = model(&[GgmlDType::F32]);
+    let weights = model.safetensors_dir.join("model.safetensors");
+    let good = std::fs::read(&weights).unwrap();
+    let header_len = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let refusal = |bytes: &[u8]| {
+        std::fs::write(&weights, bytes).unwrap();
+        match ModelHandle::open(&model.safetensors_dir) {
+            Err(EngineError::BadModel { path, why }) => {
+                assert!(path.ends_with("model.safetensors"), "{path}");
+                why
+            }
+            other => panic!("expected BadModel, got {:?}", other.map(|_| ())),
+        }
+    };
+    // Truncated, and with bytes after the last tensor.
+    assert!(refusal(&good[..good.len() - 4]).contains("truncated"));
+    let mut longer = good.clone();
+    longer.extend_from_slice(&[0; 4]);
+    assert!(refusal(&longer).contains("truncated or altered"));
+    // A tensor whose byte range does not match its shape and dtype: one
+    // digit of a shape changed ("[" followed by a digit).
+    let header = std::str::from_utf8(&good[8..8 + header_len]).unwrap();
+    let at = 8 + header.find("\"shape\":[").unwrap() + "\"shape\":[".len();
+    let mut reshaped = good.clone();
+    reshaped[at] = if reshaped[at] == b'9' {
+        b'8'
+    } else {
+        reshaped[at] + 1
+    };
+    assert!(refusal(&reshaped).contains("header"));
+    // A header that is not JSON.
+    let mut garbled = good.clone();
+    garbled[8] = b'!';
+    assert!(refusal(&garbled).contains("header"));
+    std::fs::write(&weights, &good).unwrap();
+    assert!(ModelHandle::open(&model.safetensors_dir).is_ok());
+}
