@@ -719,3 +719,33 @@ pub fn presentations_for(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_serve_configuration_file_reads_and_refuses_unknown_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("serve.toml");
+        std::fs::write(
+            &path,
+            "key = \"node.key\"\nlisten = \"127.0.0.1:7420\"\n\
+             peers = [\"did:key:z6Mk@127.0.0.1:7421\"]\nmax_slices = 3\n\
+             slice_idle_s = 60\nwire = \"f16\"\n",
+        )
+        .unwrap();
+        let config = ServeConfig::load(&path).unwrap();
+        assert_eq!(config.key.as_deref(), Some(Path::new("node.key")));
+        assert_eq!(config.listen, Some("127.0.0.1:7420".parse().unwrap()));
+        assert_eq!(config.peers.len(), 1);
+        assert_eq!(config.max_slices, Some(3));
+        assert_eq!(config.slice_idle_s, Some(60));
+        assert_eq!(config.wire.as_deref(), Some("f16"));
+
+        std::fs::write(&path, "listen = \"127.0.0.1:7420\"\nlisen = 1\n").unwrap();
+        let error = format!("{:#}", ServeConfig::load(&path).unwrap_err());
+        assert!(error.contains("not a valid serve configuration"), "{error}");
+        assert!(error.contains("lisen"), "{error}");
+    }
+}
