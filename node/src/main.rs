@@ -88,6 +88,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// A running node's pools (request caches, records awaiting a seal,
+    /// grant decisions held) and counters: a leak shows as a pool that does
+    /// not empty.
+    Stats {
+        /// NODEID@HOST:PORT of the node.
+        node: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Issue and shard joule grants.
     Grant {
         #[command(subcommand)]
@@ -462,6 +472,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     summary.terminal_state
                 );
                 return Ok(ExitCode::from(1));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Stats { node, json } => {
+            let node: mesh_node::serve::PeerAddr = node.parse()?;
+            let stats = runtime()?.block_on(mesh_node::serve::node_stats_remote(&node))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&stats)?);
+            } else {
+                print!("{}", mesh_node::render::node_stats(&node, &stats));
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -1,4 +1,4 @@
-//! Human-readable output of `mesh-node verify`.
+//! Human-readable output of `mesh-node verify` and `mesh-node stats`.
 
 use std::fmt::Write;
 
@@ -131,5 +131,54 @@ pub fn render(file: &str, report: &VerifyReport) -> String {
         "Result: {}",
         if report.success() { "OK" } else { "FAILED" }
     );
+    out
+}
+
+/// `mesh-node stats`: the pools first (what a leak would fill), then the
+/// counters.
+pub fn node_stats(node: &crate::serve::PeerAddr, stats: &crate::serve::NodeStats) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{node}");
+    let _ = writeln!(out, "slices");
+    if stats.slices.is_empty() {
+        let _ = writeln!(out, "  none");
+    }
+    for slice in &stats.slices {
+        let _ = writeln!(
+            out,
+            "  {:<6} layers {}..{}  caches {}/{}",
+            slice.role, slice.layer_start, slice.layer_end, slice.caches_open, slice.max_requests
+        );
+    }
+    let _ = writeln!(
+        out,
+        "pools{}",
+        if stats.pools_empty() {
+            " (all empty)"
+        } else {
+            ""
+        }
+    );
+    for (name, value) in [
+        ("request caches open", stats.caches_open),
+        ("records awaiting a seal", stats.records_pending),
+        ("direct-return waiters", stats.direct_waiters),
+        ("grant decisions held", stats.grant_decisions_waiting),
+        ("peer connections kept", stats.peer_connections),
+    ] {
+        let _ = writeln!(out, "  {name:<26} {value}");
+    }
+    let _ = writeln!(out, "counters since start");
+    for (name, value) in [
+        ("requests completed", stats.requests_completed),
+        ("requests failed", stats.requests_failed),
+        ("requests refused (busy)", stats.requests_refused_busy),
+        ("requests refused (other)", stats.requests_refused_other),
+        ("tokens generated", stats.tokens_generated),
+        ("requests served as a stage", stats.stage_requests),
+        ("refused as a stage", stats.stage_refusals),
+    ] {
+        let _ = writeln!(out, "  {name:<26} {value}");
+    }
     out
 }

@@ -3,143 +3,25 @@
 //! process on 127.0.0.1 with an ephemeral port; each test failed on the code
 //! before its fix.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use mesh_node::energy::EstimatorMeter;
+use common::nodes::{Setup, ask, key, public, request, synthetic, three_nodes};
 use mesh_node::net::tls::{self, TlsIdentity};
 use mesh_node::net::{ALPN_CONTROL, ALPN_STAGE, msg};
-use mesh_node::serve::{
-    GenerateRequest, GenerateSummary, GrantedServe, Node, NodeOptions, PeerAddr, generate_remote,
-};
+use mesh_node::serve::{GenerateSummary, GrantedServe, Node, PeerAddr};
 use mesh_protocol::SigningKey;
 use mesh_protocol::block::ReturnMode;
 use mesh_protocol::cbor::Cbor;
 use mesh_protocol::identity::did_key;
-use mesh_stage::frame::WireDType;
-use mesh_stage::sampling::SamplingParams;
 
 /// DER of an Ed25519 SubjectPublicKeyInfo up to the key.
 const ED25519_SPKI_PREFIX: [u8; 12] = [
     0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x03, 0x21, 0x00,
 ];
-
-fn key(seed: u8) -> SigningKey {
-    SigningKey::from_bytes(&[seed; 32])
-}
-
-fn public(key: &SigningKey) -> [u8; 32] {
-    key.verifying_key().to_bytes()
-}
-
-fn synthetic(dir: &Path) -> PathBuf {
-    mesh_stage::synthetic::write_synthetic(
-        &dir.join("model"),
-        &mesh_stage::synthetic::SyntheticSpec::default(),
-        &[candle_core::quantized::GgmlDType::F32],
-    )
-    .unwrap()
-    .gguf(candle_core::quantized::GgmlDType::F32)
-    .unwrap()
-    .to_path_buf()
-}
-
-struct Setup<'a> {
-    model: &'a Path,
-    data: PathBuf,
-    key: SigningKey,
-    peers: Vec<PeerAddr>,
-    coordinators: Vec<[u8; 32]>,
-    max_requests: usize,
-    max_slices: usize,
-    slice_idle: Duration,
-    step_timeout: Duration,
-    return_mode: ReturnMode,
-    /// The estimator's power: what this node's steward bills per second.
-    milliwatts: u64,
-}
-
-impl<'a> Setup<'a> {
-    fn new(model: &'a Path, data: PathBuf, key: SigningKey) -> Self {
-        Self {
-            model,
-            data,
-            key,
-            peers: Vec::new(),
-            coordinators: Vec::new(),
-            max_requests: 4,
-            max_slices: 2,
-            slice_idle: Duration::from_secs(600),
-            return_mode: ReturnMode::Relayed,
-            milliwatts: mesh_node::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
-            step_timeout: Duration::from_secs(20),
-        }
-    }
-
-    /// Stage `name` (key `seed`) serving the coordinator of key 1.
-    fn stage(model: &'a Path, dir: &Path, name: &str, seed: u8) -> Self {
-        let mut stage = Self::new(model, dir.join(name), key(seed));
-        stage.coordinators = vec![public(&key(1))];
-        stage
-    }
-
-    /// The coordinator (key 1) over `peers`.
-    fn coordinator(model: &'a Path, dir: &Path, peers: Vec<PeerAddr>) -> Self {
-        let mut coordinator = Self::new(model, dir.join("a"), key(1));
-        coordinator.peers = peers;
-        coordinator
-    }
-
-    async fn start(self) -> Node {
-        self.try_start().await.unwrap()
-    }
-
-    async fn try_start(self) -> anyhow::Result<Node> {
-        Node::start(NodeOptions {
-            key: self.key,
-            listen: "127.0.0.1:0".parse().unwrap(),
-            advertise: None,
-            model: self.model.to_path_buf(),
-            data: self.data,
-            peers: self.peers,
-            coordinators: self.coordinators,
-            max_slices: self.max_slices,
-            slice_idle: self.slice_idle,
-            stage_seal_deadline: Duration::from_millis(500),
-            step_timeout: self.step_timeout,
-            max_requests: self.max_requests,
-            return_mode: self.return_mode,
-            wire: WireDType::F32,
-            meter: Box::new(EstimatorMeter {
-                milliwatts: self.milliwatts,
-            }),
-        })
-        .await
-    }
-}
-
-/// A coordinator (key 1) over two stages (keys 2 and 3) that serve it.
-async fn three_nodes(model: &Path, dir: &Path) -> (Node, Node, Node) {
-    let b = Setup::stage(model, dir, "b", 2).start().await;
-    let c = Setup::stage(model, dir, "c", 3).start().await;
-    let a = Setup::coordinator(model, dir, vec![b.peer_addr(), c.peer_addr()]);
-    (a.start().await, b, c)
-}
-
-fn request(prompt: &str, max_tokens: usize, grant: Option<GrantedServe>) -> GenerateRequest {
-    GenerateRequest {
-        prompt: prompt.into(),
-        max_tokens,
-        chat: false,
-        sampling: SamplingParams::greedy(),
-        grant,
-    }
-}
-
-async fn ask(coordinator: &PeerAddr, request: &GenerateRequest) -> anyhow::Result<GenerateSummary> {
-    generate_remote(coordinator, request, &mut |_| {}).await
-}
 
 /// A QUIC client proving `identity`, connected to `node` on `alpn`.
 async fn connect(

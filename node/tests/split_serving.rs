@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::nodes::synthetic;
 use serde_json::Value;
 
 fn bin() -> &'static str {
@@ -105,19 +106,6 @@ fn serve(
     // Keep draining stdout so the child never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
     Served { child, peer }
-}
-
-fn synthetic(dir: &Path) -> PathBuf {
-    let model = mesh_stage::synthetic::write_synthetic(
-        &dir.join("model"),
-        &mesh_stage::synthetic::SyntheticSpec::default(),
-        &[candle_core::quantized::GgmlDType::F32],
-    )
-    .unwrap();
-    model
-        .gguf(candle_core::quantized::GgmlDType::F32)
-        .unwrap()
-        .to_path_buf()
 }
 
 fn local_tokens(model: &Path, prompt: &str, max_tokens: usize) -> Value {

@@ -27,8 +27,8 @@ pub enum EngineError {
     },
     #[error("too many concurrent requests (limit {0}); retry when one finishes")]
     Busy(usize),
-    #[error("unknown request {0}: it was never opened or was already released")]
-    UnknownRequest(u64),
+    #[error("request {0} already holds a cache on this slice")]
+    AlreadyOpen(u64),
     #[error("activation frame: {0}")]
     Frame(String),
     #[error("tokenizer: {0}")]

@@ -215,14 +215,14 @@ fn bad_inputs_fail_cleanly() {
 }
 
 #[test]
-fn cache_pool_is_bounded_and_releases() {
+fn cache_pool_is_bounded_and_a_dropped_lease_gives_its_place_back() {
     use mesh_stage::cache::CachePool;
     let (_dir, model) = model(&[GgmlDType::F32]);
     let handle = ModelHandle::open(model.gguf(GgmlDType::F32).unwrap()).unwrap();
     let slice = handle.load_slice(0..6).unwrap();
-    let mut pool = CachePool::new(2, 64);
-    pool.open(&slice, 1, 32).unwrap();
-    pool.open(&slice, 2, 32).unwrap();
+    let pool = CachePool::new(2, 64);
+    let mut first = pool.open(&slice, 1, 32).unwrap();
+    let second = pool.open(&slice, 2, 32).unwrap();
     assert!(matches!(
         pool.open(&slice, 3, 32),
         Err(EngineError::Busy(2))
@@ -231,25 +231,72 @@ fn cache_pool_is_bounded_and_releases() {
         pool.open(&slice, 4, 65),
         Err(EngineError::ContextExceeded { .. })
     ));
-    let cache = pool.get_mut(1).unwrap();
-    slice
-        .forward(mesh_stage::SliceInput::Tokens(&[1, 2, 3]), cache)
-        .unwrap();
-    assert_eq!(pool.get_mut(1).unwrap().position(), 3);
-    assert!(pool.release(1));
-    assert!(!pool.release(1));
+    assert_eq!(pool.open_requests(), 2);
+    drop(second);
+    // One request, one cache: an id already open is refused.
     assert!(matches!(
-        pool.get_mut(1),
-        Err(EngineError::UnknownRequest(1))
+        pool.open(&slice, 1, 32),
+        Err(EngineError::AlreadyOpen(1))
     ));
-    pool.open(&slice, 3, 32).unwrap();
+    slice
+        .forward(mesh_stage::SliceInput::Tokens(&[1, 2, 3]), first.cache())
+        .unwrap();
+    assert_eq!(first.cache().position(), 3);
     // A cache never grows past its capacity.
-    let cache = pool.get_mut(3).unwrap();
     assert!(
         slice
-            .forward(mesh_stage::SliceInput::Tokens(&[1; 33]), cache)
+            .forward(mesh_stage::SliceInput::Tokens(&[1; 30]), first.cache())
             .is_err()
     );
+    // A lease dropped on a panicking thread still gives its place back.
+    std::thread::scope(|scope| {
+        let joined = scope
+            .spawn(|| {
+                let _lease = pool.open(&slice, 5, 32).unwrap();
+                panic!("the request's task failed");
+            })
+            .join();
+        assert!(joined.is_err());
+    });
+    assert_eq!(pool.open_requests(), 1);
+    drop(first);
+    assert_eq!(pool.open_requests(), 0);
+}
+
+#[test]
+fn requests_on_one_slice_run_at_the_same_time_and_match_their_solo_runs() {
+    let (_dir, model) = model(&[GgmlDType::F32]);
+    let handle = ModelHandle::open(model.gguf(GgmlDType::F32).unwrap()).unwrap();
+    let slice = handle.load_slice(0..6).unwrap();
+    let pool = mesh_stage::cache::CachePool::new(4, 64);
+    let prompts: [&[u32]; 4] = [&[1, 2, 3], &[4, 5], &[6, 7, 8, 9], &[10]];
+    let logits = |lease: &mut mesh_stage::cache::CacheLease, prompt: &[u32]| match slice
+        .forward(mesh_stage::SliceInput::Tokens(prompt), lease.cache())
+        .unwrap()
+    {
+        mesh_stage::SliceOutput::Logits(l) => bits(&l),
+        _ => panic!("a whole model returns logits"),
+    };
+    let solo: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| logits(&mut pool.open(&slice, i as u64, 32).unwrap(), p))
+        .collect();
+    // All four leases open at once, each forward on its own thread.
+    let together: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut lease = pool.open(&slice, 100 + i as u64, 32).unwrap();
+                let logits = &logits;
+                scope.spawn(move || logits(&mut lease, p))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(solo, together);
+    assert_eq!(pool.open_requests(), 0);
 }
 
 #[test]

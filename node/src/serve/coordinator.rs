@@ -207,19 +207,31 @@ pub(super) async fn handle_generate(
     message: &Cbor,
     send: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
+    let refused_other = || stats::Counters::bump(&inner.counters.requests_refused_other);
     let request = match GenerateRequest::from_cbor(message) {
         Ok(request) => request,
-        Err(error) => return send_error(send, &format!("{error:#}")).await,
+        Err(error) => {
+            refused_other();
+            return send_error(send, &format!("{error:#}")).await;
+        }
     };
     let run = match inner.ensure_run().await {
         Ok(run) => run,
         Err(error) => {
+            refused_other();
             return send_error(send, &format!("cannot set up the split: {error:#}")).await;
         }
     };
     match serve_request(&inner, &run, &request, send).await {
         Ok(()) => Ok(()),
-        Err(error) => send_error(send, &format!("{error:#}")).await,
+        Err(error) => {
+            if stats::is_busy(&error) {
+                stats::Counters::bump(&inner.counters.requests_refused_busy);
+            } else {
+                refused_other();
+            }
+            send_error(send, &format!("{error:#}")).await
+        }
     }
 }
 
@@ -228,9 +240,9 @@ pub(super) async fn handle_generate(
 /// gives back the same things.
 struct Held<'a> {
     inner: &'a Arc<Inner>,
-    own: &'a Slot,
     request_id: u64,
-    cache: bool,
+    /// The coordinator's own slice's cache for this request.
+    cache: Option<CacheLease>,
     collector: bool,
     direct: bool,
     /// The coordinator's own grant decision, until the serve is debited.
@@ -241,12 +253,11 @@ struct Held<'a> {
 }
 
 impl<'a> Held<'a> {
-    fn new(inner: &'a Arc<Inner>, run: &'a Run, request_id: u64) -> Self {
+    fn new(inner: &'a Arc<Inner>, request_id: u64) -> Self {
         Self {
             inner,
-            own: &run.own,
             request_id,
-            cache: false,
+            cache: None,
             collector: false,
             direct: false,
             ticket: None,
@@ -255,9 +266,7 @@ impl<'a> Held<'a> {
     }
 
     fn release_cache(&mut self) {
-        if std::mem::take(&mut self.cache) {
-            lock(&self.own.pool).release(self.request_id);
-        }
+        self.cache = None;
     }
 }
 
@@ -368,13 +377,15 @@ async fn serve_request(
     let capacity = prompt_ids.len() + max_new;
 
     // Everything this request holds is released by `held` on every path.
-    let mut held = Held::new(inner, run, request_id);
+    let mut held = Held::new(inner, request_id);
     // Admission first: a cache and a collector slot, before any grant is
     // decided, so a busy coordinator refuses without deciding anything.
-    lock(&run.own.pool).open(&run.own.slice, request_id, capacity)?;
-    held.cache = true;
+    held.cache = Some(run.own.pool.open(&run.own.slice, request_id, capacity)?);
     if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
-        bail!("too many requests waiting to be sealed; retry shortly");
+        return Err(anyhow::Error::new(mesh_stage::EngineError::Busy(
+            crate::records::MAX_PENDING_SPLITS,
+        ))
+        .context("too many requests waiting to be sealed"));
     }
     held.collector = true;
     // Every steward decides its own grant shard before any work runs.
@@ -472,10 +483,9 @@ async fn serve_request(
         let result: anyhow::Result<TerminalState> = async {
             loop {
                 let compute_start = Instant::now();
+                let cache = held.cache.as_mut().context("the request's cache")?;
                 let output = tokio::task::block_in_place(|| {
-                    let mut pool = lock(&run.own.pool);
-                    let cache = pool.get_mut(request_id)?;
-                    run.own.slice.forward(SliceInput::Tokens(&input), cache)
+                    run.own.slice.forward(SliceInput::Tokens(&input), cache.cache())
                 })?;
                 own_compute += compute_start.elapsed();
                 if let Some(ticket) = held.ticket.as_mut() {
@@ -923,6 +933,15 @@ async fn serve_request(
         ("details", Cbor::bytes(serde_json::to_vec(&details)?)),
         ("bundle", Cbor::bytes(serde_json::to_vec(&bundle)?)),
     ]);
+    let counters = &inner.counters;
+    counters
+        .tokens_generated
+        .fetch_add(tokens.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    stats::Counters::bump(if failure.is_some() {
+        &counters.requests_failed
+    } else {
+        &counters.requests_completed
+    });
     msg::write_cbor(requester, &done).await?;
     Ok(())
 }
@@ -1104,7 +1123,7 @@ async fn release_remote(
 
 /// Connect to a coordinator's `mesh-control/1` with a fresh key: a
 /// requester needs no identity of its own.
-async fn connect_as_requester(
+pub(super) async fn connect_as_requester(
     coordinator: &PeerAddr,
 ) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
     tls::install_provider();

@@ -26,7 +26,7 @@ use mesh_protocol::mesh1::{
 };
 use mesh_protocol::receipt::Assignment;
 use mesh_protocol::split::{SealEnvironment, SplitSealInput, seal_split};
-use mesh_stage::cache::CachePool;
+use mesh_stage::cache::{CacheLease, CachePool};
 use mesh_stage::frame::{WireDType, decode_frame, encode_frame};
 use mesh_stage::sampling::{Sampler, SamplingParams};
 use mesh_stage::{LayerSlice, ModelHandle, SliceInput, SliceOutput};
@@ -40,10 +40,12 @@ use crate::records::{Collector, signed_refusal};
 use crate::steward::Steward;
 
 mod coordinator;
+mod stats;
 pub use coordinator::{
     GenerateRequest, GenerateSummary, GrantedServe, PREFILL_CHUNK_TOKENS, generate_remote,
     plan_remote,
 };
+pub use stats::{NodeStats, SliceStats, node_stats_remote};
 
 /// A peer: its node id (did:key) and address.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -204,7 +206,7 @@ impl Assign {
 
 struct Slot {
     slice: LayerSlice,
-    pool: Mutex<CachePool>,
+    pool: CachePool,
     assign: Assign,
     /// When a request last opened or ended on this slice.
     last_used: Mutex<Instant>,
@@ -214,7 +216,7 @@ impl Slot {
     fn new(slice: LayerSlice, max_requests: usize, context: usize, assign: Assign) -> Self {
         Self {
             slice,
-            pool: Mutex::new(CachePool::new(max_requests, context)),
+            pool: CachePool::new(max_requests, context),
             assign,
             last_used: Mutex::new(Instant::now()),
         }
@@ -304,6 +306,10 @@ struct Inner {
     tickets: Mutex<HashMap<u64, PreDecided>>,
     /// The coordinator's record chain head.
     chain_head: Mutex<Option<[u8; 32]>>,
+    /// The coordinator's own slice of its current run (for `stats`; the
+    /// run itself is behind an async lock held while stages load).
+    own_slot: Mutex<Option<Arc<Slot>>>,
+    counters: stats::Counters,
 }
 
 /// A running node.
@@ -381,6 +387,8 @@ impl Node {
             coordinator_term: now_ms(),
             tickets: Mutex::new(HashMap::new()),
             chain_head: Mutex::new(None),
+            own_slot: Mutex::new(None),
+            counters: stats::Counters::default(),
         });
         let accept = tokio::spawn(accept_loop(inner.clone()));
         tokio::spawn(release_idle_slices(Arc::downgrade(&inner)));
@@ -413,6 +421,10 @@ impl Node {
     /// Requests this coordinator holds a record-collection slot for.
     pub fn requests_pending_seal(&self) -> usize {
         lock(&self.inner.collector).pending()
+    }
+    /// Every pool's occupancy and the node's counters (`mesh-node stats`).
+    pub async fn stats(&self) -> NodeStats {
+        self.inner.node_stats().await
     }
     pub fn meter_name(&self) -> String {
         lock(&self.inner.steward).meter_name().to_string()
@@ -739,6 +751,9 @@ async fn handle_control(
             };
             msg::write_cbor(&mut send, &reply).await?;
         }
+        Some("node_stats") => {
+            msg::write_cbor(&mut send, &inner.node_stats().await.to_cbor()).await?;
+        }
         Some("stats") => {
             let request_id = message
                 .get("request_id")
@@ -995,10 +1010,12 @@ async fn drain(frames: &mut Frames, fold: &mut LaneFold) {
 /// Refuse a request on its stage stream with a FAILED reply, before any
 /// lane is folded.
 async fn refuse_stage(
+    inner: &Inner,
     up_send: &mut quinn::SendStream,
     request_id: u64,
     reason: String,
 ) -> anyhow::Result<()> {
+    stats::Counters::bump(&inner.counters.stage_refusals);
     let body = msg::stage_body(kind::FAILED, request_id, 0, reason.as_bytes());
     msg::write(up_send, &body, None).await?;
     let _ = up_send.finish();
@@ -1123,10 +1140,17 @@ async fn handle_stage(
     };
     let slot = lock(&inner.slots).get(&run_id).cloned();
     let Some(slot) = slot else {
-        return refuse_stage(&mut up_send, request_id, format!("{NO_SLICE} {run_id}")).await;
+        return refuse_stage(
+            &inner,
+            &mut up_send,
+            request_id,
+            format!("{NO_SLICE} {run_id}"),
+        )
+        .await;
     };
     if slot.assign.upstream != peer {
         return refuse_stage(
+            &inner,
             &mut up_send,
             request_id,
             format!(
@@ -1168,16 +1192,23 @@ async fn handle_stage(
             match decided {
                 Ok(ticket) => (ticket, serve),
                 Err(error) => {
-                    return refuse_stage(&mut up_send, request_id, format!("{error}")).await;
+                    return refuse_stage(&inner, &mut up_send, request_id, format!("{error}"))
+                        .await;
                 }
             }
         }
     };
-    let opened = lock(&slot.pool).open(&slot.slice, request_id, capacity);
-    if let Err(error) = opened {
-        inner.release_ticket(ticket);
-        return refuse_stage(&mut up_send, request_id, format!("{error}")).await;
-    }
+    // The request's cache: freed when `cache` is dropped, on every path.
+    let mut cache = match slot.pool.open(&slot.slice, request_id, capacity) {
+        Ok(cache) => {
+            stats::Counters::bump(&inner.counters.stage_requests);
+            cache
+        }
+        Err(error) => {
+            inner.release_ticket(ticket);
+            return refuse_stage(&inner, &mut up_send, request_id, format!("{error}")).await;
+        }
+    };
     let mut folds = Folds {
         spent: Duration::ZERO,
     };
@@ -1292,9 +1323,8 @@ async fn handle_stage(
                     stats.steps += 1;
                     let start = Instant::now();
                     let output = tokio::task::block_in_place(|| {
-                        let mut pool = lock(&slot.pool);
-                        let cache = pool.get_mut(request_id)?;
-                        slot.slice.forward(SliceInput::Hidden(&activations), cache)
+                        slot.slice
+                            .forward(SliceInput::Hidden(&activations), cache.cache())
                     })?;
                     stats.compute += start.elapsed();
                     let metered = lock(&inner.steward).mark_engine(&mut ticket);
@@ -1444,7 +1474,7 @@ async fn handle_stage(
         }
     }
     slot.touch();
-    lock(&slot.pool).release(request_id);
+    drop(cache);
     if let Some((mut send, _)) = down.take() {
         let _ = send.finish();
     }
@@ -1812,6 +1842,7 @@ impl Inner {
             refresh_after,
             stale: std::sync::atomic::AtomicBool::new(false),
         });
+        *lock(&self.own_slot) = Some(run.own.clone());
         *guard = Some(run.clone());
         Ok(run)
     }

@@ -1,4 +1,8 @@
-//! What the multi-process tests of this crate share.
+//! What the multi-process tests of this crate share. Each test binary uses
+//! a part of it, so the rest is dead code there.
+#![allow(dead_code)]
+
+pub mod nodes;
 
 use std::path::PathBuf;
 

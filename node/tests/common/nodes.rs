@@ -1,0 +1,133 @@
+//! Nodes in this process on 127.0.0.1 with ephemeral ports, for the tests
+//! that drive `Node` directly.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use mesh_node::energy::EstimatorMeter;
+use mesh_node::serve::{
+    GenerateRequest, GenerateSummary, GrantedServe, Node, NodeOptions, PeerAddr, generate_remote,
+};
+use mesh_protocol::SigningKey;
+use mesh_protocol::block::ReturnMode;
+use mesh_stage::frame::WireDType;
+use mesh_stage::sampling::SamplingParams;
+
+pub fn key(seed: u8) -> SigningKey {
+    SigningKey::from_bytes(&[seed; 32])
+}
+
+pub fn public(key: &SigningKey) -> [u8; 32] {
+    key.verifying_key().to_bytes()
+}
+
+pub fn synthetic(dir: &Path) -> PathBuf {
+    mesh_stage::synthetic::write_synthetic(
+        &dir.join("model"),
+        &mesh_stage::synthetic::SyntheticSpec::default(),
+        &[candle_core::quantized::GgmlDType::F32],
+    )
+    .unwrap()
+    .gguf(candle_core::quantized::GgmlDType::F32)
+    .unwrap()
+    .to_path_buf()
+}
+
+pub struct Setup<'a> {
+    pub model: &'a Path,
+    pub data: PathBuf,
+    pub key: SigningKey,
+    pub peers: Vec<PeerAddr>,
+    pub coordinators: Vec<[u8; 32]>,
+    pub max_requests: usize,
+    pub max_slices: usize,
+    pub slice_idle: Duration,
+    pub step_timeout: Duration,
+    pub return_mode: ReturnMode,
+    /// The estimator's power: what this node's steward bills per second.
+    pub milliwatts: u64,
+}
+
+impl<'a> Setup<'a> {
+    pub fn new(model: &'a Path, data: PathBuf, key: SigningKey) -> Self {
+        Self {
+            model,
+            data,
+            key,
+            peers: Vec::new(),
+            coordinators: Vec::new(),
+            max_requests: 4,
+            max_slices: 2,
+            slice_idle: Duration::from_secs(600),
+            return_mode: ReturnMode::Relayed,
+            milliwatts: mesh_node::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
+            step_timeout: Duration::from_secs(20),
+        }
+    }
+
+    /// Stage `name` (key `seed`) serving the coordinator of key 1.
+    pub fn stage(model: &'a Path, dir: &Path, name: &str, seed: u8) -> Self {
+        let mut stage = Self::new(model, dir.join(name), key(seed));
+        stage.coordinators = vec![public(&key(1))];
+        stage
+    }
+
+    /// The coordinator (key 1) over `peers`.
+    pub fn coordinator(model: &'a Path, dir: &Path, peers: Vec<PeerAddr>) -> Self {
+        let mut coordinator = Self::new(model, dir.join("a"), key(1));
+        coordinator.peers = peers;
+        coordinator
+    }
+
+    pub async fn start(self) -> Node {
+        self.try_start().await.unwrap()
+    }
+
+    pub async fn try_start(self) -> anyhow::Result<Node> {
+        Node::start(NodeOptions {
+            key: self.key,
+            listen: "127.0.0.1:0".parse().unwrap(),
+            advertise: None,
+            model: self.model.to_path_buf(),
+            data: self.data,
+            peers: self.peers,
+            coordinators: self.coordinators,
+            max_slices: self.max_slices,
+            slice_idle: self.slice_idle,
+            stage_seal_deadline: Duration::from_millis(500),
+            step_timeout: self.step_timeout,
+            max_requests: self.max_requests,
+            return_mode: self.return_mode,
+            wire: WireDType::F32,
+            meter: Box::new(EstimatorMeter {
+                milliwatts: self.milliwatts,
+            }),
+        })
+        .await
+    }
+}
+
+/// A coordinator (key 1) over two stages (keys 2 and 3) that serve it.
+pub async fn three_nodes(model: &Path, dir: &Path) -> (Node, Node, Node) {
+    let b = Setup::stage(model, dir, "b", 2).start().await;
+    let c = Setup::stage(model, dir, "c", 3).start().await;
+    let a = Setup::coordinator(model, dir, vec![b.peer_addr(), c.peer_addr()]);
+    (a.start().await, b, c)
+}
+
+pub fn request(prompt: &str, max_tokens: usize, grant: Option<GrantedServe>) -> GenerateRequest {
+    GenerateRequest {
+        prompt: prompt.into(),
+        max_tokens,
+        chat: false,
+        sampling: SamplingParams::greedy(),
+        grant,
+    }
+}
+
+pub async fn ask(
+    coordinator: &PeerAddr,
+    request: &GenerateRequest,
+) -> anyhow::Result<GenerateSummary> {
+    generate_remote(coordinator, request, &mut |_| {}).await
+}

@@ -1,0 +1,209 @@
+//! The serving core's request lifecycle (issue 9): requests on one split run
+//! at the same time and give the tokens they give alone, every pool a
+//! request takes a place in is empty again after it ends, however it ends,
+//! and `stats` shows it. Nodes run in this process on 127.0.0.1.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::nodes::{Setup, ask, request, synthetic};
+use mesh_node::serve::{GrantedServe, Node, NodeStats, generate_remote, node_stats_remote};
+
+/// A coordinator over two stages, each admitting `max_requests` at once.
+async fn three_nodes_admitting(
+    model: &std::path::Path,
+    dir: &std::path::Path,
+    max_requests: usize,
+) -> [Node; 3] {
+    let mut b = Setup::stage(model, dir, "b", 2);
+    b.max_requests = max_requests;
+    let b = b.start().await;
+    let mut c = Setup::stage(model, dir, "c", 3);
+    c.max_requests = max_requests;
+    let c = c.start().await;
+    let mut a = Setup::coordinator(model, dir, vec![b.peer_addr(), c.peer_addr()]);
+    a.max_requests = max_requests;
+    [a.start().await, b, c]
+}
+
+async fn all_stats(nodes: &[Node]) -> Vec<NodeStats> {
+    let mut stats = Vec::new();
+    for node in nodes {
+        stats.push(node.stats().await);
+    }
+    stats
+}
+
+fn assert_pools_empty(stats: &[NodeStats]) {
+    for (i, s) in stats.iter().enumerate() {
+        assert!(s.pools_empty(), "node {i}: {s:#?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_admitting(&model, dir.path(), 8).await;
+    let coordinator = nodes[0].peer_addr();
+    let prompts: Vec<String> = (0..8).map(|i| format!("request number {i} says")).collect();
+
+    let mut solo = Vec::new();
+    for prompt in &prompts {
+        let summary = ask(&coordinator, &request(prompt, 12, None)).await.unwrap();
+        assert!(summary.error.is_none(), "{:?}", summary.error);
+        solo.push(summary.text);
+    }
+
+    let together: Vec<_> = prompts
+        .iter()
+        .map(|prompt| {
+            let coordinator = coordinator.clone();
+            let request = request(prompt, 12, None);
+            tokio::spawn(async move { ask(&coordinator, &request).await })
+        })
+        .collect();
+    let mut texts = Vec::new();
+    for task in together {
+        let summary = task.await.unwrap().unwrap();
+        assert!(summary.error.is_none(), "{:?}", summary.error);
+        texts.push(summary.text);
+    }
+    assert_eq!(texts, solo, "each request's tokens are its solo tokens");
+
+    let stats = all_stats(&nodes).await;
+    assert_pools_empty(&stats);
+    assert_eq!(stats[0].requests_completed, 16);
+    assert_eq!(stats[0].requests_failed, 0);
+    assert_eq!(stats[0].tokens_generated, 16 * 12);
+    for stage in &stats[1..] {
+        assert_eq!(stage.stage_requests, 16);
+        assert_eq!(stage.slices.len(), 1);
+        assert_eq!(stage.slices[0].max_requests, 8);
+    }
+    let own = &stats[0].slices;
+    assert_eq!((own.len(), own[0].role.as_str()), (1, "own"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_refused_in_each_way_leave_every_pool_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
+    let coordinator = nodes[0].peer_addr();
+    let undecodable = GrantedServe {
+        serve: GrantedServe::derive("refused", 4, 4, 1_000_000),
+        presentations: vec![vec![0xff, 0x00, 0x13]],
+    };
+    // Past the context: refused when its cache is asked for.
+    let too_long = "word ".repeat(3000);
+    for round in 0..150 {
+        let refused = ask(
+            &coordinator,
+            &request("refused", 4, Some(undecodable.clone())),
+        )
+        .await;
+        assert!(refused.is_err(), "round {round}");
+        let refused = ask(&coordinator, &request(&too_long, 4, None)).await;
+        assert!(refused.is_err(), "round {round}");
+    }
+    let stats = all_stats(&nodes).await;
+    assert_pools_empty(&stats);
+    assert_eq!(stats[0].requests_refused_other, 300);
+    let served = ask(&coordinator, &request("served after", 4, None))
+        .await
+        .unwrap();
+    assert!(served.error.is_none(), "{:?}", served.error);
+    assert_pools_empty(&all_stats(&nodes).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_requester_that_goes_away_frees_every_stage_within_a_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
+    let coordinator = nodes[0].peer_addr();
+    let started = Arc::new(AtomicBool::new(false));
+    let seen = started.clone();
+    let requester = tokio::spawn(async move {
+        generate_remote(
+            &coordinator,
+            &request("a long answer", 1500, None),
+            &mut |_| seen.store(true, Ordering::Relaxed),
+        )
+        .await
+    });
+    let waiting = Instant::now();
+    while !started.load(Ordering::Relaxed) {
+        assert!(waiting.elapsed() < Duration::from_secs(20), "no token came");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let stats = all_stats(&nodes).await;
+    assert!(
+        stats.iter().all(|s| s.caches_open == 1),
+        "mid-request: {stats:#?}"
+    );
+    // The requester's task, endpoint and connection go away mid-generation.
+    requester.abort();
+    let gone = Instant::now();
+    loop {
+        let stats = all_stats(&nodes).await;
+        if stats.iter().all(NodeStats::pools_empty) {
+            break;
+        }
+        assert!(
+            gone.elapsed() < Duration::from_secs(1),
+            "still held {:?} after the requester left: {stats:#?}",
+            gone.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!(
+        "every pool empty {:?} after the requester left",
+        gone.elapsed()
+    );
+    let stats = nodes[0].stats().await;
+    assert_eq!(stats.requests_completed, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anyone_may_read_a_nodes_stats_and_the_cli_prints_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
+    let served = ask(&nodes[0].peer_addr(), &request("hello", 3, None))
+        .await
+        .unwrap();
+    assert!(served.error.is_none());
+    // As a stranger, over the network: the same figures the node holds.
+    let remote = node_stats_remote(&nodes[0].peer_addr()).await.unwrap();
+    let local = nodes[0].stats().await;
+    assert_eq!(
+        NodeStats {
+            peer_connections: 0,
+            ..remote.clone()
+        },
+        NodeStats {
+            peer_connections: 0,
+            ..local
+        }
+    );
+    assert_eq!(remote.tokens_generated, 3);
+    let peer = nodes[1].peer_addr().to_string();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+            .args(["stats", &peer, "--json"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(json["stage_requests"], 1);
+    assert_eq!(json["caches_open"], 0);
+    assert_eq!(json["slices"][0]["role"], "stage");
+}
