@@ -207,3 +207,43 @@ async fn anyone_may_read_a_nodes_stats_and_the_cli_prints_them() {
     assert_eq!(json["caches_open"], 0);
     assert_eq!(json["slices"][0]["role"], "stage");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_node_answers_busy_with_a_retry_hint_instead_of_queueing() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_admitting(&model, dir.path(), 1).await;
+    let coordinator = nodes[0].peer_addr();
+    let started = Arc::new(AtomicBool::new(false));
+    let seen = started.clone();
+    let first = {
+        let coordinator = coordinator.clone();
+        tokio::spawn(async move {
+            generate_remote(
+                &coordinator,
+                &request("the one admitted", 1500, None),
+                &mut |_| seen.store(true, Ordering::Relaxed),
+            )
+            .await
+        })
+    };
+    while !started.load(Ordering::Relaxed) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let asked = Instant::now();
+    let refused = ask(&coordinator, &request("one too many", 4, None)).await;
+    let error = format!("{:#}", refused.expect_err("the node is full"));
+    assert!(
+        error.contains("too many concurrent requests") && error.contains("retry"),
+        "{error}"
+    );
+    // Refused at once, not after the admitted request finished.
+    assert!(
+        !first.is_finished(),
+        "answered only after the first request ended"
+    );
+    eprintln!("busy answered in {:?}", asked.elapsed());
+    first.abort();
+    let stats = nodes[0].stats().await;
+    assert_eq!(stats.requests_refused_busy, 1);
+}

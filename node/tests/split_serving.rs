@@ -84,7 +84,8 @@ fn serve(
         .arg(dir.join(name))
         .args(extra)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null());
+        // Its log, for the tests that read what a node logs.
+        .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap());
     for peer in peers {
         command.args(["--peer", peer]);
     }
@@ -509,4 +510,61 @@ fn a_restarted_stage_is_assigned_again() {
         assert!(ok, "{value:#}");
     }
     drop(c);
+}
+
+#[test]
+fn no_log_line_at_the_most_verbose_level_holds_the_prompt_or_the_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let trace = [("RUST_LOG", "trace")];
+    let b = stage(dir.path(), "b", &model, &[], &trace);
+    let c = stage(dir.path(), "c", &model, &[], &trace);
+    let coordinator = serve(
+        dir.path(),
+        "coord",
+        &model,
+        &[&b.peer, &c.peer],
+        &[],
+        &trace,
+    );
+    let prompt = "Zanzibar quetzal marmalade";
+    let out = Command::new(bin())
+        .env("RUST_LOG", "trace")
+        .args([
+            "generate",
+            "--json",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "16",
+            "--coordinator",
+            &coordinator.peer,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let value: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let text = value["text"].as_str().unwrap().trim().to_string();
+    assert!(
+        text.chars().count() >= 8,
+        "too little output to look for: {text:?}"
+    );
+    drop((b, c, coordinator));
+    let mut logs = String::from_utf8_lossy(&out.stderr).into_owned();
+    for name in ["b", "c", "coord"] {
+        logs.push_str(&std::fs::read_to_string(dir.path().join(format!("{name}.log"))).unwrap());
+    }
+    // The most verbose level did log: quinn's packets, the nodes' own lines.
+    assert!(
+        logs.lines().count() > 1000,
+        "{} lines",
+        logs.lines().count()
+    );
+    for needle in [prompt, "Zanzibar", "quetzal", "marmalade", text.as_str()] {
+        assert!(!logs.contains(needle), "a log line holds {needle:?}");
+    }
 }
