@@ -62,6 +62,11 @@ enum Command {
         /// With --shards: the request's joule ceiling, checked at every steward.
         #[arg(long, default_value_t = 50_000_000)]
         ceiling_uj: u64,
+        /// With --coordinator: the longest the request may take, start to
+        /// last token; past it the request ends `timed_out` on every stage
+        /// (default and most: the coordinator's --request-timeout-ms).
+        #[arg(long)]
+        timeout_ms: Option<u64>,
         #[arg(long)]
         prompt: String,
         #[arg(long, default_value_t = 64)]
@@ -422,6 +427,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             shards,
             grant_key,
             ceiling_uj,
+            timeout_ms,
             ..
         } => {
             let grant = match (shards, grant_key) {
@@ -451,6 +457,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     seed,
                 },
                 grant,
+                timeout: timeout_ms.map(std::time::Duration::from_millis),
             };
             let summary = runtime()?.block_on(mesh_node::node_cli::generate_via(
                 &coordinator,

@@ -48,6 +48,9 @@ pub struct ServeConfig {
     pub stage_seal_deadline_ms: Option<u64>,
     /// How long any stage may take for one step (default 30000 ms).
     pub step_timeout_ms: Option<u64>,
+    /// The longest a request may take, start to last token, and what one
+    /// that names no timeout gets (default 600000 ms).
+    pub request_timeout_ms: Option<u64>,
     /// Concurrent requests per slice (default 8).
     pub max_requests: Option<usize>,
     /// Activation encoding between stages: f32 (default), f16, bf16.
@@ -107,6 +110,9 @@ pub struct ServeArgs {
     /// How long one step may take at any stage (default 30000).
     #[arg(long)]
     pub step_timeout_ms: Option<u64>,
+    /// The longest a request may take, start to last token (default 600000).
+    #[arg(long)]
+    pub request_timeout_ms: Option<u64>,
     /// f32 (default), f16 or bf16 activations between stages.
     #[arg(long)]
     pub wire: Option<String>,
@@ -184,6 +190,10 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
                 .or(file.step_timeout_ms)
                 .unwrap_or(30_000),
         ),
+        request_timeout: args
+            .request_timeout_ms
+            .or(file.request_timeout_ms)
+            .map_or(crate::serve::DEFAULT_REQUEST_TIMEOUT, Duration::from_millis),
         max_requests: file.max_requests.unwrap_or(8),
         return_mode: parse_return_mode(
             &args
@@ -342,6 +352,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             slice_idle: crate::serve::DEFAULT_SLICE_IDLE,
             stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
             step_timeout: Duration::from_secs(30),
+            request_timeout: crate::serve::DEFAULT_REQUEST_TIMEOUT,
             max_requests: 4,
             return_mode: args.return_mode,
             wire: WireDType::F32,
@@ -381,6 +392,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         chat: true,
         sampling: SamplingParams::greedy(),
         grant: None,
+        timeout: None,
     };
     let summary = generate_via(&coordinator.peer_addr().to_string(), request, None, false).await?;
     if let Some(error) = &summary.error {
@@ -548,6 +560,7 @@ pub async fn bench_split(model: Option<PathBuf>, tokens: usize) -> anyhow::Resul
             chat: true,
             sampling: SamplingParams::greedy(),
             grant: None,
+            timeout: None,
         };
         // Warm up (assignment, slice loads), then measure.
         generate_remote(
@@ -615,6 +628,7 @@ fn bench_options(
         slice_idle: crate::serve::DEFAULT_SLICE_IDLE,
         stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
         step_timeout: Duration::from_secs(60),
+        request_timeout: crate::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,

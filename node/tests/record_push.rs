@@ -79,6 +79,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         slice_idle: Duration::from_secs(60),
         stage_seal_deadline: Duration::from_millis(500),
         step_timeout: Duration::from_secs(5),
+        request_timeout: mesh_node::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::nodes::{Setup, ask, key, public, request, synthetic, three_nodes};
+use common::nodes::{
+    Setup, ask, key, no_lane_breaks, public, request, synthetic, three_nodes, verify,
+};
 use mesh_node::net::tls::{self, TlsIdentity};
 use mesh_node::net::{ALPN_CONTROL, ALPN_STAGE, msg};
 use mesh_node::serve::{GenerateSummary, GrantedServe, Node, PeerAddr};
@@ -644,29 +646,6 @@ async fn every_steward_stops_its_part_at_the_energy_ceiling_in_direct_mode() {
 }
 
 /// `mesh-node verify --json` of a bundle: (exit code, report).
-fn verify(dir: &Path, bundle: &serde_json::Value) -> (i32, serde_json::Value) {
-    let path = dir.join("bundle.json");
-    std::fs::write(&path, serde_json::to_vec(bundle).unwrap()).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mesh-node"))
-        .args(["verify", "--json"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap(),
-        serde_json::from_slice(&out.stdout).unwrap(),
-    )
-}
-
-/// No lane of a verified bundle reads as tampering.
-fn no_lane_breaks(report: &serde_json::Value) {
-    let lanes = report["lanes"].as_array().unwrap();
-    assert!(
-        lanes.iter().all(|lane| lane["state"] != "break"),
-        "a healthy hop reads as tampered: {report:#}"
-    );
-}
-
 async fn stops_at_the_energy_ceiling(mode: ReturnMode) {
     stops_at_the_energy_ceiling_first_at(mode, None).await;
 }

@@ -9,8 +9,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::nodes::{Setup, ask, request, synthetic};
-use mesh_node::serve::{GrantedServe, Node, NodeStats, generate_remote, node_stats_remote};
+use common::nodes::{Setup, ask, no_lane_breaks, request, synthetic, verify};
+use mesh_node::serve::{
+    GenerateRequest, GrantedServe, Node, NodeStats, generate_remote, node_stats_remote,
+};
+use mesh_protocol::block::ReturnMode;
 
 /// A coordinator over two stages, each admitting `max_requests` at once.
 async fn three_nodes_admitting(
@@ -246,4 +249,90 @@ async fn a_full_node_answers_busy_with_a_retry_hint_instead_of_queueing() {
     first.abort();
     let stats = nodes[0].stats().await;
     assert_eq!(stats.requests_refused_busy, 1);
+}
+
+/// Every stage record in a bundle, by its terminal state.
+fn stage_terminal_states(bundle: &serde_json::Value) -> Vec<String> {
+    bundle["split_stage_records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|record| {
+            record["model_attestation"]["compute_attestation"]["x-mesh-stage-v1"]["terminal_state"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_past_its_deadline_ends_timed_out_on_every_stage() {
+    for mode in [ReturnMode::Relayed, ReturnMode::Direct] {
+        let dir = tempfile::tempdir().unwrap();
+        let model = synthetic(dir.path());
+        let b = Setup::stage(&model, dir.path(), "b", 2).start().await;
+        let c = Setup::stage(&model, dir.path(), "c", 3).start().await;
+        let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c.peer_addr()]);
+        a.return_mode = mode;
+        let a = a.start().await;
+        // The split is loaded first, so the deadline falls mid-generation.
+        let warm = ask(&a.peer_addr(), &request("warm", 2, None))
+            .await
+            .unwrap();
+        assert!(warm.error.is_none(), "{:?}", warm.error);
+        let started = Instant::now();
+        let summary = ask(
+            &a.peer_addr(),
+            &GenerateRequest {
+                timeout: Some(Duration::from_millis(200)),
+                ..request("a long answer on a short deadline", 1500, None)
+            },
+        )
+        .await
+        .unwrap();
+        let took = started.elapsed();
+        assert_eq!(summary.terminal_state, "timed_out", "{mode:?}: {summary:?}");
+        let error = summary.error.clone().unwrap_or_default();
+        assert!(error.contains("deadline of 200 ms"), "{error}");
+        let generated = summary.details["generated_tokens"].as_u64().unwrap();
+        assert!(generated < 1500, "{generated} tokens");
+        eprintln!("{mode:?}: timed out after {took:?} with {generated} tokens");
+        let bundle = summary.bundle.as_ref().unwrap();
+        assert_eq!(
+            stage_terminal_states(bundle),
+            ["timed_out", "timed_out"],
+            "{mode:?}: every stage ends timed_out"
+        );
+        let (_, report) = verify(dir.path(), bundle);
+        assert_eq!(report["terminal_state"], "timed_out", "{report:#}");
+        assert_eq!(report["handoffs_agree"], true, "{mode:?}: {report:#}");
+        no_lane_breaks(&report);
+        let nodes = [a, b, c];
+        assert_pools_empty(&all_stats(&nodes).await);
+        for node in nodes {
+            node.shutdown().await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_that_passes_while_the_split_loads_refuses_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
+    let refused = ask(
+        &nodes[0].peer_addr(),
+        &GenerateRequest {
+            timeout: Some(Duration::from_millis(1)),
+            ..request("too little time", 4, None)
+        },
+    )
+    .await;
+    let error = format!("{:#}", refused.expect_err("no time to load the split"));
+    assert!(
+        error.contains("deadline of 1 ms passed while waiting for the split to load"),
+        "{error}"
+    );
+    assert_pools_empty(&all_stats(&nodes).await);
 }

@@ -15,6 +15,10 @@ pub struct GenerateRequest {
     /// A request riding on grants: the request as the requester computed it
     /// and one presentation per stage (empty: none for that stage).
     pub grant: Option<GrantedServe>,
+    /// How long the request may take, from the moment the coordinator reads
+    /// it to its last token; `None`, or more than the coordinator allows,
+    /// is the coordinator's `request_timeout`.
+    pub timeout: Option<Duration>,
 }
 
 /// A granted request (seed 001 §2.3: served as exactly what the requester
@@ -62,6 +66,9 @@ impl GenerateRequest {
             ),
             ("seed", Cbor::Uint(self.sampling.seed)),
         ];
+        if let Some(timeout) = self.timeout {
+            fields.push(("timeout_ms", Cbor::Uint(timeout.as_millis() as u64)));
+        }
         if let Some(grant) = &self.grant {
             fields.push(("serve_request", grant.serve.to_cbor()));
             fields.push((
@@ -98,6 +105,12 @@ impl GenerateRequest {
                 top_k: uint("top_k")? as usize,
                 top_p: uint("top_p_milli")? as f32 / 1000.0,
                 seed: uint("seed")?,
+            },
+            timeout: match value.get("timeout_ms") {
+                None => None,
+                Some(ms) => Some(Duration::from_millis(
+                    ms.as_uint().context("generate: `timeout_ms`")?,
+                )),
             },
             grant: match value.get("serve_request") {
                 None => None,
@@ -215,14 +228,24 @@ pub(super) async fn handle_generate(
             return send_error(send, &format!("{error:#}")).await;
         }
     };
-    let run = match inner.ensure_run().await {
-        Ok(run) => run,
-        Err(error) => {
+    // One deadline for the whole request, from here: loading the split,
+    // every step at every stage, every wait in between.
+    let timeout = request
+        .timeout
+        .map_or(inner.request_timeout, |t| t.min(inner.request_timeout));
+    let deadline = Deadline::after(timeout);
+    let run = match tokio::time::timeout_at(deadline.at(), inner.ensure_run()).await {
+        Ok(Ok(run)) => run,
+        Ok(Err(error)) => {
             refused_other();
             return send_error(send, &format!("cannot set up the split: {error:#}")).await;
         }
+        Err(_) => {
+            refused_other();
+            return send_error(send, &deadline.passed("the split to load")).await;
+        }
     };
-    match serve_request(&inner, &run, &request, send).await {
+    match serve_request(&inner, &run, &request, deadline, send).await {
         Ok(()) => Ok(()),
         Err(error) => {
             if stats::is_busy(&error) {
@@ -304,6 +327,7 @@ async fn serve_request(
     inner: &Arc<Inner>,
     run: &Arc<Run>,
     request: &GenerateRequest,
+    deadline: Deadline,
     requester: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
     let codec = inner.model.text();
@@ -459,6 +483,7 @@ async fn serve_request(
             ("capacity", Cbor::Uint(capacity as u64)),
             ("return_mode", Cbor::text(return_mode.as_str())),
             ("prefill_steps", Cbor::Uint(prefill.len() as u64)),
+            ("deadline_ms", Cbor::Uint(deadline.left().as_millis() as u64)),
         ]);
         write_forward(
             &mut send,
@@ -478,10 +503,20 @@ async fn serve_request(
         if return_mode == ReturnMode::Direct {
             stage1 = recv.take().map(spawn_frames);
         }
+        // Relayed replies once the deadline is nearer than a step timeout.
+        let mut relayed: Option<Frames> = None;
         let mut step: u32 = 0;
         let mut input: Vec<u32> = prefill[0].to_vec();
+        // Whether the step sent last still owes its reply (a deadline that
+        // passes while waiting leaves it owed: it is drained after STOP).
+        let mut reply_owed = false;
         let result: anyhow::Result<TerminalState> = async {
             loop {
+                if deadline.is_past() {
+                    // Between steps the chain is healthy: STOP tells every
+                    // stage the request timed out.
+                    return Ok(TerminalState::TimedOut);
+                }
                 let compute_start = Instant::now();
                 let cache = held.cache.as_mut().context("the request's cache")?;
                 let output = tokio::task::block_in_place(|| {
@@ -519,8 +554,10 @@ async fn serve_request(
                         None => error,
                     });
                 }
+                reply_owed = true;
+                let wait = deadline.bound(inner.step_timeout);
                 let reply = match recv.as_mut() {
-                    Some(recv) => {
+                    Some(recv) if wait == inner.step_timeout => {
                         let reply =
                             msg::read_checked(recv, msg::MAX_STAGE_MESSAGE, inner.step_timeout, None)
                                 .await
@@ -529,8 +566,23 @@ async fn serve_request(
                         folds.time(|| lanes.down_replies_received.push_frame(&reply));
                         reply
                     }
-                    None => {
-                        let until = tokio::time::Instant::now() + inner.step_timeout;
+                    _ if return_mode == ReturnMode::Relayed => {
+                        // The deadline is nearer than a step timeout: read
+                        // through a task from here on, so the wait can end
+                        // without losing part of a frame.
+                        if relayed.is_none() {
+                            relayed = recv.take().map(spawn_frames);
+                        }
+                        let Ok(arrived) = tokio::time::timeout(wait, next_frame(&mut relayed)).await
+                        else {
+                            return Ok(TerminalState::TimedOut);
+                        };
+                        let reply = arrived.context("stage 1 closed the request")??;
+                        folds.time(|| lanes.down_replies_received.push_frame(&reply));
+                        reply
+                    }
+                    _ => {
+                        let until = tokio::time::Instant::now() + wait;
                         loop {
                             tokio::select! {
                                 opened = wait_direct(&mut direct_waiter), if direct.is_none() => {
@@ -556,6 +608,9 @@ async fn serve_request(
                                     break frame;
                                 }
                                 () = tokio::time::sleep_until(until) => {
+                                    if deadline.is_past() {
+                                        return Ok(TerminalState::TimedOut);
+                                    }
                                     let whom = if direct.is_none() { "the final stage's direct return" } else { "the final stage" };
                                     return Err(step_timed_out(whom, inner.step_timeout));
                                 }
@@ -563,6 +618,7 @@ async fn serve_request(
                         }
                     }
                 };
+                reply_owed = false;
                 round_trips += trip.elapsed();
                 let (reply_kind, id, _, payload) = msg::parse_stage(&reply)?;
                 if id != request_id {
@@ -644,16 +700,20 @@ async fn serve_request(
             .await?;
         }
         let _ = send.finish();
+        // A deadline that passed while a reply was owed: the reply still
+        // comes, and is read and folded, so hop 0 still agrees.
+        let unfinished = result.is_err() || reply_owed;
+        if reply_owed && let Some(relayed) = relayed.as_mut() {
+            drain(relayed, &mut lanes.down_replies_received).await;
+        }
         // Stage 1 may have said more after the step that failed (a stage
         // further on closing): read and fold it, so hop 0 still agrees.
-        if result.is_err()
-            && let Some(stage1) = stage1.as_mut()
-        {
+        if unfinished && let Some(stage1) = stage1.as_mut() {
             drain(stage1, &mut lanes.down_replies_received).await;
         }
         // Likewise the direct return: the final stage may have opened it (and
         // folded its opening) before the failure reached it.
-        if result.is_err() && return_mode == ReturnMode::Direct {
+        if unfinished && return_mode == ReturnMode::Direct {
             if direct.is_none()
                 && let Ok(Ok((_send, stream, opening))) =
                     tokio::time::timeout(DRAIN_WAIT, wait_direct(&mut direct_waiter)).await
@@ -671,6 +731,10 @@ async fn serve_request(
     }
     .await;
     let (terminal, failure) = match outcome {
+        Ok(TerminalState::TimedOut) => (
+            TerminalState::TimedOut,
+            Some(deadline.passed("the next token")),
+        ),
         Ok(state) => (state, budget_stop),
         Err(_) if budget_stop.is_some() => (TerminalState::PolicyDenied, budget_stop),
         Err(error) => {

@@ -102,6 +102,9 @@ pub struct NodeOptions {
     pub slice_idle: Duration,
     pub stage_seal_deadline: Duration,
     pub step_timeout: Duration,
+    /// The longest a request may take, and what one that names no timeout
+    /// gets.
+    pub request_timeout: Duration,
     pub max_requests: usize,
     pub return_mode: ReturnMode,
     pub wire: WireDType,
@@ -290,6 +293,7 @@ struct Inner {
     slice_idle: Duration,
     deadline: Duration,
     step_timeout: Duration,
+    request_timeout: Duration,
     max_requests: usize,
     return_mode: ReturnMode,
     wire: WireDType,
@@ -373,6 +377,7 @@ impl Node {
             slice_idle: options.slice_idle,
             deadline: options.stage_seal_deadline,
             step_timeout: options.step_timeout,
+            request_timeout: options.request_timeout,
             max_requests: options.max_requests,
             return_mode: options.return_mode,
             wire: options.wire,
@@ -932,6 +937,53 @@ fn handle_assign(
 // ------------------------------------------------------------------ stage
 
 /// A wait for a step's message ran out: name it, and the setting that bounds it.
+/// One request's deadline: every wait of the request, at every node, ends
+/// by it. The coordinator sets it when it reads the request; each stage
+/// learns the time left from OPEN.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Deadline {
+    at: tokio::time::Instant,
+    total: Duration,
+}
+
+impl Deadline {
+    fn after(total: Duration) -> Self {
+        Self {
+            at: tokio::time::Instant::now() + total,
+            total,
+        }
+    }
+    fn at(&self) -> tokio::time::Instant {
+        self.at
+    }
+    fn left(&self) -> Duration {
+        self.at
+            .saturating_duration_since(tokio::time::Instant::now())
+    }
+    fn is_past(&self) -> bool {
+        self.left().is_zero()
+    }
+    /// `wait`, or less when the deadline is nearer.
+    fn bound(&self, wait: Duration) -> Duration {
+        wait.min(self.left())
+    }
+    /// Why a request ended at its deadline.
+    fn passed(&self, waiting_for: &str) -> String {
+        format!(
+            "timed out: the request's deadline of {} ms passed while waiting for {waiting_for}",
+            self.total.as_millis()
+        )
+    }
+}
+
+/// A stage keeps waiting this long past the deadline its coordinator gave:
+/// the coordinator's STOP, not the stage's own clock, normally ends a
+/// request at its deadline, so every hop's lanes stay whole; a stage's own
+/// deadline ends it when its coordinator has gone quiet.
+pub const STAGE_DEADLINE_GRACE: Duration = DRAIN_WAIT;
+/// How long a request may take when neither it nor the configuration says.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+
 fn step_timed_out(whom: &str, timeout: Duration) -> anyhow::Error {
     anyhow!(
         "timed out: no reply from {whom} within the step timeout of {} ms (serve --step-timeout-ms)",
@@ -1134,6 +1186,15 @@ async fn handle_stage(
         .and_then(Cbor::as_uint)
         .unwrap_or(1)
         .max(1);
+    // The time its coordinator left the request, and a grace (see
+    // STAGE_DEADLINE_GRACE); never more than this node allows a request.
+    let deadline = Deadline::after(
+        open.get("deadline_ms")
+            .and_then(Cbor::as_uint)
+            .map_or(inner.request_timeout, Duration::from_millis)
+            .min(inner.request_timeout)
+            + STAGE_DEADLINE_GRACE,
+    );
     let return_mode = match open.get("return_mode").and_then(Cbor::as_text) {
         Some("direct") => ReturnMode::Direct,
         _ => ReturnMode::Relayed,
@@ -1278,7 +1339,7 @@ async fn handle_stage(
             // to it only to say why it stopped: watch for that (or for the
             // stream closing) while waiting for upstream.
             let read = tokio::select! {
-                read = tokio::time::timeout(inner.step_timeout, upstream.recv()) => read,
+                read = tokio::time::timeout(deadline.bound(inner.step_timeout), upstream.recv()) => read,
                 said = next_frame(&mut down_watch) => {
                     let frame = said
                         .with_context(|| format!("stage {} closed the request", k + 1))??;
@@ -1304,6 +1365,9 @@ async fn handle_stage(
                 Err(_) => {
                     upstream_gone = true;
                     terminal = TerminalState::TimedOut;
+                    if deadline.is_past() {
+                        bail!("{}", deadline.passed("upstream"));
+                    }
                     return Err(step_timed_out("upstream", inner.step_timeout));
                 }
             };
@@ -1365,14 +1429,18 @@ async fn handle_stage(
                                     lanes.down_replies_received.as_mut().context("reply lane")?;
                                 let recv =
                                     down_recv.as_mut().context("a relayed downstream's replies")?;
-                                let reply = msg::read_checked(
-                                    recv,
-                                    msg::MAX_STAGE_MESSAGE,
-                                    inner.step_timeout,
-                                    None,
-                                )
-                                .await?
-                                .context("downstream closed before replying")?;
+                                let wait = deadline.bound(inner.step_timeout);
+                                let reply =
+                                    match msg::read_checked(recv, msg::MAX_STAGE_MESSAGE, wait, None)
+                                        .await
+                                    {
+                                        Err(_) if deadline.is_past() => {
+                                            terminal = TerminalState::TimedOut;
+                                            bail!("{}", deadline.passed(&format!("stage {}", k + 1)));
+                                        }
+                                        read => read?,
+                                    }
+                                    .context("downstream closed before replying")?;
                                 folds.time(|| received.push_frame(&reply));
                                 send_frame(
                                     &mut up_send,

@@ -96,6 +96,7 @@ impl<'a> Setup<'a> {
             slice_idle: self.slice_idle,
             stage_seal_deadline: Duration::from_millis(500),
             step_timeout: self.step_timeout,
+            request_timeout: mesh_node::serve::DEFAULT_REQUEST_TIMEOUT,
             max_requests: self.max_requests,
             return_mode: self.return_mode,
             wire: WireDType::F32,
@@ -122,6 +123,7 @@ pub fn request(prompt: &str, max_tokens: usize, grant: Option<GrantedServe>) -> 
         chat: false,
         sampling: SamplingParams::greedy(),
         grant,
+        timeout: None,
     }
 }
 
@@ -130,4 +132,28 @@ pub async fn ask(
     request: &GenerateRequest,
 ) -> anyhow::Result<GenerateSummary> {
     generate_remote(coordinator, request, &mut |_| {}).await
+}
+
+/// `mesh-node verify --json` on a bundle: its exit code and report.
+pub fn verify(dir: &Path, bundle: &serde_json::Value) -> (i32, serde_json::Value) {
+    let path = dir.join("bundle.json");
+    std::fs::write(&path, serde_json::to_vec(bundle).unwrap()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+        .args(["verify", "--json"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap(),
+        serde_json::from_slice(&out.stdout).unwrap(),
+    )
+}
+
+/// No lane of a verified bundle reads as tampering.
+pub fn no_lane_breaks(report: &serde_json::Value) {
+    let lanes = report["lanes"].as_array().unwrap();
+    assert!(
+        lanes.iter().all(|lane| lane["state"] != "break"),
+        "a healthy hop reads as tampered: {report:#}"
+    );
 }
