@@ -172,6 +172,7 @@ pub fn node_stats(node: &crate::serve::PeerAddr, stats: &crate::serve::NodeStats
     for (name, value) in [
         ("requests completed", stats.requests_completed),
         ("requests failed", stats.requests_failed),
+        ("requests cancelled", stats.requests_cancelled),
         ("requests refused (busy)", stats.requests_refused_busy),
         ("requests refused (other)", stats.requests_refused_other),
         ("tokens generated", stats.tokens_generated),

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::nodes::{
-    Setup, ask, key, no_lane_breaks, public, request, synthetic, three_nodes, verify,
+    Setup, ask, connect, key, no_lane_breaks, public, request, synthetic, three_nodes, verify,
 };
 use mesh_node::net::tls::{self, TlsIdentity};
 use mesh_node::net::{ALPN_CONTROL, ALPN_STAGE, msg};
@@ -24,23 +24,6 @@ use mesh_protocol::identity::did_key;
 const ED25519_SPKI_PREFIX: [u8; 12] = [
     0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x03, 0x21, 0x00,
 ];
-
-/// A QUIC client proving `identity`, connected to `node` on `alpn`.
-async fn connect(
-    identity: &TlsIdentity,
-    node: &PeerAddr,
-    alpn: &'static [u8],
-) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
-    tls::install_provider();
-    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::LOCALHOST, 0).into())?;
-    endpoint.set_default_client_config(tls::client_config(identity, node.key, alpn)?);
-    let connection = tokio::time::timeout(
-        Duration::from_secs(5),
-        endpoint.connect(node.addr, "mesh-node")?,
-    )
-    .await??;
-    Ok((endpoint, connection))
-}
 
 /// One control message and its answer.
 async fn control(connection: &quinn::Connection, message: &Cbor) -> Cbor {

@@ -170,6 +170,66 @@ async fn a_requester_that_goes_away_frees_every_stage_within_a_second() {
     );
     let stats = nodes[0].stats().await;
     assert_eq!(stats.requests_completed, 0);
+    assert_eq!(stats.requests_cancelled, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_requester_that_stops_reading_cancels_on_every_stage() {
+    use mesh_node::net::{ALPN_CONTROL, msg};
+    use mesh_protocol::cbor::Cbor;
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
+    let stranger = mesh_node::net::tls::TlsIdentity::new(&common::nodes::key(40)).unwrap();
+    let (_endpoint, connection) =
+        common::nodes::connect(&stranger, &nodes[0].peer_addr(), ALPN_CONTROL)
+            .await
+            .unwrap();
+    let (mut send, mut recv) = connection.open_bi().await.unwrap();
+    let generate = Cbor::text_map([
+        ("kind", Cbor::text("generate")),
+        ("prompt", Cbor::text("a long answer, then cancelled")),
+        ("max_tokens", Cbor::Uint(1500)),
+        ("chat", Cbor::Uint(0)),
+        ("temperature_milli", Cbor::Uint(0)),
+        ("top_k", Cbor::Uint(0)),
+        ("top_p_milli", Cbor::Uint(1000)),
+        ("seed", Cbor::Uint(0)),
+    ]);
+    msg::write_cbor(&mut send, &generate).await.unwrap();
+    send.finish().unwrap();
+    let first = msg::read_cbor(&mut recv, msg::MAX_CONTROL_MESSAGE, Duration::from_secs(20))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.get("kind").and_then(Cbor::as_text), Some("token"));
+    // Cancel: stop reading (QUIC STOP_SENDING); the connection stays open.
+    recv.stop(0u32.into()).unwrap();
+    let cancelled = Instant::now();
+    loop {
+        let stats = all_stats(&nodes).await;
+        if stats.iter().all(NodeStats::pools_empty) && stats[0].requests_cancelled == 1 {
+            break;
+        }
+        assert!(
+            cancelled.elapsed() < Duration::from_secs(1),
+            "still running {:?} after the cancel: {stats:#?}",
+            cancelled.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!(
+        "cancelled everywhere {:?} after STOP_SENDING",
+        cancelled.elapsed()
+    );
+    // The stages were told: each served the request and none refused it.
+    for stage in &all_stats(&nodes).await[1..] {
+        assert_eq!((stage.stage_requests, stage.stage_refusals), (1, 0));
+    }
+    assert!(
+        connection.close_reason().is_none(),
+        "the connection stays up"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -273,6 +273,8 @@ struct Held<'a> {
     /// Stages that decided a grant for this request: told to release it at
     /// the end (a no-op where the request reached them and was served).
     authorised: Vec<PeerAddr>,
+    /// The task that notices the requester going away.
+    watcher: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl<'a> Held<'a> {
@@ -285,6 +287,7 @@ impl<'a> Held<'a> {
             direct: false,
             ticket: None,
             authorised: Vec::new(),
+            watcher: None,
         }
     }
 
@@ -296,6 +299,9 @@ impl<'a> Held<'a> {
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         self.release_cache();
+        if let Some(watcher) = self.watcher.take() {
+            watcher.abort();
+        }
         if self.collector {
             lock(&self.inner.collector).take(self.request_id);
         }
@@ -454,6 +460,18 @@ async fn serve_request(
     } else {
         None
     };
+    // A requester that closes its connection or stops reading (QUIC
+    // STOP_SENDING: how a client cancels) ends the request at the next step
+    // as `client_cancelled`, on every stage.
+    let requester_gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    held.watcher = Some({
+        let gone = requester_gone.clone();
+        let stopped = requester.stopped();
+        tokio::spawn(async move {
+            let _ = stopped.await;
+            gone.store(true, std::sync::atomic::Ordering::Relaxed);
+        })
+    });
     let mut ticket = held
         .ticket
         .take()
@@ -512,10 +530,13 @@ async fn serve_request(
         let mut reply_owed = false;
         let result: anyhow::Result<TerminalState> = async {
             loop {
+                // Between steps the chain is healthy: STOP tells every stage
+                // how the request ended.
                 if deadline.is_past() {
-                    // Between steps the chain is healthy: STOP tells every
-                    // stage the request timed out.
                     return Ok(TerminalState::TimedOut);
+                }
+                if requester_gone.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Ok(TerminalState::ClientCancelled);
                 }
                 let compute_start = Instant::now();
                 let cache = held.cache.as_mut().context("the request's cache")?;
@@ -665,15 +686,14 @@ async fn serve_request(
                         .unwrap_or("")
                         .to_string();
                     printed = decoded;
-                    msg::write_cbor(
-                        requester,
-                        &Cbor::text_map([
-                            ("kind", Cbor::text("token")),
-                            ("id", Cbor::Uint(next.into())),
-                            ("text", Cbor::text(piece)),
-                        ]),
-                    )
-                    .await?;
+                    let token = Cbor::text_map([
+                        ("kind", Cbor::text("token")),
+                        ("id", Cbor::Uint(next.into())),
+                        ("text", Cbor::text(piece)),
+                    ]);
+                    if msg::write_cbor(requester, &token).await.is_err() {
+                        return Ok(TerminalState::ClientCancelled);
+                    }
                 }
                 step += 1;
                 if stop || tokens.len() >= max_new {
@@ -734,6 +754,13 @@ async fn serve_request(
         Ok(TerminalState::TimedOut) => (
             TerminalState::TimedOut,
             Some(deadline.passed("the next token")),
+        ),
+        Ok(TerminalState::ClientCancelled) => (
+            TerminalState::ClientCancelled,
+            Some(format!(
+                "the requester went away after {} tokens",
+                tokens.len()
+            )),
         ),
         Ok(state) => (state, budget_stop),
         Err(_) if budget_stop.is_some() => (TerminalState::PolicyDenied, budget_stop),
@@ -1001,6 +1028,11 @@ async fn serve_request(
     counters
         .tokens_generated
         .fetch_add(tokens.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    if terminal == TerminalState::ClientCancelled {
+        // Sealed and journalled all the same; there is nobody to tell.
+        stats::Counters::bump(&counters.requests_cancelled);
+        return Ok(());
+    }
     stats::Counters::bump(if failure.is_some() {
         &counters.requests_failed
     } else {

@@ -18,6 +18,9 @@ pub(super) struct Counters {
     /// Generate requests that started and ended failed (a stage failed, a
     /// ceiling was reached, a deadline passed).
     pub requests_failed: AtomicU64,
+    /// Generate requests whose requester went away (or cancelled) before
+    /// they ended.
+    pub requests_cancelled: AtomicU64,
     /// Generate requests refused before any work, because a pool was full.
     pub requests_refused_busy: AtomicU64,
     /// Generate requests refused before any work, for any other reason
@@ -65,6 +68,7 @@ pub struct NodeStats {
     pub peer_connections: u64,
     pub requests_completed: u64,
     pub requests_failed: u64,
+    pub requests_cancelled: u64,
     pub requests_refused_busy: u64,
     pub requests_refused_other: u64,
     pub tokens_generated: u64,
@@ -73,7 +77,7 @@ pub struct NodeStats {
 }
 
 /// Stats fields that are plain counts, in the order they are written.
-const COUNTS: [&str; 12] = [
+const COUNTS: [&str; 13] = [
     "caches_open",
     "records_pending",
     "direct_waiters",
@@ -81,6 +85,7 @@ const COUNTS: [&str; 12] = [
     "peer_connections",
     "requests_completed",
     "requests_failed",
+    "requests_cancelled",
     "requests_refused_busy",
     "requests_refused_other",
     "tokens_generated",
@@ -91,7 +96,7 @@ const COUNTS: [&str; 12] = [
 const MAX_STATS_SLICES: usize = 64;
 
 impl NodeStats {
-    fn counts(&self) -> [u64; 12] {
+    fn counts(&self) -> [u64; 13] {
         [
             self.caches_open,
             self.records_pending,
@@ -100,6 +105,7 @@ impl NodeStats {
             self.peer_connections,
             self.requests_completed,
             self.requests_failed,
+            self.requests_cancelled,
             self.requests_refused_busy,
             self.requests_refused_other,
             self.tokens_generated,
@@ -108,7 +114,7 @@ impl NodeStats {
         ]
     }
 
-    fn counts_mut(&mut self) -> [&mut u64; 12] {
+    fn counts_mut(&mut self) -> [&mut u64; 13] {
         [
             &mut self.caches_open,
             &mut self.records_pending,
@@ -117,6 +123,7 @@ impl NodeStats {
             &mut self.peer_connections,
             &mut self.requests_completed,
             &mut self.requests_failed,
+            &mut self.requests_cancelled,
             &mut self.requests_refused_busy,
             &mut self.requests_refused_other,
             &mut self.tokens_generated,
@@ -225,6 +232,7 @@ impl Inner {
             peer_connections,
             requests_completed: counter(&c.requests_completed),
             requests_failed: counter(&c.requests_failed),
+            requests_cancelled: counter(&c.requests_cancelled),
             requests_refused_busy: counter(&c.requests_refused_busy),
             requests_refused_other: counter(&c.requests_refused_other),
             tokens_generated: counter(&c.tokens_generated),

@@ -157,3 +157,22 @@ pub fn no_lane_breaks(report: &serde_json::Value) {
         "a healthy hop reads as tampered: {report:#}"
     );
 }
+
+/// A QUIC client proving `identity`, connected to `node` on `alpn`.
+pub async fn connect(
+    identity: &mesh_node::net::tls::TlsIdentity,
+    node: &PeerAddr,
+    alpn: &'static [u8],
+) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+    mesh_node::net::tls::install_provider();
+    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::LOCALHOST, 0).into())?;
+    endpoint.set_default_client_config(mesh_node::net::tls::client_config(
+        identity, node.key, alpn,
+    )?);
+    let connection = tokio::time::timeout(
+        Duration::from_secs(5),
+        endpoint.connect(node.addr, "mesh-node")?,
+    )
+    .await??;
+    Ok((endpoint, connection))
+}
