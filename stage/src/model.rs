@@ -78,6 +78,24 @@ impl Linear {
             Linear::Dense(l) => l.forward(x)?,
         })
     }
+
+    /// The rows of several requests (`spans`: first row, row count). A
+    /// quantized product computes every output element as one row's dot
+    /// product, whatever the other rows, so all rows go in one call (the
+    /// weights are read once). A dense one goes through a blocked matrix
+    /// multiply whose summation order depends on the number of rows, so
+    /// each request's rows go alone and get the bits they get alone.
+    fn forward_rows(&self, x: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor> {
+        let rows_independent = matches!(self, Linear::Quantized(QMatMul::QTensor(_)));
+        if spans.len() == 1 || rows_independent {
+            return self.forward(x);
+        }
+        let parts = spans
+            .iter()
+            .map(|(offset, rows)| self.forward(&x.narrow(0, *offset, *rows)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    }
 }
 
 /// Several projections of the same input, run as one matrix when they can be
@@ -164,11 +182,13 @@ impl Projections {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+    fn forward(&self, x: &Tensor, spans: &[(usize, usize)]) -> Result<Vec<Tensor>> {
         match self {
-            Projections::Separate(parts) => parts.iter().map(|l| l.forward(x)).collect(),
+            Projections::Separate(parts) => {
+                parts.iter().map(|l| l.forward_rows(x, spans)).collect()
+            }
             Projections::Stacked { linear, widths } => {
-                let all = linear.forward(x)?;
+                let all = linear.forward_rows(x, spans)?;
                 let mut start = 0;
                 widths
                     .iter()
@@ -443,7 +463,99 @@ impl LayerSlice {
 
     /// Run this slice over the next positions of one request.
     pub fn forward(&self, input: SliceInput<'_>, cache: &mut SliceCache) -> Result<SliceOutput> {
-        let mut x = match (input, &self.embedding) {
+        let mut outputs = self.forward_batch(&mut [(input, cache)])?;
+        outputs
+            .pop()
+            .ok_or(EngineError::WrongInput("returned no output"))
+    }
+
+    /// Run this slice over the next positions of several requests at once,
+    /// each with its own cache and positions: their rows are stacked for
+    /// every projection and feed-forward, so the weights are read once for
+    /// all of them, and each request attends only to its own cache. Every
+    /// output row depends only on its own input row and cache (norms are
+    /// per row, each matrix product element is one row's dot product), so a
+    /// request's outputs are those it gets when run alone.
+    pub fn forward_batch(
+        &self,
+        jobs: &mut [(SliceInput<'_>, &mut SliceCache)],
+    ) -> Result<Vec<SliceOutput>> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut inputs = Vec::with_capacity(jobs.len());
+        for (input, cache) in jobs.iter() {
+            let x = self.input_rows(input)?;
+            let seq = x.dim(0)?;
+            if cache.position + seq > cache.capacity {
+                return Err(EngineError::ContextExceeded {
+                    tokens: cache.position + seq,
+                    max_new: 0,
+                    context: cache.capacity,
+                });
+            }
+            inputs.push(x);
+        }
+        let spans: Vec<(usize, usize)> = {
+            let mut offset = 0;
+            inputs
+                .iter()
+                .map(|x| {
+                    let seq = x.dim(0).unwrap_or(0);
+                    let span = (offset, seq);
+                    offset += seq;
+                    span
+                })
+                .collect()
+        };
+        let mut x = if inputs.len() == 1 {
+            inputs
+                .pop()
+                .ok_or(EngineError::WrongInput("was given no input"))?
+        } else {
+            Tensor::cat(&inputs, 0)?
+        };
+        for (layer, block) in self.blocks.iter().enumerate() {
+            x = self.block_forward(block, &x, &spans, jobs, layer)?;
+        }
+        for ((_, cache), (_, seq)) in jobs.iter_mut().zip(&spans) {
+            cache.position += seq;
+        }
+        match &self.head {
+            Some(head) => {
+                // Only each request's last position is sampled.
+                let last: Vec<Tensor> = spans
+                    .iter()
+                    .map(|(offset, seq)| x.narrow(0, offset + seq - 1, 1))
+                    .collect::<candle_core::Result<_>>()?;
+                let last = Tensor::cat(&last, 0)?;
+                let normed =
+                    candle_nn::ops::rms_norm(&last, &head.norm, self.config.rms_eps as f32)?;
+                let one_row_each: Vec<(usize, usize)> = (0..spans.len()).map(|i| (i, 1)).collect();
+                let logits = head.output.forward_rows(&normed, &one_row_each)?;
+                (0..spans.len())
+                    .map(|row| Ok(SliceOutput::Logits(logits.get(row)?.to_vec1::<f32>()?)))
+                    .collect()
+            }
+            None => spans
+                .iter()
+                .map(|(offset, seq)| {
+                    Ok(SliceOutput::Hidden(Activations {
+                        rows: *seq,
+                        cols: self.config.hidden,
+                        values: x
+                            .narrow(0, *offset, *seq)?
+                            .flatten_all()?
+                            .to_vec1::<f32>()?,
+                    }))
+                })
+                .collect(),
+        }
+    }
+
+    /// One request's input as rows of hidden states.
+    fn input_rows(&self, input: &SliceInput<'_>) -> Result<Tensor> {
+        Ok(match (input, &self.embedding) {
             (SliceInput::Tokens(ids), Some(embedding)) => {
                 if ids.is_empty() {
                     return Err(EngineError::WrongInput("was given no tokens"));
@@ -454,7 +566,7 @@ impl LayerSlice {
                         self.config.vocab
                     )));
                 }
-                let ids = Tensor::new(ids, &Device::Cpu)?;
+                let ids = Tensor::new(*ids, &Device::Cpu)?;
                 match embedding {
                     Embedding::Quantized(q) => q.embedding(&ids)?,
                     Embedding::Dense(t) => t.index_select(&ids, 0)?,
@@ -480,45 +592,20 @@ impl LayerSlice {
                 }
                 Tensor::from_slice(&a.values, (a.rows, a.cols), &Device::Cpu)?
             }
-        };
-        let seq = x.dim(0)?;
-        if cache.position + seq > cache.capacity {
-            return Err(EngineError::ContextExceeded {
-                tokens: cache.position + seq,
-                max_new: 0,
-                context: cache.capacity,
-            });
-        }
-        let position = cache.position;
-        for (block, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            x = self.block_forward(block, &x, kv, position)?;
-        }
-        cache.position += seq;
-        match &self.head {
-            Some(head) => {
-                let last = x.narrow(0, seq - 1, 1)?;
-                let normed =
-                    candle_nn::ops::rms_norm(&last, &head.norm, self.config.rms_eps as f32)?;
-                let logits = head.output.forward(&normed)?;
-                Ok(SliceOutput::Logits(logits.flatten_all()?.to_vec1::<f32>()?))
-            }
-            None => Ok(SliceOutput::Hidden(Activations {
-                rows: seq,
-                cols: self.config.hidden,
-                values: x.flatten_all()?.to_vec1::<f32>()?,
-            })),
-        }
+        })
     }
 
+    /// One block over the stacked rows of every request in the batch
+    /// (`spans`: each request's first row and row count).
     fn block_forward(
         &self,
         b: &Block,
         x: &Tensor,
-        kv: &mut KvCache,
-        position: usize,
+        spans: &[(usize, usize)],
+        jobs: &mut [(SliceInput<'_>, &mut SliceCache)],
+        layer: usize,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let seq = x.dim(0)?;
         let eps = c.rms_eps as f32;
         let h = candle_nn::ops::rms_norm(x, &b.attn_norm, eps)?;
         let with_bias = |t: Tensor, bias: &Option<Tensor>| -> Result<Tensor> {
@@ -529,12 +616,55 @@ impl LayerSlice {
         };
         let [q, k, v]: [Tensor; 3] = b
             .qkv
-            .forward(&h)?
+            .forward(&h, spans)?
             .try_into()
             .map_err(|_| EngineError::WrongInput("has a malformed attention projection"))?;
         let q = with_bias(q, &b.q_bias)?;
         let k = with_bias(k, &b.k_bias)?;
         let v = with_bias(v, &b.v_bias)?;
+        let mut attended = Vec::with_capacity(spans.len());
+        for ((offset, seq), (_, cache)) in spans.iter().zip(jobs.iter_mut()) {
+            let position = cache.position;
+            let kv = cache.layers.get_mut(layer).ok_or(EngineError::WrongInput(
+                "was given a cache of another slice",
+            ))?;
+            attended.push(self.attend(
+                &q.narrow(0, *offset, *seq)?,
+                &k.narrow(0, *offset, *seq)?,
+                &v.narrow(0, *offset, *seq)?,
+                kv,
+                position,
+            )?);
+        }
+        let attended = if attended.len() == 1 {
+            attended
+                .pop()
+                .ok_or(EngineError::WrongInput("attended to nothing"))?
+        } else {
+            Tensor::cat(&attended, 0)?
+        };
+        let x = (x + b.o.forward_rows(&attended, spans)?)?;
+        let h = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
+        let [gate, up]: [Tensor; 2] = b
+            .gate_up
+            .forward(&h, spans)?
+            .try_into()
+            .map_err(|_| EngineError::WrongInput("has a malformed feed-forward projection"))?;
+        let gated = (candle_nn::ops::silu(&gate)? * up)?;
+        Ok((x + b.down.forward_rows(&gated, spans)?)?)
+    }
+    /// One request's attention over its own cache: `q`, `k`, `v` are its
+    /// rows of the projections, at positions `position..`.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        kv: &mut KvCache,
+        position: usize,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let seq = q.dim(0)?;
         let q = q
             .reshape((1, seq, c.heads, c.head_dim))?
             .transpose(1, 2)?
@@ -585,14 +715,6 @@ impl LayerSlice {
             .reshape((1, c.heads, seq, c.head_dim))?
             .transpose(1, 2)?
             .reshape((seq, c.hidden))?;
-        let x = (x + b.o.forward(&attended)?)?;
-        let h = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
-        let [gate, up]: [Tensor; 2] = b
-            .gate_up
-            .forward(&h)?
-            .try_into()
-            .map_err(|_| EngineError::WrongInput("has a malformed feed-forward projection"))?;
-        let gated = (candle_nn::ops::silu(&gate)? * up)?;
-        Ok((x + b.down.forward(&gated)?)?)
+        Ok(attended)
     }
 }

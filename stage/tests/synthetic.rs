@@ -362,3 +362,111 @@ fn a_damaged_safetensors_file_is_refused_at_open() {
     std::fs::write(&weights, &good).unwrap();
     assert!(ModelHandle::open(&model.safetensors_dir).is_ok());
 }
+
+#[test]
+fn a_batch_of_requests_gives_each_the_bits_it_gets_alone() {
+    let types = [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::F32];
+    let (_dir, model) = model(&types);
+    let prompts: [&[u32]; 4] = [&[1, 2, 3], &[4, 5], &[6, 7, 8, 9, 10], &[11]];
+    for dtype in types {
+        let handle = ModelHandle::open(model.gguf(dtype).unwrap()).unwrap();
+        let whole = handle.load_slice(0..6).unwrap();
+        let logits = |output: mesh_stage::SliceOutput| match output {
+            mesh_stage::SliceOutput::Logits(l) => bits(&l),
+            _ => panic!("a whole model returns logits"),
+        };
+        // Alone: a prompt, then two decode steps, per request.
+        let mut alone = Vec::new();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let mut cache = whole.new_cache(32).unwrap();
+            let mut steps = vec![logits(
+                whole
+                    .forward(mesh_stage::SliceInput::Tokens(prompt), &mut cache)
+                    .unwrap(),
+            )];
+            for token in [20 + i as u32, 30 + i as u32] {
+                steps.push(logits(
+                    whole
+                        .forward(mesh_stage::SliceInput::Tokens(&[token]), &mut cache)
+                        .unwrap(),
+                ));
+            }
+            alone.push(steps);
+        }
+        // Together: the prompts (of different lengths) in one batch, then
+        // each decode step of all four in one batch.
+        let mut caches: Vec<_> = prompts
+            .iter()
+            .map(|_| whole.new_cache(32).unwrap())
+            .collect();
+        let mut together: Vec<Vec<Vec<u32>>> = vec![Vec::new(); prompts.len()];
+        let inputs: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
+        let mut step_inputs = vec![inputs];
+        step_inputs.push((0..4).map(|i| vec![20 + i as u32]).collect());
+        step_inputs.push((0..4).map(|i| vec![30 + i as u32]).collect());
+        for inputs in &step_inputs {
+            let mut jobs: Vec<_> = inputs
+                .iter()
+                .zip(caches.iter_mut())
+                .map(|(ids, cache)| (mesh_stage::SliceInput::Tokens(ids), cache))
+                .collect();
+            let outputs = whole.forward_batch(&mut jobs).unwrap();
+            for (i, output) in outputs.into_iter().enumerate() {
+                together[i].push(logits(output));
+            }
+        }
+        assert_eq!(
+            together, alone,
+            "{dtype:?}: batched bits differ from solo bits"
+        );
+
+        // A middle slice batches hidden states the same way.
+        let first = handle.load_slice(0..2).unwrap();
+        let middle = handle.load_slice(2..4).unwrap();
+        let hidden = |output: mesh_stage::SliceOutput| match output {
+            mesh_stage::SliceOutput::Hidden(a) => a,
+            _ => panic!("a first slice returns hidden states"),
+        };
+        let states: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut cache = first.new_cache(32).unwrap();
+                hidden(
+                    first
+                        .forward(mesh_stage::SliceInput::Tokens(p), &mut cache)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        let solo: Vec<_> = states
+            .iter()
+            .map(|a| {
+                let mut cache = middle.new_cache(32).unwrap();
+                bits(
+                    &hidden(
+                        middle
+                            .forward(mesh_stage::SliceInput::Hidden(a), &mut cache)
+                            .unwrap(),
+                    )
+                    .values,
+                )
+            })
+            .collect();
+        let mut caches: Vec<_> = states
+            .iter()
+            .map(|_| middle.new_cache(32).unwrap())
+            .collect();
+        let mut jobs: Vec<_> = states
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(a, cache)| (mesh_stage::SliceInput::Hidden(a), cache))
+            .collect();
+        let batched: Vec<_> = middle
+            .forward_batch(&mut jobs)
+            .unwrap()
+            .into_iter()
+            .map(|o| bits(&hidden(o).values))
+            .collect();
+        assert!(batched == solo, "{dtype:?}: a middle slice's batch");
+    }
+}
