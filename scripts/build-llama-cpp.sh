@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench once, outside the workspace, from the source
-# tree that ships inside the PyPI sdist of llama-cpp-python. Prints the path
-# of llama-bench.
+# Build one of llama.cpp's tools once, outside the workspace, from the source
+# tree that ships inside the PyPI sdist of llama-cpp-python. Prints its path.
+#   scripts/build-llama-cpp.sh [TOOL]   TOOL: llama-bench (default) or llama-server
 #   MESH_BENCH_DIR  where to build (default: ~/.cache/mesh-node/llama.cpp)
 set -euo pipefail
 version="0.3.36"
+tool="${1:-llama-bench}"
+case "$tool" in
+  llama-bench | llama-server) ;;
+  *) echo "build-llama-cpp: TOOL is llama-bench or llama-server, not $tool" >&2; exit 2 ;;
+esac
 root="${MESH_BENCH_DIR:-$HOME/.cache/mesh-node/llama.cpp}"
-bench="$root/build/bin/llama-bench"
-if [[ -x "$bench" ]]; then
-  echo "$bench"
+binary="$root/build/bin/$tool"
+if [[ -x "$binary" ]]; then
+  echo "$binary"
   exit 0
 fi
 mkdir -p "$root"
@@ -16,14 +21,15 @@ if ! command -v cmake >/dev/null; then
   echo "build-llama-cpp: installing cmake from PyPI" >&2
   python3 -m pip install --quiet cmake >&2
 fi
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" -d "$work" >&2
-tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
-rm -rf "$root/src"
-mv "$work/llama_cpp_python-$version/vendor/llama.cpp" "$root/src"
-echo "build-llama-cpp: building llama-bench (a few minutes on 2 cores)" >&2
+if [[ ! -d "$root/src" ]]; then
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" -d "$work" >&2
+  tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
+  mv "$work/llama_cpp_python-$version/vendor/llama.cpp" "$root/src"
+fi
+echo "build-llama-cpp: building $tool (a few minutes on 2 cores)" >&2
 cmake -S "$root/src" -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-cmake --build "$root/build" --target llama-bench -j "$(nproc)" >&2
-echo "$bench"
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
+cmake --build "$root/build" --target "$tool" -j "$(nproc)" >&2
+echo "$binary"

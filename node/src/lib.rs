@@ -3,6 +3,7 @@
 //! land, the steward, transport, coordinator and stage server.
 
 pub mod bench;
+pub mod bench_concurrency;
 pub mod energy;
 pub mod engine_cli;
 pub mod exercise;

@@ -228,6 +228,27 @@ enum BenchTarget {
         #[arg(long, default_value_t = 64)]
         tokens: usize,
     },
+    /// Aggregate decode tokens/s of concurrent greedy requests over three
+    /// `serve` processes on 127.0.0.1 (continuous batching), next to
+    /// llama.cpp's llama-server with as many parallel slots when given.
+    Concurrency {
+        /// A GGUF file (default: SmolLM2-135M from the model cache, else the
+        /// built-in synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Tokens each request generates.
+        #[arg(long, default_value_t = 32)]
+        tokens: usize,
+        /// Requests at once, one measurement each.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,8,16")]
+        levels: Vec<usize>,
+        /// llama.cpp's llama-server (`scripts/build-llama-cpp.sh llama-server`).
+        #[arg(long)]
+        llama_server: Option<PathBuf>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Engine prefill/decode tokens/s, unsplit vs split in-process, and the
     /// memory a third of the layers holds.
     Engine {
@@ -694,6 +715,33 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Bench {
             target:
+                BenchTarget::Concurrency {
+                    model,
+                    tokens,
+                    levels,
+                    llama_server,
+                    json,
+                },
+        } => {
+            let model = bench_model(model)?;
+            let report = runtime()?.block_on(mesh_node::bench_concurrency::bench_concurrency(
+                &model,
+                tokens,
+                &levels,
+                llama_server,
+            ))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!(
+                    "{}",
+                    mesh_node::bench_concurrency::render_concurrency(&report)
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target:
                 BenchTarget::Engine {
                     model,
                     prompt_tokens,
@@ -701,17 +749,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     json,
                 },
         } => {
-            let model = match model {
-                Some(model) => model,
-                None => {
-                    let cached = mesh_node::models::smollm2_path();
-                    if cached.is_file() {
-                        cached
-                    } else {
-                        mesh_node::engine_cli::synthetic_model_path()?
-                    }
-                }
-            };
+            let model = bench_model(model)?;
             let report = mesh_node::bench::bench_engine(&model, prompt_tokens, decode_tokens)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
@@ -763,6 +801,20 @@ fn init_logging(command: &Command) {
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();
+}
+
+/// The model a benchmark runs: the one given, else SmolLM2-135M from the
+/// model cache, else the built-in synthetic model.
+fn bench_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    if let Some(model) = model {
+        return Ok(model);
+    }
+    let cached = mesh_node::models::smollm2_path();
+    if cached.is_file() {
+        Ok(cached)
+    } else {
+        mesh_node::engine_cli::synthetic_model_path()
+    }
 }
 
 fn main() -> ExitCode {

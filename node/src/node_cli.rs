@@ -593,7 +593,7 @@ pub async fn bench_split(model: Option<PathBuf>, tokens: usize) -> anyhow::Resul
     Ok(out)
 }
 
-fn tempfile_dir() -> anyhow::Result<PathBuf> {
+pub(crate) fn tempfile_dir() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!(
         "mesh-node-bench-split-{}-{}",
         std::process::id(),

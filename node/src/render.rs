@@ -146,8 +146,14 @@ pub fn node_stats(node: &crate::serve::PeerAddr, stats: &crate::serve::NodeStats
     for slice in &stats.slices {
         let _ = writeln!(
             out,
-            "  {:<6} layers {}..{}  caches {}/{}",
-            slice.role, slice.layer_start, slice.layer_end, slice.caches_open, slice.max_requests
+            "  {:<6} layers {}..{}  caches {}/{}  {} steps in {} passes",
+            slice.role,
+            slice.layer_start,
+            slice.layer_end,
+            slice.caches_open,
+            slice.max_requests,
+            slice.steps,
+            slice.passes
         );
     }
     let _ = writeln!(

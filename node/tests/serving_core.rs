@@ -89,6 +89,15 @@ async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty()
     }
     let own = &stats[0].slices;
     assert_eq!((own.len(), own[0].role.as_str()), (1, "own"));
+    // The concurrent steps were batched: fewer forward passes than steps.
+    for (i, s) in stats.iter().enumerate() {
+        let slice = &s.slices[0];
+        eprintln!("node {i}: {} steps in {} passes", slice.steps, slice.passes);
+    }
+    assert!(
+        stats.iter().any(|s| s.slices[0].passes < s.slices[0].steps),
+        "no step was batched: {stats:#?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

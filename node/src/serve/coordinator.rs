@@ -539,10 +539,13 @@ async fn serve_request(
                     return Ok(TerminalState::ClientCancelled);
                 }
                 let compute_start = Instant::now();
-                let cache = held.cache.as_mut().context("the request's cache")?;
-                let output = tokio::task::block_in_place(|| {
-                    run.own.slice.forward(SliceInput::Tokens(&input), cache.cache())
-                })?;
+                let lease = held.cache.take().context("the request's cache")?;
+                let (output, lease) = run
+                    .own
+                    .batcher
+                    .step(batch::StepInput::Tokens(input.clone()), lease)
+                    .await?;
+                held.cache = Some(lease);
                 own_compute += compute_start.elapsed();
                 if let Some(ticket) = held.ticket.as_mut() {
                     let metered = lock(&inner.steward).mark_engine(ticket);

@@ -29,7 +29,7 @@ use mesh_protocol::split::{SealEnvironment, SplitSealInput, seal_split};
 use mesh_stage::cache::{CacheLease, CachePool};
 use mesh_stage::frame::{WireDType, decode_frame, encode_frame};
 use mesh_stage::sampling::{Sampler, SamplingParams};
-use mesh_stage::{LayerSlice, ModelHandle, SliceInput, SliceOutput};
+use mesh_stage::{LayerSlice, ModelHandle, SliceOutput};
 use tokio::sync::oneshot;
 
 use crate::energy::EnergyMeter;
@@ -39,6 +39,7 @@ use crate::net::{ALPN_CONTROL, ALPN_RECORD_PUSH, ALPN_STAGE};
 use crate::records::{Collector, signed_refusal};
 use crate::steward::Steward;
 
+mod batch;
 mod coordinator;
 mod stats;
 pub use coordinator::{
@@ -208,8 +209,10 @@ impl Assign {
 }
 
 struct Slot {
-    slice: LayerSlice,
+    slice: Arc<LayerSlice>,
     pool: CachePool,
+    /// Runs every step on this slice, batching concurrent requests.
+    batcher: batch::Batcher,
     assign: Assign,
     /// When a request last opened or ended on this slice.
     last_used: Mutex<Instant>,
@@ -217,7 +220,9 @@ struct Slot {
 
 impl Slot {
     fn new(slice: LayerSlice, max_requests: usize, context: usize, assign: Assign) -> Self {
+        let slice = Arc::new(slice);
         Self {
+            batcher: batch::Batcher::start(slice.clone(), max_requests),
             slice,
             pool: CachePool::new(max_requests, context),
             assign,
@@ -1263,7 +1268,7 @@ async fn handle_stage(
     let mut cache = match slot.pool.open(&slot.slice, request_id, capacity) {
         Ok(cache) => {
             stats::Counters::bump(&inner.counters.stage_requests);
-            cache
+            Some(cache)
         }
         Err(error) => {
             inner.release_ticket(ticket);
@@ -1386,10 +1391,12 @@ async fn handle_stage(
                     }
                     stats.steps += 1;
                     let start = Instant::now();
-                    let output = tokio::task::block_in_place(|| {
-                        slot.slice
-                            .forward(SliceInput::Hidden(&activations), cache.cache())
-                    })?;
+                    let lease = cache.take().context("the request's cache")?;
+                    let (output, lease) = slot
+                        .batcher
+                        .step(batch::StepInput::Hidden(activations), lease)
+                        .await?;
+                    cache = Some(lease);
                     stats.compute += start.elapsed();
                     let metered = lock(&inner.steward).mark_engine(&mut ticket);
                     if let Some(limit) = ticket.limit_uj().filter(|limit| metered >= *limit) {

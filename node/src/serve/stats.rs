@@ -50,6 +50,10 @@ pub struct SliceStats {
     pub layer_end: u32,
     pub caches_open: u64,
     pub max_requests: u64,
+    /// Request steps run on this slice, and the forward passes they took
+    /// (several requests' steps batched into one pass).
+    pub steps: u64,
+    pub passes: u64,
 }
 
 /// A node's pools and counters at one moment.
@@ -151,6 +155,8 @@ impl NodeStats {
                     ("layer_end", Cbor::Uint(s.layer_end.into())),
                     ("caches_open", Cbor::Uint(s.caches_open)),
                     ("max_requests", Cbor::Uint(s.max_requests)),
+                    ("steps", Cbor::Uint(s.steps)),
+                    ("passes", Cbor::Uint(s.passes)),
                 ])
             })
             .collect();
@@ -199,6 +205,8 @@ impl NodeStats {
                 layer_end: u32::try_from(uint("layer_end")?)?,
                 caches_open: uint("caches_open")?,
                 max_requests: uint("max_requests")?,
+                steps: uint("steps")?,
+                passes: uint("passes")?,
             });
         }
         Ok(stats)
@@ -209,12 +217,17 @@ impl Inner {
     pub(super) async fn node_stats(&self) -> NodeStats {
         // Awaited first: no std lock guard may live across it.
         let peer_connections = self.connections.lock().await.len() as u64;
-        let slice = |role: &str, slot: &Slot| SliceStats {
-            role: role.to_string(),
-            layer_start: slot.assign.layer_start,
-            layer_end: slot.assign.layer_end,
-            caches_open: slot.pool.open_requests() as u64,
-            max_requests: slot.pool.max_requests() as u64,
+        let slice = |role: &str, slot: &Slot| {
+            let (steps, passes) = slot.batcher.steps_and_passes();
+            SliceStats {
+                role: role.to_string(),
+                layer_start: slot.assign.layer_start,
+                layer_end: slot.assign.layer_end,
+                caches_open: slot.pool.open_requests() as u64,
+                max_requests: slot.pool.max_requests() as u64,
+                steps,
+                passes,
+            }
         };
         let mut slices: Vec<SliceStats> = lock(&self.own_slot)
             .iter()

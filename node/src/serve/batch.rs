@@ -1,0 +1,141 @@
+//! Continuous batching: one worker per slice runs the forward passes of the
+//! slice's requests. Whatever steps are waiting when it finishes one pass go
+//! into the next together (requests join and leave between passes), so the
+//! weights are read once for all of them. Each request keeps its own cache,
+//! positions and frames; the engine gives each the bits it gets alone.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use mesh_stage::cache::CacheLease;
+use mesh_stage::frame::Activations;
+use mesh_stage::{EngineError, LayerSlice, SliceInput, SliceOutput};
+use tokio::sync::{mpsc, oneshot};
+
+/// One request's next positions.
+#[derive(Debug)]
+pub(super) enum StepInput {
+    /// Token ids (the first slice).
+    Tokens(Vec<u32>),
+    /// Hidden states from the previous slice.
+    Hidden(Activations),
+}
+
+impl StepInput {
+    fn as_input(&self) -> SliceInput<'_> {
+        match self {
+            StepInput::Tokens(ids) => SliceInput::Tokens(ids),
+            StepInput::Hidden(activations) => SliceInput::Hidden(activations),
+        }
+    }
+}
+
+type Done = Result<(SliceOutput, CacheLease), EngineError>;
+
+struct Job {
+    input: StepInput,
+    /// The request's cache travels with its step and comes back with the
+    /// output; if the request has gone when the step is done, it is
+    /// dropped there, which frees it.
+    lease: CacheLease,
+    reply: oneshot::Sender<Done>,
+}
+
+/// A slice's batch worker; it ends when its last handle is dropped.
+#[derive(Debug)]
+pub(super) struct Batcher {
+    jobs: mpsc::Sender<Job>,
+    counts: Arc<Counts>,
+}
+
+/// Steps run and forward passes they took: their ratio is the mean batch.
+#[derive(Debug, Default)]
+struct Counts {
+    steps: AtomicU64,
+    passes: AtomicU64,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("request", &self.lease.request())
+            .finish()
+    }
+}
+
+impl Batcher {
+    /// A worker for `slice`. Each request has at most one step waiting, so
+    /// the queue needs no more room than the requests the slice admits.
+    pub(super) fn start(slice: Arc<LayerSlice>, max_requests: usize) -> Self {
+        let (jobs, queue) = mpsc::channel(max_requests.max(1));
+        let counts = Arc::new(Counts::default());
+        tokio::spawn(work(slice, queue, counts.clone()));
+        Self { jobs, counts }
+    }
+
+    /// Steps run so far, and the forward passes they took.
+    pub(super) fn steps_and_passes(&self) -> (u64, u64) {
+        (
+            self.counts.steps.load(Ordering::Relaxed),
+            self.counts.passes.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Run one step of one request, batched with whatever else is waiting.
+    pub(super) async fn step(&self, input: StepInput, lease: CacheLease) -> Done {
+        let (reply, done) = oneshot::channel();
+        let request = lease.request();
+        let gone = || EngineError::WrongInput("lost its batch worker");
+        self.jobs
+            .send(Job {
+                input,
+                lease,
+                reply,
+            })
+            .await
+            .map_err(|_| gone())?;
+        done.await.map_err(|_| {
+            tracing::warn!(request, "a batch step ended without a reply");
+            gone()
+        })?
+    }
+}
+
+async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Job>, counts: Arc<Counts>) {
+    while let Some(first) = queue.recv().await {
+        let mut batch = vec![first];
+        while let Ok(job) = queue.try_recv() {
+            batch.push(job);
+        }
+        counts
+            .steps
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        counts.passes.fetch_add(1, Ordering::Relaxed);
+        tokio::task::block_in_place(|| run(&slice, batch));
+    }
+}
+
+/// One pass over the batch. An error in the pass (one request past its
+/// cache's capacity, say) is not the others' error: then each runs alone.
+fn run(slice: &LayerSlice, mut batch: Vec<Job>) {
+    let outputs = {
+        let mut steps: Vec<(SliceInput<'_>, &mut mesh_stage::SliceCache)> = batch
+            .iter_mut()
+            .map(|job| (job.input.as_input(), job.lease.cache()))
+            .collect();
+        slice.forward_batch(&mut steps)
+    };
+    match outputs {
+        Ok(outputs) if outputs.len() == batch.len() => {
+            for (job, output) in batch.into_iter().zip(outputs) {
+                let _ = job.reply.send(Ok((output, job.lease)));
+            }
+        }
+        _ => {
+            for mut job in batch {
+                let output = slice.forward(job.input.as_input(), job.lease.cache());
+                let _ = job.reply.send(output.map(|o| (o, job.lease)));
+            }
+        }
+    }
+}
