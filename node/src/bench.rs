@@ -1,13 +1,14 @@
 //! `mesh-node bench fold`: the lane fold's throughput against plain SHA-256
 //! over the same bytes, measured side by side in one run.
 
+use std::fmt::Write;
 use std::time::{Duration, Instant};
 
 use mesh_protocol::fold::{Lane, LaneContext, LaneFold};
 use sha2::{Digest, Sha256};
 
 /// One measured frame size.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct FoldMeasurement {
     pub frame_bytes: usize,
     pub fold_mb_per_s: f64,
@@ -66,8 +67,7 @@ pub fn bench_fold(frame_sizes: &[usize], min_time: Duration) -> Vec<FoldMeasurem
 }
 
 /// `mesh-node bench steward`: what the steward costs a serve.
-pub fn bench_steward(dir: &std::path::Path, serves: u32) -> anyhow::Result<String> {
-    use std::fmt::Write;
+pub fn bench_steward(dir: &std::path::Path, serves: u32) -> anyhow::Result<serde_json::Value> {
 
     use mesh_protocol::grant::{GrantGate, Presentation};
     use mesh_protocol::mesh1::{Fidelity, MeshReceipt, ServeRequest, prompt_hash};
@@ -169,38 +169,87 @@ pub fn bench_steward(dir: &std::path::Path, serves: u32) -> anyhow::Result<Strin
     }
     let decide_time = start.elapsed();
 
-    let mut out = String::new();
-    writeln!(
-        out,
-        "steward overhead per serve, {} serves, journal with fsync on every append:",
-        totals.len()
-    )?;
-    writeln!(out, "{:>26} {:>9} {:>9}", "", "p50 ms", "p90 ms")?;
-    for (name, samples) in [
+    let phases: Vec<serde_json::Value> = [
         ("authorise + journal", &authorise),
         ("debit + journal", &debit),
         ("seal + journal", &seal),
         ("total", &totals),
-    ] {
-        writeln!(
-            out,
-            "{name:>26} {:>9.3} {:>9.3}",
-            percentile(samples, 0.5),
-            percentile(samples, 0.9)
-        )?;
-    }
+    ]
+    .into_iter()
+    .map(|(name, samples)| {
+        serde_json::json!({
+            "phase": name,
+            "p50_ms": percentile(samples, 0.5),
+            "p90_ms": percentile(samples, 0.9),
+        })
+    })
+    .collect();
     let seal_secs: f64 = seal.iter().map(Duration::as_secs_f64).sum();
-    writeln!(
+    Ok(serde_json::json!({
+        "serves": totals.len(),
+        "phases": phases,
+        "receipts_sealed_per_s": seal.len() as f64 / seal_secs.max(1e-9),
+        "grant_decisions": decided,
+        "grant_decisions_per_s": f64::from(decided) / decide_time.as_secs_f64().max(1e-9),
+    }))
+}
+
+/// `bench steward` for people.
+pub fn render_steward(report: &serde_json::Value) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "steward overhead per serve, {} serves, journal with fsync on every append:",
+        report["serves"]
+    );
+    let _ = writeln!(out, "{:>26} {:>9} {:>9}", "", "p50 ms", "p90 ms");
+    for phase in report["phases"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            out,
+            "{:>26} {:>9.3} {:>9.3}",
+            phase["phase"].as_str().unwrap_or(""),
+            phase["p50_ms"].as_f64().unwrap_or(0.0),
+            phase["p90_ms"].as_f64().unwrap_or(0.0)
+        );
+    }
+    let _ = writeln!(
         out,
         "receipts sealed per second (sign + journal fsync): {:.0}",
-        seal.len() as f64 / seal_secs.max(1e-9)
-    )?;
-    writeln!(
+        report["receipts_sealed_per_s"].as_f64().unwrap_or(0.0)
+    );
+    let _ = writeln!(
         out,
-        "grant decisions per second (decide + debit, in memory, {decided} decided): {:.0}",
-        f64::from(decided) / decide_time.as_secs_f64().max(1e-9)
-    )?;
-    Ok(out)
+        "grant decisions per second (decide + debit, in memory, {} decided): {:.0}",
+        report["grant_decisions"],
+        report["grant_decisions_per_s"].as_f64().unwrap_or(0.0)
+    );
+    out
+}
+
+/// `bench fold` for people.
+pub fn render_fold(measurements: &[FoldMeasurement]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "lane fold (skippy-stage-frames/v1) vs plain SHA-256 of the same frame, one thread"
+    );
+    let _ = writeln!(
+        out,
+        "{:>10} {:>12} {:>14} {:>8} {:>12}",
+        "frame", "fold MB/s", "sha256 MB/s", "ratio", "µs/frame"
+    );
+    for m in measurements {
+        let _ = writeln!(
+            out,
+            "{:>10} {:>12.0} {:>14.0} {:>8.3} {:>12.2}",
+            format!("{} KiB", m.frame_bytes / 1024),
+            m.fold_mb_per_s,
+            m.sha256_mb_per_s,
+            m.fold_mb_per_s / m.sha256_mb_per_s,
+            m.fold_us_per_frame
+        );
+    }
+    out
 }
 
 /// One configuration of `mesh-node bench engine`.

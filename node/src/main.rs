@@ -218,6 +218,9 @@ enum BenchTarget {
         /// Seconds to measure each case.
         #[arg(long, default_value_t = 1.0)]
         seconds: f64,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Decode tokens/s unsplit in-process against split over loopback QUIC
     /// (2 and 3 stages), per-hop overhead, and the share of time folding.
@@ -227,6 +230,9 @@ enum BenchTarget {
         model: Option<PathBuf>,
         #[arg(long, default_value_t = 64)]
         tokens: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Aggregate decode tokens/s of concurrent greedy requests over three
     /// `serve` processes on 127.0.0.1 (continuous batching), next to
@@ -272,6 +278,9 @@ enum BenchTarget {
         /// Where to put the scratch journal (default: a temporary directory).
         #[arg(long)]
         dir: Option<PathBuf>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -413,12 +422,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Verify { json, file, prev } => Ok(verify(&file, prev.as_deref(), json)),
         Command::Bench {
-            target: BenchTarget::Split { model, tokens },
+            target:
+                BenchTarget::Split {
+                    model,
+                    tokens,
+                    json,
+                },
         } => {
-            print!(
-                "{}",
-                runtime()?.block_on(mesh_node::node_cli::bench_split(model, tokens))?
-            );
+            let report = runtime()?.block_on(mesh_node::node_cli::bench_split(model, tokens))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", mesh_node::node_cli::render_split(&report));
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => {
@@ -690,26 +706,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Bench {
-            target: BenchTarget::Fold { seconds },
+            target: BenchTarget::Fold { seconds, json },
         } => {
             let min_time = Duration::try_from_secs_f64(seconds)
                 .context("--seconds must be a positive number")?;
-            println!(
-                "lane fold (skippy-stage-frames/v1) vs plain SHA-256 of the same frame, one thread"
-            );
-            println!(
-                "{:>10} {:>12} {:>14} {:>8} {:>12}",
-                "frame", "fold MB/s", "sha256 MB/s", "ratio", "µs/frame"
-            );
-            for m in mesh_node::bench::bench_fold(&[4096, 65_536], min_time) {
-                println!(
-                    "{:>10} {:>12.0} {:>14.0} {:>8.3} {:>12.2}",
-                    format!("{} KiB", m.frame_bytes / 1024),
-                    m.fold_mb_per_s,
-                    m.sha256_mb_per_s,
-                    m.fold_mb_per_s / m.sha256_mb_per_s,
-                    m.fold_us_per_frame
-                );
+            let measurements = mesh_node::bench::bench_fold(&[4096, 65_536], min_time);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&measurements)?);
+            } else {
+                print!("{}", mesh_node::bench::render_fold(&measurements));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -759,7 +764,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench {
-            target: BenchTarget::Steward { serves, dir },
+            target: BenchTarget::Steward { serves, dir, json },
         } => {
             let scratch;
             let dir = match dir {
@@ -772,7 +777,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
             };
             let report = mesh_node::bench::bench_steward(&dir, serves)?;
-            print!("{report}");
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", mesh_node::bench::render_steward(&report));
+            }
             let _ = std::fs::remove_dir_all(&dir);
             Ok(ExitCode::SUCCESS)
         }

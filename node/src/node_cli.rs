@@ -489,8 +489,10 @@ fn print_demo_details(
 /// `mesh-node bench split`: decode tokens/s unsplit in one process against
 /// split over loopback QUIC (2 and 3 stages), with the estimated per-hop
 /// overhead and the share of time spent folding.
-pub async fn bench_split(model: Option<PathBuf>, tokens: usize) -> anyhow::Result<String> {
-    use std::fmt::Write as _;
+pub async fn bench_split(
+    model: Option<PathBuf>,
+    tokens: usize,
+) -> anyhow::Result<serde_json::Value> {
     let model = match model {
         Some(model) => model,
         None => crate::engine_cli::synthetic_model_path()?,
@@ -519,22 +521,12 @@ pub async fn bench_split(model: Option<PathBuf>, tokens: usize) -> anyhow::Resul
         }
     })
     .await??;
-    let mut out = String::new();
-    writeln!(
-        out,
-        "model {}  {tokens} decode tokens, greedy, f32 activations",
-        model.display()
-    )?;
-    writeln!(
-        out,
-        "{:<34} {:>12} {:>8} {:>16} {:>10}",
-        "configuration", "decode tok/s", "ratio", "µs/hop/step", "folding"
-    )?;
-    writeln!(
-        out,
-        "{:<34} {:>12.1} {:>8.3} {:>16} {:>10}",
-        "unsplit, in process", unsplit, 1.0, "-", "-"
-    )?;
+    let mut rows = vec![serde_json::json!({
+        "configuration": "unsplit, in process",
+        "stages": 1,
+        "decode_tokens_per_s": unsplit,
+        "ratio_to_unsplit": 1.0,
+    })];
     for stages in [2usize, 3] {
         let scratch = tempfile_dir()?;
         let mut nodes = Vec::new();
@@ -575,22 +567,60 @@ pub async fn bench_split(model: Option<PathBuf>, tokens: usize) -> anyhow::Resul
         let summary = generate_remote(&coordinator.peer_addr(), &request, &mut |_| {}).await?;
         let d = &summary.details;
         let rate = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
-        writeln!(
-            out,
-            "{:<34} {:>12.1} {:>8.3} {:>16.0} {:>9.3}%",
-            format!("{stages} stages over loopback QUIC"),
-            rate,
-            rate / unsplit.max(1e-9),
-            d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
-            100.0 * d["fold_share"].as_f64().unwrap_or(0.0)
-        )?;
+        rows.push(serde_json::json!({
+            "configuration": format!("{stages} stages over loopback QUIC"),
+            "stages": stages,
+            "decode_tokens_per_s": rate,
+            "ratio_to_unsplit": rate / unsplit.max(1e-9),
+            "per_hop_overhead_us": d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
+            "fold_share": d["fold_share"].as_f64().unwrap_or(0.0),
+        }));
         coordinator.shutdown().await;
         for node in nodes {
             node.shutdown().await;
         }
         let _ = std::fs::remove_dir_all(&scratch);
     }
-    Ok(out)
+    Ok(serde_json::json!({
+        "model": model.display().to_string(),
+        "decode_tokens": tokens,
+        "rows": rows,
+    }))
+}
+
+/// `bench split` for people.
+pub fn render_split(report: &serde_json::Value) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "model {}  {} decode tokens, greedy, f32 activations",
+        report["model"].as_str().unwrap_or(""),
+        report["decode_tokens"]
+    );
+    let _ = writeln!(
+        out,
+        "{:<34} {:>12} {:>8} {:>16} {:>10}",
+        "configuration", "decode tok/s", "ratio", "µs/hop/step", "folding"
+    );
+    for row in report["rows"].as_array().into_iter().flatten() {
+        let hop = row["per_hop_overhead_us"]
+            .as_f64()
+            .map_or("-".to_string(), |us| format!("{us:.0}"));
+        let fold = row["fold_share"]
+            .as_f64()
+            .map_or("-".to_string(), |f| format!("{:.3}%", 100.0 * f));
+        let _ = writeln!(
+            out,
+            "{:<34} {:>12.1} {:>8.3} {:>16} {:>10}",
+            row["configuration"].as_str().unwrap_or(""),
+            row["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
+            row["ratio_to_unsplit"].as_f64().unwrap_or(0.0),
+            hop,
+            fold
+        );
+    }
+    out
 }
 
 pub(crate) fn tempfile_dir() -> anyhow::Result<PathBuf> {
