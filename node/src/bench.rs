@@ -68,7 +68,6 @@ pub fn bench_fold(frame_sizes: &[usize], min_time: Duration) -> Vec<FoldMeasurem
 
 /// `mesh-node bench steward`: what the steward costs a serve.
 pub fn bench_steward(dir: &std::path::Path, serves: u32) -> anyhow::Result<serde_json::Value> {
-
     use mesh_protocol::grant::{GrantGate, Presentation};
     use mesh_protocol::mesh1::{Fidelity, MeshReceipt, ServeRequest, prompt_hash};
 

@@ -270,14 +270,16 @@ async fn measure(
         .iter()
         .map(|p| p.parse())
         .collect::<anyhow::Result<_>>()?;
+    // The coordinator's key may read every node's stats.
+    let coordinator_key = crate::keys::load(&dir.join("coord.key"))?;
     // Warm up: the split loads.
     mesh_level(&coordinator, 1, 2).await?;
     let mut rows = Vec::new();
     let mut single = None;
     for &n in levels {
-        let before = batch_counts(&nodes).await?;
+        let before = batch_counts(&coordinator_key, &nodes).await?;
         let (generated, seconds) = mesh_level(&coordinator, n, tokens).await?;
-        let after = batch_counts(&nodes).await?;
+        let after = batch_counts(&coordinator_key, &nodes).await?;
         let rate = generated as f64 / seconds;
         let single_rate = *single.get_or_insert(rate);
         let (steps, passes) = (after.0 - before.0, after.1 - before.1);
@@ -312,10 +314,13 @@ async fn measure(
 }
 
 /// Steps and forward passes over every slice of these nodes.
-async fn batch_counts(nodes: &[PeerAddr]) -> anyhow::Result<(u64, u64)> {
+async fn batch_counts(
+    key: &mesh_protocol::SigningKey,
+    nodes: &[PeerAddr],
+) -> anyhow::Result<(u64, u64)> {
     let mut totals = (0, 0);
     for node in nodes {
-        for slice in node_stats_remote(node).await?.slices {
+        for slice in node_stats_remote(key, node).await?.slices {
             totals.0 += slice.steps;
             totals.1 += slice.passes;
         }

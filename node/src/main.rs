@@ -99,6 +99,10 @@ enum Command {
     Stats {
         /// NODEID@HOST:PORT of the node.
         node: String,
+        /// The key to ask with: the node's own, or a peer's or coordinator's
+        /// of it (stats are not for strangers).
+        #[arg(long)]
+        key: PathBuf,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -519,9 +523,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Stats { node, json } => {
+        Command::Stats { node, key, json } => {
             let node: mesh_node::serve::PeerAddr = node.parse()?;
-            let stats = runtime()?.block_on(mesh_node::serve::node_stats_remote(&node))?;
+            let key = mesh_node::keys::load(&key)?;
+            let stats = runtime()?.block_on(mesh_node::serve::node_stats_remote(&key, &node))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&stats)?);
             } else {

@@ -193,7 +193,8 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         request_timeout: args
             .request_timeout_ms
             .or(file.request_timeout_ms)
-            .map_or(crate::serve::DEFAULT_REQUEST_TIMEOUT, Duration::from_millis),
+            .map_or(crate::serve::DEFAULT_REQUEST_TIMEOUT, Duration::from_millis)
+            .min(crate::serve::MAX_REQUEST_TIMEOUT),
         max_requests: file.max_requests.unwrap_or(8),
         return_mode: parse_return_mode(
             &args

@@ -242,7 +242,7 @@ async fn a_requester_that_stops_reading_cancels_on_every_stage() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn anyone_may_read_a_nodes_stats_and_the_cli_prints_them() {
+async fn only_a_node_its_peers_and_coordinators_read_its_stats_and_the_cli_prints_them() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
     let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
@@ -250,8 +250,19 @@ async fn anyone_may_read_a_nodes_stats_and_the_cli_prints_them() {
         .await
         .unwrap();
     assert!(served.error.is_none());
-    // As a stranger, over the network: the same figures the node holds.
-    let remote = node_stats_remote(&nodes[0].peer_addr()).await.unwrap();
+    // A stranger is refused: counters polled fast would show other users'
+    // request lengths and timing.
+    let stranger = common::nodes::key(77);
+    let refused = node_stats_remote(&stranger, &nodes[0].peer_addr())
+        .await
+        .expect_err("a stranger reads no stats");
+    assert!(format!("{refused:#}").contains("--key"), "{refused:#}");
+    // The coordinator (key 1) reads its own and its stages' stats, over the
+    // network: the same figures the node holds.
+    let coordinator_key = common::nodes::key(1);
+    let remote = node_stats_remote(&coordinator_key, &nodes[0].peer_addr())
+        .await
+        .unwrap();
     let local = nodes[0].stats().await;
     assert_eq!(
         NodeStats {
@@ -264,10 +275,13 @@ async fn anyone_may_read_a_nodes_stats_and_the_cli_prints_them() {
         }
     );
     assert_eq!(remote.tokens_generated, 3);
+    let key_file = dir.path().join("coordinator.key");
+    std::fs::write(&key_file, mesh_protocol::hex::encode(&[1u8; 32])).unwrap();
     let peer = nodes[1].peer_addr().to_string();
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new(env!("CARGO_BIN_EXE_mesh-node"))
-            .args(["stats", &peer, "--json"])
+            .args(["stats", &peer, "--json", "--key"])
+            .arg(&key_file)
             .output()
             .unwrap()
     })

@@ -14,6 +14,10 @@ use crate::source::{ModelConfig, RawTensor, RopeLayout, Source};
 
 /// Longest context a slice prepares rotary tables for.
 pub const MAX_ENGINE_CONTEXT: usize = 8192;
+/// Most rows several requests share one matrix product with: from 32 rows
+/// candle may switch to another kernel (AMX for Q4_K), whose bits differ
+/// from the kernel one request alone gets.
+pub const MAX_BATCH_ROWS: usize = 31;
 
 #[derive(Debug)]
 enum Linear {
@@ -79,15 +83,30 @@ impl Linear {
         })
     }
 
-    /// The rows of several requests (`spans`: first row, row count). A
-    /// quantized product computes every output element as one row's dot
-    /// product, whatever the other rows, so all rows go in one call (the
-    /// weights are read once). A dense one goes through a blocked matrix
-    /// multiply whose summation order depends on the number of rows, so
-    /// each request's rows go alone and get the bits they get alone.
+    /// Whether candle's CPU kernel for this matrix computes each output row
+    /// the same way whatever the number of rows, up to `MAX_BATCH_ROWS`
+    /// (checked by `a_batch_of_requests_gives_each_the_bits_it_gets_alone`
+    /// for every supported type). On x86-64 the block-quantized kernels are
+    /// one row's dot products (Q4_0, Q4_1, Q8_0 unpacked; Q4_K and Q8_0
+    /// repacked into tiles), except Q6_K, whose one-row kernel is not its
+    /// tiled one, and Q4_K from 32 rows with AMX. Dense products go through
+    /// a blocked multiply whose summation order follows the row count; on
+    /// other architectures the packed kernels change with the row count.
+    fn rows_independent(&self) -> bool {
+        match self {
+            Linear::Quantized(QMatMul::QTensor(q)) => {
+                cfg!(target_arch = "x86_64") && q.dtype() != GgmlDType::Q6K
+            }
+            _ => false,
+        }
+    }
+
+    /// The rows of several requests (`spans`: first row, row count). Where
+    /// the kernel is row-independent all rows go in one call, so the
+    /// weights are read once; otherwise each request's rows go alone and
+    /// get the bits they get alone.
     fn forward_rows(&self, x: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor> {
-        let rows_independent = matches!(self, Linear::Quantized(QMatMul::QTensor(_)));
-        if spans.len() == 1 || rows_independent {
+        if spans.len() == 1 || (self.rows_independent() && x.dim(0)? <= MAX_BATCH_ROWS) {
             return self.forward(x);
         }
         let parts = spans
@@ -551,6 +570,26 @@ impl LayerSlice {
                 })
                 .collect(),
         }
+    }
+
+    /// Whether one request's next step can run on this slice: the right
+    /// kind of input, well formed, and room in its cache. A batch checks
+    /// every step this way before any cache changes.
+    pub fn check_step(&self, input: &SliceInput<'_>, cache: &SliceCache) -> Result<()> {
+        let rows = self.input_rows(input)?.dim(0)?;
+        if cache.position + rows > cache.capacity {
+            return Err(EngineError::ContextExceeded {
+                tokens: cache.position + rows,
+                max_new: 0,
+                context: cache.capacity,
+            });
+        }
+        if cache.layers.len() != self.blocks.len() {
+            return Err(EngineError::WrongInput(
+                "was given a cache of another slice",
+            ));
+        }
+        Ok(())
     }
 
     /// One request's input as rows of hidden states.

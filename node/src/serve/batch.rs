@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use mesh_stage::cache::CacheLease;
 use mesh_stage::frame::Activations;
+use mesh_stage::model::MAX_BATCH_ROWS;
 use mesh_stage::{EngineError, LayerSlice, SliceInput, SliceOutput};
 use tokio::sync::{mpsc, oneshot};
 
@@ -103,38 +104,91 @@ impl Batcher {
 
 async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Job>, counts: Arc<Counts>) {
     while let Some(first) = queue.recv().await {
-        let mut batch = vec![first];
+        let mut waiting = vec![first];
         while let Ok(job) = queue.try_recv() {
-            batch.push(job);
+            waiting.push(job);
         }
-        counts
-            .steps
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        counts.passes.fetch_add(1, Ordering::Relaxed);
-        tokio::task::block_in_place(|| run(&slice, batch));
+        tokio::task::block_in_place(|| {
+            for batch in batches(&slice, waiting) {
+                counts
+                    .steps
+                    .fetch_add(batch.len() as u64, Ordering::Relaxed);
+                counts.passes.fetch_add(1, Ordering::Relaxed);
+                run(&slice, batch);
+            }
+        });
     }
 }
 
-/// One pass over the batch. An error in the pass (one request past its
-/// cache's capacity, say) is not the others' error: then each runs alone.
+impl Job {
+    fn rows(&self) -> usize {
+        match &self.input {
+            StepInput::Tokens(ids) => ids.len(),
+            StepInput::Hidden(activations) => activations.rows,
+        }
+    }
+}
+
+/// The waiting steps in passes: a step that cannot run (malformed, or past
+/// its cache's capacity) gets its error at once and touches no cache; the
+/// others share passes of at most `MAX_BATCH_ROWS` rows, and a step longer
+/// than that (a prefill chunk) runs alone, so each gets the kernels, and the
+/// bits, it gets alone.
+fn batches(slice: &LayerSlice, waiting: Vec<Job>) -> Vec<Vec<Job>> {
+    let mut passes: Vec<Vec<Job>> = Vec::new();
+    let mut shared: Vec<Job> = Vec::new();
+    let mut shared_rows = 0;
+    for mut job in waiting {
+        if let Err(error) = slice.check_step(&job.input.as_input(), job.lease.cache()) {
+            let _ = job.reply.send(Err(error));
+            continue;
+        }
+        let rows = job.rows();
+        if rows > MAX_BATCH_ROWS {
+            passes.push(vec![job]);
+            continue;
+        }
+        if shared_rows + rows > MAX_BATCH_ROWS {
+            passes.push(std::mem::take(&mut shared));
+            shared_rows = 0;
+        }
+        shared_rows += rows;
+        shared.push(job);
+    }
+    if !shared.is_empty() {
+        passes.push(shared);
+    }
+    passes
+}
+
+/// One pass. Every step was checked, so an error (or a panic) here is the
+/// engine's, mid-pass, with caches possibly half advanced: every step of
+/// the pass fails, and dropping their leases frees those caches.
 fn run(slice: &LayerSlice, mut batch: Vec<Job>) {
-    let outputs = {
+    let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut steps: Vec<(SliceInput<'_>, &mut mesh_stage::SliceCache)> = batch
             .iter_mut()
             .map(|job| (job.input.as_input(), job.lease.cache()))
             .collect();
         slice.forward_batch(&mut steps)
-    };
+    }));
     match outputs {
-        Ok(outputs) if outputs.len() == batch.len() => {
+        Ok(Ok(outputs)) if outputs.len() == batch.len() => {
             for (job, output) in batch.into_iter().zip(outputs) {
                 let _ = job.reply.send(Ok((output, job.lease)));
             }
         }
-        _ => {
-            for mut job in batch {
-                let output = slice.forward(job.input.as_input(), job.lease.cache());
-                let _ = job.reply.send(output.map(|o| (o, job.lease)));
+        outcome => {
+            let why = match outcome {
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => "the engine panicked".to_string(),
+                Ok(Ok(_)) => "the engine returned the wrong number of outputs".to_string(),
+            };
+            tracing::error!(steps = batch.len(), "a forward pass failed: {why}");
+            for job in batch {
+                let _ = job
+                    .reply
+                    .send(Err(EngineError::Compute(format!("forward pass: {why}"))));
             }
         }
     }

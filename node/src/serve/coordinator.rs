@@ -234,11 +234,21 @@ pub(super) async fn handle_generate(
         .timeout
         .map_or(inner.request_timeout, |t| t.min(inner.request_timeout));
     let deadline = Deadline::after(timeout);
-    let run = match tokio::time::timeout_at(deadline.at(), inner.ensure_run()).await {
-        Ok(Ok(run)) => run,
-        Ok(Err(error)) => {
+    // Loading runs on to the end in its own task even when this request's
+    // deadline passes first, so the next request finds the split ready.
+    let loading = {
+        let inner = inner.clone();
+        tokio::spawn(async move { inner.ensure_run().await })
+    };
+    let run = match tokio::time::timeout_at(deadline.at(), loading).await {
+        Ok(Ok(Ok(run))) => run,
+        Ok(Ok(Err(error))) => {
             refused_other();
             return send_error(send, &format!("cannot set up the split: {error:#}")).await;
+        }
+        Ok(Err(error)) => {
+            refused_other();
+            return send_error(send, &format!("setting up the split failed: {error}")).await;
         }
         Err(_) => {
             refused_other();
@@ -724,22 +734,34 @@ async fn serve_request(
         }
         let _ = send.finish();
         // A deadline that passed while a reply was owed: the reply still
-        // comes, and is read and folded, so hop 0 still agrees.
+        // comes (stage 1 finishes its step, reads STOP and ends its stream;
+        // a stage's own deadline is a step timeout later than this one), and
+        // is read and folded, so hop 0 still agrees.
         let unfinished = result.is_err() || reply_owed;
-        if reply_owed && let Some(relayed) = relayed.as_mut() {
-            drain(relayed, &mut lanes.down_replies_received).await;
+        if unfinished && let Some(relayed) = relayed.as_mut() {
+            let bound = if reply_owed {
+                inner.step_timeout + DRAIN_WAIT
+            } else {
+                DRAIN_WAIT
+            };
+            drain_for(relayed, &mut lanes.down_replies_received, bound).await;
         }
         // Stage 1 may have said more after the step that failed (a stage
         // further on closing): read and fold it, so hop 0 still agrees.
+        let drain_bound = if reply_owed {
+            inner.step_timeout + DRAIN_WAIT
+        } else {
+            DRAIN_WAIT
+        };
         if unfinished && let Some(stage1) = stage1.as_mut() {
-            drain(stage1, &mut lanes.down_replies_received).await;
+            drain_for(stage1, &mut lanes.down_replies_received, drain_bound).await;
         }
         // Likewise the direct return: the final stage may have opened it (and
         // folded its opening) before the failure reached it.
         if unfinished && return_mode == ReturnMode::Direct {
             if direct.is_none()
                 && let Ok(Ok((_send, stream, opening))) =
-                    tokio::time::timeout(DRAIN_WAIT, wait_direct(&mut direct_waiter)).await
+                    tokio::time::timeout(drain_bound, wait_direct(&mut direct_waiter)).await
             {
                 if let Some(fold) = lanes.direct_received.as_mut() {
                     fold.push_frame(&opening);
@@ -747,12 +769,13 @@ async fn serve_request(
                 direct = Some(spawn_frames(stream));
             }
             if let (Some(frames), Some(fold)) = (direct.as_mut(), lanes.direct_received.as_mut()) {
-                drain(frames, fold).await;
+                drain_for(frames, fold, drain_bound).await;
             }
         }
         result
     }
     .await;
+    let chain_failed = outcome.is_err() && budget_stop.is_none();
     let (terminal, failure) = match outcome {
         Ok(TerminalState::TimedOut) => (
             TerminalState::TimedOut,
@@ -778,10 +801,9 @@ async fn serve_request(
     };
     let decode_time = started.elapsed().saturating_sub(prefill_time);
     run.own.touch();
-    if matches!(
-        terminal,
-        TerminalState::TransportError | TerminalState::TimedOut
-    ) {
+    // A chain that failed (not one a requester's deadline or cancel ended)
+    // may have lost a stage's slice: assign again before the next request.
+    if chain_failed {
         run.stale.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     held.release_cache();
@@ -1225,9 +1247,17 @@ async fn release_remote(
 pub(super) async fn connect_as_requester(
     coordinator: &PeerAddr,
 ) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
-    tls::install_provider();
     let key = SigningKey::from_bytes(&crate::keys::random_bytes()?);
-    let identity = TlsIdentity::new(&key)?;
+    connect_as(&key, coordinator).await
+}
+
+/// Connect to a node's `mesh-control/1` proving `key`.
+pub(super) async fn connect_as(
+    key: &SigningKey,
+    coordinator: &PeerAddr,
+) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
+    tls::install_provider();
+    let identity = TlsIdentity::new(key)?;
     let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into())?;
     endpoint.set_default_client_config(tls::client_config(
         &identity,

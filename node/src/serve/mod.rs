@@ -762,7 +762,21 @@ async fn handle_control(
             msg::write_cbor(&mut send, &reply).await?;
         }
         Some("node_stats") => {
-            msg::write_cbor(&mut send, &inner.node_stats().await.to_cbor()).await?;
+            let reply = if inner.may_read_stats(&peer) {
+                inner.node_stats().await.to_cbor()
+            } else {
+                Cbor::text_map([
+                    ("kind", Cbor::text("refused")),
+                    (
+                        "reason",
+                        Cbor::text(
+                            "a node's stats are for its own key, its peers and its coordinators: \
+                             give --key with one of those",
+                        ),
+                    ),
+                ])
+            };
+            msg::write_cbor(&mut send, &reply).await?;
         }
         Some("stats") => {
             let request_id = message
@@ -953,6 +967,7 @@ pub(super) struct Deadline {
 
 impl Deadline {
     fn after(total: Duration) -> Self {
+        let total = total.min(MAX_REQUEST_TIMEOUT);
         Self {
             at: tokio::time::Instant::now() + total,
             total,
@@ -981,13 +996,10 @@ impl Deadline {
     }
 }
 
-/// A stage keeps waiting this long past the deadline its coordinator gave:
-/// the coordinator's STOP, not the stage's own clock, normally ends a
-/// request at its deadline, so every hop's lanes stay whole; a stage's own
-/// deadline ends it when its coordinator has gone quiet.
-pub const STAGE_DEADLINE_GRACE: Duration = DRAIN_WAIT;
 /// How long a request may take when neither it nor the configuration says.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+/// The longest any request may take, whatever is configured or asked.
+pub const MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
 
 fn step_timed_out(whom: &str, timeout: Duration) -> anyhow::Error {
     anyhow!(
@@ -1058,7 +1070,12 @@ async fn next_frame(frames: &mut Option<Frames>) -> Option<anyhow::Result<Vec<u8
 /// folding it, until it finishes or `DRAIN_WAIT` passes: a frame it wrote
 /// before it learned of the failure is then in both ends' digests.
 async fn drain(frames: &mut Frames, fold: &mut LaneFold) {
-    let until = tokio::time::Instant::now() + DRAIN_WAIT;
+    drain_for(frames, fold, DRAIN_WAIT).await;
+}
+
+/// `drain`, for up to `bound`.
+async fn drain_for(frames: &mut Frames, fold: &mut LaneFold, bound: Duration) {
+    let until = tokio::time::Instant::now() + bound;
     while let Ok(Some(Ok(frame))) = tokio::time::timeout_at(until, frames.recv()).await {
         fold.push_frame(&frame);
     }
@@ -1191,14 +1208,16 @@ async fn handle_stage(
         .and_then(Cbor::as_uint)
         .unwrap_or(1)
         .max(1);
-    // The time its coordinator left the request, and a grace (see
-    // STAGE_DEADLINE_GRACE); never more than this node allows a request.
+    // The time its coordinator left the request, and one step timeout more:
+    // at the deadline the coordinator's STOP ends the request after the step
+    // in flight, and the coordinator reads what this stage still sends for
+    // that long, so every hop's lanes stay whole. This stage's own clock
+    // ends the request only when its coordinator has gone quiet.
     let deadline = Deadline::after(
         open.get("deadline_ms")
             .and_then(Cbor::as_uint)
             .map_or(inner.request_timeout, Duration::from_millis)
-            .min(inner.request_timeout)
-            + STAGE_DEADLINE_GRACE,
+            .saturating_add(inner.step_timeout),
     );
     let return_mode = match open.get("return_mode").and_then(Cbor::as_text) {
         Some("direct") => ReturnMode::Direct,

@@ -1,7 +1,9 @@
 //! What a node holds and has done: the occupancy of every pool a request
-//! takes a place in, and counters. Readable by anyone who can connect
-//! (`mesh-node stats NODE`), so it carries numbers only: no request ids,
-//! prompts, text or keys of requesters.
+//! takes a place in, and counters (`mesh-node stats NODE --key KEY`). It
+//! carries numbers only (no request ids, prompts, text or requester keys),
+//! but polled fast its counters would show other users' request lengths and
+//! timing, so only the node's own key, its configured peers and the
+//! coordinators it serves may read it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -255,9 +257,10 @@ impl Inner {
     }
 }
 
-/// Ask any node for its stats, as a stranger would (a fresh key).
-pub async fn node_stats_remote(node: &PeerAddr) -> anyhow::Result<NodeStats> {
-    let (endpoint, connection) = coordinator::connect_as_requester(node).await?;
+/// Ask a node for its stats, proving `key` (the node's own, a peer's or a
+/// coordinator's it serves).
+pub async fn node_stats_remote(key: &SigningKey, node: &PeerAddr) -> anyhow::Result<NodeStats> {
+    let (endpoint, connection) = coordinator::connect_as(key, node).await?;
     let (mut send, mut recv) = connection.open_bi().await?;
     msg::write_cbor(
         &mut send,
@@ -270,7 +273,25 @@ pub async fn node_stats_remote(node: &PeerAddr) -> anyhow::Result<NodeStats> {
         .context("no stats")?;
     connection.close(0u32.into(), b"done");
     endpoint.wait_idle().await;
+    if reply.get("kind").and_then(Cbor::as_text) == Some("refused") {
+        bail!(
+            "{}",
+            reply
+                .get("reason")
+                .and_then(Cbor::as_text)
+                .unwrap_or("refused")
+        );
+    }
     NodeStats::from_cbor(&reply)
+}
+
+impl Inner {
+    /// Who may read this node's stats.
+    pub(super) fn may_read_stats(&self, peer: &[u8; 32]) -> bool {
+        *peer == self.tls.public_key
+            || self.peers.iter().any(|p| p.key == *peer)
+            || self.coordinators.contains(peer)
+    }
 }
 
 /// Whether a request was refused because a pool was full.
