@@ -52,6 +52,14 @@ fn prompt(i: usize) -> String {
     )
 }
 
+/// Compute threads for each of the three processes sharing this machine's
+/// cores: candle's worker pools spin while they wait, so three pools of all
+/// the cores each fight over them (measured: one request decodes at about
+/// half the speed). llama-server, one process, gets every core.
+fn threads_per_process() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 3).max(1))
+}
+
 /// Start `mesh-node serve` with a config file; its peer address.
 fn serve(exe: &Path, dir: &Path, name: &str, config: &str) -> anyhow::Result<(Process, String)> {
     let key = dir.join(format!("{name}.key"));
@@ -71,6 +79,8 @@ fn serve(exe: &Path, dir: &Path, name: &str, config: &str) -> anyhow::Result<(Pr
         .arg("--config")
         .arg(&config_path)
         .env("RUST_LOG", "warn")
+        .env("CANDLE_NUM_THREADS", threads_per_process().to_string())
+        .env("RAYON_NUM_THREADS", threads_per_process().to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -294,8 +304,13 @@ async fn measure(
             }
             None => None,
         };
+        let engine = {
+            let model = model.to_path_buf();
+            tokio::task::spawn_blocking(move || engine_batched(&model, n, tokens)).await??
+        };
         rows.push(json!({
             "concurrent": n,
+            "engine_unsplit_batched_tokens_per_s": engine,
             "generated_tokens": generated,
             "seconds": seconds,
             "aggregate_tokens_per_s": rate,
@@ -309,8 +324,58 @@ async fn measure(
         "model": model.display().to_string(),
         "tokens_per_request": tokens,
         "processes": 3,
+        "threads_per_process": threads_per_process(),
+        "llama_server_threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "levels": rows,
     }))
+}
+
+/// The engine alone, unsplit, in this process: `batch` requests decoding
+/// in lockstep, one `forward_batch` per step; aggregate tokens/s.
+fn engine_batched(model: &Path, batch: usize, tokens: usize) -> anyhow::Result<f64> {
+    let handle = mesh_stage::ModelHandle::open(model)?;
+    let slice = handle.load_slice(0..handle.config().layers)?;
+    let mut caches = (0..batch)
+        .map(|_| slice.new_cache(64 + tokens))
+        .collect::<mesh_stage::Result<Vec<_>>>()?;
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|i| handle.text().encode(&prompt(i)))
+        .collect::<mesh_stage::Result<_>>()?;
+    // Prompts one by one (not measured), then the decode steps together.
+    let mut next: Vec<u32> = Vec::new();
+    for (prompt, cache) in prompts.iter().zip(caches.iter_mut()) {
+        let out = slice.forward(
+            mesh_stage::SliceInput::Tokens(&prompt[..prompt.len().min(48)]),
+            cache,
+        )?;
+        next.push(greedy(&out));
+    }
+    let started = Instant::now();
+    for _ in 0..tokens {
+        let inputs: Vec<[u32; 1]> = next.iter().map(|t| [*t]).collect();
+        let mut steps: Vec<_> = inputs
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(t, cache)| (mesh_stage::SliceInput::Tokens(t), cache))
+            .collect();
+        next = slice
+            .forward_batch(&mut steps)?
+            .iter()
+            .map(greedy)
+            .collect();
+    }
+    Ok((batch * tokens) as f64 / started.elapsed().as_secs_f64())
+}
+
+fn greedy(output: &mesh_stage::SliceOutput) -> u32 {
+    match output {
+        mesh_stage::SliceOutput::Logits(logits) => logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map_or(0, |(i, _)| i as u32),
+        mesh_stage::SliceOutput::Hidden(_) => 0,
+    }
 }
 
 /// Steps and forward passes over every slice of these nodes.
@@ -333,20 +398,28 @@ pub fn render_concurrency(report: &Value) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "model {}, {} tokens per request, greedy, three serve processes",
+        "model {}, {} tokens per request, greedy, three serve processes of {} compute thread(s); llama-server: one process of {}",
         report["model"].as_str().unwrap_or(""),
-        report["tokens_per_request"]
+        report["tokens_per_request"],
+        report["threads_per_process"],
+        report["llama_server_threads"]
     );
     let _ = writeln!(
         out,
-        "{:>10} {:>14} {:>10} {:>10} {:>14} {:>10}",
-        "concurrent", "mesh tok/s", "vs one", "mean batch", "llama tok/s", "vs llama"
+        "{:>10} {:>14} {:>10} {:>10} {:>14} {:>10} {:>16}",
+        "concurrent",
+        "mesh tok/s",
+        "vs one",
+        "mean batch",
+        "llama tok/s",
+        "vs llama",
+        "engine batched"
     );
     for row in report["levels"].as_array().into_iter().flatten() {
         let llama = row["llama_server_aggregate_tokens_per_s"].as_f64();
         let _ = writeln!(
             out,
-            "{:>10} {:>14.1} {:>10.2} {:>10.2} {:>14} {:>10}",
+            "{:>10} {:>14.1} {:>10.2} {:>10.2} {:>14} {:>10} {:>16.1}",
             row["concurrent"],
             row["aggregate_tokens_per_s"].as_f64().unwrap_or(0.0),
             row["ratio_to_one_request"].as_f64().unwrap_or(0.0),
@@ -355,6 +428,9 @@ pub fn render_concurrency(report: &Value) -> String {
             row["ratio_to_llama_server"]
                 .as_f64()
                 .map_or("-".to_string(), |r| format!("{r:.2}")),
+            row["engine_unsplit_batched_tokens_per_s"]
+                .as_f64()
+                .unwrap_or(0.0),
         );
     }
     out
