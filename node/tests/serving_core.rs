@@ -419,3 +419,54 @@ async fn a_deadline_that_passes_while_the_split_loads_refuses_the_request() {
     );
     assert_pools_empty(&all_stats(&nodes).await);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_messages_with_members_nobody_asked_for_are_refused() {
+    use mesh_node::net::{ALPN_CONTROL, msg};
+    use mesh_protocol::cbor::Cbor;
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
+    let stranger = mesh_node::net::tls::TlsIdentity::new(&common::nodes::key(41)).unwrap();
+    let (_endpoint, connection) =
+        common::nodes::connect(&stranger, &nodes[0].peer_addr(), ALPN_CONTROL)
+            .await
+            .unwrap();
+    let generate = |extra: Option<(&'static str, Cbor)>| {
+        let mut members = vec![
+            ("kind", Cbor::text("generate")),
+            ("prompt", Cbor::text("hello")),
+            ("max_tokens", Cbor::Uint(2)),
+            ("chat", Cbor::Uint(0)),
+            ("temperature_milli", Cbor::Uint(0)),
+            ("top_k", Cbor::Uint(0)),
+            ("top_p_milli", Cbor::Uint(1000)),
+            ("seed", Cbor::Uint(0)),
+        ];
+        members.extend(extra);
+        Cbor::text_map(members)
+    };
+    let ask = |message: Cbor| {
+        let connection = connection.clone();
+        async move {
+            let (mut send, mut recv) = connection.open_bi().await.unwrap();
+            msg::write_cbor(&mut send, &message).await.unwrap();
+            send.finish().unwrap();
+            let mut last = None;
+            while let Some(reply) =
+                msg::read_cbor(&mut recv, msg::MAX_CONTROL_MESSAGE, Duration::from_secs(20))
+                    .await
+                    .unwrap()
+            {
+                last = Some(reply);
+            }
+            last.expect("an answer")
+        }
+    };
+    let refused = ask(generate(Some(("debug_dump", Cbor::Uint(1))))).await;
+    assert_eq!(refused.get("kind").and_then(Cbor::as_text), Some("error"));
+    let reason = refused.get("reason").and_then(Cbor::as_text).unwrap();
+    assert!(reason.contains("unknown member `debug_dump`"), "{reason}");
+    let served = ask(generate(None)).await;
+    assert_eq!(served.get("kind").and_then(Cbor::as_text), Some("done"));
+}

@@ -187,6 +187,138 @@ impl serde::Serialize for Cbor {
     }
 }
 
+/// Why a map's members are not what a record or message needs.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum FieldError {
+    #[error("expected a map with text keys")]
+    NotAMap,
+    #[error("missing member `{0}`")]
+    Missing(&'static str),
+    #[error("member `{0}` has the wrong type, size or form")]
+    Invalid(&'static str),
+    #[error("unknown member `{0}`")]
+    Unknown(String),
+}
+
+/// The one strict reader of a CBOR map with text keys that every decoder
+/// here uses: members are read by name and type, text is bounded, and
+/// `finish` refuses any member nobody asked for, so a field a sender adds
+/// is an error rather than something silently ignored.
+#[derive(Debug)]
+pub struct Fields<'a> {
+    entries: &'a [(Cbor, Cbor)],
+    known: Vec<&'static str>,
+    max_text: usize,
+}
+
+impl<'a> Fields<'a> {
+    /// Read the members of `value`; text members are unbounded here (the
+    /// whole message is bounded by its reader) until `text_limit` says so.
+    pub fn of(value: &'a Cbor) -> Result<Self, FieldError> {
+        match value {
+            Cbor::Map(entries) => Ok(Self {
+                entries,
+                known: Vec::new(),
+                max_text: usize::MAX,
+            }),
+            _ => Err(FieldError::NotAMap),
+        }
+    }
+    /// Refuse text members longer than `max` bytes.
+    pub fn text_limit(mut self, max: usize) -> Self {
+        self.max_text = max;
+        self
+    }
+    pub fn optional(&mut self, key: &'static str) -> Option<&'a Cbor> {
+        self.known.push(key);
+        self.entries
+            .iter()
+            .find(|(k, _)| k.as_text() == Some(key))
+            .map(|(_, v)| v)
+    }
+    pub fn required(&mut self, key: &'static str) -> Result<&'a Cbor, FieldError> {
+        self.optional(key).ok_or(FieldError::Missing(key))
+    }
+    pub fn uint(&mut self, key: &'static str) -> Result<u64, FieldError> {
+        self.required(key)?
+            .as_uint()
+            .ok_or(FieldError::Invalid(key))
+    }
+    pub fn opt_uint(&mut self, key: &'static str) -> Result<Option<u64>, FieldError> {
+        self.optional(key)
+            .map(|v| v.as_uint().ok_or(FieldError::Invalid(key)))
+            .transpose()
+    }
+    pub fn u32(&mut self, key: &'static str) -> Result<u32, FieldError> {
+        u32::try_from(self.uint(key)?).map_err(|_| FieldError::Invalid(key))
+    }
+    pub fn text(&mut self, key: &'static str) -> Result<&'a str, FieldError> {
+        let max = self.max_text;
+        self.required(key)?
+            .as_text()
+            .filter(|t| t.len() <= max)
+            .ok_or(FieldError::Invalid(key))
+    }
+    pub fn opt_text(&mut self, key: &'static str) -> Result<Option<&'a str>, FieldError> {
+        let max = self.max_text;
+        self.optional(key)
+            .map(|v| {
+                v.as_text()
+                    .filter(|t| t.len() <= max)
+                    .ok_or(FieldError::Invalid(key))
+            })
+            .transpose()
+    }
+    pub fn bytes(&mut self, key: &'static str) -> Result<&'a [u8], FieldError> {
+        self.required(key)?
+            .as_bytes()
+            .ok_or(FieldError::Invalid(key))
+    }
+    /// A byte string of exactly `N` bytes.
+    pub fn fixed<const N: usize>(&mut self, key: &'static str) -> Result<[u8; N], FieldError> {
+        self.bytes(key)?
+            .try_into()
+            .map_err(|_| FieldError::Invalid(key))
+    }
+    pub fn opt_fixed<const N: usize>(
+        &mut self,
+        key: &'static str,
+    ) -> Result<Option<[u8; N]>, FieldError> {
+        self.optional(key)
+            .map(|v| {
+                v.as_bytes()
+                    .and_then(|b| b.try_into().ok())
+                    .ok_or(FieldError::Invalid(key))
+            })
+            .transpose()
+    }
+    pub fn array(&mut self, key: &'static str) -> Result<&'a [Cbor], FieldError> {
+        self.required(key)?
+            .as_array()
+            .ok_or(FieldError::Invalid(key))
+    }
+    /// Lower-case hex of 32 bytes, as text.
+    pub fn hex32(&mut self, key: &'static str) -> Result<[u8; 32], FieldError> {
+        crate::hex::decode_array(self.text(key)?).ok_or(FieldError::Invalid(key))
+    }
+    pub fn opt_hex32(&mut self, key: &'static str) -> Result<Option<[u8; 32]>, FieldError> {
+        self.opt_text(key)?
+            .map(|t| crate::hex::decode_array(t).ok_or(FieldError::Invalid(key)))
+            .transpose()
+    }
+    /// Every member was asked for, or the map is refused.
+    pub fn finish(self) -> Result<(), FieldError> {
+        for (key, _) in self.entries {
+            match key.as_text() {
+                Some(name) if self.known.contains(&name) => {}
+                Some(name) => return Err(FieldError::Unknown(name.to_string())),
+                None => return Err(FieldError::Unknown("(a key that is not text)".into())),
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The major type and additional information of the head at `offset`.
 fn head_at(input: &[u8], offset: usize) -> Option<(u8, u8)> {
     input.get(offset).map(|first| (first >> 5, first & 0x1f))
@@ -445,6 +577,31 @@ pub(crate) mod tests {
         assert_eq!(
             crate::hex::encode(&unsorted.encode()),
             "a31903e8026161006162".to_string() + "01"
+        );
+    }
+
+    #[test]
+    fn fields_read_by_name_and_refuse_what_nobody_asked_for() {
+        let map = Cbor::text_map([
+            ("n", Cbor::Uint(7)),
+            ("t", Cbor::text("abc")),
+            ("b", Cbor::bytes(vec![1, 2])),
+        ]);
+        let mut fields = Fields::of(&map).unwrap().text_limit(3);
+        assert_eq!(fields.uint("n"), Ok(7));
+        assert_eq!(fields.text("t"), Ok("abc"));
+        assert_eq!(fields.fixed::<2>("b"), Ok([1, 2]));
+        assert_eq!(fields.opt_uint("absent"), Ok(None));
+        assert_eq!(fields.finish(), Ok(()));
+
+        let mut fields = Fields::of(&map).unwrap().text_limit(2);
+        assert_eq!(fields.text("t"), Err(FieldError::Invalid("t")));
+        assert_eq!(fields.fixed::<3>("b"), Err(FieldError::Invalid("b")));
+        assert_eq!(fields.uint("missing"), Err(FieldError::Missing("missing")));
+        assert_eq!(fields.finish(), Err(FieldError::Unknown("n".into())));
+        assert_eq!(
+            Fields::of(&Cbor::Uint(1)).map(|_| ()),
+            Err(FieldError::NotAMap)
         );
     }
 

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use thiserror::Error;
 
-use crate::cbor::Cbor;
+use crate::cbor::{Cbor, FieldError, Fields};
 use crate::identity::{did_key, parse_did_key};
 use crate::mesh1::{ContentId, ServeRequest, content_id};
 
@@ -123,34 +123,21 @@ pub enum GrantError {
     Oversharded { total: u64, budget: u64 },
 }
 
-fn text_field<'a>(value: &'a Cbor, key: &'static str) -> Result<&'a str, GrantError> {
-    value
-        .get(key)
-        .and_then(Cbor::as_text)
-        .ok_or(GrantError::Malformed(key))
-}
-
-/// A byte-string member of exactly `N` bytes.
-fn fixed_bytes<const N: usize>(value: &Cbor, key: &'static str) -> Result<[u8; N], GrantError> {
-    value
-        .get(key)
-        .and_then(Cbor::as_bytes)
-        .and_then(|b| b.try_into().ok())
-        .ok_or(GrantError::Malformed(key))
-}
-
-fn check_members(value: &Cbor, allowed: &[&str]) -> Result<(), GrantError> {
-    match value {
-        Cbor::Map(entries)
-            if entries
-                .iter()
-                .all(|(k, _)| k.as_text().is_some_and(|t| allowed.contains(&t))) =>
-        {
-            Ok(())
+impl From<FieldError> for GrantError {
+    fn from(error: FieldError) -> Self {
+        match error {
+            FieldError::NotAMap => GrantError::Malformed("expected a map"),
+            FieldError::Missing(key) | FieldError::Invalid(key) => GrantError::Malformed(key),
+            FieldError::Unknown(_) => GrantError::Malformed("unknown member"),
         }
-        Cbor::Map(_) => Err(GrantError::Malformed("unknown member")),
-        _ => Err(GrantError::Malformed("expected a map")),
     }
+}
+
+/// Longest text member (a did:key is about 56 bytes).
+const MAX_GRANT_TEXT: usize = 256;
+
+fn fields(value: &Cbor) -> Result<Fields<'_>, GrantError> {
+    Ok(Fields::of(value)?.text_limit(MAX_GRANT_TEXT))
 }
 
 impl Grant {
@@ -174,60 +161,36 @@ impl Grant {
     }
 
     pub fn from_cbor(value: &Cbor) -> Result<Self, GrantError> {
-        check_members(
-            value,
-            &[
-                "v",
-                "issuer",
-                "subject",
-                "budget_uj",
-                "caveats",
-                "expiry_ms",
-                "nonce",
-                "parent",
-            ],
-        )?;
-        if value.get("v").and_then(Cbor::as_uint) != Some(1) {
+        let mut f = fields(value)?;
+        if f.uint("v")? != 1 {
             return Err(GrantError::Malformed("v"));
         }
-        let issuer = text_field(value, "issuer")?.to_string();
-        let subject = text_field(value, "subject")?.to_string();
+        let issuer = f.text("issuer")?.to_string();
+        let subject = f.text("subject")?.to_string();
         if parse_did_key(&issuer).is_none() || parse_did_key(&subject).is_none() {
             return Err(GrantError::Malformed(
                 "issuer and subject are Ed25519 did:keys",
             ));
         }
-        let caveats = value
-            .get("caveats")
-            .and_then(Cbor::as_array)
-            .filter(|c| c.len() <= MAX_CAVEATS)
-            .ok_or(GrantError::Malformed("caveats"))?
+        let caveats = f.array("caveats")?;
+        if caveats.len() > MAX_CAVEATS {
+            return Err(GrantError::Malformed("caveats"));
+        }
+        let caveats = caveats
             .iter()
             .map(Caveat::from_cbor)
             .collect::<Result<Vec<_>, _>>()?;
-        let parent = value
-            .get("parent")
-            .map(|p| {
-                p.as_bytes()
-                    .and_then(|b| b.try_into().ok())
-                    .ok_or(GrantError::Malformed("parent"))
-            })
-            .transpose()?;
-        Ok(Self {
+        let grant = Self {
             issuer,
             subject,
-            budget_uj: value
-                .get("budget_uj")
-                .and_then(Cbor::as_uint)
-                .ok_or(GrantError::Malformed("budget_uj"))?,
+            budget_uj: f.uint("budget_uj")?,
             caveats,
-            parent,
-            expiry_ms: value
-                .get("expiry_ms")
-                .and_then(Cbor::as_uint)
-                .ok_or(GrantError::Malformed("expiry_ms"))?,
-            nonce: fixed_bytes(value, "nonce")?,
-        })
+            parent: f.opt_fixed("parent")?,
+            expiry_ms: f.uint("expiry_ms")?,
+            nonce: f.fixed("nonce")?,
+        };
+        f.finish()?;
+        Ok(grant)
     }
 
     /// The grant id: BLAKE3 content id of the unsigned grant.
@@ -261,11 +224,13 @@ impl SignedGrant {
     }
 
     pub fn from_cbor(value: &Cbor) -> Result<Self, GrantError> {
-        check_members(value, &["grant", "signature"])?;
-        Ok(Self {
-            grant: Grant::from_cbor(value.get("grant").ok_or(GrantError::Malformed("grant"))?)?,
-            signature: fixed_bytes(value, "signature")?,
-        })
+        let mut f = fields(value)?;
+        let signed = Self {
+            grant: Grant::from_cbor(f.required("grant")?)?,
+            signature: f.fixed("signature")?,
+        };
+        f.finish()?;
+        Ok(signed)
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -421,23 +386,22 @@ impl Presentation {
     }
 
     pub fn from_cbor(value: &Cbor) -> Result<Self, GrantError> {
-        check_members(value, &["chain", "caller", "nonce", "signature"])?;
-        let links = value
-            .get("chain")
-            .and_then(Cbor::as_array)
-            .ok_or(GrantError::Malformed("chain"))?;
+        let mut f = fields(value)?;
+        let links = f.array("chain")?;
         if links.is_empty() || links.len() > MAX_CHAIN_LENGTH {
             return Err(GrantError::Malformed("a chain has 1 to 8 grants"));
         }
-        Ok(Self {
+        let presentation = Self {
             chain: links
                 .iter()
                 .map(SignedGrant::from_cbor)
                 .collect::<Result<_, _>>()?,
-            caller: text_field(value, "caller")?.to_string(),
-            nonce: fixed_bytes(value, "nonce")?,
-            signature: fixed_bytes(value, "signature")?,
-        })
+            caller: f.text("caller")?.to_string(),
+            nonce: f.fixed("nonce")?,
+            signature: f.fixed("signature")?,
+        };
+        f.finish()?;
+        Ok(presentation)
     }
 
     pub fn encode(&self) -> Vec<u8> {

@@ -7,7 +7,7 @@ use coset::{CoseSign1, CoseSign1Builder, HeaderBuilder, TaggedCborSerializable, 
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use thiserror::Error;
 
-use crate::cbor::{Cbor, CborError};
+use crate::cbor::{Cbor, CborError, FieldError, Fields};
 use crate::hex;
 use crate::identity::{did_key, parse_did_key};
 
@@ -64,84 +64,20 @@ pub enum Mesh1Error {
     Chain(String),
 }
 
-/// Reads the members of a CBOR map with text keys, refusing unknown ones.
-struct Fields<'a> {
-    entries: &'a [(Cbor, Cbor)],
-    known: Vec<&'static str>,
+impl From<FieldError> for Mesh1Error {
+    fn from(error: FieldError) -> Self {
+        match error {
+            FieldError::NotAMap => Mesh1Error::Invalid("(top level map)"),
+            FieldError::Missing(key) => Mesh1Error::Missing(key),
+            FieldError::Invalid(key) => Mesh1Error::Invalid(key),
+            FieldError::Unknown(key) => Mesh1Error::Unknown(key),
+        }
+    }
 }
 
-impl<'a> Fields<'a> {
-    fn of(value: &'a Cbor) -> Result<Self, Mesh1Error> {
-        match value {
-            Cbor::Map(entries) => Ok(Self {
-                entries,
-                known: Vec::new(),
-            }),
-            _ => Err(Mesh1Error::Invalid("(top level map)")),
-        }
-    }
-    fn optional(&mut self, key: &'static str) -> Option<&'a Cbor> {
-        self.known.push(key);
-        self.entries
-            .iter()
-            .find(|(k, _)| k.as_text() == Some(key))
-            .map(|(_, v)| v)
-    }
-    fn required(&mut self, key: &'static str) -> Result<&'a Cbor, Mesh1Error> {
-        self.optional(key).ok_or(Mesh1Error::Missing(key))
-    }
-    fn uint(&mut self, key: &'static str) -> Result<u64, Mesh1Error> {
-        self.required(key)?
-            .as_uint()
-            .ok_or(Mesh1Error::Invalid(key))
-    }
-    fn opt_uint(&mut self, key: &'static str) -> Result<Option<u64>, Mesh1Error> {
-        self.optional(key)
-            .map(|v| v.as_uint().ok_or(Mesh1Error::Invalid(key)))
-            .transpose()
-    }
-    fn u32(&mut self, key: &'static str) -> Result<u32, Mesh1Error> {
-        u32::try_from(self.uint(key)?).map_err(|_| Mesh1Error::Invalid(key))
-    }
-    fn text(&mut self, key: &'static str) -> Result<&'a str, Mesh1Error> {
-        self.required(key)?
-            .as_text()
-            .filter(|t| t.len() <= MAX_RECEIPT_TEXT)
-            .ok_or(Mesh1Error::Invalid(key))
-    }
-    fn opt_text(&mut self, key: &'static str) -> Result<Option<&'a str>, Mesh1Error> {
-        self.optional(key)
-            .map(|v| {
-                v.as_text()
-                    .filter(|t| t.len() <= MAX_RECEIPT_TEXT)
-                    .ok_or(Mesh1Error::Invalid(key))
-            })
-            .transpose()
-    }
-    fn hex32(&mut self, key: &'static str) -> Result<[u8; 32], Mesh1Error> {
-        hex::decode_array(self.text(key)?).ok_or(Mesh1Error::Invalid(key))
-    }
-    fn opt_hex32(&mut self, key: &'static str) -> Result<Option<[u8; 32]>, Mesh1Error> {
-        self.opt_text(key)?
-            .map(|t| hex::decode_array(t).ok_or(Mesh1Error::Invalid(key)))
-            .transpose()
-    }
-    fn bytes32(&mut self, key: &'static str) -> Result<[u8; 32], Mesh1Error> {
-        self.required(key)?
-            .as_bytes()
-            .and_then(|b| b.try_into().ok())
-            .ok_or(Mesh1Error::Invalid(key))
-    }
-    fn finish(self) -> Result<(), Mesh1Error> {
-        for (key, _) in self.entries {
-            match key.as_text() {
-                Some(name) if self.known.contains(&name) => {}
-                Some(name) => return Err(Mesh1Error::Unknown(name.to_string())),
-                None => return Err(Mesh1Error::Unknown("(non-text key)".into())),
-            }
-        }
-        Ok(())
-    }
+/// A record's members: text bounded as receipt text.
+fn fields(value: &Cbor) -> Result<Fields<'_>, Mesh1Error> {
+    Ok(Fields::of(value)?.text_limit(MAX_RECEIPT_TEXT))
 }
 
 /// The ordered fidelity scale: F0 coarsest sufficient, F4 frontier grade.
@@ -217,8 +153,8 @@ impl ServeRequest {
     }
 
     pub fn from_cbor(value: &Cbor) -> Result<Self, Mesh1Error> {
-        let mut f = Fields::of(value)?;
-        let prompt_hash = f.bytes32("prompt_hash")?;
+        let mut f = fields(value)?;
+        let prompt_hash = f.fixed::<32>("prompt_hash")?;
         let prompt_tokens = f.u32("prompt_tokens")?;
         let max_tokens = f.u32("max_tokens")?;
         let fidelity_floor = Fidelity::from_level(f.uint("fidelity_floor")?)
@@ -227,7 +163,7 @@ impl ServeRequest {
         let decision = match f.optional("decision") {
             None => None,
             Some(inner) => {
-                let mut d = Fields::of(inner)?;
+                let mut d = fields(inner)?;
                 let decision = Decision {
                     questions: d.u32("questions")?,
                     options_scored: d.u32("options_scored")?,
@@ -545,7 +481,7 @@ impl MeshReceipt {
 
     /// Parse a signed core, checking every rule a receipt must satisfy.
     pub fn from_core(core: &Cbor) -> Result<Self, Mesh1Error> {
-        let mut f = Fields::of(core)?;
+        let mut f = fields(core)?;
         if f.text("mesh_receipt")? != MESH_RECEIPT_VERSION {
             return Err(Mesh1Error::Invalid("mesh_receipt"));
         }

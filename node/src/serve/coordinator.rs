@@ -86,41 +86,26 @@ impl GenerateRequest {
     }
 
     fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
-        let uint = |k: &str| {
-            value
-                .get(k)
-                .and_then(Cbor::as_uint)
-                .with_context(|| format!("generate: `{k}`"))
-        };
-        Ok(Self {
-            prompt: value
-                .get("prompt")
-                .and_then(Cbor::as_text)
-                .context("generate: `prompt`")?
-                .to_string(),
-            max_tokens: uint("max_tokens")? as usize,
-            chat: uint("chat")? == 1,
+        let mut f = Fields::of(value)?;
+        f.required("kind")?;
+        let request = Self {
+            prompt: f.text("prompt")?.to_string(),
+            max_tokens: f.uint("max_tokens")? as usize,
+            chat: f.uint("chat")? == 1,
             sampling: SamplingParams {
-                temperature: uint("temperature_milli")? as f32 / 1000.0,
-                top_k: uint("top_k")? as usize,
-                top_p: uint("top_p_milli")? as f32 / 1000.0,
-                seed: uint("seed")?,
+                temperature: f.uint("temperature_milli")? as f32 / 1000.0,
+                top_k: f.uint("top_k")? as usize,
+                top_p: f.uint("top_p_milli")? as f32 / 1000.0,
+                seed: f.uint("seed")?,
             },
-            timeout: match value.get("timeout_ms") {
-                None => None,
-                Some(ms) => Some(Duration::from_millis(
-                    ms.as_uint().context("generate: `timeout_ms`")?,
-                )),
-            },
-            grant: match value.get("serve_request") {
+            timeout: f.opt_uint("timeout_ms")?.map(Duration::from_millis),
+            grant: match f.optional("serve_request") {
                 None => None,
                 Some(serve) => Some(GrantedServe {
                     serve: ServeRequest::from_cbor(serve)
                         .map_err(|e| anyhow!("generate: serve_request: {e}"))?,
-                    presentations: value
-                        .get("presentations")
-                        .and_then(Cbor::as_array)
-                        .context("generate: presentations")?
+                    presentations: f
+                        .array("presentations")?
                         .iter()
                         .map(|p| {
                             p.as_bytes()
@@ -130,7 +115,9 @@ impl GenerateRequest {
                         .collect::<anyhow::Result<_>>()?,
                 }),
             },
-        })
+        };
+        f.finish().context("generate")?;
+        Ok(request)
     }
 }
 

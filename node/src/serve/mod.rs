@@ -17,7 +17,7 @@ use mesh_protocol::block::{
 use mesh_protocol::capsule::{
     Producer, RecordContext, SealedRecord, format_timestamp, stage_record,
 };
-use mesh_protocol::cbor::Cbor;
+use mesh_protocol::cbor::{Cbor, Fields};
 use mesh_protocol::fold::{Lane, LaneContext, LaneFold};
 use mesh_protocol::identity::{did_key, parse_did_key};
 use mesh_protocol::mesh1::{
@@ -162,51 +162,39 @@ impl Assign {
     }
 
     fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
-        let text = |k: &str| {
-            value
-                .get(k)
-                .and_then(Cbor::as_text)
-                .with_context(|| format!("assign: `{k}`"))
-        };
-        let uint = |k: &str| -> anyhow::Result<u32> {
-            u32::try_from(
-                value
-                    .get(k)
-                    .and_then(Cbor::as_uint)
-                    .with_context(|| format!("assign: `{k}`"))?,
-            )
-            .map_err(|_| anyhow!("assign: `{k}` out of range"))
-        };
-        let package_id: [u8; 32] = value
-            .get("package_id")
-            .and_then(Cbor::as_bytes)
-            .and_then(|b| b.try_into().ok())
-            .context("assign: `package_id`")?;
-        let downstream = value
-            .get("downstream")
-            .and_then(Cbor::as_text)
+        let mut f = Fields::of(value)?.text_limit(MAX_CONTROL_TEXT);
+        f.required("kind")?;
+        let downstream = f
+            .opt_text("downstream")?
             .map(PeerAddr::from_str)
             .transpose()?;
-        Ok(Self {
-            run_id: text("run_id")?.to_string(),
-            package_id,
-            layer_start: uint("layer_start")?,
-            layer_end: uint("layer_end")?,
-            stage_index: uint("stage_index")?,
-            stage_count: uint("stage_count")?,
-            coordinator: parse_did_key(text("coordinator")?)
+        let assign = Self {
+            run_id: f.text("run_id")?.to_string(),
+            package_id: f.fixed("package_id")?,
+            layer_start: f.u32("layer_start")?,
+            layer_end: f.u32("layer_end")?,
+            stage_index: f.u32("stage_index")?,
+            stage_count: f.u32("stage_count")?,
+            coordinator: parse_did_key(f.text("coordinator")?)
                 .context("assign: coordinator is not a did:key")?,
-            coordinator_addr: text("coordinator_addr")?
+            coordinator_addr: f
+                .text("coordinator_addr")?
                 .parse()
                 .context("assign: coordinator_addr")?,
-            upstream: parse_did_key(text("upstream")?)
+            upstream: parse_did_key(f.text("upstream")?)
                 .context("assign: upstream is not a did:key")?,
             downstream,
-            topology_hash: text("topology_hash")?.to_string(),
+            topology_hash: f.text("topology_hash")?.to_string(),
             manifest: *blake3::hash(&value.encode()).as_bytes(),
-        })
+        };
+        f.finish().context("assign")?;
+        Ok(assign)
     }
 }
+
+/// Longest text member of a control message other than a prompt (ids,
+/// addresses, run ids).
+const MAX_CONTROL_TEXT: usize = 512;
 
 struct Slot {
     slice: Arc<LayerSlice>,
@@ -730,10 +718,10 @@ async fn handle_control(
         Some("release") => {
             // The request was refused elsewhere before any work ran here:
             // close the decision with the (empty) span it metered.
-            let request_id = message
-                .get("request_id")
-                .and_then(Cbor::as_uint)
-                .unwrap_or(0);
+            let mut f = Fields::of(&message)?;
+            f.required("kind")?;
+            let request_id = f.uint("request_id")?;
+            f.finish().context("release")?;
             let held = {
                 let mut tickets = lock(&inner.tickets);
                 // Only the coordinator that asked for the decision may release it.
@@ -779,10 +767,10 @@ async fn handle_control(
             msg::write_cbor(&mut send, &reply).await?;
         }
         Some("stats") => {
-            let request_id = message
-                .get("request_id")
-                .and_then(Cbor::as_uint)
-                .unwrap_or(0);
+            let mut f = Fields::of(&message)?;
+            f.required("kind")?;
+            let request_id = f.uint("request_id")?;
+            f.finish().context("stats")?;
             // A request's timings are the business of its coordinator only.
             let found = lock(&inner.stats)
                 .iter()
@@ -823,14 +811,13 @@ async fn handle_control(
 /// request before the chain opens; the decision is journalled and held
 /// until the request's stream arrives.
 fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyhow::Result<()> {
-    let run_id = message
-        .get("run_id")
-        .and_then(Cbor::as_text)
-        .context("authorise: run_id")?;
-    let request_id = message
-        .get("request_id")
-        .and_then(Cbor::as_uint)
-        .context("authorise: request_id")?;
+    let mut f = Fields::of(message)?.text_limit(MAX_CONTROL_TEXT);
+    f.required("kind")?;
+    let run_id = f.text("run_id")?;
+    let request_id = f.uint("request_id")?;
+    let serve = f.required("serve_request")?;
+    let presentation = f.required("presentation")?;
+    f.finish().context("authorise")?;
     let slot = lock(&inner.slots)
         .get(run_id)
         .cloned()
@@ -838,18 +825,9 @@ fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyho
     if slot.assign.coordinator != peer {
         bail!("only the run's coordinator may ask");
     }
-    let serve = ServeRequest::from_cbor(
-        message
-            .get("serve_request")
-            .context("authorise: serve_request")?,
-    )
-    .map_err(|e| anyhow!("{e}"))?;
-    let presentation = mesh_protocol::grant::Presentation::from_cbor(
-        message
-            .get("presentation")
-            .context("authorise: presentation")?,
-    )
-    .map_err(|e| anyhow!("{e}"))?;
+    let serve = ServeRequest::from_cbor(serve).map_err(|e| anyhow!("{e}"))?;
+    let presentation =
+        mesh_protocol::grant::Presentation::from_cbor(presentation).map_err(|e| anyhow!("{e}"))?;
     inner.expire_pre_decided();
     // Checked and inserted under one lock, so two asks for one request
     // cannot both decide (the steward's lock is taken inside, never the
@@ -1194,35 +1172,28 @@ async fn handle_stage(
         bail!("a stage stream must start with OPEN");
     }
     let open = Cbor::decode(payload).context("malformed OPEN")?;
-    let run_id = open
-        .get("run_id")
-        .and_then(Cbor::as_text)
-        .context("OPEN: run_id")?
-        .to_string();
-    let capacity = open
-        .get("capacity")
-        .and_then(Cbor::as_uint)
-        .context("OPEN: capacity")? as usize;
-    let prefill_steps = open
-        .get("prefill_steps")
-        .and_then(Cbor::as_uint)
-        .unwrap_or(1)
-        .max(1);
+    let mut f = Fields::of(&open)?.text_limit(MAX_CONTROL_TEXT);
+    let run_id = f.text("run_id")?.to_string();
+    let capacity = f.uint("capacity")? as usize;
+    let prefill_steps = f.opt_uint("prefill_steps")?.unwrap_or(1).max(1);
     // The time its coordinator left the request, and one step timeout more:
     // at the deadline the coordinator's STOP ends the request after the step
     // in flight, and the coordinator reads what this stage still sends for
     // that long, so every hop's lanes stay whole. This stage's own clock
     // ends the request only when its coordinator has gone quiet.
     let deadline = Deadline::after(
-        open.get("deadline_ms")
-            .and_then(Cbor::as_uint)
+        f.opt_uint("deadline_ms")?
             .map_or(inner.request_timeout, Duration::from_millis)
             .saturating_add(inner.step_timeout),
     );
-    let return_mode = match open.get("return_mode").and_then(Cbor::as_text) {
+    let return_mode = match f.opt_text("return_mode")? {
         Some("direct") => ReturnMode::Direct,
         _ => ReturnMode::Relayed,
     };
+    // Carried down the chain as they are; the assignment is what counts.
+    f.opt_text("coordinator")?;
+    f.opt_uint("stage_count")?;
+    f.finish().context("OPEN")?;
     let slot = lock(&inner.slots).get(&run_id).cloned();
     let Some(slot) = slot else {
         return refuse_stage(

@@ -173,44 +173,32 @@ impl NodeStats {
     }
 
     pub(super) fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
-        if value.get("kind").and_then(Cbor::as_text) != Some("node_stats") {
+        let mut f = Fields::of(value)?.text_limit(64);
+        if f.text("kind")? != "node_stats" {
             bail!("not a stats reply");
         }
         let mut stats = NodeStats::default();
         for (name, field) in COUNTS.into_iter().zip(stats.counts_mut()) {
-            *field = value
-                .get(name)
-                .and_then(Cbor::as_uint)
-                .with_context(|| format!("stats: {name}"))?;
+            *field = f.uint(name)?;
         }
-        let slices = value
-            .get("slices")
-            .and_then(Cbor::as_array)
-            .context("stats: slices")?;
+        let slices = f.array("slices")?;
         if slices.len() > MAX_STATS_SLICES {
             bail!("stats: {} slices", slices.len());
         }
         for slice in slices {
-            let uint = |k: &str| {
-                slice
-                    .get(k)
-                    .and_then(Cbor::as_uint)
-                    .with_context(|| format!("stats: slice {k}"))
-            };
+            let mut s = Fields::of(slice)?.text_limit(64);
             stats.slices.push(SliceStats {
-                role: slice
-                    .get("role")
-                    .and_then(Cbor::as_text)
-                    .context("stats: slice role")?
-                    .to_string(),
-                layer_start: u32::try_from(uint("layer_start")?)?,
-                layer_end: u32::try_from(uint("layer_end")?)?,
-                caches_open: uint("caches_open")?,
-                max_requests: uint("max_requests")?,
-                steps: uint("steps")?,
-                passes: uint("passes")?,
+                role: s.text("role")?.to_string(),
+                layer_start: s.u32("layer_start")?,
+                layer_end: s.u32("layer_end")?,
+                caches_open: s.uint("caches_open")?,
+                max_requests: s.uint("max_requests")?,
+                steps: s.uint("steps")?,
+                passes: s.uint("passes")?,
             });
+            s.finish().context("stats: a slice")?;
         }
+        f.finish().context("stats")?;
         Ok(stats)
     }
 }
