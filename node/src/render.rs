@@ -187,5 +187,21 @@ pub fn node_stats(node: &crate::serve::PeerAddr, stats: &crate::serve::NodeStats
     ] {
         let _ = writeln!(out, "  {name:<26} {value}");
     }
+    let steps: u64 = stats.step_round_trips.iter().sum();
+    if steps > 0 {
+        let _ = writeln!(out, "step round trips through the chain ({steps} steps)");
+        let bounds = crate::serve::ROUND_TRIP_BUCKETS_US;
+        for (i, count) in stats.step_round_trips.iter().enumerate() {
+            if *count == 0 {
+                continue;
+            }
+            let label = match bounds.get(i) {
+                Some(us) if *us < 1_000 => format!("<= {us} µs"),
+                Some(us) => format!("<= {} ms", us / 1_000),
+                None => format!("> {} ms", bounds[bounds.len() - 1] / 1_000),
+            };
+            let _ = writeln!(out, "  {label:<26} {count}");
+        }
+    }
     out
 }

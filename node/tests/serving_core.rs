@@ -89,6 +89,11 @@ async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty()
     }
     let own = &stats[0].slices;
     assert_eq!((own.len(), own[0].role.as_str()), (1, "own"));
+    // Every step's round trip through the chain is in the histogram.
+    assert_eq!(
+        stats[0].step_round_trips.iter().sum::<u64>(),
+        stats[0].slices[0].steps
+    );
     // The concurrent steps were batched: fewer forward passes than steps.
     for (i, s) in stats.iter().enumerate() {
         let slice = &s.slices[0];
@@ -292,6 +297,10 @@ async fn only_a_node_its_peers_and_coordinators_read_its_stats_and_the_cli_print
     assert_eq!(json["stage_requests"], 1);
     assert_eq!(json["caches_open"], 0);
     assert_eq!(json["slices"][0]["role"], "stage");
+    assert_eq!(
+        json["step_round_trips"].as_array().map(Vec::len),
+        Some(mesh_node::serve::ROUND_TRIP_BUCKETS_US.len() + 1)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

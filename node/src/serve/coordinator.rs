@@ -640,7 +640,9 @@ async fn serve_request(
                     }
                 };
                 reply_owed = false;
-                round_trips += trip.elapsed();
+                let round_trip = trip.elapsed();
+                round_trips += round_trip;
+                inner.counters.round_trips.record(round_trip);
                 let (reply_kind, id, _, payload) = msg::parse_stage(&reply)?;
                 if id != request_id {
                     bail!("a reply for request {id} on request {request_id}");

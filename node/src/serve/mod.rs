@@ -46,7 +46,7 @@ pub use coordinator::{
     GenerateRequest, GenerateSummary, GrantedServe, PREFILL_CHUNK_TOKENS, generate_remote,
     plan_remote,
 };
-pub use stats::{NodeStats, SliceStats, node_stats_remote};
+pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
 
 /// A peer: its node id (did:key) and address.
 #[derive(Debug, Clone, PartialEq, Eq)]

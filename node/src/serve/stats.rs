@@ -6,6 +6,7 @@
 //! coordinators it serves may read it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -35,6 +36,40 @@ pub(super) struct Counters {
     /// Requests refused as a stage (not the assigned upstream, no slice,
     /// busy, grant refused).
     pub stage_refusals: AtomicU64,
+    /// Each step's round trip through the chain, as the coordinator saw it:
+    /// from writing the step to reading its reply.
+    pub round_trips: Histogram,
+}
+
+/// Upper bounds of the round-trip histogram's buckets, in microseconds;
+/// one more bucket counts everything slower.
+pub const ROUND_TRIP_BUCKETS_US: [u64; 13] = [
+    100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000, 200_000, 500_000,
+    1_000_000,
+];
+
+/// Counts of durations by bucket (`ROUND_TRIP_BUCKETS_US`, then the rest).
+#[derive(Debug, Default)]
+pub(super) struct Histogram {
+    counts: [AtomicU64; ROUND_TRIP_BUCKETS_US.len() + 1],
+}
+
+impl Histogram {
+    pub fn record(&self, duration: Duration) {
+        let us = u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
+        let bucket = ROUND_TRIP_BUCKETS_US
+            .iter()
+            .position(|le| us <= *le)
+            .unwrap_or(ROUND_TRIP_BUCKETS_US.len());
+        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> Vec<u64> {
+        self.counts
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect()
+    }
 }
 
 impl Counters {
@@ -80,6 +115,9 @@ pub struct NodeStats {
     pub tokens_generated: u64,
     pub stage_requests: u64,
     pub stage_refusals: u64,
+    /// Step round trips through the chain by bucket: the counts at or under
+    /// each bound of `ROUND_TRIP_BUCKETS_US`, then those over the last.
+    pub step_round_trips: Vec<u64>,
 }
 
 /// Stats fields that are plain counts, in the order they are written.
@@ -168,7 +206,17 @@ impl NodeStats {
                 ("slices", Cbor::Array(slices)),
             ]
             .into_iter()
-            .chain(COUNTS.into_iter().zip(self.counts().map(Cbor::Uint))),
+            .chain(COUNTS.into_iter().zip(self.counts().map(Cbor::Uint)))
+            .chain([(
+                "step_round_trips",
+                Cbor::Array(
+                    self.step_round_trips
+                        .iter()
+                        .copied()
+                        .map(Cbor::Uint)
+                        .collect(),
+                ),
+            )]),
         )
     }
 
@@ -181,6 +229,14 @@ impl NodeStats {
         for (name, field) in COUNTS.into_iter().zip(stats.counts_mut()) {
             *field = f.uint(name)?;
         }
+        let buckets = f.array("step_round_trips")?;
+        if buckets.len() != ROUND_TRIP_BUCKETS_US.len() + 1 {
+            bail!("stats: {} round-trip buckets", buckets.len());
+        }
+        stats.step_round_trips = buckets
+            .iter()
+            .map(|b| b.as_uint().context("stats: a round-trip bucket"))
+            .collect::<anyhow::Result<_>>()?;
         let slices = f.array("slices")?;
         if slices.len() > MAX_STATS_SLICES {
             bail!("stats: {} slices", slices.len());
@@ -241,6 +297,7 @@ impl Inner {
             tokens_generated: counter(&c.tokens_generated),
             stage_requests: counter(&c.stage_requests),
             stage_refusals: counter(&c.stage_refusals),
+            step_round_trips: c.round_trips.snapshot(),
         }
     }
 }
