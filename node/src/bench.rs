@@ -355,7 +355,7 @@ pub fn bench_engine(
     let quantized = "stored quantization (Q4_1 runs as Q8_0)";
     Ok(serde_json::json!({
         "model": model.display().to_string(),
-        "threads": candle_core::utils::get_num_threads(),
+        "threads": mesh_stage::compute_threads(),
         "prompt_tokens": prompt.len(),
         "decode_tokens": decode_tokens,
         "runs": runs,

@@ -33,7 +33,7 @@ pub fn synthetic_model_path() -> anyhow::Result<PathBuf> {
             spec.seed,
             std::process::id()
         ));
-        write_synthetic(&staging, &spec, &[candle_core::quantized::GgmlDType::F32])
+        write_synthetic(&staging, &spec, &[mesh_stage::GgmlDType::F32])
             .with_context(|| format!("writing the synthetic model under {}", staging.display()))?;
         match std::fs::rename(&staging, &dir) {
             Ok(()) => {}

@@ -23,6 +23,15 @@ pub use error::{EngineError, Result};
 pub use mesh_protocol as protocol;
 pub use model::{ExecPolicy, LayerSlice, SliceCache, SliceInput, SliceOutput};
 pub use source::{FileDigests, Format, ModelConfig};
+/// GGUF block types, for callers that write or name them (the synthetic
+/// model's copies), so they need not depend on candle themselves.
+pub use candle_core::quantized::GgmlDType;
+
+/// Threads the engine computes on (`CANDLE_NUM_THREADS`, else
+/// `RAYON_NUM_THREADS`, else the physical cores).
+pub fn compute_threads() -> usize {
+    candle_core::utils::get_num_threads()
+}
 
 /// An opened model: its metadata, tokenizer and file digests, with no
 /// weights loaded. Slices are loaded from it on demand.
