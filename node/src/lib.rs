@@ -1,22 +1,13 @@
-//! mesh-node: the node that owns all I/O. This crate holds the command-line
-//! front end's logic (verification output, benchmarks) and, as later issues
-//! land, the steward, transport, coordinator and stage server.
+//! mesh-node: the node that owns all I/O.
+//!
+//! - `runtime`: what a running node is: the serving core (`serve`), the
+//!   transport (`net`), the steward and its journal, records, energy
+//!   meters, keys. It depends on nothing below.
+//! - `cli`: the commands' logic (serve, generate, demo, grants), the model
+//!   download, and human-readable output.
+//! - `tools`: vector generators, benchmarks, the exercise and inspection
+//!   commands; they use the runtime, never the other way round.
 
-pub mod bench;
-pub mod bench_concurrency;
-pub mod energy;
-pub mod engine_cli;
-pub mod exercise;
-pub mod inspect;
-pub mod journal;
-pub mod keys;
-pub mod models;
-pub mod net;
-pub mod node_cli;
-pub mod records;
-pub mod render;
-pub mod serve;
-pub mod simulate;
-pub mod steward;
-pub mod vectors;
-pub mod vectors_mesh1;
+pub mod cli;
+pub mod runtime;
+pub mod tools;

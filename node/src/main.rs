@@ -36,10 +36,10 @@ enum Command {
     },
     /// Start N nodes in this process, each with its own QUIC endpoint on
     /// 127.0.0.1, serve one request split over them, and check its bundle.
-    Demo(mesh_node::node_cli::DemoArgs),
+    Demo(mesh_node::cli::node_cli::DemoArgs),
     /// Run a node: a stage for any coordinator, and with --peer a
     /// coordinator over its peers.
-    Serve(mesh_node::node_cli::ServeArgs),
+    Serve(mesh_node::cli::node_cli::ServeArgs),
     /// Generate text: in this process (--model), or through a coordinator
     /// (--coordinator), which streams it and returns a verifiable bundle.
     Generate {
@@ -196,7 +196,7 @@ enum StewardAction {
         #[arg(long, default_value_t = 20)]
         workload_ms: u64,
         /// Powercap root for RAPL.
-        #[arg(long, default_value = mesh_node::energy::POWERCAP_ROOT)]
+        #[arg(long, default_value = mesh_node::runtime::energy::POWERCAP_ROOT)]
         powercap: PathBuf,
     },
 }
@@ -370,7 +370,7 @@ fn verify_envelope(shown: &str, envelope: &[u8], prev: Option<&Path>, as_json: b
     } else {
         print!(
             "{}",
-            mesh_node::inspect::render_receipt(shown, &sealed, link.as_ref())
+            mesh_node::tools::inspect::render_receipt(shown, &sealed, link.as_ref())
         );
         println!("\nResult: {}", if ok { "OK" } else { "FAILED" });
     }
@@ -413,7 +413,7 @@ fn verify(file: &Path, prev: Option<&Path>, as_json: bool) -> ExitCode {
             serde_json::to_string_pretty(&report.to_value()).unwrap_or_default()
         );
     } else {
-        print!("{}", mesh_node::render::render(&shown, &report));
+        print!("{}", mesh_node::cli::render::render(&shown, &report));
     }
     if report.success() {
         ExitCode::SUCCESS
@@ -433,16 +433,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     json,
                 },
         } => {
-            let report = runtime()?.block_on(mesh_node::node_cli::bench_split(model, tokens))?;
+            let report =
+                runtime()?.block_on(mesh_node::cli::node_cli::bench_split(model, tokens))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
-                print!("{}", mesh_node::node_cli::render_split(&report));
+                print!("{}", mesh_node::cli::node_cli::render_split(&report));
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(args) => {
-            let ok = runtime()?.block_on(mesh_node::node_cli::demo(args))?;
+            let ok = runtime()?.block_on(mesh_node::cli::node_cli::demo(args))?;
             Ok(if ok {
                 ExitCode::SUCCESS
             } else {
@@ -450,8 +451,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })
         }
         Command::Serve(args) => {
-            let options = mesh_node::node_cli::node_options(args)?;
-            runtime()?.block_on(mesh_node::node_cli::serve(options))?;
+            let options = mesh_node::cli::node_cli::node_options(args)?;
+            runtime()?.block_on(mesh_node::cli::node_cli::serve(options))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Generate {
@@ -475,19 +476,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (Some(shards), Some(holder)) => {
                     // The prompt-token figure is the requester's own estimate (seed 001 §2.3).
                     let estimate = u32::try_from(prompt.len().div_ceil(4)).unwrap_or(u32::MAX);
-                    let serve = mesh_node::serve::GrantedServe::derive(
+                    let serve = mesh_node::runtime::serve::GrantedServe::derive(
                         &prompt, max_tokens, estimate, ceiling_uj,
                     );
                     let presentations =
-                        mesh_node::node_cli::presentations_for(&shards, &holder, &serve)?;
-                    Some(mesh_node::serve::GrantedServe {
+                        mesh_node::cli::node_cli::presentations_for(&shards, &holder, &serve)?;
+                    Some(mesh_node::runtime::serve::GrantedServe {
                         serve,
                         presentations,
                     })
                 }
                 _ => None,
             };
-            let request = mesh_node::serve::GenerateRequest {
+            let request = mesh_node::runtime::serve::GenerateRequest {
                 prompt,
                 max_tokens,
                 chat,
@@ -500,7 +501,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 grant,
                 timeout: timeout_ms.map(std::time::Duration::from_millis),
             };
-            let summary = runtime()?.block_on(mesh_node::node_cli::generate_via(
+            let summary = runtime()?.block_on(mesh_node::cli::node_cli::generate_via(
                 &coordinator,
                 request,
                 out.as_deref(),
@@ -524,13 +525,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Stats { node, key, json } => {
-            let node: mesh_node::serve::PeerAddr = node.parse()?;
-            let key = mesh_node::keys::load(&key)?;
-            let stats = runtime()?.block_on(mesh_node::serve::node_stats_remote(&key, &node))?;
+            let node: mesh_node::runtime::serve::PeerAddr = node.parse()?;
+            let key = mesh_node::runtime::keys::load(&key)?;
+            let stats =
+                runtime()?.block_on(mesh_node::runtime::serve::node_stats_remote(&key, &node))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&stats)?);
             } else {
-                print!("{}", mesh_node::render::node_stats(&node, &stats));
+                print!("{}", mesh_node::cli::render::node_stats(&node, &stats));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -550,7 +552,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             let wire = mesh_stage::frame::WireDType::parse(&wire)
                 .context("--wire must be f32, f16 or bf16")?;
-            mesh_node::engine_cli::generate(&mesh_node::engine_cli::GenerateOptions {
+            mesh_node::cli::engine_cli::generate(&mesh_node::cli::engine_cli::GenerateOptions {
                 model,
                 prompt,
                 max_tokens,
@@ -578,7 +580,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     out,
                 },
         } => {
-            let id = mesh_node::node_cli::grant_issue(
+            let id = mesh_node::cli::node_cli::grant_issue(
                 &key,
                 &subject,
                 budget_uj,
@@ -601,7 +603,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     out,
                 },
         } => {
-            let shares = runtime()?.block_on(mesh_node::node_cli::grant_shard(
+            let shares = runtime()?.block_on(mesh_node::cli::node_cli::grant_shard(
                 &grant,
                 &key,
                 &coordinator,
@@ -614,7 +616,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Keygen { out } => {
-            let key = mesh_node::keys::generate(&out)?;
+            let key = mesh_node::runtime::keys::generate(&out)?;
             println!(
                 "{}",
                 mesh_protocol::identity::did_key(&key.verifying_key().to_bytes())
@@ -628,18 +630,22 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Journal {
             action: JournalAction::Inspect { dir },
         } => {
-            let records = mesh_node::journal::Journal::read(&dir)?;
-            let steward = mesh_node::inspect::steward_of(&records);
+            let records = mesh_node::runtime::journal::Journal::read(&dir)?;
+            let steward = mesh_node::tools::inspect::steward_of(&records);
             let replayed = match &steward {
-                Some(did) => mesh_node::steward::replay(did, &records).map_err(|e| e.to_string()),
-                None => mesh_node::steward::replay("", &records).map_err(|e| e.to_string()),
+                Some(did) => {
+                    mesh_node::runtime::steward::replay(did, &records).map_err(|e| e.to_string())
+                }
+                None => {
+                    mesh_node::runtime::steward::replay("", &records).map_err(|e| e.to_string())
+                }
             };
             if let Some(did) = &steward {
                 println!("steward {did}");
             }
             print!(
                 "{}",
-                mesh_node::inspect::render_journal(
+                mesh_node::tools::inspect::render_journal(
                     &records,
                     replayed.as_ref().ok(),
                     replayed.as_ref().err().map(String::as_str)
@@ -661,14 +667,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     powercap,
                 },
         } => {
-            let key = mesh_node::keys::load(&key)?;
-            let (meter, why) = mesh_node::energy::select_meter(
+            let key = mesh_node::runtime::keys::load(&key)?;
+            let (meter, why) = mesh_node::runtime::energy::select_meter(
                 &powercap,
-                mesh_node::energy::EstimatorMeter::default(),
+                mesh_node::runtime::energy::EstimatorMeter::default(),
             );
             eprintln!("{why}");
             let mut stdout = std::io::stdout();
-            mesh_node::exercise::run(
+            mesh_node::tools::exercise::run(
                 &data,
                 key,
                 meter,
@@ -681,7 +687,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Vectors {
             action: VectorsAction::Write { dir },
         } => {
-            let changed = mesh_node::vectors::write_or_check(&dir, false)?;
+            let changed = mesh_node::tools::vectors::write_or_check(&dir, false)?;
             println!(
                 "wrote {} changed file(s) under {}",
                 changed.len(),
@@ -695,7 +701,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Vectors {
             action: VectorsAction::Check { dir },
         } => {
-            let differing = mesh_node::vectors::write_or_check(&dir, true)?;
+            let differing = mesh_node::tools::vectors::write_or_check(&dir, true)?;
             if differing.is_empty() {
                 println!("vectors under {} are up to date", dir.display());
                 Ok(ExitCode::SUCCESS)
@@ -715,11 +721,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             let min_time = Duration::try_from_secs_f64(seconds)
                 .context("--seconds must be a positive number")?;
-            let measurements = mesh_node::bench::bench_fold(&[4096, 65_536], min_time);
+            let measurements = mesh_node::tools::bench::bench_fold(&[4096, 65_536], min_time);
             if json {
                 println!("{}", serde_json::to_string_pretty(&measurements)?);
             } else {
-                print!("{}", mesh_node::bench::render_fold(&measurements));
+                print!("{}", mesh_node::tools::bench::render_fold(&measurements));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -734,18 +740,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 },
         } => {
             let model = bench_model(model)?;
-            let report = runtime()?.block_on(mesh_node::bench_concurrency::bench_concurrency(
-                &model,
-                tokens,
-                &levels,
-                llama_server,
-            ))?;
+            let report =
+                runtime()?.block_on(mesh_node::tools::bench_concurrency::bench_concurrency(
+                    &model,
+                    tokens,
+                    &levels,
+                    llama_server,
+                ))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!(
                     "{}",
-                    mesh_node::bench_concurrency::render_concurrency(&report)
+                    mesh_node::tools::bench_concurrency::render_concurrency(&report)
                 );
             }
             Ok(ExitCode::SUCCESS)
@@ -760,11 +767,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 },
         } => {
             let model = bench_model(model)?;
-            let report = mesh_node::bench::bench_engine(&model, prompt_tokens, decode_tokens)?;
+            let report =
+                mesh_node::tools::bench::bench_engine(&model, prompt_tokens, decode_tokens)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
-                print!("{}", mesh_node::bench::render_engine(&report));
+                print!("{}", mesh_node::tools::bench::render_engine(&report));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -781,11 +789,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     scratch.clone()
                 }
             };
-            let report = mesh_node::bench::bench_steward(&dir, serves)?;
+            let report = mesh_node::tools::bench::bench_steward(&dir, serves)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
-                print!("{}", mesh_node::bench::render_steward(&report));
+                print!("{}", mesh_node::tools::bench::render_steward(&report));
             }
             let _ = std::fs::remove_dir_all(&dir);
             Ok(ExitCode::SUCCESS)
@@ -823,11 +831,11 @@ fn bench_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     if let Some(model) = model {
         return Ok(model);
     }
-    let cached = mesh_node::models::smollm2_path();
+    let cached = mesh_node::cli::models::smollm2_path();
     if cached.is_file() {
         Ok(cached)
     } else {
-        mesh_node::engine_cli::synthetic_model_path()
+        mesh_node::cli::engine_cli::synthetic_model_path()
     }
 }
 

@@ -51,7 +51,7 @@ fn with_smollm2_the_demo_answers_paris() {
     };
     assert_eq!(
         model.file_name().unwrap(),
-        mesh_node::models::SMOLLM2_FILE,
+        mesh_node::cli::models::SMOLLM2_FILE,
         "the demo finds SmolLM2 by its file name in the model cache"
     );
     let dir = tempfile::tempdir().unwrap();

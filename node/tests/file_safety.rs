@@ -7,8 +7,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use mesh_node::energy::EstimatorMeter;
-use mesh_node::steward::Steward;
+use mesh_node::runtime::energy::EstimatorMeter;
+use mesh_node::runtime::steward::Steward;
 use mesh_protocol::SigningKey;
 
 fn mesh_node() -> Command {

@@ -9,7 +9,7 @@
 
 use std::process::Command;
 
-use mesh_node::journal::{Entry, Journal};
+use mesh_node::runtime::journal::{Entry, Journal};
 use mesh_protocol::SigningKey;
 use rustix::process::{Resource, getrlimit, setrlimit};
 

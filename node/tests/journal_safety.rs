@@ -7,10 +7,10 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use mesh_node::energy::EstimatorMeter;
-use mesh_node::exercise::{EXERCISE_CEILING_UJ, exercise_chain, requester_key};
-use mesh_node::journal::{Entry, Journal};
-use mesh_node::steward::{Steward, StewardError};
+use mesh_node::runtime::energy::EstimatorMeter;
+use mesh_node::runtime::journal::{Entry, Journal};
+use mesh_node::runtime::steward::{Steward, StewardError};
+use mesh_node::tools::exercise::{EXERCISE_CEILING_UJ, exercise_chain, requester_key};
 use mesh_protocol::SigningKey;
 use mesh_protocol::grant::Presentation;
 use mesh_protocol::mesh1::{Energy, Fidelity, MeshReceipt, Provenance, ServeRequest};

@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use mesh_node::energy::EstimatorMeter;
-use mesh_node::net::ALPN_RECORD_PUSH;
-use mesh_node::net::tls::{self, TlsIdentity};
-use mesh_node::records::refusal_verifies;
-use mesh_node::serve::{Node, NodeOptions};
+use mesh_node::runtime::energy::EstimatorMeter;
+use mesh_node::runtime::net::ALPN_RECORD_PUSH;
+use mesh_node::runtime::net::tls::{self, TlsIdentity};
+use mesh_node::runtime::records::refusal_verifies;
+use mesh_node::runtime::serve::{Node, NodeOptions};
 use mesh_protocol::SigningKey;
 use mesh_protocol::block::{ReturnMode, StageBlock};
 use mesh_protocol::capsule::{Producer, RecordContext, SealedRecord, stage_record};
@@ -18,7 +18,8 @@ use sha2::Digest;
 
 /// Stage 1's block of a simulated split, sealed as a stage record by `key`.
 fn simulated_stage_record(key: &SigningKey) -> (StageBlock, SealedRecord) {
-    let run = mesh_node::simulate::simulate(&mesh_node::simulate::Scenario::default());
+    let run =
+        mesh_node::tools::simulate::simulate(&mesh_node::tools::simulate::Scenario::default());
     let block = run.stage_records[1][0].stage_block().unwrap();
     let context = RecordContext {
         producer: Producer::mesh_node(),
@@ -79,7 +80,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         slice_idle: Duration::from_secs(60),
         stage_seal_deadline: Duration::from_millis(500),
         step_timeout: Duration::from_secs(5),
-        request_timeout: mesh_node::serve::DEFAULT_REQUEST_TIMEOUT,
+        request_timeout: mesh_node::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
@@ -128,7 +129,7 @@ fn an_assigned_stage_is_held_to_its_claims_and_its_signature() {
     let stage = SigningKey::from_bytes(&[9; 32]);
     let (block, record) = simulated_stage_record(&stage);
     let stage_key = stage.verifying_key().to_bytes();
-    let mut collector = mesh_node::records::Collector::default();
+    let mut collector = mesh_node::runtime::records::Collector::default();
     let assigned: Vec<[u8; 32]> = (0..block.stage_count as usize)
         .map(|k| {
             if k == block.stage_index as usize {
@@ -151,14 +152,14 @@ fn an_assigned_stage_is_held_to_its_claims_and_its_signature() {
     let other = did_key(&SigningKey::from_bytes(&[8; 32]).verifying_key().to_bytes());
     assert_eq!(
         collector.offer(&stage_key, &body(&other, record.value())),
-        Err(mesh_node::records::PushRefusal::SignatureUnverified)
+        Err(mesh_node::runtime::records::PushRefusal::SignatureUnverified)
     );
     // A record whose signature does not hold.
     let mut tampered = record.value().clone();
     tampered["timestamp"] = Value::from("2026-11-30T00:00:00.001Z");
     assert_eq!(
         collector.offer(&stage_key, &body(&own, &tampered)),
-        Err(mesh_node::records::PushRefusal::RequestMalformed)
+        Err(mesh_node::runtime::records::PushRefusal::RequestMalformed)
     );
     // The genuine record is held.
     assert_eq!(

@@ -12,9 +12,9 @@ use std::time::Duration;
 use common::nodes::{
     Setup, ask, connect, key, no_lane_breaks, public, request, synthetic, three_nodes, verify,
 };
-use mesh_node::net::tls::{self, TlsIdentity};
-use mesh_node::net::{ALPN_CONTROL, ALPN_STAGE, msg};
-use mesh_node::serve::{GenerateSummary, GrantedServe, Node, PeerAddr};
+use mesh_node::runtime::net::tls::{self, TlsIdentity};
+use mesh_node::runtime::net::{ALPN_CONTROL, ALPN_STAGE, msg};
+use mesh_node::runtime::serve::{GenerateSummary, GrantedServe, Node, PeerAddr};
 use mesh_protocol::SigningKey;
 use mesh_protocol::block::ReturnMode;
 use mesh_protocol::cbor::Cbor;
@@ -361,7 +361,11 @@ async fn observed_stalling_stage(
     let endpoint = quinn::Endpoint::server(
         tls::server_config(
             &identity,
-            &[ALPN_CONTROL, ALPN_STAGE, mesh_node::net::ALPN_RECORD_PUSH],
+            &[
+                ALPN_CONTROL,
+                ALPN_STAGE,
+                mesh_node::runtime::net::ALPN_RECORD_PUSH,
+            ],
         )
         .unwrap(),
         "127.0.0.1:0".parse().unwrap(),
@@ -422,7 +426,7 @@ async fn grants(dir: &Path, coordinator: &Node, budget_uj: u64) -> (PathBuf, Pat
     std::fs::write(&holder, mesh_protocol::hex::encode(&[6u8; 32])).unwrap();
     let root = dir.join("root.grant");
     let shards = dir.join("shards.cbor");
-    mesh_node::node_cli::grant_issue(
+    mesh_node::cli::node_cli::grant_issue(
         &owner,
         &did_key(&public(&key(6))),
         budget_uj,
@@ -431,7 +435,7 @@ async fn grants(dir: &Path, coordinator: &Node, budget_uj: u64) -> (PathBuf, Pat
         &root,
     )
     .unwrap();
-    mesh_node::node_cli::grant_shard(
+    mesh_node::cli::node_cli::grant_shard(
         &root,
         &holder,
         &coordinator.peer_addr().to_string(),
@@ -451,7 +455,8 @@ fn granted(
     ceiling_uj: u64,
 ) -> GrantedServe {
     let serve = GrantedServe::derive(prompt, max_tokens, 4, ceiling_uj);
-    let presentations = mesh_node::node_cli::presentations_for(shards, holder, &serve).unwrap();
+    let presentations =
+        mesh_node::cli::node_cli::presentations_for(shards, holder, &serve).unwrap();
     GrantedServe {
         serve,
         presentations,
@@ -460,10 +465,10 @@ fn granted(
 
 /// A stopped node's journal, once its last in-flight task (a record push
 /// to a peer that is gone, say) has let go of it.
-fn journal(data: &Path) -> Vec<mesh_node::journal::Record> {
+fn journal(data: &Path) -> Vec<mesh_node::runtime::journal::Record> {
     let started = std::time::Instant::now();
     loop {
-        match mesh_node::journal::Journal::read(&data.join("steward")) {
+        match mesh_node::runtime::journal::Journal::read(&data.join("steward")) {
             Ok(records) => return records,
             Err(error) if started.elapsed() < Duration::from_secs(20) => {
                 let _ = error;
@@ -479,14 +484,14 @@ fn debits_uj(data: &Path) -> Vec<u64> {
     journal(data)
         .iter()
         .filter_map(|record| match &record.entry {
-            mesh_node::journal::Entry::Debited { energy, .. } => Some(energy.uj()),
+            mesh_node::runtime::journal::Entry::Debited { energy, .. } => Some(energy.uj()),
             _ => None,
         })
         .collect()
 }
 
 fn unresolved(data: &Path, key: &SigningKey) -> usize {
-    mesh_node::steward::replay(&did_key(&public(key)), &journal(data))
+    mesh_node::runtime::steward::replay(&did_key(&public(key)), &journal(data))
         .unwrap()
         .unresolved
         .len()
@@ -762,9 +767,9 @@ async fn a_long_prompt_is_prefilled_in_chunks_each_its_own_step() {
         .unwrap();
     assert!(summary.error.is_none(), "{:?}", summary.error);
     let prompt_tokens = summary.details["prompt_tokens"].as_u64().unwrap() as usize;
-    assert!(prompt_tokens > 2 * mesh_node::serve::PREFILL_CHUNK_TOKENS);
+    assert!(prompt_tokens > 2 * mesh_node::runtime::serve::PREFILL_CHUNK_TOKENS);
     let generated = summary.details["generated_tokens"].as_u64().unwrap() as usize;
-    let chunks = prompt_tokens.div_ceil(mesh_node::serve::PREFILL_CHUNK_TOKENS);
+    let chunks = prompt_tokens.div_ceil(mesh_node::runtime::serve::PREFILL_CHUNK_TOKENS);
     for stage in [1, 2] {
         assert_eq!(
             summary.details["stages"][stage]["steps"].as_u64().unwrap() as usize,
@@ -949,7 +954,7 @@ async fn connections_past_the_bound_are_refused_but_known_peers_get_in() {
     };
     let stranger = client(&key(9));
     let mut held = Vec::new();
-    for _ in 0..mesh_node::serve::MAX_CONNECTIONS {
+    for _ in 0..mesh_node::runtime::serve::MAX_CONNECTIONS {
         held.push(
             stranger
                 .connect(node.addr(), "mesh-node")

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::nodes::{Setup, ask, no_lane_breaks, request, synthetic, verify};
-use mesh_node::serve::{
+use mesh_node::runtime::serve::{
     GenerateRequest, GrantedServe, Node, NodeStats, generate_remote, node_stats_remote,
 };
 use mesh_protocol::block::ReturnMode;
@@ -189,12 +189,12 @@ async fn a_requester_that_goes_away_frees_every_stage_within_a_second() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_requester_that_stops_reading_cancels_on_every_stage() {
-    use mesh_node::net::{ALPN_CONTROL, msg};
+    use mesh_node::runtime::net::{ALPN_CONTROL, msg};
     use mesh_protocol::cbor::Cbor;
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
     let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
-    let stranger = mesh_node::net::tls::TlsIdentity::new(&common::nodes::key(40)).unwrap();
+    let stranger = mesh_node::runtime::net::tls::TlsIdentity::new(&common::nodes::key(40)).unwrap();
     let (_endpoint, connection) =
         common::nodes::connect(&stranger, &nodes[0].peer_addr(), ALPN_CONTROL)
             .await
@@ -299,7 +299,7 @@ async fn only_a_node_its_peers_and_coordinators_read_its_stats_and_the_cli_print
     assert_eq!(json["slices"][0]["role"], "stage");
     assert_eq!(
         json["step_round_trips"].as_array().map(Vec::len),
-        Some(mesh_node::serve::ROUND_TRIP_BUCKETS_US.len() + 1)
+        Some(mesh_node::runtime::serve::ROUND_TRIP_BUCKETS_US.len() + 1)
     );
 }
 
@@ -431,12 +431,12 @@ async fn a_deadline_that_passes_while_the_split_loads_refuses_the_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_messages_with_members_nobody_asked_for_are_refused() {
-    use mesh_node::net::{ALPN_CONTROL, msg};
+    use mesh_node::runtime::net::{ALPN_CONTROL, msg};
     use mesh_protocol::cbor::Cbor;
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
     let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
-    let stranger = mesh_node::net::tls::TlsIdentity::new(&common::nodes::key(41)).unwrap();
+    let stranger = mesh_node::runtime::net::tls::TlsIdentity::new(&common::nodes::key(41)).unwrap();
     let (_endpoint, connection) =
         common::nodes::connect(&stranger, &nodes[0].peer_addr(), ALPN_CONTROL)
             .await

@@ -7,12 +7,12 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use mesh_node::energy::EstimatorMeter;
-use mesh_node::exercise::{
+use mesh_node::runtime::energy::EstimatorMeter;
+use mesh_node::runtime::journal::{Entry, Journal, JournalError};
+use mesh_node::runtime::steward::{Steward, StewardError};
+use mesh_node::tools::exercise::{
     EXERCISE_BACKEND, EXERCISE_BUDGET_UJ, EXERCISE_CEILING_UJ, exercise_chain, requester_key,
 };
-use mesh_node::journal::{Entry, Journal, JournalError};
-use mesh_node::steward::{Steward, StewardError};
 use mesh_protocol::identity::did_key;
 use mesh_protocol::mesh1::SealedReceipt;
 
@@ -84,7 +84,7 @@ fn receipt(node: &Node, sequence: u64) -> SealedReceipt {
 fn open(node: &Node) -> Result<Steward, StewardError> {
     Steward::open(
         &node.data,
-        mesh_node::keys::load(&node.key_file).unwrap(),
+        mesh_node::runtime::keys::load(&node.key_file).unwrap(),
         Box::new(EstimatorMeter::default()),
     )
 }

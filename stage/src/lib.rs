@@ -19,13 +19,13 @@ pub mod text;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+/// GGUF block types, for callers that write or name them (the synthetic
+/// model's copies), so they need not depend on candle themselves.
+pub use candle_core::quantized::GgmlDType;
 pub use error::{EngineError, Result};
 pub use mesh_protocol as protocol;
 pub use model::{ExecPolicy, LayerSlice, SliceCache, SliceInput, SliceOutput};
 pub use source::{FileDigests, Format, ModelConfig};
-/// GGUF block types, for callers that write or name them (the synthetic
-/// model's copies), so they need not depend on candle themselves.
-pub use candle_core::quantized::GgmlDType;
 
 /// Threads the engine computes on (`CANDLE_NUM_THREADS`, else
 /// `RAYON_NUM_THREADS`, else the physical cores).

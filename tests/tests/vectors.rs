@@ -15,7 +15,7 @@ fn vectors_dir() -> PathBuf {
 
 #[test]
 fn regenerating_leaves_no_diff() {
-    let differing = mesh_node::vectors::write_or_check(&vectors_dir(), true).unwrap();
+    let differing = mesh_node::tools::vectors::write_or_check(&vectors_dir(), true).unwrap();
     assert!(
         differing.is_empty(),
         "run `mesh-node vectors write`; these differ: {differing:?}"

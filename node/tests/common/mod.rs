@@ -12,7 +12,7 @@ use std::path::PathBuf;
 pub fn smollm2(test: &str) -> Option<PathBuf> {
     let path = std::env::var_os("MESH_SMOLLM2_GGUF")
         .map(PathBuf::from)
-        .unwrap_or_else(mesh_node::models::smollm2_path);
+        .unwrap_or_else(mesh_node::cli::models::smollm2_path);
     if path.is_file() {
         return Some(path);
     }

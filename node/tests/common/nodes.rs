@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use mesh_node::energy::EstimatorMeter;
-use mesh_node::serve::{
+use mesh_node::runtime::energy::EstimatorMeter;
+use mesh_node::runtime::serve::{
     GenerateRequest, GenerateSummary, GrantedServe, Node, NodeOptions, PeerAddr, generate_remote,
 };
 use mesh_protocol::SigningKey;
@@ -60,7 +60,7 @@ impl<'a> Setup<'a> {
             max_slices: 2,
             slice_idle: Duration::from_secs(600),
             return_mode: ReturnMode::Relayed,
-            milliwatts: mesh_node::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
+            milliwatts: mesh_node::runtime::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
             step_timeout: Duration::from_secs(20),
         }
     }
@@ -96,7 +96,7 @@ impl<'a> Setup<'a> {
             slice_idle: self.slice_idle,
             stage_seal_deadline: Duration::from_millis(500),
             step_timeout: self.step_timeout,
-            request_timeout: mesh_node::serve::DEFAULT_REQUEST_TIMEOUT,
+            request_timeout: mesh_node::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
             max_requests: self.max_requests,
             return_mode: self.return_mode,
             wire: WireDType::F32,
@@ -160,13 +160,13 @@ pub fn no_lane_breaks(report: &serde_json::Value) {
 
 /// A QUIC client proving `identity`, connected to `node` on `alpn`.
 pub async fn connect(
-    identity: &mesh_node::net::tls::TlsIdentity,
+    identity: &mesh_node::runtime::net::tls::TlsIdentity,
     node: &PeerAddr,
     alpn: &'static [u8],
 ) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
-    mesh_node::net::tls::install_provider();
+    mesh_node::runtime::net::tls::install_provider();
     let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::LOCALHOST, 0).into())?;
-    endpoint.set_default_client_config(mesh_node::net::tls::client_config(
+    endpoint.set_default_client_config(mesh_node::runtime::net::tls::client_config(
         identity, node.key, alpn,
     )?);
     let connection = tokio::time::timeout(

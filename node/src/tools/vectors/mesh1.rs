@@ -18,8 +18,8 @@ use mesh_protocol::mesh1::{
 };
 use serde_json::{Value, json};
 
-use crate::simulate::{Scenario, deterministic_32, simulate};
-use crate::vectors::VectorFile;
+use super::VectorFile;
+use crate::tools::simulate::{Scenario, deterministic_32, simulate};
 
 fn key(label: &str) -> SigningKey {
     SigningKey::from_bytes(&deterministic_32(label))
@@ -263,7 +263,7 @@ fn receipt_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<
         anyhow::bail!("the core is a map")
     };
     let mut reversed = Vec::new();
-    super::vectors_mesh1::encode_map_unsorted(&mut reversed, entries.iter().rev());
+    super::mesh1::encode_map_unsorted(&mut reversed, entries.iter().rev());
     push(
         "members_not_in_canonical_order".into(),
         false,
@@ -535,7 +535,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     let request = request();
     let open = opening(&opening_key(&steward.to_bytes()), &request.request_id());
     let meta = json!({
-        "generator": "mesh-node vectors write (node/src/vectors_mesh1.rs)",
+        "generator": "mesh-node vectors write (node/src/tools/vectors/mesh1.rs)",
         "description": "A deterministic reference mesh/1 serve. reference/signed_core.hex must encode identically across implementations; reference/envelope.hex must be reproducible from it with the steward seed below (Ed25519 signatures are deterministic). reference/next_envelope.hex follows it in the same receipt chain. See docs/mesh1.md.",
         "steward": { "seed_hex": hex::encode(&deterministic_32(STEWARD_LABEL)), "key_id": hex::encode(&steward.verifying_key().to_bytes()), "did": did(&steward) },
         "grant_keys": {

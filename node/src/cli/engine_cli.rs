@@ -15,7 +15,7 @@ use serde_json::json;
 
 /// Where the built-in synthetic model is written on first use.
 pub fn synthetic_model_path() -> anyhow::Result<PathBuf> {
-    let base = crate::models::cache_dir();
+    let base = crate::cli::models::cache_dir();
     let spec = SyntheticSpec::default();
     let dir = base.join(format!(
         "synthetic-v{}-{}",
@@ -69,21 +69,7 @@ pub fn open_model(model: Option<&Path>) -> anyhow::Result<ModelHandle> {
         None => synthetic_model_path()?,
     };
     eprintln!("loading {} …", path.display());
-    open_model_at(&path)
-}
-
-/// Open a model; the error names the file once (most engine errors name it
-/// already).
-pub fn open_model_at(path: &Path) -> anyhow::Result<ModelHandle> {
-    ModelHandle::open(path).map_err(|error| {
-        let named = error.to_string().contains(&path.display().to_string());
-        let error = anyhow::Error::new(error);
-        if named {
-            error
-        } else {
-            error.context(format!("opening model {}", path.display()))
-        }
-    })
+    crate::runtime::open_model(&path)
 }
 
 pub fn generate(options: &GenerateOptions) -> anyhow::Result<()> {

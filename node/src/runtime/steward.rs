@@ -13,8 +13,8 @@ use mesh_protocol::mesh1::{
 };
 use thiserror::Error;
 
-use crate::energy::{EnergyMeter, MeterSpan};
-use crate::journal::{Entry, Journal, JournalError, MAX_KEPT_ENVELOPE_BYTES, Record};
+use crate::runtime::energy::{EnergyMeter, MeterSpan};
+use crate::runtime::journal::{Entry, Journal, JournalError, MAX_KEPT_ENVELOPE_BYTES, Record};
 
 #[derive(Debug, Error)]
 pub enum StewardError {

@@ -1,4 +1,5 @@
-//! The generator of this project's own split-stage vectors (`vectors/`).
+//! The generator of this project's own split-stage vectors
+//! (`vectors/split-stage/`).
 //! Every file is a pure function of fixed seeds, so regenerating must leave
 //! the committed files unchanged (CI checks it).
 //!
@@ -16,20 +17,12 @@ use mesh_protocol::hopcheck::{CellState, LaneState};
 use mesh_protocol::verify::{verify_document, verify_hop_case};
 use serde_json::{Value, json};
 
-use crate::simulate::{
+use super::{VectorFile, pretty};
+use crate::tools::simulate::{
     Fault, Scenario, coordinator_key, deterministic_32, deterministic_bytes, simulate, stage_key,
 };
 
-/// One generated file: path under `vectors/` and its bytes.
-pub type VectorFile = (String, String);
-
-fn pretty(value: &Value) -> String {
-    let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
-    text.push('\n');
-    text
-}
-
-/// Generate every vector file.
+/// The split-stage vector files.
 pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     let (hop_cases, bundles) = hop_cases_and_bundles()?;
     let mut files = vec![
@@ -48,13 +41,12 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     for (name, bundle) in bundles {
         files.push((format!("split-stage/bundles/{name}.json"), pretty(&bundle)));
     }
-    files.extend(crate::vectors_mesh1::generate()?);
     Ok(files)
 }
 
 fn meta() -> Value {
     json!({
-        "generator": "mesh-node vectors write (node/src/vectors.rs)",
+        "generator": "mesh-node vectors write (node/src/tools/vectors/split_stage.rs)",
         "description": "mesh-node's own split-stage vectors: lane folds, x-mesh-stage-v1 blocks, sealed stage records, hop-check cases and requester bundles. Every key and nonce below is fixed so the files regenerate byte for byte. See docs/split-stage.md.",
         "keys": {
             "coordinator_seed": hex::encode(&deterministic_32("mesh-node vectors: coordinator key")),
@@ -67,7 +59,7 @@ fn meta() -> Value {
             "seed_rule": "seed = SHA-256(label) for the labels 'mesh-node vectors: coordinator key' and 'mesh-node vectors: stage <k> key'",
         },
         "frames_rule": "frame bytes are SHA-256 in counter mode: SHA-256(label || u64be(counter)) concatenated and truncated",
-        "timestamp": mesh_protocol::capsule::format_timestamp(crate::simulate::TIMESTAMP_MILLIS),
+        "timestamp": mesh_protocol::capsule::format_timestamp(crate::tools::simulate::TIMESTAMP_MILLIS),
     })
 }
 
@@ -82,8 +74,8 @@ fn fold_case(
     let context = LaneContext {
         salt,
         coordinator_node_id: "did:key:z6MkiTBz1ymuepAQ4HEHYSF1H8quG5GLVVQR3djdX3mDooWp",
-        run_id: crate::simulate::RUN_ID,
-        request_id: crate::simulate::REQUEST_ID,
+        run_id: crate::tools::simulate::RUN_ID,
+        request_id: crate::tools::simulate::REQUEST_ID,
         hop_index: hop,
         lane,
     };
@@ -227,12 +219,13 @@ fn block_cases() -> anyhow::Result<Value> {
         return_mode: ReturnMode::Direct,
         ..Scenario::default()
     });
-    let exchange = |run: &crate::simulate::SimulatedRun, k: usize| -> anyhow::Result<StageBlock> {
-        Ok(run.sealed.stage_exchange_records[k - 1].stage_block()?)
-    };
-    let stage = |run: &crate::simulate::SimulatedRun, k: usize| -> anyhow::Result<StageBlock> {
-        Ok(run.stage_records[k][0].stage_block()?)
-    };
+    let exchange =
+        |run: &crate::tools::simulate::SimulatedRun, k: usize| -> anyhow::Result<StageBlock> {
+            Ok(run.sealed.stage_exchange_records[k - 1].stage_block()?)
+        };
+    let stage = |run: &crate::tools::simulate::SimulatedRun,
+                 k: usize|
+     -> anyhow::Result<StageBlock> { Ok(run.stage_records[k][0].stage_block()?) };
     let positives: Vec<(&str, StageBlock, &[&str])> = vec![
         (
             "own_slice_relayed",
@@ -643,27 +636,4 @@ fn hop_cases_and_bundles() -> anyhow::Result<(Value, Vec<(String, Value)>)> {
         bundles.push((name.to_string(), bundle));
     }
     Ok((Value::Array(cases), bundles))
-}
-
-/// Write the vectors under `dir`, or with `check`, compare instead and list
-/// every file that differs.
-pub fn write_or_check(dir: &std::path::Path, check: bool) -> anyhow::Result<Vec<String>> {
-    let files = generate()?;
-    let mut differing = Vec::new();
-    for (relative, contents) in &files {
-        let path = dir.join(relative);
-        let current = std::fs::read_to_string(&path).ok();
-        if current.as_deref() != Some(contents.as_str()) {
-            differing.push(relative.clone());
-            if !check {
-                if let Some(parent) = path.parent() {
-                    std::fs::create_dir_all(parent)
-                        .with_context(|| format!("creating {}", parent.display()))?;
-                }
-                std::fs::write(&path, contents)
-                    .with_context(|| format!("writing {}", path.display()))?;
-            }
-        }
-    }
-    Ok(differing)
 }

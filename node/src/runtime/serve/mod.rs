@@ -32,12 +32,12 @@ use mesh_stage::sampling::{Sampler, SamplingParams};
 use mesh_stage::{LayerSlice, ModelHandle, SliceOutput};
 use tokio::sync::oneshot;
 
-use crate::energy::EnergyMeter;
-use crate::net::msg::{self, kind};
-use crate::net::tls::{self, TlsIdentity};
-use crate::net::{ALPN_CONTROL, ALPN_RECORD_PUSH, ALPN_STAGE};
-use crate::records::{Collector, signed_refusal};
-use crate::steward::Steward;
+use crate::runtime::energy::EnergyMeter;
+use crate::runtime::net::msg::{self, kind};
+use crate::runtime::net::tls::{self, TlsIdentity};
+use crate::runtime::net::{ALPN_CONTROL, ALPN_RECORD_PUSH, ALPN_STAGE};
+use crate::runtime::records::{Collector, signed_refusal};
+use crate::runtime::steward::Steward;
 
 mod batch;
 mod coordinator;
@@ -242,7 +242,7 @@ type DirectStream = (quinn::SendStream, quinn::RecvStream, Vec<u8>);
 type DirectWaiter = ([u8; 32], oneshot::Sender<DirectStream>);
 /// A stage's grant decision taken ahead of its request's chain.
 struct PreDecided {
-    ticket: crate::steward::ServeTicket,
+    ticket: crate::runtime::steward::ServeTicket,
     serve: ServeRequest,
     /// The coordinator that asked.
     coordinator: [u8; 32],
@@ -341,7 +341,7 @@ impl Node {
     pub async fn start(options: NodeOptions) -> anyhow::Result<Node> {
         tls::install_provider();
         let tls = TlsIdentity::new(&options.key)?;
-        let model = crate::engine_cli::open_model_at(&options.model)?;
+        let model = crate::runtime::open_model(&options.model)?;
         let steward = Steward::open(
             &options.data.join("steward"),
             options.key.clone(),
@@ -622,7 +622,7 @@ impl Inner {
 
     /// Close a grant decision whose serve never ran: the steward journals the
     /// (empty) span, so nothing stays open or charged at its ceiling.
-    fn release_ticket(&self, ticket: crate::steward::ServeTicket) {
+    fn release_ticket(&self, ticket: crate::runtime::steward::ServeTicket) {
         if let Err(error) =
             lock(&self.steward).end_engine(ticket, Some(self.model.weights_digest()))
         {
@@ -1643,11 +1643,11 @@ fn stage_receipt(
     stage: u32,
     tokens: &Tokens,
     served: &ServeRequest,
-    metered: &crate::steward::Metered,
+    metered: &crate::runtime::steward::Metered,
 ) -> MeshReceipt {
     let recipe = format!("stage {stage} of run {run_id}, request {request_id}");
     let route = format!("assigned by coordinator for run {run_id}");
-    let nonce = crate::keys::random_bytes().unwrap_or([0; 16]);
+    let nonce = crate::runtime::keys::random_bytes().unwrap_or([0; 16]);
     MeshReceipt {
         grant_id: metered.grant_id,
         weights: Some(WeightsBinding {
@@ -1679,7 +1679,7 @@ async fn push_stage_record(
     let context = RecordContext {
         producer: Producer::mesh_node(),
         timestamp: format_timestamp(now_ms()),
-        store_nonce: crate::keys::random_bytes()?,
+        store_nonce: crate::runtime::keys::random_bytes()?,
         chain_parent: None,
     };
     let record = SealedRecord::seal(stage_record(&context, block)?, &inner.key)?;
@@ -1719,7 +1719,7 @@ async fn handle_push(
         let reply = signed_refusal(
             &inner.key,
             b"",
-            crate::records::PushRefusal::NotAStageOfThisSplit,
+            crate::runtime::records::PushRefusal::NotAStageOfThisSplit,
         );
         send.write_all(&serde_json::to_vec(&reply)?).await?;
         send.finish()?;
@@ -1731,7 +1731,11 @@ async fn handle_push(
     {
         Ok(Ok(body)) => body,
         Ok(Err(_)) => {
-            let reply = signed_refusal(&inner.key, b"", crate::records::PushRefusal::TooLarge);
+            let reply = signed_refusal(
+                &inner.key,
+                b"",
+                crate::runtime::records::PushRefusal::TooLarge,
+            );
             send.write_all(&serde_json::to_vec(&reply)?).await?;
             send.finish()?;
             return Ok(());

@@ -105,7 +105,7 @@ impl Collector {
 
     /// Verify a pushed body from the peer whose key the transport proved.
     pub fn offer(&mut self, sender_key: &[u8; 32], body: &[u8]) -> Result<(), PushRefusal> {
-        if body.len() > crate::net::msg::MAX_RECORD_PUSH {
+        if body.len() > crate::runtime::net::msg::MAX_RECORD_PUSH {
             return Err(PushRefusal::TooLarge);
         }
         let newline = body

@@ -71,11 +71,11 @@ pub fn bench_steward(dir: &std::path::Path, serves: u32) -> anyhow::Result<serde
     use mesh_protocol::grant::{GrantGate, Presentation};
     use mesh_protocol::mesh1::{Fidelity, MeshReceipt, ServeRequest, prompt_hash};
 
-    use crate::energy::EstimatorMeter;
-    use crate::exercise::{exercise_chain, requester_key};
-    use crate::steward::Steward;
+    use crate::runtime::energy::EstimatorMeter;
+    use crate::runtime::steward::Steward;
+    use crate::tools::exercise::{exercise_chain, requester_key};
 
-    let key = mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?);
+    let key = mesh_protocol::SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
     let mut steward = Steward::open(dir, key, Box::new(EstimatorMeter::default()))?;
     let chain = exercise_chain(steward.did())?;
     let request_for = |i: u32| ServeRequest {
@@ -95,7 +95,7 @@ pub fn bench_steward(dir: &std::path::Path, serves: u32) -> anyhow::Result<serde
             chain.clone(),
             &request.request_id(),
             &requester_key(),
-            crate::keys::random_bytes()?,
+            crate::runtime::keys::random_bytes()?,
         )?;
         let t0 = Instant::now();
         let mut ticket = steward.authorise(

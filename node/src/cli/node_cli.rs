@@ -11,8 +11,8 @@ use mesh_stage::frame::WireDType;
 use mesh_stage::sampling::SamplingParams;
 use serde::Deserialize;
 
-use crate::energy::{EstimatorMeter, POWERCAP_ROOT, select_meter};
-use crate::serve::{
+use crate::runtime::energy::{EstimatorMeter, POWERCAP_ROOT, select_meter};
+use crate::runtime::serve::{
     GenerateRequest, GenerateSummary, Node, NodeOptions, PeerAddr, generate_remote,
 };
 
@@ -158,12 +158,12 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         EstimatorMeter {
             milliwatts: file
                 .estimator_milliwatts
-                .unwrap_or(crate::energy::DEFAULT_ESTIMATOR_MILLIWATTS),
+                .unwrap_or(crate::runtime::energy::DEFAULT_ESTIMATOR_MILLIWATTS),
         },
     );
     eprintln!("{why}");
     Ok(NodeOptions {
-        key: crate::keys::load(&key_path)?,
+        key: crate::runtime::keys::load(&key_path)?,
         listen: args
             .listen
             .or(file.listen)
@@ -176,10 +176,13 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             .unwrap_or_else(|| PathBuf::from("mesh-node-data")),
         peers,
         coordinators,
-        max_slices: file.max_slices.unwrap_or(crate::serve::DEFAULT_MAX_SLICES),
-        slice_idle: file
-            .slice_idle_s
-            .map_or(crate::serve::DEFAULT_SLICE_IDLE, Duration::from_secs),
+        max_slices: file
+            .max_slices
+            .unwrap_or(crate::runtime::serve::DEFAULT_MAX_SLICES),
+        slice_idle: file.slice_idle_s.map_or(
+            crate::runtime::serve::DEFAULT_SLICE_IDLE,
+            Duration::from_secs,
+        ),
         stage_seal_deadline: Duration::from_millis(
             args.deadline_ms
                 .or(file.stage_seal_deadline_ms)
@@ -193,8 +196,11 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         request_timeout: args
             .request_timeout_ms
             .or(file.request_timeout_ms)
-            .map_or(crate::serve::DEFAULT_REQUEST_TIMEOUT, Duration::from_millis)
-            .min(crate::serve::MAX_REQUEST_TIMEOUT),
+            .map_or(
+                crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
+                Duration::from_millis,
+            )
+            .min(crate::runtime::serve::MAX_REQUEST_TIMEOUT),
         max_requests: file.max_requests.unwrap_or(8),
         return_mode: parse_return_mode(
             &args
@@ -306,10 +312,10 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     // the synthetic one only when that cannot be had, and said so.
     let (model, model_note) = match args.model {
         Some(model) => (model.clone(), format!("model: {}", model.display())),
-        None => match crate::models::smollm2() {
+        None => match crate::cli::models::smollm2() {
             Ok(model) => (model, "model: SmolLM2-135M-Instruct (Q4_1)".to_string()),
             Err(why) => (
-                crate::engine_cli::synthetic_model_path()?,
+                crate::cli::engine_cli::synthetic_model_path()?,
                 format!(
                     "model: the built-in synthetic model, whose text is noise, because SmolLM2 could not be had: {why} (fetch it with scripts/fetch-smollm2.sh, or give --model)"
                 ),
@@ -329,9 +335,9 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     let node_key = |k: usize| -> anyhow::Result<mesh_protocol::SigningKey> {
         let path = args.out.join(format!("node-{k}.key"));
         if path.is_file() {
-            crate::keys::load(&path)
+            crate::runtime::keys::load(&path)
         } else {
-            crate::keys::generate(&path)
+            crate::runtime::keys::generate(&path)
         }
     };
     let coordinator_key = node_key(0)?;
@@ -349,11 +355,11 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             data: args.out.join(format!("node-{k}")),
             peers,
             coordinators: vec![coordinator_key.verifying_key().to_bytes()],
-            max_slices: crate::serve::DEFAULT_MAX_SLICES,
-            slice_idle: crate::serve::DEFAULT_SLICE_IDLE,
-            stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
+            max_slices: crate::runtime::serve::DEFAULT_MAX_SLICES,
+            slice_idle: crate::runtime::serve::DEFAULT_SLICE_IDLE,
+            stage_seal_deadline: crate::runtime::records::DEFAULT_DEADLINE,
             step_timeout: Duration::from_secs(30),
-            request_timeout: crate::serve::DEFAULT_REQUEST_TIMEOUT,
+            request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
             max_requests: 4,
             return_mode: args.return_mode,
             wire: WireDType::F32,
@@ -483,7 +489,7 @@ fn print_demo_details(
     );
     print!(
         "{}",
-        crate::render::render(&path.display().to_string(), report)
+        crate::cli::render::render(&path.display().to_string(), report)
     );
 }
 
@@ -496,7 +502,7 @@ pub async fn bench_split(
 ) -> anyhow::Result<serde_json::Value> {
     let model = match model {
         Some(model) => model,
-        None => crate::engine_cli::synthetic_model_path()?,
+        None => crate::cli::engine_cli::synthetic_model_path()?,
     };
     let prompt = "Write a long story about a dragon who learns to fly.";
     // Unsplit, in this process.
@@ -531,7 +537,8 @@ pub async fn bench_split(
     for stages in [2usize, 3] {
         let scratch = tempfile_dir()?;
         let mut nodes = Vec::new();
-        let coordinator_key = mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?);
+        let coordinator_key =
+            mesh_protocol::SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
         for k in 1..stages {
             nodes.push(
                 Node::start(bench_options(
@@ -628,7 +635,7 @@ pub(crate) fn tempfile_dir() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!(
         "mesh-node-bench-split-{}-{}",
         std::process::id(),
-        u64::from_le_bytes(crate::keys::random_bytes()?)
+        u64::from_le_bytes(crate::runtime::keys::random_bytes()?)
     ));
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
@@ -647,7 +654,7 @@ fn bench_options(
         key: if k == 0 {
             coordinator_key.clone()
         } else {
-            mesh_protocol::SigningKey::from_bytes(&crate::keys::random_bytes()?)
+            mesh_protocol::SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?)
         },
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         advertise: None,
@@ -655,11 +662,11 @@ fn bench_options(
         data: scratch.join(format!("node-{k}")),
         peers,
         coordinators: vec![coordinator_key.verifying_key().to_bytes()],
-        max_slices: crate::serve::DEFAULT_MAX_SLICES,
-        slice_idle: crate::serve::DEFAULT_SLICE_IDLE,
-        stage_seal_deadline: crate::records::DEFAULT_DEADLINE,
+        max_slices: crate::runtime::serve::DEFAULT_MAX_SLICES,
+        slice_idle: crate::runtime::serve::DEFAULT_SLICE_IDLE,
+        stage_seal_deadline: crate::runtime::records::DEFAULT_DEADLINE,
         step_timeout: Duration::from_secs(60),
-        request_timeout: crate::serve::DEFAULT_REQUEST_TIMEOUT,
+        request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
@@ -677,7 +684,7 @@ pub fn grant_issue(
     out: &Path,
 ) -> anyhow::Result<String> {
     use mesh_protocol::grant::{Caveat, Grant};
-    let key = crate::keys::load(owner)?;
+    let key = crate::runtime::keys::load(owner)?;
     mesh_protocol::identity::parse_did_key(subject)
         .context("--subject must be a did:key node id")?;
     let now = std::time::SystemTime::now()
@@ -694,7 +701,7 @@ pub fn grant_issue(
         caveats,
         parent: None,
         expiry_ms: now.saturating_add(expires_in.as_millis() as u64),
-        nonce: crate::keys::random_bytes()?,
+        nonce: crate::runtime::keys::random_bytes()?,
     }
     .sign(&key)?;
     std::fs::write(out, grant.encode()).with_context(|| format!("writing {}", out.display()))?;
@@ -715,15 +722,15 @@ pub async fn grant_shard(
         &std::fs::read(grant).with_context(|| format!("reading {}", grant.display()))?,
     )
     .map_err(|e| anyhow::anyhow!("{} is not a grant: {e}", grant.display()))?;
-    let key = crate::keys::load(holder)?;
-    let stewards = crate::serve::plan_remote(&coordinator.parse()?).await?;
+    let key = crate::runtime::keys::load(holder)?;
+    let stewards = crate::runtime::serve::plan_remote(&coordinator.parse()?).await?;
     let share = root.grant.budget_uj / stewards.len().max(1) as u64;
     let shares: Vec<(String, u64)> = stewards.iter().map(|s| (s.clone(), share)).collect();
     let shards = root.shard(
         &key,
         &shares,
         root.grant.expiry_ms,
-        crate::keys::random_bytes()?,
+        crate::runtime::keys::random_bytes()?,
     )?;
     let mut all = vec![root];
     all.extend(shards);
@@ -750,7 +757,7 @@ pub fn presentations_for(
         .map(|g| SignedGrant::from_cbor(g).map_err(|e| anyhow::anyhow!("{e}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let (root, shards) = grants.split_first().context("an empty shards file")?;
-    let key = crate::keys::load(holder)?;
+    let key = crate::runtime::keys::load(holder)?;
     shards
         .iter()
         .map(|shard| {
@@ -758,7 +765,7 @@ pub fn presentations_for(
                 vec![root.clone(), shard.clone()],
                 &serve.request_id(),
                 &key,
-                crate::keys::random_bytes()?,
+                crate::runtime::keys::random_bytes()?,
             )?
             .encode())
         })

@@ -136,7 +136,10 @@ pub fn render(file: &str, report: &VerifyReport) -> String {
 
 /// `mesh-node stats`: the pools first (what a leak would fill), then the
 /// counters.
-pub fn node_stats(node: &crate::serve::PeerAddr, stats: &crate::serve::NodeStats) -> String {
+pub fn node_stats(
+    node: &crate::runtime::serve::PeerAddr,
+    stats: &crate::runtime::serve::NodeStats,
+) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "{node}");
     let _ = writeln!(out, "slices");
@@ -190,7 +193,7 @@ pub fn node_stats(node: &crate::serve::PeerAddr, stats: &crate::serve::NodeStats
     let steps: u64 = stats.step_round_trips.iter().sum();
     if steps > 0 {
         let _ = writeln!(out, "step round trips through the chain ({steps} steps)");
-        let bounds = crate::serve::ROUND_TRIP_BUCKETS_US;
+        let bounds = crate::runtime::serve::ROUND_TRIP_BUCKETS_US;
         for (i, count) in stats.step_round_trips.iter().enumerate() {
             if *count == 0 {
                 continue;

@@ -266,7 +266,7 @@ struct Held<'a> {
     collector: bool,
     direct: bool,
     /// The coordinator's own grant decision, until the serve is debited.
-    ticket: Option<crate::steward::ServeTicket>,
+    ticket: Option<crate::runtime::steward::ServeTicket>,
     /// Stages that decided a grant for this request: told to release it at
     /// the end (a no-op where the request reached them and was served).
     authorised: Vec<PeerAddr>,
@@ -361,7 +361,7 @@ async fn serve_request(
         );
     }
     let max_new = request.max_tokens.clamp(1, context - prompt_ids.len());
-    let request_id = u64::from_le_bytes(crate::keys::random_bytes()?);
+    let request_id = u64::from_le_bytes(crate::runtime::keys::random_bytes()?);
     let n = run.assigns.len() as u32;
     let run_id = run.assigns[0].run_id.clone();
     let coordinator = inner.tls.did.clone();
@@ -410,7 +410,7 @@ async fn serve_request(
     held.cache = Some(run.own.pool.open(&run.own.slice, request_id, capacity)?);
     if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
         return Err(anyhow::Error::new(mesh_stage::EngineError::Busy(
-            crate::records::MAX_PENDING_SPLITS,
+            crate::runtime::records::MAX_PENDING_SPLITS,
         ))
         .context("too many requests waiting to be sealed"));
     }
@@ -860,7 +860,7 @@ async fn serve_request(
         coordinator_observed: None,
     };
     let nonces = (0..n)
-        .map(|_| crate::keys::random_bytes())
+        .map(|_| crate::runtime::keys::random_bytes())
         .collect::<anyhow::Result<Vec<_>>>()?;
     let chain_head = *lock(&inner.chain_head);
     let model_id = inner
@@ -935,7 +935,7 @@ async fn serve_request(
         )),
         sequence: 0,
         prev: None,
-        nonce: crate::keys::random_bytes()?,
+        nonce: crate::runtime::keys::random_bytes()?,
         steward: String::new(),
         split: Some(canonical_bytes(&sealed.receipt.to_value())),
     };
@@ -1236,7 +1236,7 @@ async fn release_remote(
 pub(super) async fn connect_as_requester(
     coordinator: &PeerAddr,
 ) -> anyhow::Result<(quinn::Endpoint, quinn::Connection)> {
-    let key = SigningKey::from_bytes(&crate::keys::random_bytes()?);
+    let key = SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
     connect_as(&key, coordinator).await
 }
 

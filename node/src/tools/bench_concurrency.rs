@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 
-use crate::serve::{GenerateRequest, PeerAddr, generate_remote, node_stats_remote};
+use crate::runtime::serve::{GenerateRequest, PeerAddr, generate_remote, node_stats_remote};
 use mesh_stage::sampling::SamplingParams;
 
 /// A child process killed when dropped.
@@ -64,7 +64,7 @@ fn threads_per_process() -> usize {
 fn serve(exe: &Path, dir: &Path, name: &str, config: &str) -> anyhow::Result<(Process, String)> {
     let key = dir.join(format!("{name}.key"));
     if !key.exists() {
-        crate::keys::generate(&key)?;
+        crate::runtime::keys::generate(&key)?;
     }
     let config_path = dir.join(format!("{name}.toml"));
     std::fs::write(
@@ -101,7 +101,7 @@ fn serve(exe: &Path, dir: &Path, name: &str, config: &str) -> anyhow::Result<(Pr
 }
 
 fn did(dir: &Path, name: &str) -> anyhow::Result<String> {
-    let key = crate::keys::load(&dir.join(format!("{name}.key")))?;
+    let key = crate::runtime::keys::load(&dir.join(format!("{name}.key")))?;
     Ok(mesh_protocol::identity::did_key(
         &key.verifying_key().to_bytes(),
     ))
@@ -246,7 +246,7 @@ pub async fn bench_concurrency(
     llama_server: Option<PathBuf>,
 ) -> anyhow::Result<Value> {
     let exe = std::env::current_exe()?;
-    let scratch = crate::node_cli::tempfile_dir()?;
+    let scratch = crate::cli::node_cli::tempfile_dir()?;
     let report = measure(&exe, &scratch, model, tokens, levels, llama_server).await;
     let _ = std::fs::remove_dir_all(&scratch);
     report
@@ -262,7 +262,7 @@ async fn measure(
 ) -> anyhow::Result<Value> {
     let most = levels.iter().copied().max().unwrap_or(1);
     let coordinator_did = {
-        crate::keys::generate(&dir.join("coord.key"))?;
+        crate::runtime::keys::generate(&dir.join("coord.key"))?;
         did(dir, "coord")?
     };
     let stage_config =
@@ -281,7 +281,7 @@ async fn measure(
         .map(|p| p.parse())
         .collect::<anyhow::Result<_>>()?;
     // The coordinator's key may read every node's stats.
-    let coordinator_key = crate::keys::load(&dir.join("coord.key"))?;
+    let coordinator_key = crate::runtime::keys::load(&dir.join("coord.key"))?;
     // Warm up: the split loads.
     mesh_level(&coordinator, 1, 2).await?;
     let mut rows = Vec::new();

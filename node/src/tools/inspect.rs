@@ -6,8 +6,8 @@ use std::fmt::Write;
 use mesh_protocol::hex;
 use mesh_protocol::mesh1::SealedReceipt;
 
-use crate::journal::{Entry, Record};
-use crate::steward::{Replay, Unresolved};
+use crate::runtime::journal::{Entry, Record};
+use crate::runtime::steward::{Replay, Unresolved};
 
 /// The steward a journal belongs to, read from its first authorisation.
 pub fn steward_of(records: &[Record]) -> Option<String> {

@@ -14,8 +14,8 @@ use mesh_protocol::grant::{Grant, Presentation, SignedGrant};
 use mesh_protocol::identity::did_key;
 use mesh_protocol::mesh1::{Fidelity, MeshReceipt, ServeRequest, prompt_hash};
 
-use crate::energy::{EnergyMeter, burn_cpu};
-use crate::steward::Steward;
+use crate::runtime::energy::{EnergyMeter, burn_cpu};
+use crate::runtime::steward::Steward;
 
 /// The leaf grant's budget at the steward.
 pub const EXERCISE_BUDGET_UJ: u64 = 50_000_000;
@@ -95,7 +95,7 @@ pub fn run(
     std::fs::create_dir_all(&receipts)
         .with_context(|| format!("creating {}", receipts.display()))?;
     for _ in 0..serves {
-        let prompt = crate::keys::random_bytes::<16>()?;
+        let prompt = crate::runtime::keys::random_bytes::<16>()?;
         let request = ServeRequest {
             prompt_hash: prompt_hash(&prompt),
             prompt_tokens: 4,
@@ -108,7 +108,7 @@ pub fn run(
             chain.clone(),
             &request.request_id(),
             &requester_key(),
-            crate::keys::random_bytes()?,
+            crate::runtime::keys::random_bytes()?,
         )?;
         let mut ticket = steward.authorise(
             Some(&presentation),
@@ -136,7 +136,7 @@ pub fn run(
                 "cpu-workload",
                 "local",
                 metered.energy,
-                crate::keys::random_bytes()?,
+                crate::runtime::keys::random_bytes()?,
             )
         };
         let sealed = steward.seal(receipt)?;

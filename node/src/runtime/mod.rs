@@ -1,0 +1,28 @@
+//! A running node: the serving core, transport, steward, journal, records,
+//! energy meters and keys.
+
+use std::path::Path;
+
+use mesh_stage::ModelHandle;
+
+pub mod energy;
+pub mod journal;
+pub mod keys;
+pub mod net;
+pub mod records;
+pub mod serve;
+pub mod steward;
+
+/// Open a model; the error names the file once (most engine errors name it
+/// already).
+pub fn open_model(path: &Path) -> anyhow::Result<ModelHandle> {
+    ModelHandle::open(path).map_err(|error| {
+        let named = error.to_string().contains(&path.display().to_string());
+        let error = anyhow::Error::new(error);
+        if named {
+            error
+        } else {
+            error.context(format!("opening model {}", path.display()))
+        }
+    })
+}

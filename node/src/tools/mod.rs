@@ -1,0 +1,10 @@
+//! Tools built on the runtime: the vector generators (`vectors`, over the
+//! deterministic `simulate`d run), benchmarks, and the `exercise` and
+//! `inspect` commands.
+
+pub mod bench;
+pub mod bench_concurrency;
+pub mod exercise;
+pub mod inspect;
+pub mod simulate;
+pub mod vectors;

@@ -1,0 +1,49 @@
+//! The vectors this project publishes under `vectors/`: `split_stage` (lane
+//! folds, stage blocks, records, hop cases, bundles) and `mesh1` (receipts,
+//! grants, requests). Every file is a pure function of fixed seeds, so
+//! regenerating leaves the committed files unchanged (CI checks it).
+
+use anyhow::Context;
+use serde_json::Value;
+
+pub mod mesh1;
+pub mod split_stage;
+
+/// One generated file: path under `vectors/` and its bytes.
+pub type VectorFile = (String, String);
+
+fn pretty(value: &Value) -> String {
+    let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+/// Generate every vector file.
+pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
+    let mut files = split_stage::generate()?;
+    files.extend(mesh1::generate()?);
+    Ok(files)
+}
+
+/// Write the vectors under `dir`, or with `check`, compare instead and list
+/// every file that differs.
+pub fn write_or_check(dir: &std::path::Path, check: bool) -> anyhow::Result<Vec<String>> {
+    let files = generate()?;
+    let mut differing = Vec::new();
+    for (relative, contents) in &files {
+        let path = dir.join(relative);
+        let current = std::fs::read_to_string(&path).ok();
+        if current.as_deref() != Some(contents.as_str()) {
+            differing.push(relative.clone());
+            if !check {
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent)
+                        .with_context(|| format!("creating {}", parent.display()))?;
+                }
+                std::fs::write(&path, contents)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+        }
+    }
+    Ok(differing)
+}
