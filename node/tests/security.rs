@@ -6,11 +6,11 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::nodes::{
-    Setup, ask, connect, key, no_lane_breaks, public, request, synthetic, three_nodes, verify,
+    Setup, ask, connect, key, no_lane_breaks, observed_stalling_stage, public, request,
+    stalling_stage, synthetic, three_nodes, verify,
 };
 use mesh_node::runtime::net::tls::{self, TlsIdentity};
 use mesh_node::runtime::net::{ALPN_CONTROL, ALPN_STAGE, msg};
@@ -342,80 +342,6 @@ async fn refused_requests_leave_no_collector_slot_behind() {
 }
 
 // ---------------------------------------------------------------- S4
-
-/// A stand-in stage 2 that accepts its assignment and every request, and
-/// never answers a step: requests through it stall until it is closed.
-async fn stalling_stage(key: &SigningKey) -> (quinn::Endpoint, PeerAddr) {
-    let (endpoint, peer, _) = observed_stalling_stage(key).await;
-    (endpoint, peer)
-}
-
-/// The stalling stage, and the ids of the requests opened on it.
-async fn observed_stalling_stage(
-    key: &SigningKey,
-) -> (quinn::Endpoint, PeerAddr, Arc<Mutex<Vec<u64>>>) {
-    let opened = Arc::new(Mutex::new(Vec::new()));
-    let seen = opened.clone();
-    tls::install_provider();
-    let identity = TlsIdentity::new(key).unwrap();
-    let endpoint = quinn::Endpoint::server(
-        tls::server_config(
-            &identity,
-            &[
-                ALPN_CONTROL,
-                ALPN_STAGE,
-                mesh_node::runtime::net::ALPN_RECORD_PUSH,
-            ],
-        )
-        .unwrap(),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .unwrap();
-    let peer = PeerAddr {
-        key: public(key),
-        addr: endpoint.local_addr().unwrap(),
-    };
-    let accepting = endpoint.clone();
-    tokio::spawn(async move {
-        while let Some(incoming) = accepting.accept().await {
-            let seen = seen.clone();
-            tokio::spawn(async move {
-                let Ok(connection) = incoming.await else {
-                    return;
-                };
-                while let Ok((mut send, mut recv)) = connection.accept_bi().await {
-                    let seen = seen.clone();
-                    tokio::spawn(async move {
-                        let mut held = Vec::new();
-                        while let Ok(Some(frame)) = msg::read(
-                            &mut recv,
-                            msg::MAX_STAGE_MESSAGE,
-                            Duration::from_secs(600),
-                            None,
-                        )
-                        .await
-                        {
-                            if let Ok((msg::kind::OPEN, request_id, _, _)) =
-                                msg::parse_stage(&frame)
-                            {
-                                seen.lock().unwrap().push(request_id);
-                            }
-                            if let Ok(message) = Cbor::decode(&frame[4..])
-                                && message.get("kind").and_then(Cbor::as_text) == Some("assign")
-                            {
-                                let ready = Cbor::text_map([("kind", Cbor::text("ready"))]);
-                                let _ = msg::write_cbor(&mut send, &ready).await;
-                                let _ = send.finish();
-                            }
-                            held.push(frame);
-                        }
-                    });
-                }
-            });
-        }
-    });
-    (endpoint, peer, opened)
-}
 
 /// A root grant of `budget_uj` to a holder, sharded evenly over the
 /// stewards of `coordinator`'s split: (shards file, holder key file).

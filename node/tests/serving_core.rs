@@ -105,8 +105,12 @@ async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty()
     );
 }
 
+/// How many requests each refusal test sends (the regression bar:
+/// four times the coordinator's 256 record slots and more).
+const REFUSALS: usize = 1000;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_refused_in_each_way_leave_every_pool_empty() {
+async fn a_thousand_refusals_of_each_kind_leave_every_pool_empty() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
     let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
@@ -115,9 +119,34 @@ async fn requests_refused_in_each_way_leave_every_pool_empty() {
         serve: GrantedServe::derive("refused", 4, 4, 1_000_000),
         presentations: vec![vec![0xff, 0x00, 0x13]],
     };
-    // Past the context: refused when its cache is asked for.
+    // Past the context: refused before its cache is asked for.
     let too_long = "word ".repeat(3000);
-    for round in 0..150 {
+    // A presentation that decodes but is signed for another request: the
+    // coordinator's steward refuses it after the request took its cache
+    // and its record slot, which must come back.
+    let misdirected = {
+        use mesh_protocol::grant::{Grant, Presentation};
+        use mesh_protocol::identity::did_key;
+        let owner = common::nodes::key(5);
+        let holder = common::nodes::key(6);
+        let grant = Grant {
+            issuer: did_key(&common::nodes::public(&owner)),
+            subject: did_key(&common::nodes::public(&holder)),
+            budget_uj: 1_000_000_000,
+            caveats: Vec::new(),
+            parent: None,
+            expiry_ms: u64::MAX,
+            nonce: [0; 16],
+        }
+        .sign(&owner)
+        .unwrap();
+        let presentation = Presentation::sign(vec![grant], &[9; 32], &holder, [1; 16]).unwrap();
+        GrantedServe {
+            serve: GrantedServe::derive("misdirected", 4, 4, 1_000_000),
+            presentations: vec![presentation.encode()],
+        }
+    };
+    for round in 0..REFUSALS {
         let refused = ask(
             &coordinator,
             &request("refused", 4, Some(undecodable.clone())),
@@ -126,15 +155,78 @@ async fn requests_refused_in_each_way_leave_every_pool_empty() {
         assert!(refused.is_err(), "round {round}");
         let refused = ask(&coordinator, &request(&too_long, 4, None)).await;
         assert!(refused.is_err(), "round {round}");
+        let refused = ask(
+            &coordinator,
+            &request("misdirected", 4, Some(misdirected.clone())),
+        )
+        .await;
+        let error = format!("{:#}", refused.expect_err("a misdirected presentation"));
+        assert!(
+            error.contains("grant refused at the coordinator"),
+            "round {round}: {error}"
+        );
     }
     let stats = all_stats(&nodes).await;
     assert_pools_empty(&stats);
-    assert_eq!(stats[0].requests_refused_other, 300);
+    assert_eq!(stats[0].requests_refused_other, 3 * REFUSALS as u64);
     let served = ask(&coordinator, &request("served after", 4, None))
         .await
         .unwrap();
     assert!(served.error.is_none(), "{:?}", served.error);
     assert_pools_empty(&all_stats(&nodes).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_busy_refusals_leave_every_pool_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let mut b = Setup::stage(&model, dir.path(), "b", 2);
+    b.max_requests = 1;
+    let b = b.start().await;
+    // Stage 2 takes every request and never answers: the one request the
+    // coordinator admits holds its place until that stage goes away.
+    let (stall, c) = common::nodes::stalling_stage(&common::nodes::key(3)).await;
+    let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c]);
+    a.max_requests = 1;
+    a.step_timeout = Duration::from_secs(120);
+    let a = a.start().await;
+    let coordinator = a.peer_addr();
+    let held = {
+        let coordinator = coordinator.clone();
+        tokio::spawn(async move { ask(&coordinator, &request("held", 4, None)).await })
+    };
+    let waiting = Instant::now();
+    while a.stats().await.caches_open == 0 {
+        assert!(
+            waiting.elapsed() < Duration::from_secs(20),
+            "never admitted"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for round in 0..REFUSALS {
+        let refused = ask(&coordinator, &request("one too many", 2, None)).await;
+        let error = format!("{:#}", refused.expect_err("the node is full"));
+        assert!(
+            error.contains("too many concurrent requests"),
+            "round {round}: {error}"
+        );
+    }
+    assert_eq!(a.stats().await.requests_refused_busy, REFUSALS as u64);
+    // The stalled stage goes away: the held request ends, and gives back
+    // everything it held.
+    stall.close(0u32.into(), b"gone");
+    let summary = held.await.unwrap().unwrap();
+    assert!(summary.error.is_some(), "{summary:?}");
+    let nodes = [a, b];
+    let waiting = Instant::now();
+    loop {
+        let stats = all_stats(&nodes).await;
+        if stats.iter().all(NodeStats::pools_empty) {
+            break;
+        }
+        assert!(waiting.elapsed() < Duration::from_secs(10), "{stats:#?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

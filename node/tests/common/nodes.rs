@@ -176,3 +176,92 @@ pub async fn connect(
     .await??;
     Ok((endpoint, connection))
 }
+
+/// A stand-in stage 2 that accepts its assignment and every request, and
+/// never answers a step: requests through it stall until it is closed.
+pub async fn stalling_stage(key: &SigningKey) -> (quinn::Endpoint, PeerAddr) {
+    let (endpoint, peer, _) = observed_stalling_stage(key).await;
+    (endpoint, peer)
+}
+
+/// The stalling stage, and the ids of the requests opened on it.
+pub async fn observed_stalling_stage(
+    key: &SigningKey,
+) -> (
+    quinn::Endpoint,
+    PeerAddr,
+    std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
+) {
+    let opened = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = opened.clone();
+    mesh_node::runtime::net::tls::install_provider();
+    let identity = mesh_node::runtime::net::tls::TlsIdentity::new(key).unwrap();
+    let endpoint = quinn::Endpoint::server(
+        mesh_node::runtime::net::tls::server_config(
+            &identity,
+            &[
+                mesh_node::runtime::net::ALPN_CONTROL,
+                mesh_node::runtime::net::ALPN_STAGE,
+                mesh_node::runtime::net::ALPN_RECORD_PUSH,
+            ],
+        )
+        .unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    let peer = PeerAddr {
+        key: public(key),
+        addr: endpoint.local_addr().unwrap(),
+    };
+    let accepting = endpoint.clone();
+    tokio::spawn(async move {
+        while let Some(incoming) = accepting.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let Ok(connection) = incoming.await else {
+                    return;
+                };
+                while let Ok((mut send, mut recv)) = connection.accept_bi().await {
+                    let seen = seen.clone();
+                    tokio::spawn(async move {
+                        let mut held = Vec::new();
+                        while let Ok(Some(frame)) = mesh_node::runtime::net::msg::read(
+                            &mut recv,
+                            mesh_node::runtime::net::msg::MAX_STAGE_MESSAGE,
+                            Duration::from_secs(600),
+                            None,
+                        )
+                        .await
+                        {
+                            if let Ok((
+                                mesh_node::runtime::net::msg::kind::OPEN,
+                                request_id,
+                                _,
+                                _,
+                            )) = mesh_node::runtime::net::msg::parse_stage(&frame)
+                            {
+                                seen.lock().unwrap().push(request_id);
+                            }
+                            if let Ok(message) = mesh_protocol::cbor::Cbor::decode(&frame[4..])
+                                && message
+                                    .get("kind")
+                                    .and_then(mesh_protocol::cbor::Cbor::as_text)
+                                    == Some("assign")
+                            {
+                                let ready = mesh_protocol::cbor::Cbor::text_map([(
+                                    "kind",
+                                    mesh_protocol::cbor::Cbor::text("ready"),
+                                )]);
+                                let _ = mesh_node::runtime::net::msg::write_cbor(&mut send, &ready)
+                                    .await;
+                                let _ = send.finish();
+                            }
+                            held.push(frame);
+                        }
+                    });
+                }
+            });
+        }
+    });
+    (endpoint, peer, opened)
+}
