@@ -326,6 +326,12 @@ struct OwnLanes {
     direct_received: Option<LaneFold>,
 }
 
+/// One request at the coordinator, in phases a reader can follow: admit
+/// (the prompt, the request's places, every steward's grant decision),
+/// drive (the chain, step by step), collect (the bill and the stages'
+/// records), seal (the split's records and the `mesh/1` receipt) and report
+/// (to the requester). What the request holds is released by its `Held` on
+/// every path out of any phase.
 async fn serve_request(
     inner: &Arc<Inner>,
     run: &Arc<Run>,
@@ -333,6 +339,58 @@ async fn serve_request(
     deadline: Deadline,
     requester: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
+    let mut admitted = admit(inner, run, request).await?;
+    let driven = drive(inner, run, request, deadline, &mut admitted, requester).await?;
+    let collected = collect(inner, &mut admitted, &driven).await?;
+    let sealed = seal(inner, run, &admitted, &driven, collected)?;
+    report(inner, run, &admitted, &driven, sealed, requester).await
+}
+
+/// A request the coordinator took: what the chain runs, and what it holds.
+struct Admitted<'a> {
+    held: Held<'a>,
+    request_id: u64,
+    prompt_ids: Vec<u32>,
+    max_new: usize,
+    /// The `mesh/1` request: the requester's own on grants.
+    serve: ServeRequest,
+}
+
+/// What driving the chain gave.
+struct Driven {
+    tokens: Vec<u32>,
+    printed: String,
+    terminal: TerminalState,
+    failure: Option<String>,
+    lanes: OwnLanes,
+    fold_time: Duration,
+    own_compute: Duration,
+    round_trips: Duration,
+    prefill_time: Duration,
+    decode_time: Duration,
+    started: Instant,
+}
+
+/// The request's bill and the stage records that came in.
+struct Collected {
+    metered: crate::runtime::steward::Metered,
+    records: Vec<Vec<SealedRecord>>,
+}
+
+/// The sealed request: its bundle and the `mesh/1` envelope.
+struct Sealed {
+    bundle: serde_json::Value,
+    envelope: mesh_protocol::mesh1::SealedReceipt,
+}
+
+/// Admit: refuse what cannot run before it costs anything, then take the
+/// request's places (a cache, a record slot) and every steward's grant
+/// decision, in that order, so a busy coordinator decides nothing.
+async fn admit<'a>(
+    inner: &'a Arc<Inner>,
+    run: &Arc<Run>,
+    request: &GenerateRequest,
+) -> anyhow::Result<Admitted<'a>> {
     let codec = inner.model.text();
     let context = inner
         .model
@@ -362,12 +420,9 @@ async fn serve_request(
     }
     let max_new = request.max_tokens.clamp(1, context - prompt_ids.len());
     let request_id = u64::from_le_bytes(crate::runtime::keys::random_bytes()?);
-    let n = run.assigns.len() as u32;
     let run_id = run.assigns[0].run_id.clone();
-    let coordinator = inner.tls.did.clone();
-    let return_mode = inner.return_mode;
     let split_key = SplitKey {
-        coordinator_node_id: coordinator.clone(),
+        coordinator_node_id: inner.tls.did.clone(),
         run_id: run_id.clone(),
         request_id,
     };
@@ -440,6 +495,36 @@ async fn serve_request(
             .map_err(|error| anyhow!("grant refused at stage {}: {error:#}", k + 1))?;
         held.authorised.push(peer.clone());
     }
+    Ok(Admitted {
+        held,
+        request_id,
+        prompt_ids,
+        max_new,
+        serve,
+    })
+}
+
+/// Drive: open the chain and run it step by step to the last token, the
+/// deadline, a cancel, a ceiling or a failure; then STOP (or just finish)
+/// and read what the neighbours still send, so every lane is whole.
+async fn drive(
+    inner: &Arc<Inner>,
+    run: &Arc<Run>,
+    request: &GenerateRequest,
+    deadline: Deadline,
+    admitted: &mut Admitted<'_>,
+    requester: &mut quinn::SendStream,
+) -> anyhow::Result<Driven> {
+    let codec = inner.model.text();
+    let held = &mut admitted.held;
+    let request_id = admitted.request_id;
+    let prompt_ids = &admitted.prompt_ids;
+    let max_new = admitted.max_new;
+    let capacity = prompt_ids.len() + max_new;
+    let n = run.assigns.len() as u32;
+    let run_id = run.assigns[0].run_id.clone();
+    let coordinator = inner.tls.did.clone();
+    let return_mode = inner.return_mode;
     let mut lanes = OwnLanes {
         down_sent: lane(&coordinator, &run_id, request_id, 0, Lane::Forward),
         down_replies_received: lane(&coordinator, &run_id, request_id, 0, Lane::Reply),
@@ -795,6 +880,32 @@ async fn serve_request(
     if chain_failed {
         run.stale.store(true, std::sync::atomic::Ordering::Relaxed);
     }
+    Ok(Driven {
+        tokens,
+        printed,
+        terminal,
+        failure,
+        lanes,
+        fold_time: folds.spent,
+        own_compute,
+        round_trips,
+        prefill_time,
+        decode_time,
+        started,
+    })
+}
+
+/// Collect: close the request's bill at its steward (nothing billed for
+/// waiting on a peer that failed), then wait, up to the seal deadline, for
+/// every stage's record.
+async fn collect(
+    inner: &Arc<Inner>,
+    admitted: &mut Admitted<'_>,
+    driven: &Driven,
+) -> anyhow::Result<Collected> {
+    let held = &mut admitted.held;
+    let request_id = admitted.request_id;
+    let terminal = driven.terminal;
     held.release_cache();
     let ticket = held
         .ticket
@@ -826,6 +937,28 @@ async fn serve_request(
     let pending = lock(&inner.collector).take(request_id);
     held.collector = false;
     let records: Vec<Vec<SealedRecord>> = pending.map(|p| p.records).unwrap_or_default();
+    Ok(Collected { metered, records })
+}
+
+/// Seal: the split's records (own block, stage exchanges, chained), then the
+/// `mesh/1` receipt through the steward, and the bundle a requester checks.
+fn seal(
+    inner: &Arc<Inner>,
+    run: &Arc<Run>,
+    admitted: &Admitted<'_>,
+    driven: &Driven,
+    collected: Collected,
+) -> anyhow::Result<Sealed> {
+    let codec = inner.model.text();
+    let request_id = admitted.request_id;
+    let prompt_ids = &admitted.prompt_ids;
+    let serve = &admitted.serve;
+    let (tokens, terminal, lanes) = (&driven.tokens, driven.terminal, &driven.lanes);
+    let Collected { metered, records } = collected;
+    let n = run.assigns.len() as u32;
+    let run_id = run.assigns[0].run_id.clone();
+    let coordinator = inner.tls.did.clone();
+    let return_mode = inner.return_mode;
 
     let own_block = StageBlock {
         side: Side::Coordinator,
@@ -930,8 +1063,8 @@ async fn serve_request(
         output_commitment: Some(output_commitment(
             &opening_value,
             &serve.request_id(),
-            &prompt_payload(&prompt_ids),
-            &tokens,
+            &prompt_payload(prompt_ids),
+            tokens,
         )),
         sequence: 0,
         prev: None,
@@ -971,9 +1104,53 @@ async fn serve_request(
         );
     }
 
+    Ok(Sealed { bundle, envelope })
+}
+
+/// Report: the stages' own figures (best effort), then `done` or `failed`
+/// with the details and the bundle; a cancelled request is sealed all the
+/// same, with nobody to tell.
+async fn report(
+    inner: &Arc<Inner>,
+    run: &Arc<Run>,
+    admitted: &Admitted<'_>,
+    driven: &Driven,
+    sealed: Sealed,
+    requester: &mut quinn::SendStream,
+) -> anyhow::Result<()> {
+    let request_id = admitted.request_id;
+    let prompt_ids = &admitted.prompt_ids;
+    let Driven {
+        tokens,
+        printed,
+        terminal,
+        failure,
+        own_compute,
+        round_trips,
+        prefill_time,
+        decode_time,
+        started,
+        fold_time,
+        ..
+    } = driven;
+    let terminal = *terminal;
+    let Sealed { bundle, envelope } = sealed;
+    if terminal == TerminalState::ClientCancelled {
+        // Sealed and journalled all the same; there is nobody to tell.
+        let counters = &inner.counters;
+        counters
+            .tokens_generated
+            .fetch_add(tokens.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        stats::Counters::bump(&counters.requests_cancelled);
+        return Ok(());
+    }
+    let n = run.assigns.len() as u32;
+    let run_id = run.assigns[0].run_id.clone();
+    let coordinator = inner.tls.did.clone();
+    let return_mode = inner.return_mode;
     // Per-stage compute, as each stage reports it.
     let mut stages = vec![
-        json!({ "stage_index": 0, "node_id": coordinator, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "fold_us": folds.spent.as_micros() as u64 }),
+        json!({ "stage_index": 0, "node_id": coordinator, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "fold_us": fold_time.as_micros() as u64 }),
     ];
     let mut remote_compute = Duration::ZERO;
     // Figures are best effort: asked of every stage at once, and a stage that
@@ -1015,7 +1192,7 @@ async fn serve_request(
         "decode_tokens_per_s": (tokens.len().saturating_sub(1)) as f64 / decode_time.as_secs_f64().max(1e-9),
         "stages": stages,
         "per_hop_overhead_us": overhead.as_secs_f64() * 1e6 / steps / hops.max(1.0),
-        "fold_share": folds.spent.as_secs_f64() / started.elapsed().as_secs_f64().max(1e-9),
+        "fold_share": fold_time.as_secs_f64() / started.elapsed().as_secs_f64().max(1e-9),
         "receipt": {
             "steward": envelope.receipt.steward,
             "sequence": envelope.receipt.sequence,
@@ -1032,7 +1209,7 @@ async fn serve_request(
             "kind",
             Cbor::text(if failure.is_some() { "failed" } else { "done" }),
         ),
-        ("text", Cbor::text(&printed)),
+        ("text", Cbor::text(printed.as_str())),
         ("terminal_state", Cbor::text(terminal.as_str())),
         ("error", Cbor::text(failure.clone().unwrap_or_default())),
         ("details", Cbor::bytes(serde_json::to_vec(&details)?)),
@@ -1042,11 +1219,6 @@ async fn serve_request(
     counters
         .tokens_generated
         .fetch_add(tokens.len() as u64, std::sync::atomic::Ordering::Relaxed);
-    if terminal == TerminalState::ClientCancelled {
-        // Sealed and journalled all the same; there is nobody to tell.
-        stats::Counters::bump(&counters.requests_cancelled);
-        return Ok(());
-    }
     stats::Counters::bump(if failure.is_some() {
         &counters.requests_failed
     } else {
