@@ -1,8 +1,10 @@
 //! The commands' logic: serve, generate, demo and grants (`node_cli`), the
 //! in-process engine commands (`engine_cli`), the real model's download
-//! (`models`) and human-readable output (`render`).
+//! (`models`), offline verification (`verify`) and human-readable output
+//! (`render`).
 
 pub mod engine_cli;
 pub mod models;
 pub mod node_cli;
 pub mod render;
+pub mod verify;
