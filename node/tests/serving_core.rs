@@ -182,13 +182,16 @@ async fn a_thousand_busy_refusals_leave_every_pool_empty() {
     let model = synthetic(dir.path());
     let mut b = Setup::stage(&model, dir.path(), "b", 2);
     b.max_requests = 1;
+    // Stage 1 and the coordinator wait for the stalled stage far longer
+    // than the refusals take, however slow the machine.
+    b.step_timeout = Duration::from_secs(600);
     let b = b.start().await;
     // Stage 2 takes every request and never answers: the one request the
     // coordinator admits holds its place until that stage goes away.
     let (stall, c) = common::nodes::stalling_stage(&common::nodes::key(3)).await;
     let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c]);
     a.max_requests = 1;
-    a.step_timeout = Duration::from_secs(120);
+    a.step_timeout = Duration::from_secs(600);
     let a = a.start().await;
     let coordinator = a.peer_addr();
     let held = {

@@ -248,10 +248,13 @@ pub async fn observed_stalling_stage(
                                     .and_then(mesh_protocol::cbor::Cbor::as_text)
                                     == Some("assign")
                             {
-                                let ready = mesh_protocol::cbor::Cbor::text_map([(
-                                    "kind",
-                                    mesh_protocol::cbor::Cbor::text("ready"),
-                                )]);
+                                // Keeps its slice ten minutes, so the
+                                // coordinator does not assign again before
+                                // every request.
+                                let ready = mesh_protocol::cbor::Cbor::text_map([
+                                    ("kind", mesh_protocol::cbor::Cbor::text("ready")),
+                                    ("slice_idle_ms", mesh_protocol::cbor::Cbor::Uint(600_000)),
+                                ]);
                                 let _ = mesh_node::runtime::net::msg::write_cbor(&mut send, &ready)
                                     .await;
                                 let _ = send.finish();

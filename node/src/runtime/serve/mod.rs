@@ -1138,6 +1138,47 @@ async fn write_forward(
     Ok(())
 }
 
+/// What a stage reads from OPEN.
+struct StageOpen {
+    run_id: String,
+    capacity: usize,
+    prefill_steps: u64,
+    deadline: Deadline,
+    return_mode: ReturnMode,
+}
+
+impl StageOpen {
+    fn parse(payload: &[u8], inner: &Inner) -> anyhow::Result<Self> {
+        let open = Cbor::decode(payload).context("malformed OPEN")?;
+        let mut f = Fields::of(&open)?.text_limit(MAX_CONTROL_TEXT);
+        let parsed = Self {
+            run_id: f.text("run_id")?.to_string(),
+            capacity: f.uint("capacity")? as usize,
+            prefill_steps: f.opt_uint("prefill_steps")?.unwrap_or(1).max(1),
+            // The time its coordinator left the request, and one step
+            // timeout more: at the deadline the coordinator's STOP ends the
+            // request after the step in flight, and the coordinator reads
+            // what this stage still sends for that long, so every hop's
+            // lanes stay whole. This stage's own clock ends the request only
+            // when its coordinator has gone quiet.
+            deadline: Deadline::after(
+                f.opt_uint("deadline_ms")?
+                    .map_or(inner.request_timeout, Duration::from_millis)
+                    .saturating_add(inner.step_timeout),
+            ),
+            return_mode: match f.opt_text("return_mode")? {
+                Some("direct") => ReturnMode::Direct,
+                _ => ReturnMode::Relayed,
+            },
+        };
+        // Carried down the chain as they are; the assignment is what counts.
+        f.opt_text("coordinator")?;
+        f.opt_uint("stage_count")?;
+        f.finish().context("OPEN")?;
+        Ok(parsed)
+    }
+}
+
 async fn handle_stage(
     inner: Arc<Inner>,
     peer: [u8; 32],
@@ -1171,29 +1212,19 @@ async fn handle_stage(
     if message_kind != kind::OPEN {
         bail!("a stage stream must start with OPEN");
     }
-    let open = Cbor::decode(payload).context("malformed OPEN")?;
-    let mut f = Fields::of(&open)?.text_limit(MAX_CONTROL_TEXT);
-    let run_id = f.text("run_id")?.to_string();
-    let capacity = f.uint("capacity")? as usize;
-    let prefill_steps = f.opt_uint("prefill_steps")?.unwrap_or(1).max(1);
-    // The time its coordinator left the request, and one step timeout more:
-    // at the deadline the coordinator's STOP ends the request after the step
-    // in flight, and the coordinator reads what this stage still sends for
-    // that long, so every hop's lanes stay whole. This stage's own clock
-    // ends the request only when its coordinator has gone quiet.
-    let deadline = Deadline::after(
-        f.opt_uint("deadline_ms")?
-            .map_or(inner.request_timeout, Duration::from_millis)
-            .saturating_add(inner.step_timeout),
-    );
-    let return_mode = match f.opt_text("return_mode")? {
-        Some("direct") => ReturnMode::Direct,
-        _ => ReturnMode::Relayed,
+    let open = match StageOpen::parse(payload, &inner) {
+        Ok(open) => open,
+        Err(error) => {
+            return refuse_stage(&inner, &mut up_send, request_id, format!("{error:#}")).await;
+        }
     };
-    // Carried down the chain as they are; the assignment is what counts.
-    f.opt_text("coordinator")?;
-    f.opt_uint("stage_count")?;
-    f.finish().context("OPEN")?;
+    let StageOpen {
+        run_id,
+        capacity,
+        prefill_steps,
+        deadline,
+        return_mode,
+    } = open;
     let slot = lock(&inner.slots).get(&run_id).cloned();
     let Some(slot) = slot else {
         return refuse_stage(
