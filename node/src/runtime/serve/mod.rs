@@ -1179,12 +1179,64 @@ impl StageOpen {
     }
 }
 
+/// One request on a stage, in phases: admit (OPEN read and checked, the
+/// sender the assigned upstream, a grant decision, a cache), run (the
+/// request's steps, then whatever the neighbours still send) and seal (the
+/// steward's receipt, the stage record pushed to the coordinator).
 async fn handle_stage(
     inner: Arc<Inner>,
     peer: [u8; 32],
+    up_send: quinn::SendStream,
+    up_recv: quinn::RecvStream,
+) -> anyhow::Result<()> {
+    let Some(admitted) = admit_stage(&inner, peer, up_send, up_recv).await? else {
+        return Ok(());
+    };
+    let ran = run_stage(&inner, admitted).await;
+    // A failed run was reported and logged where it failed; its record is
+    // sealed and pushed all the same.
+    seal_stage(&inner, ran).await
+}
+
+/// A request a stage took.
+struct StageAdmitted {
+    slot: Arc<Slot>,
+    request_id: u64,
+    /// OPEN, as it came: folded, and forwarded to the next stage.
+    first: Vec<u8>,
+    run_id: String,
+    prefill_steps: u64,
+    deadline: Deadline,
+    return_mode: ReturnMode,
+    ticket: crate::runtime::steward::ServeTicket,
+    served: ServeRequest,
+    cache: Option<CacheLease>,
+    up_send: quinn::SendStream,
+    up_recv: quinn::RecvStream,
+}
+
+/// What running a request on a stage left to seal.
+struct StageRan {
+    slot: Arc<Slot>,
+    request_id: u64,
+    run_id: String,
+    return_mode: ReturnMode,
+    ticket: crate::runtime::steward::ServeTicket,
+    served: ServeRequest,
+    lanes: StageLanes,
+    tokens: Tokens,
+    terminal: TerminalState,
+}
+
+/// Admit: read OPEN (or hand a direct return to the request waiting for
+/// it), check its sender is this slice's upstream, decide the grant, open
+/// the cache. `None`: handed off or refused (FAILED already sent).
+async fn admit_stage(
+    inner: &Arc<Inner>,
+    peer: [u8; 32],
     mut up_send: quinn::SendStream,
     mut up_recv: quinn::RecvStream,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<StageAdmitted>> {
     // Only an opening message's worth is read before the sender is checked.
     let first = msg::read(&mut up_recv, MAX_STAGE_OPEN, msg::IDLE_TIMEOUT, None)
         .await?
@@ -1207,15 +1259,17 @@ async fn handle_stage(
                 "a direct-return stream for request {request_id}, which is not waiting for one from this peer"
             ),
         }
-        return Ok(());
+        return Ok(None);
     }
     if message_kind != kind::OPEN {
         bail!("a stage stream must start with OPEN");
     }
-    let open = match StageOpen::parse(payload, &inner) {
+    let open = match StageOpen::parse(payload, inner) {
         Ok(open) => open,
         Err(error) => {
-            return refuse_stage(&inner, &mut up_send, request_id, format!("{error:#}")).await;
+            return refuse_stage(inner, &mut up_send, request_id, format!("{error:#}"))
+                .await
+                .map(|()| None);
         }
     };
     let StageOpen {
@@ -1228,16 +1282,17 @@ async fn handle_stage(
     let slot = lock(&inner.slots).get(&run_id).cloned();
     let Some(slot) = slot else {
         return refuse_stage(
-            &inner,
+            inner,
             &mut up_send,
             request_id,
             format!("{NO_SLICE} {run_id}"),
         )
-        .await;
+        .await
+        .map(|()| None);
     };
     if slot.assign.upstream != peer {
         return refuse_stage(
-            &inner,
+            inner,
             &mut up_send,
             request_id,
             format!(
@@ -1245,13 +1300,11 @@ async fn handle_stage(
                 did_key(&peer)
             ),
         )
-        .await;
+        .await
+        .map(|()| None);
     }
     slot.touch();
     let assign = &slot.assign;
-    let coordinator = did_key(&assign.coordinator);
-    let k = assign.stage_index;
-    let is_final = k + 1 == assign.stage_count;
 
     // Decide (or take the decision already made for) the grant first, then
     // the cache: a refusal at either releases what the other holds.
@@ -1265,7 +1318,7 @@ async fn handle_stage(
             _ => None,
         }
     };
-    let (mut ticket, served) = match pre_decided {
+    let (ticket, served) = match pre_decided {
         Some(decided) => (decided.ticket, decided.serve),
         None => {
             let serve = span_request(capacity);
@@ -1279,23 +1332,63 @@ async fn handle_stage(
             match decided {
                 Ok(ticket) => (ticket, serve),
                 Err(error) => {
-                    return refuse_stage(&inner, &mut up_send, request_id, format!("{error}"))
-                        .await;
+                    return refuse_stage(inner, &mut up_send, request_id, format!("{error}"))
+                        .await
+                        .map(|()| None);
                 }
             }
         }
     };
     // The request's cache: freed when `cache` is dropped, on every path.
-    let mut cache = match slot.pool.open(&slot.slice, request_id, capacity) {
+    let cache = match slot.pool.open(&slot.slice, request_id, capacity) {
         Ok(cache) => {
             stats::Counters::bump(&inner.counters.stage_requests);
             Some(cache)
         }
         Err(error) => {
             inner.release_ticket(ticket);
-            return refuse_stage(&inner, &mut up_send, request_id, format!("{error}")).await;
+            return refuse_stage(inner, &mut up_send, request_id, format!("{error}"))
+                .await
+                .map(|()| None);
         }
     };
+    Ok(Some(StageAdmitted {
+        slot,
+        request_id,
+        first,
+        run_id,
+        prefill_steps,
+        deadline,
+        return_mode,
+        ticket,
+        served,
+        cache,
+        up_send,
+        up_recv,
+    }))
+}
+
+/// Run: open the next hop, then every step (forward it, or return logits),
+/// to STOP or a failure; on a failure, say why upstream once and read what
+/// the neighbours still send, so every lane is whole.
+async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
+    let StageAdmitted {
+        slot,
+        request_id,
+        first,
+        run_id,
+        prefill_steps,
+        deadline,
+        return_mode,
+        mut ticket,
+        served,
+        mut cache,
+        mut up_send,
+        up_recv,
+    } = admitted;
+    let assign = &slot.assign;
+    let coordinator = did_key(&assign.coordinator);
+    let k = assign.stage_index;
     let mut folds = Folds {
         spent: Duration::ZERO,
     };
@@ -1581,6 +1674,39 @@ async fn handle_stage(
     stats.fold = folds.spent;
     inner.record_stats(request_id, stats);
 
+    StageRan {
+        slot,
+        request_id,
+        run_id,
+        return_mode,
+        ticket,
+        served,
+        lanes,
+        tokens,
+        terminal,
+    }
+}
+
+/// Seal: the steward's receipt for the metered span (nothing billed for
+/// waiting on a peer that failed), and the stage record, pushed to the
+/// coordinator.
+async fn seal_stage(inner: &Arc<Inner>, ran: StageRan) -> anyhow::Result<()> {
+    let StageRan {
+        slot,
+        request_id,
+        run_id,
+        return_mode,
+        ticket,
+        served,
+        lanes,
+        tokens,
+        terminal,
+        ..
+    } = ran;
+    let assign = &slot.assign;
+    let coordinator = did_key(&assign.coordinator);
+    let k = assign.stage_index;
+    let is_final = k + 1 == assign.stage_count;
     // The stage's own evidence: its steward's receipt for the metered span,
     // and its stage record, pushed to the coordinator.
     let metered = {
@@ -1594,7 +1720,7 @@ async fn handle_stage(
         }
     };
     if let Ok(metered) = metered {
-        let receipt = stage_receipt(&inner, request_id, &run_id, k, &tokens, &served, &metered);
+        let receipt = stage_receipt(inner, request_id, &run_id, k, &tokens, &served, &metered);
         if let Err(error) = lock(&inner.steward).seal(receipt) {
             tracing::error!(request_id, "stage receipt not sealed: {error}");
         }
@@ -1650,8 +1776,7 @@ async fn handle_stage(
         data_path_observed: None,
         coordinator_observed: None,
     };
-    push_stage_record(&inner, assign, &block).await?;
-    outcome.or(Ok(()))
+    push_stage_record(inner, assign, &block).await
 }
 
 /// The request a stage's steward meters a span for: a stage never sees the
