@@ -17,6 +17,7 @@ pub mod identity;
 pub mod json;
 pub mod mesh1;
 pub mod receipt;
+pub mod session;
 pub mod split;
 pub mod verify;
 

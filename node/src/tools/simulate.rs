@@ -6,14 +6,15 @@
 
 use mesh_protocol::SigningKey;
 use mesh_protocol::block::{
-    DirectReturn, Downstream, ReturnMode, Side, StageBlock, TerminalState, Tokens, Upstream,
+    DirectReturn, Downstream, ReturnMode, SplitKey, StageBlock, TerminalState, Tokens, Upstream,
 };
 use mesh_protocol::capsule::{
     Producer, RecordContext, SealedRecord, format_timestamp, stage_record,
 };
-use mesh_protocol::fold::{Lane, LaneContext, LaneDigest, LaneFold};
+use mesh_protocol::fold::{Lane, LaneDigest, LaneFold};
 use mesh_protocol::identity::did_key;
 use mesh_protocol::receipt::{Assignment, DEFAULT_STAGE_SEAL_DEADLINE_MS};
+use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
 use mesh_protocol::split::{SealEnvironment, SealedSplit, SplitSealInput, seal_split};
 use sha2::{Digest, Sha256};
 
@@ -118,8 +119,7 @@ fn frame(label: &str, len: usize) -> Vec<u8> {
     deterministic_bytes(label, len)
 }
 
-fn fold(context: &LaneContext<'_>, frames: &[Vec<u8>]) -> LaneDigest {
-    let mut folder = LaneFold::new(context);
+fn fold(mut folder: LaneFold, frames: &[Vec<u8>]) -> LaneDigest {
     for frame in frames {
         // Fold in pieces, as bytes come off a stream.
         for piece in frame.chunks(61) {
@@ -153,14 +153,16 @@ pub fn simulate(scenario: &Scenario) -> SimulatedRun {
             package_id,
         })
         .collect();
-    let context = |hop: usize, lane: Lane| LaneContext {
-        salt: b"",
-        coordinator_node_id: &coordinator_id,
-        run_id: RUN_ID,
-        request_id: REQUEST_ID,
-        hop_index: hop as u32,
-        lane,
+    let scope = RequestScope {
+        split: SplitKey {
+            coordinator_node_id: coordinator_id.clone(),
+            run_id: RUN_ID.into(),
+            request_id: REQUEST_ID,
+        },
+        stage_count: n as u32,
+        return_mode: scenario.return_mode,
     };
+    let context = |hop: usize, lane: Lane| scope.lane(hop as u32, lane);
     let relayed = scenario.return_mode == ReturnMode::Relayed;
     let steps = 1 + scenario.decode_tokens as usize;
 
@@ -201,42 +203,34 @@ pub fn simulate(scenario: &Scenario) -> SimulatedRun {
             .collect()
     };
 
-    let base = StageBlock {
-        side: Side::Coordinator,
-        coordinator_node_id: coordinator_id.clone(),
-        run_id: RUN_ID.into(),
-        request_id: REQUEST_ID,
+    let facts = |k: usize, layer_start: u32, layer_end: u32| SliceFacts {
         topology_hash: mesh_protocol::hex::encode(&deterministic_32("mesh-node vectors: topology")),
-        stage_index: 0,
-        stage_count: n as u32,
-        layer_start: topology[0].layer_start,
-        layer_end: topology[0].layer_end,
+        stage_index: k as u32,
+        layer_start,
+        layer_end,
         package_id,
         manifest_sha256: deterministic_32("mesh-node vectors: manifest"),
         source_model_sha256: deterministic_32("mesh-node vectors: source model"),
-        return_mode: scenario.return_mode,
-        upstream: None,
-        downstream: None,
-        direct_return: None,
-        tokens: Some(Tokens {
-            prefill_received: scenario.prefill_tokens,
-            decode: scenario.decode_tokens,
-        }),
-        terminal_state: scenario.terminal_state,
-        coordinator_term: None,
-        data_path_observed: None,
-        coordinator_observed: None,
     };
-    let own = StageBlock {
-        downstream: Some(Downstream {
-            sent: fold(&context(0, Lane::Forward), &forward_sent[0]),
-            replies_received: fold(&context(0, Lane::Reply), &replies[0]),
-        }),
-        direct_return: (!relayed).then(|| {
-            DirectReturn::Received(fold(&context(n - 1, Lane::DirectReturn), &direct_frames))
-        }),
-        ..base.clone()
+    let tokens = Tokens {
+        prefill_received: scenario.prefill_tokens,
+        decode: scenario.decode_tokens,
     };
+    let own = scope.block(
+        &facts(0, topology[0].layer_start, topology[0].layer_end),
+        HopDigests {
+            upstream: None,
+            downstream: Some(Downstream {
+                sent: fold(context(0, Lane::Forward), &forward_sent[0]),
+                replies_received: fold(context(0, Lane::Reply), &replies[0]),
+            }),
+            direct_return: (!relayed).then(|| {
+                DirectReturn::Received(fold(context(n - 1, Lane::DirectReturn), &direct_frames))
+            }),
+        },
+        tokens,
+        scenario.terminal_state,
+    );
 
     let timestamp = format_timestamp(TIMESTAMP_MILLIS);
     let mut stage_records: Vec<Vec<SealedRecord>> = vec![Vec::new()];
@@ -248,24 +242,24 @@ pub fn simulate(scenario: &Scenario) -> SimulatedRun {
             }
             _ => (topology[k].layer_start, topology[k].layer_end),
         };
-        let block = StageBlock {
-            side: Side::Stage,
-            stage_index: k as u32,
-            layer_start,
-            layer_end,
-            upstream: Some(Upstream {
-                received: fold(&context(k - 1, Lane::Forward), &forward_received[k - 1]),
-                replies_sent: fold(&context(k - 1, Lane::Reply), &replies[k - 1]),
-            }),
-            downstream: (!is_final).then(|| Downstream {
-                sent: fold(&context(k, Lane::Forward), &forward_sent[k]),
-                replies_received: fold(&context(k, Lane::Reply), &replies[k]),
-            }),
-            direct_return: (!relayed && is_final).then(|| {
-                DirectReturn::Sent(fold(&context(n - 1, Lane::DirectReturn), &direct_frames))
-            }),
-            ..base.clone()
-        };
+        let block = scope.block(
+            &facts(k, layer_start, layer_end),
+            HopDigests {
+                upstream: Some(Upstream {
+                    received: fold(context(k - 1, Lane::Forward), &forward_received[k - 1]),
+                    replies_sent: fold(context(k - 1, Lane::Reply), &replies[k - 1]),
+                }),
+                downstream: (!is_final).then(|| Downstream {
+                    sent: fold(context(k, Lane::Forward), &forward_sent[k]),
+                    replies_received: fold(context(k, Lane::Reply), &replies[k]),
+                }),
+                direct_return: (!relayed && is_final).then(|| {
+                    DirectReturn::Sent(fold(context(n - 1, Lane::DirectReturn), &direct_frames))
+                }),
+            },
+            tokens,
+            scenario.terminal_state,
+        );
         let mut records = Vec::new();
         let copies = match scenario.fault {
             Fault::StageSilent { stage } if stage == k => 0,

@@ -3,6 +3,7 @@
 use super::*;
 
 use mesh_protocol::json::canonical_bytes;
+use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
 use serde_json::json;
 
 /// What a requester asks for.
@@ -350,6 +351,8 @@ async fn serve_request(
 struct Admitted<'a> {
     held: Held<'a>,
     request_id: u64,
+    /// Which request on which split: names its lanes and its block.
+    scope: RequestScope,
     prompt_ids: Vec<u32>,
     max_new: usize,
     /// The `mesh/1` request: the requester's own on grants.
@@ -498,6 +501,11 @@ async fn admit<'a>(
     Ok(Admitted {
         held,
         request_id,
+        scope: RequestScope {
+            split: split_key,
+            stage_count: run.assigns.len() as u32,
+            return_mode: inner.return_mode,
+        },
         prompt_ids,
         max_new,
         serve,
@@ -526,10 +534,10 @@ async fn drive(
     let coordinator = inner.tls.did.clone();
     let return_mode = inner.return_mode;
     let mut lanes = OwnLanes {
-        down_sent: lane(&coordinator, &run_id, request_id, 0, Lane::Forward),
-        down_replies_received: lane(&coordinator, &run_id, request_id, 0, Lane::Reply),
+        down_sent: admitted.scope.lane(0, Lane::Forward),
+        down_replies_received: admitted.scope.lane(0, Lane::Reply),
         direct_received: (return_mode == ReturnMode::Direct)
-            .then(|| lane(&coordinator, &run_id, request_id, n - 1, Lane::DirectReturn)),
+            .then(|| admitted.scope.lane(n - 1, Lane::DirectReturn)),
     };
     let mut folds = Folds {
         spent: Duration::ZERO,
@@ -950,48 +958,39 @@ fn seal(
     collected: Collected,
 ) -> anyhow::Result<Sealed> {
     let codec = inner.model.text();
-    let request_id = admitted.request_id;
     let prompt_ids = &admitted.prompt_ids;
     let serve = &admitted.serve;
     let (tokens, terminal, lanes) = (&driven.tokens, driven.terminal, &driven.lanes);
     let Collected { metered, records } = collected;
     let n = run.assigns.len() as u32;
-    let run_id = run.assigns[0].run_id.clone();
-    let coordinator = inner.tls.did.clone();
-    let return_mode = inner.return_mode;
 
-    let own_block = StageBlock {
-        side: Side::Coordinator,
-        coordinator_node_id: coordinator.clone(),
-        run_id: run_id.clone(),
-        request_id,
-        topology_hash: run.assigns[0].topology_hash.clone(),
-        stage_index: 0,
-        stage_count: n,
-        layer_start: run.own.slice.range.start,
-        layer_end: run.own.slice.range.end,
-        package_id: inner.model.package_id(),
-        manifest_sha256: run.assigns[0].manifest,
-        source_model_sha256: inner.model.package_id(),
-        return_mode,
-        upstream: None,
-        downstream: Some(Downstream {
-            sent: lanes.down_sent.digest(),
-            replies_received: lanes.down_replies_received.digest(),
-        }),
-        direct_return: lanes
-            .direct_received
-            .as_ref()
-            .map(|f| DirectReturn::Received(f.digest())),
-        tokens: Some(Tokens {
+    let own_block = admitted.scope.block(
+        &SliceFacts {
+            topology_hash: run.assigns[0].topology_hash.clone(),
+            stage_index: 0,
+            layer_start: run.own.slice.range.start,
+            layer_end: run.own.slice.range.end,
+            package_id: inner.model.package_id(),
+            manifest_sha256: run.assigns[0].manifest,
+            source_model_sha256: inner.model.package_id(),
+        },
+        HopDigests {
+            upstream: None,
+            downstream: Some(Downstream {
+                sent: lanes.down_sent.digest(),
+                replies_received: lanes.down_replies_received.digest(),
+            }),
+            direct_return: lanes
+                .direct_received
+                .as_ref()
+                .map(|f| DirectReturn::Received(f.digest())),
+        },
+        Tokens {
             prefill_received: prompt_ids.len() as u64,
             decode: tokens.len().saturating_sub(1) as u64,
-        }),
-        terminal_state: terminal,
-        coordinator_term: None,
-        data_path_observed: None,
-        coordinator_observed: None,
-    };
+        },
+        terminal,
+    );
     let nonces = (0..n)
         .map(|_| crate::runtime::keys::random_bytes())
         .collect::<anyhow::Result<Vec<_>>>()?;

@@ -11,20 +11,20 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, anyhow, bail};
 use mesh_protocol::SigningKey;
 use mesh_protocol::block::{
-    DirectReturn, Downstream, ReturnMode, Side, SplitKey, StageBlock, TerminalState, Tokens,
-    Upstream,
+    DirectReturn, Downstream, ReturnMode, SplitKey, StageBlock, TerminalState, Tokens, Upstream,
 };
 use mesh_protocol::capsule::{
     Producer, RecordContext, SealedRecord, format_timestamp, stage_record,
 };
 use mesh_protocol::cbor::{Cbor, Fields};
-use mesh_protocol::fold::{Lane, LaneContext, LaneFold};
+use mesh_protocol::fold::{Lane, LaneFold};
 use mesh_protocol::identity::{did_key, parse_did_key};
 use mesh_protocol::mesh1::{
     Fidelity, MeshReceipt, ServeRequest, WeightsBinding, opening, output_commitment, prompt_hash,
     prompt_payload,
 };
 use mesh_protocol::receipt::Assignment;
+use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
 use mesh_protocol::split::{SealEnvironment, SplitSealInput, seal_split};
 use mesh_stage::cache::{CacheLease, CachePool};
 use mesh_stage::frame::{WireDType, decode_frame, encode_frame};
@@ -655,17 +655,6 @@ impl Inner {
     }
 }
 
-fn lane(coordinator: &str, run_id: &str, request_id: u64, hop: u32, lane: Lane) -> LaneFold {
-    LaneFold::new(&LaneContext {
-        salt: b"",
-        coordinator_node_id: coordinator,
-        run_id,
-        request_id,
-        hop_index: hop,
-        lane,
-    })
-}
-
 /// Time spent folding, measured around the fold calls of one request.
 struct Folds {
     spent: Duration,
@@ -1220,9 +1209,9 @@ struct StageRan {
     slot: Arc<Slot>,
     request_id: u64,
     run_id: String,
-    return_mode: ReturnMode,
     ticket: crate::runtime::steward::ServeTicket,
     served: ServeRequest,
+    scope: RequestScope,
     lanes: StageLanes,
     tokens: Tokens,
     terminal: TerminalState,
@@ -1389,12 +1378,21 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
     let assign = &slot.assign;
     let coordinator = did_key(&assign.coordinator);
     let k = assign.stage_index;
+    let scope = RequestScope {
+        split: SplitKey {
+            coordinator_node_id: coordinator.clone(),
+            run_id: run_id.clone(),
+            request_id,
+        },
+        stage_count: assign.stage_count,
+        return_mode,
+    };
     let mut folds = Folds {
         spent: Duration::ZERO,
     };
     let mut lanes = StageLanes {
-        up_received: lane(&coordinator, &run_id, request_id, k - 1, Lane::Forward),
-        up_replies_sent: lane(&coordinator, &run_id, request_id, k - 1, Lane::Reply),
+        up_received: scope.lane(k - 1, Lane::Forward),
+        up_replies_sent: scope.lane(k - 1, Lane::Reply),
         down_sent: None,
         down_replies_received: None,
         direct_sent: None,
@@ -1420,11 +1418,11 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
     let outcome: anyhow::Result<()> = async {
         if let Some(next) = &assign.downstream {
             let (mut send, recv) = inner.open(next, ALPN_STAGE).await?;
-            let mut sent = lane(&coordinator, &run_id, request_id, k, Lane::Forward);
+            let mut sent = scope.lane(k, Lane::Forward);
             write_forward(&mut send, &first[4..], &mut sent, &mut folds, k, 0).await?;
             lanes.down_sent = Some(sent);
             lanes.down_replies_received =
-                Some(lane(&coordinator, &run_id, request_id, k, Lane::Reply));
+                Some(scope.lane(k, Lane::Reply));
             if return_mode == ReturnMode::Direct {
                 down_watch = Some(spawn_frames(recv));
                 down = Some((send, None));
@@ -1437,13 +1435,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                 addr: assign.coordinator_addr,
             };
             let (mut send, _recv) = inner.open(&coordinator_peer, ALPN_STAGE).await?;
-            let mut fold = lane(
-                &coordinator,
-                &run_id,
-                request_id,
-                assign.stage_count - 1,
-                Lane::DirectReturn,
-            );
+            let mut fold = scope.lane(scope.final_stage(), Lane::DirectReturn);
             msg::write(
                 &mut send,
                 &msg::stage_body(kind::DIRECT_OPEN, request_id, 0, &[]),
@@ -1678,9 +1670,9 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         slot,
         request_id,
         run_id,
-        return_mode,
         ticket,
         served,
+        scope,
         lanes,
         tokens,
         terminal,
@@ -1695,16 +1687,15 @@ async fn seal_stage(inner: &Arc<Inner>, ran: StageRan) -> anyhow::Result<()> {
         slot,
         request_id,
         run_id,
-        return_mode,
         ticket,
         served,
+        scope,
         lanes,
         tokens,
         terminal,
         ..
     } = ran;
     let assign = &slot.assign;
-    let coordinator = did_key(&assign.coordinator);
     let k = assign.stage_index;
     let is_final = k + 1 == assign.stage_count;
     // The stage's own evidence: its steward's receipt for the metered span,
@@ -1725,57 +1716,40 @@ async fn seal_stage(inner: &Arc<Inner>, ran: StageRan) -> anyhow::Result<()> {
             tracing::error!(request_id, "stage receipt not sealed: {error}");
         }
     }
-    let block = StageBlock {
-        side: Side::Stage,
-        coordinator_node_id: coordinator.clone(),
-        run_id: run_id.clone(),
-        request_id,
-        topology_hash: assign.topology_hash.clone(),
-        stage_index: k,
-        stage_count: assign.stage_count,
-        layer_start: slot.slice.range.start,
-        layer_end: slot.slice.range.end,
-        package_id: inner.model.package_id(),
-        manifest_sha256: assign.manifest,
-        source_model_sha256: inner.model.package_id(),
-        return_mode,
-        upstream: Some(Upstream {
-            received: lanes.up_received.digest(),
-            replies_sent: lanes.up_replies_sent.digest(),
-        }),
-        downstream: match (&lanes.down_sent, &lanes.down_replies_received) {
-            (Some(sent), Some(received)) => Some(Downstream {
-                sent: sent.digest(),
-                replies_received: received.digest(),
+    let block = scope.block(
+        &SliceFacts {
+            topology_hash: assign.topology_hash.clone(),
+            stage_index: k,
+            layer_start: slot.slice.range.start,
+            layer_end: slot.slice.range.end,
+            package_id: inner.model.package_id(),
+            manifest_sha256: assign.manifest,
+            source_model_sha256: inner.model.package_id(),
+        },
+        HopDigests {
+            upstream: Some(Upstream {
+                received: lanes.up_received.digest(),
+                replies_sent: lanes.up_replies_sent.digest(),
             }),
-            _ => None,
+            downstream: match (&lanes.down_sent, &lanes.down_replies_received) {
+                (Some(sent), Some(received)) => Some(Downstream {
+                    sent: sent.digest(),
+                    replies_received: received.digest(),
+                }),
+                _ => None,
+            },
+            // A final stage that never opened its direct return folded
+            // nothing on it.
+            direct_return: (is_final && scope.return_mode == ReturnMode::Direct).then(|| {
+                DirectReturn::Sent(lanes.direct_sent.as_ref().map_or_else(
+                    || scope.lane(scope.final_stage(), Lane::DirectReturn).digest(),
+                    LaneFold::digest,
+                ))
+            }),
         },
-        direct_return: if is_final && return_mode == ReturnMode::Direct {
-            Some(DirectReturn::Sent(
-                lanes
-                    .direct_sent
-                    .as_ref()
-                    .map(LaneFold::digest)
-                    .unwrap_or_else(|| {
-                        lane(
-                            &coordinator,
-                            &run_id,
-                            request_id,
-                            assign.stage_count - 1,
-                            Lane::DirectReturn,
-                        )
-                        .digest()
-                    }),
-            ))
-        } else {
-            None
-        },
-        tokens: Some(tokens),
-        terminal_state: terminal,
-        coordinator_term: None,
-        data_path_observed: None,
-        coordinator_observed: None,
-    };
+        tokens,
+        terminal,
+    );
     push_stage_record(inner, assign, &block).await
 }
 
