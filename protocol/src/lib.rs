@@ -19,6 +19,7 @@ pub mod mesh1;
 pub mod receipt;
 pub mod session;
 pub mod split;
+pub mod stage_frame;
 pub mod verify;
 
 pub use ed25519_dalek::{SigningKey, VerifyingKey};

@@ -168,44 +168,23 @@ pub async fn read_cbor(
     }
 }
 
+use mesh_protocol::stage_frame::StageHeader;
 /// Kinds of `mesh-stage/1` messages.
-pub mod kind {
-    /// Upstream opens a request on a hop (payload: det-CBOR request header).
-    pub const OPEN: u8 = 1;
-    /// Activations for the next positions (payload: an activation frame).
-    pub const ACTIVATIONS: u8 = 2;
-    /// The request ended (payload: det-CBOR `{terminal_state}`).
-    pub const STOP: u8 = 3;
-    /// The final stage opens its direct-return stream to stage 0.
-    pub const DIRECT_OPEN: u8 = 4;
-    /// Reply: logits of the last position (payload: f32 LE).
-    pub const LOGITS: u8 = 16;
-    /// Reply: the stage failed (payload: UTF-8 reason).
-    pub const FAILED: u8 = 17;
-}
-
-/// Header of a stage message body: `kind u8 ‖ request_id u64 LE ‖ step u32 LE`.
-pub const STAGE_HEADER: usize = 13;
+pub use mesh_protocol::stage_frame::{STAGE_HEADER, kind};
 
 pub fn stage_body(kind: u8, request_id: u64, step: u32, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(STAGE_HEADER + payload.len());
-    out.push(kind);
-    out.extend_from_slice(&request_id.to_le_bytes());
-    out.extend_from_slice(&step.to_le_bytes());
-    out.extend_from_slice(payload);
-    out
+    StageHeader {
+        kind,
+        request_id,
+        step,
+    }
+    .encode(payload)
 }
 
 /// Parse a stage frame (prefix included): kind, request id, step, payload.
+/// A short body or an unknown kind is refused.
 pub fn parse_stage(frame: &[u8]) -> anyhow::Result<(u8, u64, u32, &[u8])> {
     let body = frame.get(4..).context("short frame")?;
-    if body.len() < STAGE_HEADER {
-        bail!(
-            "stage message of {} bytes is shorter than its header",
-            body.len()
-        );
-    }
-    let request_id = u64::from_le_bytes(body[1..9].try_into().context("header")?);
-    let step = u32::from_le_bytes(body[9..13].try_into().context("header")?);
-    Ok((body[0], request_id, step, &body[STAGE_HEADER..]))
+    let (header, payload) = StageHeader::parse(body)?;
+    Ok((header.kind, header.request_id, header.step, payload))
 }

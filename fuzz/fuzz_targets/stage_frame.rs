@@ -1,0 +1,12 @@
+//! Any bytes as a `mesh-stage/1` message body: a typed error or a header
+//! that re-encodes to the same bytes, never a panic.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use mesh_protocol::stage_frame::StageHeader;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok((header, payload)) = StageHeader::parse(data) {
+        assert_eq!(header.encode(payload), data);
+    }
+});
