@@ -9,6 +9,7 @@ pub mod block;
 pub mod bundle;
 pub mod capsule;
 pub mod cbor;
+pub mod control;
 pub mod fold;
 pub mod grant;
 pub mod hex;

@@ -2,6 +2,7 @@
 
 use super::*;
 
+use mesh_protocol::control::{AuthoriseRequest, ControlRequest, GenerateRequestMessage};
 use mesh_protocol::json::canonical_bytes;
 use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
 use serde_json::json;
@@ -50,75 +51,43 @@ impl GrantedServe {
 }
 
 impl GenerateRequest {
-    fn to_cbor(&self) -> Cbor {
-        let mut fields = vec![
-            ("kind", Cbor::text("generate")),
-            ("prompt", Cbor::text(&self.prompt)),
-            ("max_tokens", Cbor::Uint(self.max_tokens as u64)),
-            ("chat", Cbor::Uint(u64::from(self.chat))),
-            (
-                "temperature_milli",
-                Cbor::Uint((self.sampling.temperature.max(0.0) * 1000.0).round() as u64),
-            ),
-            ("top_k", Cbor::Uint(self.sampling.top_k as u64)),
-            (
-                "top_p_milli",
-                Cbor::Uint((self.sampling.top_p.clamp(0.0, 1.0) * 1000.0).round() as u64),
-            ),
-            ("seed", Cbor::Uint(self.sampling.seed)),
-        ];
-        if let Some(timeout) = self.timeout {
-            fields.push(("timeout_ms", Cbor::Uint(timeout.as_millis() as u64)));
-        }
-        if let Some(grant) = &self.grant {
-            fields.push(("serve_request", grant.serve.to_cbor()));
-            fields.push((
-                "presentations",
-                Cbor::Array(
-                    grant
-                        .presentations
-                        .iter()
-                        .map(|p| Cbor::bytes(p.clone()))
-                        .collect(),
-                ),
-            ));
-        }
-        Cbor::text_map(fields)
+    fn to_message(&self) -> ControlRequest {
+        ControlRequest::Generate(GenerateRequestMessage {
+            prompt: self.prompt.clone(),
+            max_tokens: self.max_tokens as u64,
+            chat: self.chat,
+            temperature_milli: (self.sampling.temperature.max(0.0) * 1000.0).round() as u64,
+            top_k: self.sampling.top_k as u64,
+            top_p_milli: (self.sampling.top_p.clamp(0.0, 1.0) * 1000.0).round() as u64,
+            seed: self.sampling.seed,
+            timeout_ms: self.timeout.map(|t| t.as_millis() as u64),
+            grant: self
+                .grant
+                .as_ref()
+                .map(|g| (g.serve.clone(), g.presentations.clone())),
+        })
     }
 
-    fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
-        let mut f = Fields::of(value)?;
-        f.required("kind")?;
-        let request = Self {
-            prompt: f.text("prompt")?.to_string(),
-            max_tokens: f.uint("max_tokens")? as usize,
-            chat: f.uint("chat")? == 1,
+    fn from_message(message: &GenerateRequestMessage) -> Self {
+        Self {
+            prompt: message.prompt.clone(),
+            max_tokens: message.max_tokens as usize,
+            chat: message.chat,
             sampling: SamplingParams {
-                temperature: f.uint("temperature_milli")? as f32 / 1000.0,
-                top_k: f.uint("top_k")? as usize,
-                top_p: f.uint("top_p_milli")? as f32 / 1000.0,
-                seed: f.uint("seed")?,
+                temperature: message.temperature_milli as f32 / 1000.0,
+                top_k: message.top_k as usize,
+                top_p: message.top_p_milli as f32 / 1000.0,
+                seed: message.seed,
             },
-            timeout: f.opt_uint("timeout_ms")?.map(Duration::from_millis),
-            grant: match f.optional("serve_request") {
-                None => None,
-                Some(serve) => Some(GrantedServe {
-                    serve: ServeRequest::from_cbor(serve)
-                        .map_err(|e| anyhow!("generate: serve_request: {e}"))?,
-                    presentations: f
-                        .array("presentations")?
-                        .iter()
-                        .map(|p| {
-                            p.as_bytes()
-                                .map(<[u8]>::to_vec)
-                                .context("generate: a presentation is not bytes")
-                        })
-                        .collect::<anyhow::Result<_>>()?,
+            timeout: message.timeout_ms.map(Duration::from_millis),
+            grant: message
+                .grant
+                .as_ref()
+                .map(|(serve, presentations)| GrantedServe {
+                    serve: serve.clone(),
+                    presentations: presentations.clone(),
                 }),
-            },
-        };
-        f.finish().context("generate")?;
-        Ok(request)
+        }
     }
 }
 
@@ -170,7 +139,7 @@ pub(super) async fn handle_plan(
 pub async fn plan_remote(coordinator: &PeerAddr) -> anyhow::Result<Vec<String>> {
     let (endpoint, connection) = connect_as_requester(coordinator).await?;
     let (mut send, mut recv) = connection.open_bi().await?;
-    msg::write_cbor(&mut send, &Cbor::text_map([("kind", Cbor::text("plan"))])).await?;
+    msg::write_cbor(&mut send, &ControlRequest::Plan.to_cbor()).await?;
     send.finish()?;
     let reply = msg::read_cbor(
         &mut recv,
@@ -205,17 +174,11 @@ pub async fn plan_remote(coordinator: &PeerAddr) -> anyhow::Result<Vec<String>> 
 
 pub(super) async fn handle_generate(
     inner: Arc<Inner>,
-    message: &Cbor,
+    message: &GenerateRequestMessage,
     send: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
     let refused_other = || stats::Counters::bump(&inner.counters.requests_refused_other);
-    let request = match GenerateRequest::from_cbor(message) {
-        Ok(request) => request,
-        Err(error) => {
-            refused_other();
-            return send_error(send, &format!("{error:#}")).await;
-        }
-    };
+    let request = GenerateRequest::from_message(message);
     // One deadline for the whole request, from here: loading the split,
     // every step at every stage, every wait in between.
     let timeout = request
@@ -1261,14 +1224,7 @@ async fn query_stats(
     request_id: u64,
 ) -> anyhow::Result<StageStats> {
     let (mut send, mut recv) = inner.open(peer, ALPN_CONTROL).await?;
-    msg::write_cbor(
-        &mut send,
-        &Cbor::text_map([
-            ("kind", Cbor::text("stats")),
-            ("request_id", Cbor::Uint(request_id)),
-        ]),
-    )
-    .await?;
+    msg::write_cbor(&mut send, &ControlRequest::Stats { request_id }.to_cbor()).await?;
     send.finish()?;
     let reply = msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, Duration::from_secs(2))
         .await?
@@ -1290,7 +1246,7 @@ pub async fn generate_remote(
 ) -> anyhow::Result<GenerateSummary> {
     let (endpoint, connection) = connect_as_requester(coordinator).await?;
     let (mut send, mut recv) = connection.open_bi().await?;
-    msg::write_cbor(&mut send, &request.to_cbor()).await?;
+    msg::write_cbor(&mut send, &request.to_message().to_cbor()).await?;
     send.finish()?;
     // Setting up a split loads slices; allow for it on the first message.
     let mut wait = Duration::from_secs(300);
@@ -1359,13 +1315,13 @@ async fn authorise_remote(
     presentation: &mesh_protocol::grant::Presentation,
 ) -> anyhow::Result<()> {
     let (mut send, mut recv) = inner.open(peer, ALPN_CONTROL).await?;
-    let message = Cbor::text_map([
-        ("kind", Cbor::text("authorise")),
-        ("run_id", Cbor::text(run_id)),
-        ("request_id", Cbor::Uint(request_id)),
-        ("serve_request", serve.to_cbor()),
-        ("presentation", presentation.to_cbor()),
-    ]);
+    let message = ControlRequest::Authorise(Box::new(AuthoriseRequest {
+        run_id: run_id.to_string(),
+        request_id,
+        serve_request: serve.clone(),
+        presentation: presentation.clone(),
+    }))
+    .to_cbor();
     msg::write_cbor(&mut send, &message).await?;
     send.finish()?;
     let reply = msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, msg::IDLE_TIMEOUT)
@@ -1389,14 +1345,7 @@ async fn release_remote(
     request_id: u64,
 ) -> anyhow::Result<()> {
     let (mut send, mut recv) = inner.open(peer, ALPN_CONTROL).await?;
-    msg::write_cbor(
-        &mut send,
-        &Cbor::text_map([
-            ("kind", Cbor::text("release")),
-            ("request_id", Cbor::Uint(request_id)),
-        ]),
-    )
-    .await?;
+    msg::write_cbor(&mut send, &ControlRequest::Release { request_id }.to_cbor()).await?;
     send.finish()?;
     msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, msg::IDLE_TIMEOUT).await?;
     Ok(())

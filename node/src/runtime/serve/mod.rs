@@ -17,6 +17,7 @@ use mesh_protocol::capsule::{
     Producer, RecordContext, SealedRecord, format_timestamp, stage_record,
 };
 use mesh_protocol::cbor::{Cbor, Fields};
+use mesh_protocol::control::{AssignRequest, AuthoriseRequest, ControlRequest, MAX_CONTROL_TEXT};
 use mesh_protocol::fold::{Lane, LaneFold};
 use mesh_protocol::identity::{did_key, parse_did_key};
 use mesh_protocol::mesh1::{
@@ -139,62 +140,49 @@ struct Assign {
 
 impl Assign {
     fn to_cbor(&self) -> Cbor {
-        let mut fields = vec![
-            ("kind", Cbor::text("assign")),
-            ("run_id", Cbor::text(&self.run_id)),
-            ("package_id", Cbor::bytes(self.package_id.to_vec())),
-            ("layer_start", Cbor::Uint(self.layer_start.into())),
-            ("layer_end", Cbor::Uint(self.layer_end.into())),
-            ("stage_index", Cbor::Uint(self.stage_index.into())),
-            ("stage_count", Cbor::Uint(self.stage_count.into())),
-            ("coordinator", Cbor::text(did_key(&self.coordinator))),
-            (
-                "coordinator_addr",
-                Cbor::text(self.coordinator_addr.to_string()),
-            ),
-            ("topology_hash", Cbor::text(&self.topology_hash)),
-            ("upstream", Cbor::text(did_key(&self.upstream))),
-        ];
-        if let Some(down) = &self.downstream {
-            fields.push(("downstream", Cbor::text(down.to_string())));
-        }
-        Cbor::text_map(fields)
+        ControlRequest::Assign(AssignRequest {
+            run_id: self.run_id.clone(),
+            package_id: self.package_id,
+            layer_start: self.layer_start,
+            layer_end: self.layer_end,
+            stage_index: self.stage_index,
+            stage_count: self.stage_count,
+            coordinator: did_key(&self.coordinator),
+            coordinator_addr: self.coordinator_addr.to_string(),
+            topology_hash: self.topology_hash.clone(),
+            upstream: did_key(&self.upstream),
+            downstream: self.downstream.as_ref().map(PeerAddr::to_string),
+        })
+        .to_cbor()
     }
 
-    fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
-        let mut f = Fields::of(value)?.text_limit(MAX_CONTROL_TEXT);
-        f.required("kind")?;
-        let downstream = f
-            .opt_text("downstream")?
-            .map(PeerAddr::from_str)
-            .transpose()?;
-        let assign = Self {
-            run_id: f.text("run_id")?.to_string(),
-            package_id: f.fixed("package_id")?,
-            layer_start: f.u32("layer_start")?,
-            layer_end: f.u32("layer_end")?,
-            stage_index: f.u32("stage_index")?,
-            stage_count: f.u32("stage_count")?,
-            coordinator: parse_did_key(f.text("coordinator")?)
+    /// The node's own form of an assignment; `manifest` is BLAKE3 of the
+    /// message as it came.
+    fn from_request(a: &AssignRequest, manifest: [u8; 32]) -> anyhow::Result<Self> {
+        Ok(Self {
+            run_id: a.run_id.clone(),
+            package_id: a.package_id,
+            layer_start: a.layer_start,
+            layer_end: a.layer_end,
+            stage_index: a.stage_index,
+            stage_count: a.stage_count,
+            coordinator: parse_did_key(&a.coordinator)
                 .context("assign: coordinator is not a did:key")?,
-            coordinator_addr: f
-                .text("coordinator_addr")?
+            coordinator_addr: a
+                .coordinator_addr
                 .parse()
                 .context("assign: coordinator_addr")?,
-            upstream: parse_did_key(f.text("upstream")?)
-                .context("assign: upstream is not a did:key")?,
-            downstream,
-            topology_hash: f.text("topology_hash")?.to_string(),
-            manifest: *blake3::hash(&value.encode()).as_bytes(),
-        };
-        f.finish().context("assign")?;
-        Ok(assign)
+            upstream: parse_did_key(&a.upstream).context("assign: upstream is not a did:key")?,
+            downstream: a
+                .downstream
+                .as_deref()
+                .map(PeerAddr::from_str)
+                .transpose()?,
+            topology_hash: a.topology_hash.clone(),
+            manifest,
+        })
     }
 }
-
-/// Longest text member of a control message other than a prompt (ids,
-/// addresses, run ids).
-const MAX_CONTROL_TEXT: usize = 512;
 
 struct Slot {
     slice: Arc<LayerSlice>,
@@ -682,9 +670,28 @@ async fn handle_control(
     else {
         return Ok(());
     };
-    match message.get("kind").and_then(Cbor::as_text) {
-        Some("assign") => {
-            let reply = match handle_assign(&inner, peer, &message) {
+    let request = match ControlRequest::from_cbor(&message) {
+        Ok(request) => request,
+        Err(error) => {
+            // A requester reads `error`; a node reads `refused`.
+            let kind = if message.get("kind").and_then(Cbor::as_text) == Some("generate") {
+                "error"
+            } else {
+                "refused"
+            };
+            let reply = Cbor::text_map([
+                ("kind", Cbor::text(kind)),
+                ("reason", Cbor::text(error.to_string())),
+            ]);
+            msg::write_cbor(&mut send, &reply).await?;
+            send.finish()?;
+            return Ok(());
+        }
+    };
+    match request {
+        ControlRequest::Assign(assign) => {
+            let manifest = *blake3::hash(&message.encode()).as_bytes();
+            let reply = match handle_assign(&inner, peer, &assign, manifest) {
                 Ok((digest, bytes)) => Cbor::text_map([
                     ("kind", Cbor::text("ready")),
                     ("weights_digest", Cbor::bytes(digest.to_vec())),
@@ -702,15 +709,13 @@ async fn handle_control(
             };
             msg::write_cbor(&mut send, &reply).await?;
         }
-        Some("generate") => coordinator::handle_generate(inner, &message, &mut send).await?,
-        Some("plan") => coordinator::handle_plan(inner, &mut send).await?,
-        Some("release") => {
+        ControlRequest::Generate(generate) => {
+            coordinator::handle_generate(inner, &generate, &mut send).await?
+        }
+        ControlRequest::Plan => coordinator::handle_plan(inner, &mut send).await?,
+        ControlRequest::Release { request_id } => {
             // The request was refused elsewhere before any work ran here:
             // close the decision with the (empty) span it metered.
-            let mut f = Fields::of(&message)?;
-            f.required("kind")?;
-            let request_id = f.uint("request_id")?;
-            f.finish().context("release")?;
             let held = {
                 let mut tickets = lock(&inner.tickets);
                 // Only the coordinator that asked for the decision may release it.
@@ -728,8 +733,8 @@ async fn handle_control(
             )
             .await?;
         }
-        Some("authorise") => {
-            let reply = match handle_authorise(&inner, peer, &message) {
+        ControlRequest::Authorise(authorise) => {
+            let reply = match handle_authorise(&inner, peer, &authorise) {
                 Ok(()) => Cbor::text_map([("kind", Cbor::text("authorised"))]),
                 Err(error) => Cbor::text_map([
                     ("kind", Cbor::text("refused")),
@@ -738,7 +743,7 @@ async fn handle_control(
             };
             msg::write_cbor(&mut send, &reply).await?;
         }
-        Some("node_stats") => {
+        ControlRequest::NodeStats => {
             let reply = if inner.may_read_stats(&peer) {
                 inner.node_stats().await.to_cbor()
             } else {
@@ -755,11 +760,7 @@ async fn handle_control(
             };
             msg::write_cbor(&mut send, &reply).await?;
         }
-        Some("stats") => {
-            let mut f = Fields::of(&message)?;
-            f.required("kind")?;
-            let request_id = f.uint("request_id")?;
-            f.finish().context("stats")?;
+        ControlRequest::Stats { request_id } => {
             // A request's timings are the business of its coordinator only.
             let found = lock(&inner.stats)
                 .iter()
@@ -780,16 +781,6 @@ async fn handle_control(
             )
             .await?;
         }
-        _ => {
-            msg::write_cbor(
-                &mut send,
-                &Cbor::text_map([
-                    ("kind", Cbor::text("refused")),
-                    ("reason", Cbor::text("unknown control message")),
-                ]),
-            )
-            .await?;
-        }
     }
     send.finish()?;
     let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
@@ -799,14 +790,18 @@ async fn handle_control(
 /// A coordinator asks this stage's steward to decide its grant shard for a
 /// request before the chain opens; the decision is journalled and held
 /// until the request's stream arrives.
-fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyhow::Result<()> {
-    let mut f = Fields::of(message)?.text_limit(MAX_CONTROL_TEXT);
-    f.required("kind")?;
-    let run_id = f.text("run_id")?;
-    let request_id = f.uint("request_id")?;
-    let serve = f.required("serve_request")?;
-    let presentation = f.required("presentation")?;
-    f.finish().context("authorise")?;
+fn handle_authorise(
+    inner: &Arc<Inner>,
+    peer: [u8; 32],
+    request: &AuthoriseRequest,
+) -> anyhow::Result<()> {
+    let AuthoriseRequest {
+        run_id,
+        request_id,
+        serve_request: serve,
+        presentation,
+    } = request;
+    let (run_id, request_id) = (run_id.as_str(), *request_id);
     let slot = lock(&inner.slots)
         .get(run_id)
         .cloned()
@@ -814,9 +809,6 @@ fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyho
     if slot.assign.coordinator != peer {
         bail!("only the run's coordinator may ask");
     }
-    let serve = ServeRequest::from_cbor(serve).map_err(|e| anyhow!("{e}"))?;
-    let presentation =
-        mesh_protocol::grant::Presentation::from_cbor(presentation).map_err(|e| anyhow!("{e}"))?;
     inner.expire_pre_decided();
     // Checked and inserted under one lock, so two asks for one request
     // cannot both decide (the steward's lock is taken inside, never the
@@ -829,8 +821,8 @@ fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyho
         bail!("request {request_id} is already authorised here");
     }
     let ticket = lock(&inner.steward).authorise(
-        Some(&presentation),
-        &serve,
+        Some(presentation),
+        serve,
         Some(inner.model.weights_digest()),
         "mesh-node/stage",
         now_ms(),
@@ -839,7 +831,7 @@ fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyho
         request_id,
         PreDecided {
             ticket,
-            serve,
+            serve: serve.clone(),
             coordinator: peer,
             decided: Instant::now(),
         },
@@ -850,7 +842,8 @@ fn handle_authorise(inner: &Arc<Inner>, peer: [u8; 32], message: &Cbor) -> anyho
 fn handle_assign(
     inner: &Arc<Inner>,
     peer: [u8; 32],
-    message: &Cbor,
+    request: &AssignRequest,
+    manifest: [u8; 32],
 ) -> anyhow::Result<([u8; 32], usize)> {
     if !inner.coordinators.contains(&peer) {
         tracing::warn!(
@@ -859,7 +852,7 @@ fn handle_assign(
         );
         bail!("this node does not serve coordinator {}", did_key(&peer));
     }
-    let assign = Assign::from_cbor(message)?;
+    let assign = Assign::from_request(request, manifest)?;
     if assign.coordinator != peer {
         bail!("the assignment names a coordinator other than the node that sent it");
     }

@@ -309,7 +309,7 @@ pub async fn node_stats_remote(key: &SigningKey, node: &PeerAddr) -> anyhow::Res
     let (mut send, mut recv) = connection.open_bi().await?;
     msg::write_cbor(
         &mut send,
-        &Cbor::text_map([("kind", Cbor::text("node_stats"))]),
+        &mesh_protocol::control::ControlRequest::NodeStats.to_cbor(),
     )
     .await?;
     send.finish()?;

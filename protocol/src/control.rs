@@ -1,0 +1,401 @@
+//! Requests on `mesh-control/1`, typed: one strict decoder for everything a
+//! node is asked, so a member nobody reads, a wrong type or an unknown kind
+//! is refused in one place (`docs/wire.md` lists the members). The node
+//! turns these into its own types (addresses, keys, sampling settings).
+
+use thiserror::Error;
+
+use crate::cbor::{Cbor, CborError, FieldError, Fields};
+use crate::grant::Presentation;
+use crate::mesh1::ServeRequest;
+
+/// Longest text member other than a prompt (ids, addresses, run ids).
+pub const MAX_CONTROL_TEXT: usize = 512;
+
+/// Why a control request is refused.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ControlError {
+    #[error("CBOR: {0}")]
+    Cbor(#[from] CborError),
+    #[error("{kind}: {error}")]
+    Field {
+        kind: &'static str,
+        error: FieldError,
+    },
+    #[error("{kind}: `{member}`: {why}")]
+    Member {
+        kind: &'static str,
+        member: &'static str,
+        why: String,
+    },
+    #[error("unknown control message `{0}`")]
+    UnknownKind(String),
+}
+
+/// A stage's assignment: its slice of a run, and its neighbours.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AssignRequest {
+    pub run_id: String,
+    pub package_id: [u8; 32],
+    pub layer_start: u32,
+    pub layer_end: u32,
+    pub stage_index: u32,
+    pub stage_count: u32,
+    /// did:key of the coordinator.
+    pub coordinator: String,
+    /// HOST:PORT the stage pushes its records to.
+    pub coordinator_addr: String,
+    pub topology_hash: String,
+    /// did:key of the only node that may open requests on this stage.
+    pub upstream: String,
+    /// `did@host:port` of the next stage, when there is one.
+    pub downstream: Option<String>,
+}
+
+/// A request to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequestMessage {
+    pub prompt: String,
+    pub max_tokens: u64,
+    pub chat: bool,
+    pub temperature_milli: u64,
+    pub top_k: u64,
+    pub top_p_milli: u64,
+    pub seed: u64,
+    pub timeout_ms: Option<u64>,
+    /// On grants: the request as the requester derived it, and one
+    /// presentation per stage (empty where none).
+    pub grant: Option<(ServeRequest, Vec<Vec<u8>>)>,
+}
+
+/// A coordinator asks a stage's steward to decide its grant shard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuthoriseRequest {
+    pub run_id: String,
+    pub request_id: u64,
+    pub serve_request: ServeRequest,
+    pub presentation: Presentation,
+}
+
+/// Everything a node is asked on `mesh-control/1`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ControlRequest {
+    Assign(AssignRequest),
+    Generate(GenerateRequestMessage),
+    Plan,
+    Authorise(Box<AuthoriseRequest>),
+    Release { request_id: u64 },
+    Stats { request_id: u64 },
+    NodeStats,
+}
+
+impl ControlRequest {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ControlRequest::Assign(_) => "assign",
+            ControlRequest::Generate(_) => "generate",
+            ControlRequest::Plan => "plan",
+            ControlRequest::Authorise(_) => "authorise",
+            ControlRequest::Release { .. } => "release",
+            ControlRequest::Stats { .. } => "stats",
+            ControlRequest::NodeStats => "node_stats",
+        }
+    }
+
+    pub fn to_cbor(&self) -> Cbor {
+        let mut members = vec![("kind", Cbor::text(self.kind()))];
+        match self {
+            ControlRequest::Assign(a) => {
+                members.extend([
+                    ("run_id", Cbor::text(&a.run_id)),
+                    ("package_id", Cbor::bytes(a.package_id.to_vec())),
+                    ("layer_start", Cbor::Uint(a.layer_start.into())),
+                    ("layer_end", Cbor::Uint(a.layer_end.into())),
+                    ("stage_index", Cbor::Uint(a.stage_index.into())),
+                    ("stage_count", Cbor::Uint(a.stage_count.into())),
+                    ("coordinator", Cbor::text(&a.coordinator)),
+                    ("coordinator_addr", Cbor::text(&a.coordinator_addr)),
+                    ("topology_hash", Cbor::text(&a.topology_hash)),
+                    ("upstream", Cbor::text(&a.upstream)),
+                ]);
+                if let Some(down) = &a.downstream {
+                    members.push(("downstream", Cbor::text(down)));
+                }
+            }
+            ControlRequest::Generate(g) => {
+                members.extend([
+                    ("prompt", Cbor::text(&g.prompt)),
+                    ("max_tokens", Cbor::Uint(g.max_tokens)),
+                    ("chat", Cbor::Uint(u64::from(g.chat))),
+                    ("temperature_milli", Cbor::Uint(g.temperature_milli)),
+                    ("top_k", Cbor::Uint(g.top_k)),
+                    ("top_p_milli", Cbor::Uint(g.top_p_milli)),
+                    ("seed", Cbor::Uint(g.seed)),
+                ]);
+                if let Some(ms) = g.timeout_ms {
+                    members.push(("timeout_ms", Cbor::Uint(ms)));
+                }
+                if let Some((serve, presentations)) = &g.grant {
+                    members.push(("serve_request", serve.to_cbor()));
+                    members.push((
+                        "presentations",
+                        Cbor::Array(
+                            presentations
+                                .iter()
+                                .map(|p| Cbor::bytes(p.clone()))
+                                .collect(),
+                        ),
+                    ));
+                }
+            }
+            ControlRequest::Authorise(a) => members.extend([
+                ("run_id", Cbor::text(&a.run_id)),
+                ("request_id", Cbor::Uint(a.request_id)),
+                ("serve_request", a.serve_request.to_cbor()),
+                ("presentation", a.presentation.to_cbor()),
+            ]),
+            ControlRequest::Release { request_id } | ControlRequest::Stats { request_id } => {
+                members.push(("request_id", Cbor::Uint(*request_id)));
+            }
+            ControlRequest::Plan | ControlRequest::NodeStats => {}
+        }
+        Cbor::text_map(members)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, ControlError> {
+        Self::from_cbor(&Cbor::decode(bytes)?)
+    }
+
+    pub fn from_cbor(value: &Cbor) -> Result<Self, ControlError> {
+        let mut f = Fields::of(value)
+            .map_err(|error| ControlError::Field {
+                kind: "control message",
+                error,
+            })?
+            .text_limit(MAX_CONTROL_TEXT);
+        let kind = f
+            .text("kind")
+            .map_err(|error| ControlError::Field {
+                kind: "control message",
+                error,
+            })?
+            .to_string();
+        let (name, request) = match kind.as_str() {
+            "assign" => ("assign", read_assign(&mut f)),
+            "generate" => ("generate", read_generate(value, &mut f)),
+            "plan" => ("plan", Ok(ControlRequest::Plan)),
+            "authorise" => ("authorise", read_authorise(&mut f)),
+            "release" => (
+                "release",
+                f.uint("request_id")
+                    .map(|request_id| ControlRequest::Release { request_id })
+                    .map_err(|e| field("release", e)),
+            ),
+            "stats" => (
+                "stats",
+                f.uint("request_id")
+                    .map(|request_id| ControlRequest::Stats { request_id })
+                    .map_err(|e| field("stats", e)),
+            ),
+            "node_stats" => ("node_stats", Ok(ControlRequest::NodeStats)),
+            _ => return Err(ControlError::UnknownKind(truncated(&kind))),
+        };
+        let request = request?;
+        f.finish().map_err(|e| field(name, e))?;
+        Ok(request)
+    }
+}
+
+fn field(kind: &'static str, error: FieldError) -> ControlError {
+    ControlError::Field { kind, error }
+}
+
+/// A name from the wire, short enough to repeat in an error.
+fn truncated(text: &str) -> String {
+    text.chars().take(64).collect()
+}
+
+fn read_assign(f: &mut Fields<'_>) -> Result<ControlRequest, ControlError> {
+    let e = |error| field("assign", error);
+    Ok(ControlRequest::Assign(AssignRequest {
+        run_id: f.text("run_id").map_err(e)?.to_string(),
+        package_id: f.fixed("package_id").map_err(e)?,
+        layer_start: f.u32("layer_start").map_err(e)?,
+        layer_end: f.u32("layer_end").map_err(e)?,
+        stage_index: f.u32("stage_index").map_err(e)?,
+        stage_count: f.u32("stage_count").map_err(e)?,
+        coordinator: f.text("coordinator").map_err(e)?.to_string(),
+        coordinator_addr: f.text("coordinator_addr").map_err(e)?.to_string(),
+        topology_hash: f.text("topology_hash").map_err(e)?.to_string(),
+        upstream: f.text("upstream").map_err(e)?.to_string(),
+        downstream: f.opt_text("downstream").map_err(e)?.map(str::to_string),
+    }))
+}
+
+fn read_generate(value: &Cbor, f: &mut Fields<'_>) -> Result<ControlRequest, ControlError> {
+    let e = |error| field("generate", error);
+    // The prompt is bounded by the message, not by the text limit of ids.
+    let prompt = value
+        .get("prompt")
+        .and_then(Cbor::as_text)
+        .ok_or(ControlError::Field {
+            kind: "generate",
+            error: FieldError::Missing("prompt"),
+        })?
+        .to_string();
+    f.optional("prompt");
+    let grant = match f.optional("serve_request") {
+        None => None,
+        Some(serve) => {
+            let serve = ServeRequest::from_cbor(serve).map_err(|why| ControlError::Member {
+                kind: "generate",
+                member: "serve_request",
+                why: why.to_string(),
+            })?;
+            let presentations = f
+                .array("presentations")
+                .map_err(e)?
+                .iter()
+                .map(|p| p.as_bytes().map(<[u8]>::to_vec))
+                .collect::<Option<Vec<_>>>()
+                .ok_or(ControlError::Field {
+                    kind: "generate",
+                    error: FieldError::Invalid("presentations"),
+                })?;
+            Some((serve, presentations))
+        }
+    };
+    Ok(ControlRequest::Generate(GenerateRequestMessage {
+        prompt,
+        max_tokens: f.uint("max_tokens").map_err(e)?,
+        chat: match f.uint("chat").map_err(e)? {
+            0 => false,
+            1 => true,
+            _ => return Err(e(FieldError::Invalid("chat"))),
+        },
+        temperature_milli: f.uint("temperature_milli").map_err(e)?,
+        top_k: f.uint("top_k").map_err(e)?,
+        top_p_milli: f.uint("top_p_milli").map_err(e)?,
+        seed: f.uint("seed").map_err(e)?,
+        timeout_ms: f.opt_uint("timeout_ms").map_err(e)?,
+        grant,
+    }))
+}
+
+fn read_authorise(f: &mut Fields<'_>) -> Result<ControlRequest, ControlError> {
+    let e = |error| field("authorise", error);
+    let run_id = f.text("run_id").map_err(e)?.to_string();
+    let request_id = f.uint("request_id").map_err(e)?;
+    let serve_request =
+        ServeRequest::from_cbor(f.required("serve_request").map_err(e)?).map_err(|why| {
+            ControlError::Member {
+                kind: "authorise",
+                member: "serve_request",
+                why: why.to_string(),
+            }
+        })?;
+    let presentation =
+        Presentation::from_cbor(f.required("presentation").map_err(e)?).map_err(|why| {
+            ControlError::Member {
+                kind: "authorise",
+                member: "presentation",
+                why: why.to_string(),
+            }
+        })?;
+    Ok(ControlRequest::Authorise(Box::new(AuthoriseRequest {
+        run_id,
+        request_id,
+        serve_request,
+        presentation,
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh1::Fidelity;
+
+    fn serve() -> ServeRequest {
+        ServeRequest {
+            prompt_hash: [4; 32],
+            prompt_tokens: 3,
+            max_tokens: 8,
+            fidelity_floor: Fidelity::F0,
+            joule_ceiling_uj: 1_000,
+            decision: None,
+        }
+    }
+
+    fn every_request() -> Vec<ControlRequest> {
+        vec![
+            ControlRequest::Assign(AssignRequest {
+                run_id: "run".into(),
+                package_id: [1; 32],
+                layer_start: 0,
+                layer_end: 10,
+                stage_index: 1,
+                stage_count: 3,
+                coordinator: "did:key:z6MkA".into(),
+                coordinator_addr: "127.0.0.1:7420".into(),
+                topology_hash: "ab".repeat(32),
+                upstream: "did:key:z6MkB".into(),
+                downstream: Some("did:key:z6MkC@127.0.0.1:7421".into()),
+            }),
+            ControlRequest::Generate(GenerateRequestMessage {
+                prompt: "x".repeat(2 * MAX_CONTROL_TEXT),
+                max_tokens: 16,
+                chat: true,
+                temperature_milli: 700,
+                top_k: 40,
+                top_p_milli: 950,
+                seed: 7,
+                timeout_ms: Some(5_000),
+                grant: Some((serve(), vec![vec![1, 2], Vec::new()])),
+            }),
+            ControlRequest::Plan,
+            ControlRequest::Release { request_id: 9 },
+            ControlRequest::Stats { request_id: 9 },
+            ControlRequest::NodeStats,
+        ]
+    }
+
+    #[test]
+    fn every_request_round_trips() {
+        for request in every_request() {
+            let bytes = request.to_cbor().encode();
+            assert_eq!(ControlRequest::decode(&bytes), Ok(request));
+        }
+    }
+
+    #[test]
+    fn refuses_unknown_kinds_members_and_long_ids() {
+        let unknown = Cbor::text_map([("kind", Cbor::text("reboot"))]);
+        assert_eq!(
+            ControlRequest::from_cbor(&unknown),
+            Err(ControlError::UnknownKind("reboot".into()))
+        );
+        let extra = Cbor::text_map([
+            ("kind", Cbor::text("release")),
+            ("request_id", Cbor::Uint(1)),
+            ("also", Cbor::Uint(2)),
+        ]);
+        assert_eq!(
+            ControlRequest::from_cbor(&extra),
+            Err(ControlError::Field {
+                kind: "release",
+                error: FieldError::Unknown("also".into())
+            })
+        );
+        let long_id = Cbor::text_map([
+            ("kind", Cbor::text("authorise")),
+            ("run_id", Cbor::text("r".repeat(MAX_CONTROL_TEXT + 1))),
+        ]);
+        assert!(matches!(
+            ControlRequest::from_cbor(&long_id),
+            Err(ControlError::Field {
+                error: FieldError::Invalid("run_id"),
+                ..
+            })
+        ));
+    }
+}
