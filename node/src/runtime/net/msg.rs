@@ -188,3 +188,34 @@ pub fn parse_stage(frame: &[u8]) -> anyhow::Result<(u8, u64, u32, &[u8])> {
     let (header, payload) = StageHeader::parse(body)?;
     Ok((header.kind, header.request_id, header.step, payload))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// What a node writes on a stage stream, it reads back: the frame
+        /// prefix, the header and the payload.
+        #[test]
+        fn a_stage_frame_round_trips(
+            kind in proptest::sample::select(kind::ALL.to_vec()),
+            request_id in any::<u64>(),
+            step in any::<u32>(),
+            payload in proptest::collection::vec(any::<u8>(), 0..256),
+        ) {
+            let framed = frame(&stage_body(kind, request_id, step, &payload)).unwrap();
+            let length = u32::from_le_bytes(framed[..4].try_into().unwrap()) as usize;
+            prop_assert_eq!(length + 4, framed.len());
+            let (k, id, s, p) = parse_stage(&framed).unwrap();
+            prop_assert_eq!((k, id, s, p), (kind, request_id, step, payload.as_slice()));
+        }
+
+        /// Any bytes from a peer are a typed refusal or a frame, never a
+        /// panic.
+        #[test]
+        fn parsing_any_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = parse_stage(&bytes);
+        }
+    }
+}
