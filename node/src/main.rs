@@ -102,8 +102,11 @@ enum Command {
         #[arg(long)]
         key: PathBuf,
         /// Print one JSON object.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "prometheus")]
         json: bool,
+        /// Print Prometheus' text exposition format.
+        #[arg(long)]
+        prometheus: bool,
     },
     /// Issue and shard joule grants.
     Grant {
@@ -390,13 +393,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Stats { node, key, json } => {
+        Command::Stats {
+            node,
+            key,
+            json,
+            prometheus,
+        } => {
             let node: mesh_node::runtime::serve::PeerAddr = node.parse()?;
             let key = mesh_node::runtime::keys::load(&key)?;
             let stats =
                 runtime()?.block_on(mesh_node::runtime::serve::node_stats_remote(&key, &node))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&stats)?);
+            } else if prometheus {
+                print!("{}", mesh_node::cli::render::node_stats_prometheus(&stats));
             } else {
                 print!("{}", mesh_node::cli::render::node_stats(&node, &stats));
             }

@@ -410,6 +410,42 @@ async fn only_a_node_its_peers_and_coordinators_read_its_stats_and_the_cli_print
         json["step_round_trips"].as_array().map(Vec::len),
         Some(mesh_node::runtime::serve::ROUND_TRIP_BUCKETS_US.len() + 1)
     );
+    // The coordinator's figures in Prometheus' text format: every sample
+    // line is `name{labels} value`, the histogram is cumulative and ends at
+    // +Inf with every step the coordinator waited for.
+    let coordinator = nodes[0].peer_addr().to_string();
+    let key_file = dir.path().join("coordinator.key");
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+            .args(["stats", &coordinator, "--prometheus", "--key"])
+            .arg(&key_file)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let text = String::from_utf8(output.stdout).unwrap();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let (_, value) = line.rsplit_once(' ').unwrap();
+        assert!(value.parse::<f64>().is_ok(), "{line}");
+    }
+    assert!(
+        text.contains("mesh_node_requests_total{outcome=\"completed\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("mesh_node_tokens_generated_total 3\n"),
+        "{text}"
+    );
+    let steps = remote.slices[0].steps;
+    assert!(
+        text.contains(&format!(
+            "mesh_node_step_round_trip_seconds_bucket{{le=\"+Inf\"}} {steps}\n"
+        )),
+        "{text}"
+    );
+    assert!(text.contains("# TYPE mesh_node_step_round_trip_seconds histogram"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

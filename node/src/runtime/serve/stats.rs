@@ -52,6 +52,8 @@ pub const ROUND_TRIP_BUCKETS_US: [u64; 13] = [
 #[derive(Debug, Default)]
 pub(super) struct Histogram {
     counts: [AtomicU64; ROUND_TRIP_BUCKETS_US.len() + 1],
+    /// Every recorded duration added up, in microseconds.
+    sum_us: AtomicU64,
 }
 
 impl Histogram {
@@ -62,6 +64,7 @@ impl Histogram {
             .position(|le| us <= *le)
             .unwrap_or(ROUND_TRIP_BUCKETS_US.len());
         self.counts[bucket].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
     }
 
     fn snapshot(&self) -> Vec<u64> {
@@ -69,6 +72,10 @@ impl Histogram {
             .iter()
             .map(|c| c.load(Ordering::Relaxed))
             .collect()
+    }
+
+    fn sum_us(&self) -> u64 {
+        self.sum_us.load(Ordering::Relaxed)
     }
 }
 
@@ -118,10 +125,12 @@ pub struct NodeStats {
     /// Step round trips through the chain by bucket: the counts at or under
     /// each bound of `ROUND_TRIP_BUCKETS_US`, then those over the last.
     pub step_round_trips: Vec<u64>,
+    /// Those round trips added up, in microseconds.
+    pub step_round_trips_sum_us: u64,
 }
 
 /// Stats fields that are plain counts, in the order they are written.
-const COUNTS: [&str; 13] = [
+const COUNTS: [&str; 14] = [
     "caches_open",
     "records_pending",
     "direct_waiters",
@@ -135,12 +144,13 @@ const COUNTS: [&str; 13] = [
     "tokens_generated",
     "stage_requests",
     "stage_refusals",
+    "step_round_trips_sum_us",
 ];
 /// Most slices a stats reply may list (a node holds a handful).
 const MAX_STATS_SLICES: usize = 64;
 
 impl NodeStats {
-    fn counts(&self) -> [u64; 13] {
+    fn counts(&self) -> [u64; 14] {
         [
             self.caches_open,
             self.records_pending,
@@ -155,10 +165,11 @@ impl NodeStats {
             self.tokens_generated,
             self.stage_requests,
             self.stage_refusals,
+            self.step_round_trips_sum_us,
         ]
     }
 
-    fn counts_mut(&mut self) -> [&mut u64; 13] {
+    fn counts_mut(&mut self) -> [&mut u64; 14] {
         [
             &mut self.caches_open,
             &mut self.records_pending,
@@ -173,6 +184,7 @@ impl NodeStats {
             &mut self.tokens_generated,
             &mut self.stage_requests,
             &mut self.stage_refusals,
+            &mut self.step_round_trips_sum_us,
         ]
     }
 
@@ -298,6 +310,7 @@ impl Inner {
             stage_requests: counter(&c.stage_requests),
             stage_refusals: counter(&c.stage_refusals),
             step_round_trips: c.round_trips.snapshot(),
+            step_round_trips_sum_us: c.round_trips.sum_us(),
         }
     }
 }
