@@ -502,18 +502,13 @@ impl LayerSlice {
         if jobs.is_empty() {
             return Ok(Vec::new());
         }
-        let mut inputs = Vec::with_capacity(jobs.len());
+        // Every step is checked before any cache changes.
         for (input, cache) in jobs.iter() {
-            let x = self.input_rows(input)?;
-            let seq = x.dim(0)?;
-            if cache.position + seq > cache.capacity {
-                return Err(EngineError::ContextExceeded {
-                    tokens: cache.position + seq,
-                    max_new: 0,
-                    context: cache.capacity,
-                });
-            }
-            inputs.push(x);
+            self.check_step(input, cache)?;
+        }
+        let mut inputs = Vec::with_capacity(jobs.len());
+        for (input, _) in jobs.iter() {
+            inputs.push(self.input_rows(input)?);
         }
         let spans: Vec<(usize, usize)> = {
             let mut offset = 0;
@@ -576,7 +571,7 @@ impl LayerSlice {
     /// kind of input, well formed, and room in its cache. A batch checks
     /// every step this way before any cache changes.
     pub fn check_step(&self, input: &SliceInput<'_>, cache: &SliceCache) -> Result<()> {
-        let rows = self.input_rows(input)?.dim(0)?;
+        let rows = self.input_len(input)?;
         if cache.position + rows > cache.capacity {
             return Err(EngineError::ContextExceeded {
                 tokens: cache.position + rows,
@@ -592,10 +587,11 @@ impl LayerSlice {
         Ok(())
     }
 
-    /// One request's input as rows of hidden states.
-    fn input_rows(&self, input: &SliceInput<'_>) -> Result<Tensor> {
-        Ok(match (input, &self.embedding) {
-            (SliceInput::Tokens(ids), Some(embedding)) => {
+    /// Check one request's input without touching it: the right kind for
+    /// this slice, well formed; its number of rows.
+    fn input_len(&self, input: &SliceInput<'_>) -> Result<usize> {
+        match (input, &self.embedding) {
+            (SliceInput::Tokens(ids), Some(_)) => {
                 if ids.is_empty() {
                     return Err(EngineError::WrongInput("was given no tokens"));
                 }
@@ -605,22 +601,14 @@ impl LayerSlice {
                         self.config.vocab
                     )));
                 }
-                let ids = Tensor::new(*ids, &Device::Cpu)?;
-                match embedding {
-                    Embedding::Quantized(q) => q.embedding(&ids)?,
-                    Embedding::Dense(t) => t.index_select(&ids, 0)?,
-                }
+                Ok(ids.len())
             }
-            (SliceInput::Tokens(_), None) => {
-                return Err(EngineError::WrongInput(
-                    "holds no embedding: send it hidden states",
-                ));
-            }
-            (SliceInput::Hidden(_), Some(_)) => {
-                return Err(EngineError::WrongInput(
-                    "is the first slice: send it tokens",
-                ));
-            }
+            (SliceInput::Tokens(_), None) => Err(EngineError::WrongInput(
+                "holds no embedding: send it hidden states",
+            )),
+            (SliceInput::Hidden(_), Some(_)) => Err(EngineError::WrongInput(
+                "is the first slice: send it tokens",
+            )),
             (SliceInput::Hidden(a), None) => {
                 if a.cols != self.config.hidden || a.rows == 0 || a.values.len() != a.rows * a.cols
                 {
@@ -629,8 +617,26 @@ impl LayerSlice {
                         a.rows, a.cols, self.config.hidden
                     )));
                 }
+                Ok(a.rows)
+            }
+        }
+    }
+
+    /// One request's input as rows of hidden states; `check_step` has
+    /// checked it.
+    fn input_rows(&self, input: &SliceInput<'_>) -> Result<Tensor> {
+        Ok(match (input, &self.embedding) {
+            (SliceInput::Tokens(ids), Some(embedding)) => {
+                let ids = Tensor::new(*ids, &Device::Cpu)?;
+                match embedding {
+                    Embedding::Quantized(q) => q.embedding(&ids)?,
+                    Embedding::Dense(t) => t.index_select(&ids, 0)?,
+                }
+            }
+            (SliceInput::Hidden(a), None) => {
                 Tensor::from_slice(&a.values, (a.rows, a.cols), &Device::Cpu)?
             }
+            _ => return Err(EngineError::WrongInput("was given the wrong kind of input")),
         })
     }
 
