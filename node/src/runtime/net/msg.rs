@@ -154,6 +154,19 @@ pub async fn write_cbor(send: &mut quinn::SendStream, value: &Cbor) -> anyhow::R
     write(send, &value.encode(), None).await.map(|_| ())
 }
 
+/// One control exchange on its own stream: write the request, finish, and
+/// read the one answer (a control request's size) within `timeout`.
+pub async fn exchange(
+    send: &mut quinn::SendStream,
+    recv: &mut quinn::RecvStream,
+    request: &Cbor,
+    timeout: Duration,
+) -> anyhow::Result<Option<Cbor>> {
+    write_cbor(send, request).await?;
+    send.finish()?;
+    read_cbor(recv, MAX_CONTROL_REQUEST, timeout).await
+}
+
 /// Read a det-CBOR control message of at most `max` bytes.
 pub async fn read_cbor(
     recv: &mut quinn::RecvStream,

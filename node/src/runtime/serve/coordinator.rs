@@ -139,11 +139,10 @@ pub(super) async fn handle_plan(
 pub async fn plan_remote(coordinator: &PeerAddr) -> anyhow::Result<Vec<String>> {
     let (endpoint, connection) = connect_as_requester(coordinator).await?;
     let (mut send, mut recv) = connection.open_bi().await?;
-    msg::write_cbor(&mut send, &ControlRequest::Plan.to_cbor()).await?;
-    send.finish()?;
-    let reply = msg::read_cbor(
+    let reply = msg::exchange(
+        &mut send,
         &mut recv,
-        msg::MAX_CONTROL_REQUEST,
+        &ControlRequest::Plan.to_cbor(),
         Duration::from_secs(300),
     )
     .await?
@@ -596,7 +595,7 @@ async fn drive(
                 let (output, lease) = run
                     .own
                     .batcher
-                    .step(batch::StepInput::Tokens(input.clone()), lease)
+                    .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease)
                     .await?;
                 held.cache = Some(lease);
                 own_compute += compute_start.elapsed();
@@ -1097,12 +1096,12 @@ async fn report(
     } = driven;
     let terminal = *terminal;
     let Sealed { bundle, envelope } = sealed;
+    let counters = &inner.counters;
+    counters
+        .tokens_generated
+        .fetch_add(tokens.len() as u64, std::sync::atomic::Ordering::Relaxed);
     if terminal == TerminalState::ClientCancelled {
         // Sealed and journalled all the same; there is nobody to tell.
-        let counters = &inner.counters;
-        counters
-            .tokens_generated
-            .fetch_add(tokens.len() as u64, std::sync::atomic::Ordering::Relaxed);
         stats::Counters::bump(&counters.requests_cancelled);
         return Ok(());
     }
@@ -1177,10 +1176,6 @@ async fn report(
         ("details", Cbor::bytes(serde_json::to_vec(&details)?)),
         ("bundle", Cbor::bytes(serde_json::to_vec(&bundle)?)),
     ]);
-    let counters = &inner.counters;
-    counters
-        .tokens_generated
-        .fetch_add(tokens.len() as u64, std::sync::atomic::Ordering::Relaxed);
     stats::Counters::bump(if failure.is_some() {
         &counters.requests_failed
     } else {
@@ -1224,9 +1219,8 @@ async fn query_stats(
     request_id: u64,
 ) -> anyhow::Result<StageStats> {
     let (mut send, mut recv) = inner.open(peer, ALPN_CONTROL).await?;
-    msg::write_cbor(&mut send, &ControlRequest::Stats { request_id }.to_cbor()).await?;
-    send.finish()?;
-    let reply = msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, Duration::from_secs(2))
+    let request = ControlRequest::Stats { request_id }.to_cbor();
+    let reply = msg::exchange(&mut send, &mut recv, &request, Duration::from_secs(2))
         .await?
         .context("no stats")?;
     let us = |k: &str| Duration::from_micros(reply.get(k).and_then(Cbor::as_uint).unwrap_or(0));
@@ -1322,9 +1316,7 @@ async fn authorise_remote(
         presentation: presentation.clone(),
     }))
     .to_cbor();
-    msg::write_cbor(&mut send, &message).await?;
-    send.finish()?;
-    let reply = msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, msg::IDLE_TIMEOUT)
+    let reply = msg::exchange(&mut send, &mut recv, &message, msg::IDLE_TIMEOUT)
         .await?
         .context("no answer to the authorisation")?;
     match reply.get("kind").and_then(Cbor::as_text) {
@@ -1345,9 +1337,8 @@ async fn release_remote(
     request_id: u64,
 ) -> anyhow::Result<()> {
     let (mut send, mut recv) = inner.open(peer, ALPN_CONTROL).await?;
-    msg::write_cbor(&mut send, &ControlRequest::Release { request_id }.to_cbor()).await?;
-    send.finish()?;
-    msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, msg::IDLE_TIMEOUT).await?;
+    let request = ControlRequest::Release { request_id }.to_cbor();
+    msg::exchange(&mut send, &mut recv, &request, msg::IDLE_TIMEOUT).await?;
     Ok(())
 }
 

@@ -1892,15 +1892,9 @@ impl Inner {
             let message = assign.to_cbor();
             waits.push(tokio::spawn(async move {
                 let (mut send, mut recv) = inner.open(&peer, ALPN_CONTROL).await?;
-                msg::write_cbor(&mut send, &message).await?;
-                send.finish()?;
-                let reply = msg::read_cbor(
-                    &mut recv,
-                    msg::MAX_CONTROL_REQUEST,
-                    Duration::from_secs(300),
-                )
-                .await?
-                .context("no answer to the assignment")?;
+                let reply = msg::exchange(&mut send, &mut recv, &message, Duration::from_secs(300))
+                    .await?
+                    .context("no answer to the assignment")?;
                 match reply.get("kind").and_then(Cbor::as_text) {
                     Some("ready") => Ok::<Duration, anyhow::Error>(Duration::from_millis(
                         reply

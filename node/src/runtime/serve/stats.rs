@@ -320,13 +320,8 @@ impl Inner {
 pub async fn node_stats_remote(key: &SigningKey, node: &PeerAddr) -> anyhow::Result<NodeStats> {
     let (endpoint, connection) = coordinator::connect_as(key, node).await?;
     let (mut send, mut recv) = connection.open_bi().await?;
-    msg::write_cbor(
-        &mut send,
-        &mesh_protocol::control::ControlRequest::NodeStats.to_cbor(),
-    )
-    .await?;
-    send.finish()?;
-    let reply = msg::read_cbor(&mut recv, msg::MAX_CONTROL_REQUEST, msg::IDLE_TIMEOUT)
+    let request = mesh_protocol::control::ControlRequest::NodeStats.to_cbor();
+    let reply = msg::exchange(&mut send, &mut recv, &request, msg::IDLE_TIMEOUT)
         .await?
         .context("no stats")?;
     connection.close(0u32.into(), b"done");
