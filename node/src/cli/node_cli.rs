@@ -193,14 +193,10 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
                 .or(file.step_timeout_ms)
                 .unwrap_or(30_000),
         ),
-        request_timeout: args
-            .request_timeout_ms
-            .or(file.request_timeout_ms)
-            .map_or(
-                crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
-                Duration::from_millis,
-            )
-            .min(crate::runtime::serve::MAX_REQUEST_TIMEOUT),
+        request_timeout: args.request_timeout_ms.or(file.request_timeout_ms).map_or(
+            crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
+            Duration::from_millis,
+        ),
         max_requests: file.max_requests.unwrap_or(8),
         return_mode: parse_return_mode(
             &args
