@@ -46,6 +46,32 @@ fn assert_pools_empty(stats: &[NodeStats]) {
     }
 }
 
+/// Wait until every pool of `nodes` is empty, polling; fails past `bound`
+/// (counted from `since`) with the stats it last saw.
+async fn pools_empty_within(nodes: &[Node], since: Instant, bound: Duration, what: &str) {
+    loop {
+        let stats = all_stats(nodes).await;
+        if stats.iter().all(NodeStats::pools_empty) {
+            return;
+        }
+        assert!(
+            since.elapsed() < bound,
+            "still held {:?} after {what}: {stats:#?}",
+            since.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Wait until the coordinator has counted its one cancelled request: it
+/// seals a cancelled request (its stages' records, its receipt) first.
+async fn cancel_counted_within(coordinator: &Node, since: Instant, bound: Duration) {
+    while coordinator.stats().await.requests_cancelled == 0 {
+        assert!(since.elapsed() < bound, "never counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty() {
     let dir = tempfile::tempdir().unwrap();
@@ -221,15 +247,13 @@ async fn a_thousand_busy_refusals_leave_every_pool_empty() {
     let summary = held.await.unwrap().unwrap();
     assert!(summary.error.is_some(), "{summary:?}");
     let nodes = [a, b];
-    let waiting = Instant::now();
-    loop {
-        let stats = all_stats(&nodes).await;
-        if stats.iter().all(NodeStats::pools_empty) {
-            break;
-        }
-        assert!(waiting.elapsed() < Duration::from_secs(10), "{stats:#?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    pools_empty_within(
+        &nodes,
+        Instant::now(),
+        Duration::from_secs(10),
+        "the held request ended",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -261,29 +285,12 @@ async fn a_requester_that_goes_away_frees_every_stage_within_a_second() {
     // The requester's task, endpoint and connection go away mid-generation.
     requester.abort();
     let gone = Instant::now();
-    loop {
-        let stats = all_stats(&nodes).await;
-        if stats.iter().all(NodeStats::pools_empty) {
-            break;
-        }
-        assert!(
-            gone.elapsed() < Duration::from_secs(1),
-            "still held {:?} after the requester left: {stats:#?}",
-            gone.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    pools_empty_within(&nodes, gone, Duration::from_secs(1), "the requester left").await;
     eprintln!(
         "every pool empty {:?} after the requester left",
         gone.elapsed()
     );
-    // The coordinator still seals the cancelled request (its stages'
-    // records, its receipt) before it counts it.
-    let sealing = Instant::now();
-    while nodes[0].stats().await.requests_cancelled == 0 {
-        assert!(sealing.elapsed() < Duration::from_secs(10), "never counted");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    cancel_counted_within(&nodes[0], Instant::now(), Duration::from_secs(10)).await;
     let stats = nodes[0].stats().await;
     assert_eq!((stats.requests_completed, stats.requests_cancelled), (0, 1));
 }
@@ -321,26 +328,8 @@ async fn a_requester_that_stops_reading_cancels_on_every_stage() {
     // Cancel: stop reading (QUIC STOP_SENDING); the connection stays open.
     recv.stop(0u32.into()).unwrap();
     let cancelled = Instant::now();
-    loop {
-        let stats = all_stats(&nodes).await;
-        if stats.iter().all(NodeStats::pools_empty) {
-            break;
-        }
-        assert!(
-            cancelled.elapsed() < Duration::from_secs(1),
-            "still running {:?} after the cancel: {stats:#?}",
-            cancelled.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    // Counted once sealed (its stages' records, its receipt).
-    while nodes[0].stats().await.requests_cancelled == 0 {
-        assert!(
-            cancelled.elapsed() < Duration::from_secs(10),
-            "never counted"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    pools_empty_within(&nodes, cancelled, Duration::from_secs(1), "the cancel").await;
+    cancel_counted_within(&nodes[0], cancelled, Duration::from_secs(10)).await;
     eprintln!(
         "cancelled everywhere {:?} after STOP_SENDING",
         cancelled.elapsed()
