@@ -357,11 +357,7 @@ async fn admit<'a>(
     request: &GenerateRequest,
 ) -> anyhow::Result<Admitted<'a>> {
     let codec = inner.model.text();
-    let context = inner
-        .model
-        .config()
-        .context
-        .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
+    let context = inner.context();
     // A prompt that cannot fit is refused before it costs any tokenizing.
     if request.prompt.len() > context.saturating_mul(MAX_PROMPT_BYTES_PER_TOKEN) {
         bail!(

@@ -543,6 +543,19 @@ async fn accept_loop(inner: Arc<Inner>) {
 }
 
 impl Inner {
+    /// The longest sequence a request may run to on this node's model.
+    fn context(&self) -> usize {
+        self.model
+            .config()
+            .context
+            .min(mesh_stage::model::MAX_ENGINE_CONTEXT)
+    }
+
+    /// A loaded slice, ready to serve: its cache pool and batch worker.
+    fn slot(&self, slice: LayerSlice, assign: Assign) -> Arc<Slot> {
+        Arc::new(Slot::new(slice, self.max_requests, self.context(), assign))
+    }
+
     async fn connect(
         &self,
         peer: &PeerAddr,
@@ -893,17 +906,7 @@ fn handle_assign(
         inner.model.load_slice(assign.layer_start..assign.layer_end)
     })?;
     let answer = (slice.weights_digest(), slice.weight_bytes());
-    let context = inner
-        .model
-        .config()
-        .context
-        .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
-    let slot = Arc::new(Slot::new(
-        slice,
-        inner.max_requests,
-        context,
-        assign.clone(),
-    ));
+    let slot = inner.slot(slice, assign.clone());
     let mut slots = lock(&inner.slots);
     inner.check_slice_room(&slots, peer)?;
     // A coordinator holds one run here: its newer run replaces the older, whose
@@ -2009,17 +2012,7 @@ impl Inner {
         let refresh_after = remote
             .await
             .map_err(|e| anyhow!("assignment task: {e}"))??;
-        let context = self
-            .model
-            .config()
-            .context
-            .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
-        let own = Arc::new(Slot::new(
-            own_slice,
-            self.max_requests,
-            context,
-            assigns[0].clone(),
-        ));
+        let own = self.slot(own_slice, assigns[0].clone());
         let run = Arc::new(Run {
             assigns,
             topology,
