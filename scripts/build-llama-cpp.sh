@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Build one of llama.cpp's tools once, outside the workspace, from the source
 # tree that ships inside the PyPI sdist of llama-cpp-python. Prints its path.
-#   scripts/build-llama-cpp.sh [TOOL]   TOOL: llama-bench (default) or llama-server
+#   scripts/build-llama-cpp.sh [TOOL]   TOOL: llama-bench (default), llama-server,
+#                                       llama-completion or llama-tokenize
 #   MESH_BENCH_DIR  where to build (default: ~/.cache/mesh-node/llama.cpp)
 set -euo pipefail
 version="0.3.36"
 tool="${1:-llama-bench}"
 case "$tool" in
-  llama-bench | llama-server) ;;
-  *) echo "build-llama-cpp: TOOL is llama-bench or llama-server, not $tool" >&2; exit 2 ;;
+  llama-bench | llama-server | llama-completion | llama-tokenize) ;;
+  *) echo "build-llama-cpp: TOOL is llama-bench, llama-server, llama-completion or llama-tokenize, not $tool" >&2; exit 2 ;;
 esac
 root="${MESH_BENCH_DIR:-$HOME/.cache/mesh-node/llama.cpp}"
 binary="$root/build/bin/$tool"

@@ -11,7 +11,7 @@ pub enum EngineError {
     },
     #[error("{path} is not a usable model: {why}")]
     BadModel { path: String, why: String },
-    #[error("unsupported architecture `{0}` (supported: llama, mistral, qwen2)")]
+    #[error("unsupported architecture `{0}` (supported: llama, mistral, qwen2, gemma3)")]
     UnsupportedArchitecture(String),
     #[error(
         "tensor `{name}` has unsupported type {dtype} (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K)"

@@ -13,6 +13,7 @@ pub mod model;
 pub mod pipeline;
 pub mod sampling;
 pub mod source;
+pub mod spm;
 pub mod synthetic;
 pub mod text;
 

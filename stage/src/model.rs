@@ -1,6 +1,7 @@
-//! A layer slice `[a, b)` of a Llama-family decoder, and its forward pass.
-//! The first slice also holds the token embedding; the last holds the final
-//! norm and the output head (the embedding again when tied).
+//! A layer slice `[a, b)` of a decoder (the Llama family, and Gemma 3 with
+//! its extra norms and interleaved local and global attention), and its
+//! forward pass. The first slice also holds the token embedding; the last
+//! holds the final norm and the output head (the embedding again when tied).
 
 use std::ops::Range;
 
@@ -10,7 +11,7 @@ use candle_nn::kv_cache::KvCache;
 
 use crate::error::{EngineError, Result};
 use crate::frame::Activations;
-use crate::source::{ModelConfig, RawTensor, RopeLayout, Source};
+use crate::source::{BlockStyle, ModelConfig, RawTensor, RopeLayout, Source};
 
 /// Longest context a slice prepares rotary tables for.
 pub const MAX_ENGINE_CONTEXT: usize = 8192;
@@ -241,6 +242,14 @@ struct Block {
     /// gate, up
     gate_up: Projections,
     down: Linear,
+    /// Gemma 3's norms: each head's query and key, and the outputs of the
+    /// attention and of the feed-forward before they join the residual.
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    post_attention_norm: Option<Tensor>,
+    post_ffn_norm: Option<Tensor>,
+    /// Attends through the sliding window, with the local RoPE tables.
+    local: bool,
 }
 
 #[derive(Debug)]
@@ -293,8 +302,10 @@ pub struct LayerSlice {
     embedding: Option<Embedding>,
     blocks: Vec<Block>,
     head: Option<Head>,
-    cos: Tensor,
-    sin: Tensor,
+    /// RoPE tables of the global layers (all layers of most models).
+    rope: Rope,
+    /// RoPE tables of the local (sliding-window) layers, when there are any.
+    local_rope: Option<Rope>,
     weights_digest: [u8; 32],
     stored_bytes: usize,
     resident_bytes: usize,
@@ -316,22 +327,43 @@ fn dense(raw: RawTensor, resident: &mut usize) -> Result<Tensor> {
     Ok(t)
 }
 
-fn rope_tables(config: &ModelConfig) -> Result<(Tensor, Tensor)> {
-    let positions = config.context.clamp(1, MAX_ENGINE_CONTEXT);
-    let half = config.head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| {
-            1.0 / config
-                .rope_theta
-                .powf((2 * i) as f32 / config.head_dim as f32)
+/// Rotary embedding tables: cosines and sines per position and frequency.
+#[derive(Debug)]
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    /// Tables for base `theta`, positions divided by `scale` (linear
+    /// scaling), up to the slice's context.
+    fn new(config: &ModelConfig, theta: f32, scale: f32) -> Result<Self> {
+        let positions = config.context.clamp(1, MAX_ENGINE_CONTEXT);
+        let half = config.head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / theta.powf((2 * i) as f32 / config.head_dim as f32) / scale)
+            .collect();
+        let inv_freq = Tensor::from_vec(inv_freq, (1, half), &Device::Cpu)?;
+        let t = Tensor::arange(0u32, positions as u32, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .reshape((positions, 1))?;
+        let freqs = t.matmul(&inv_freq)?;
+        Ok(Self {
+            cos: freqs.cos()?,
+            sin: freqs.sin()?,
         })
-        .collect();
-    let inv_freq = Tensor::from_vec(inv_freq, (1, half), &Device::Cpu)?;
-    let t = Tensor::arange(0u32, positions as u32, &Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .reshape((positions, 1))?;
-    let freqs = t.matmul(&inv_freq)?;
-    Ok((freqs.cos()?, freqs.sin()?))
+    }
+
+    /// Rotate `x` (1, heads, seq, head_dim) for positions `position..`.
+    fn apply(&self, x: &Tensor, position: usize, layout: RopeLayout) -> Result<Tensor> {
+        let seq = x.dim(2)?;
+        let cos = self.cos.narrow(0, position, seq)?;
+        let sin = self.sin.narrow(0, position, seq)?;
+        Ok(match layout {
+            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(x, &cos, &sin)?,
+            RopeLayout::Halves => candle_nn::rotary_emb::rope(x, &cos, &sin)?,
+        })
+    }
 }
 
 impl LayerSlice {
@@ -371,6 +403,7 @@ impl LayerSlice {
         } else {
             None
         };
+        let gemma = config.block_style == BlockStyle::Gemma3;
         let mut blocks = Vec::with_capacity((range.end - range.start) as usize);
         for i in range.clone() {
             let mut part = |p: &str| read(&names.block(i, p));
@@ -395,6 +428,17 @@ impl LayerSlice {
             let gate_up = vec![part("ffn_gate.weight")?, part("ffn_up.weight")?];
             let gate_up = Projections::from_raw(gate_up, policy, &mut resident)?;
             let down = Linear::from_raw(part("ffn_down.weight")?, policy, &mut resident)?;
+            let mut gemma_norm = |p: &str| -> Result<Option<Tensor>> {
+                if gemma {
+                    Ok(Some(dense(part(p)?, &mut resident)?))
+                } else {
+                    Ok(None)
+                }
+            };
+            let q_norm = gemma_norm("attn_q_norm.weight")?;
+            let k_norm = gemma_norm("attn_k_norm.weight")?;
+            let post_attention_norm = gemma_norm("post_attention_norm.weight")?;
+            let post_ffn_norm = gemma_norm("post_ffw_norm.weight")?;
             blocks.push(Block {
                 attn_norm,
                 qkv,
@@ -405,6 +449,11 @@ impl LayerSlice {
                 ffn_norm,
                 gate_up,
                 down,
+                q_norm,
+                k_norm,
+                post_attention_norm,
+                post_ffn_norm,
+                local: config.is_local(i),
             });
         }
         let head = if last {
@@ -421,15 +470,21 @@ impl LayerSlice {
         } else {
             None
         };
-        let (cos, sin) = rope_tables(config)?;
+        let rope = Rope::new(config, config.rope_theta, config.rope_scale)?;
+        let local_rope = match config.sliding_window {
+            Some(window) if blocks.iter().any(|b| b.local) => {
+                Some(Rope::new(config, window.rope_theta, 1.0)?)
+            }
+            _ => None,
+        };
         Ok(Self {
             range,
             config: config.clone(),
             embedding,
             blocks,
             head,
-            cos,
-            sin,
+            rope,
+            local_rope,
             weights_digest: *hasher.finalize().as_bytes(),
             stored_bytes,
             resident_bytes: resident,
@@ -461,7 +516,7 @@ impl LayerSlice {
 
     /// A fresh cache for one request of at most `max_tokens` positions.
     pub fn new_cache(&self, max_tokens: usize) -> Result<SliceCache> {
-        let limit = self.cos.dim(0)?;
+        let limit = self.rope.cos.dim(0)?;
         if max_tokens > limit {
             return Err(EngineError::ContextExceeded {
                 tokens: max_tokens,
@@ -628,9 +683,13 @@ impl LayerSlice {
         Ok(match (input, &self.embedding) {
             (SliceInput::Tokens(ids), Some(embedding)) => {
                 let ids = Tensor::new(*ids, &Device::Cpu)?;
-                match embedding {
+                let rows = match embedding {
                     Embedding::Quantized(q) => q.embedding(&ids)?,
                     Embedding::Dense(t) => t.index_select(&ids, 0)?,
+                };
+                match self.config.block_style {
+                    BlockStyle::Llama => rows,
+                    BlockStyle::Gemma3 => (rows * (self.config.hidden as f64).sqrt())?,
                 }
             }
             (SliceInput::Hidden(a), None) => {
@@ -674,6 +733,7 @@ impl LayerSlice {
                 "was given a cache of another slice",
             ))?;
             attended.push(self.attend(
+                b,
                 &q.narrow(0, *offset, *seq)?,
                 &k.narrow(0, *offset, *seq)?,
                 &v.narrow(0, *offset, *seq)?,
@@ -688,20 +748,33 @@ impl LayerSlice {
         } else {
             Tensor::cat(&attended, 0)?
         };
-        let x = (x + b.o.forward_rows(&attended, spans)?)?;
+        let post_norm = |t: Tensor, norm: &Option<Tensor>| -> Result<Tensor> {
+            Ok(match norm {
+                Some(norm) => candle_nn::ops::rms_norm(&t, norm, eps)?,
+                None => t,
+            })
+        };
+        let attention_out = post_norm(b.o.forward_rows(&attended, spans)?, &b.post_attention_norm)?;
+        let x = (x + attention_out)?;
         let h = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
         let [gate, up]: [Tensor; 2] = b
             .gate_up
             .forward(&h, spans)?
             .try_into()
             .map_err(|_| EngineError::WrongInput("has a malformed feed-forward projection"))?;
-        let gated = (candle_nn::ops::silu(&gate)? * up)?;
-        Ok((x + b.down.forward_rows(&gated, spans)?)?)
+        let gate = match c.block_style {
+            BlockStyle::Llama => candle_nn::ops::silu(&gate)?,
+            // The tanh approximation, as Gemma's reference and llama.cpp use.
+            BlockStyle::Gemma3 => gate.gelu()?,
+        };
+        let ffn_out = post_norm(b.down.forward_rows(&(gate * up)?, spans)?, &b.post_ffn_norm)?;
+        Ok((x + ffn_out)?)
     }
     /// One request's attention over its own cache: `q`, `k`, `v` are its
     /// rows of the projections, at positions `position..`.
     fn attend(
         &self,
+        b: &Block,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -709,44 +782,61 @@ impl LayerSlice {
         position: usize,
     ) -> Result<Tensor> {
         let c = &self.config;
+        let eps = c.rms_eps as f32;
         let seq = q.dim(0)?;
-        let q = q
-            .reshape((1, seq, c.heads, c.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let k = k
-            .reshape((1, seq, c.kv_heads, c.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let v = v
-            .reshape((1, seq, c.kv_heads, c.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let cos = self.cos.narrow(0, position, seq)?;
-        let sin = self.sin.narrow(0, position, seq)?;
-        let (q, k) = match c.rope_layout {
-            RopeLayout::Interleaved => (
-                candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?,
-                candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?,
-            ),
-            RopeLayout::Halves => (
-                candle_nn::rotary_emb::rope(&q, &cos, &sin)?,
-                candle_nn::rotary_emb::rope(&k, &cos, &sin)?,
-            ),
+        let heads = |t: &Tensor, n: usize, norm: &Option<Tensor>| -> Result<Tensor> {
+            let t = t.reshape((1, seq, n, c.head_dim))?;
+            let t = match norm {
+                Some(norm) => candle_nn::ops::rms_norm(&t.contiguous()?, norm, eps)?,
+                None => t,
+            };
+            Ok(t.transpose(1, 2)?.contiguous()?)
         };
+        let q = heads(q, c.heads, &b.q_norm)?;
+        let k = heads(k, c.kv_heads, &b.k_norm)?;
+        let v = heads(v, c.kv_heads, &None)?;
+        let rope = match (&self.local_rope, b.local) {
+            (Some(local), true) => local,
+            _ => &self.rope,
+        };
+        let q = rope.apply(&q, position, c.rope_layout)?;
+        let k = rope.apply(&k, position, c.rope_layout)?;
         let (k_all, v_all) = kv.append(&k, &v)?;
+        // A local layer's query sees the last `window` positions only.
+        let window = match c.sliding_window {
+            Some(w) if b.local => w.window,
+            _ => usize::MAX,
+        };
+        let (k_all, v_all, first_key) = {
+            let total = k_all.dim(2)?;
+            let first_key = (position + 1).saturating_sub(window).min(total);
+            if seq == 1 && first_key > 0 {
+                (
+                    k_all.narrow(2, first_key, total - first_key)?,
+                    v_all.narrow(2, first_key, total - first_key)?,
+                    first_key,
+                )
+            } else {
+                (k_all, v_all, 0)
+            }
+        };
         let total = k_all.dim(2)?;
         // Grouped-query attention without copying K/V: the query heads that
         // share a KV head are stacked along the sequence axis.
         let group = c.heads / c.kv_heads;
         let q = q.reshape((1, c.kv_heads, group * seq, c.head_dim))?;
-        let scale = 1.0 / (c.head_dim as f64).sqrt();
-        let scores = (q.matmul(&k_all.t()?)? * scale)?;
+        let scores = (q.matmul(&k_all.t()?)? * c.query_scale)?;
         let scores = if seq > 1 {
             let mask: Vec<f32> = (0..group * seq)
                 .flat_map(|row| {
                     let query = position + row % seq;
-                    (0..total).map(move |key| if key <= query { 0.0 } else { f32::NEG_INFINITY })
+                    (first_key..first_key + total).map(move |key| {
+                        if key <= query && query - key < window {
+                            0.0
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    })
                 })
                 .collect();
             let mask = Tensor::from_vec(mask, (group * seq, total), &Device::Cpu)?;
@@ -759,7 +849,7 @@ impl LayerSlice {
         let attended = attended
             .reshape((1, c.heads, seq, c.head_dim))?
             .transpose(1, 2)?
-            .reshape((seq, c.hidden))?;
+            .reshape((seq, c.attention_width()))?;
         Ok(attended)
     }
 }

@@ -47,6 +47,54 @@ pub struct ModelConfig {
     pub context: usize,
     pub rope_layout: RopeLayout,
     pub qkv_bias: bool,
+    /// What the query is multiplied by before its dot products with the
+    /// keys (1/sqrt(head_dim) for most models).
+    pub query_scale: f64,
+    /// How a block is built around its attention and feed-forward.
+    pub block_style: BlockStyle,
+    /// Local attention layers, when the model interleaves them with global
+    /// ones.
+    pub sliding_window: Option<SlidingWindow>,
+    /// Linear RoPE scaling of the global layers (positions divided by it).
+    pub rope_scale: f32,
+}
+
+/// The shape of a decoder block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockStyle {
+    /// Llama, Mistral, Qwen2: pre-norms, SiLU-gated feed-forward.
+    Llama,
+    /// Gemma 3: the embedding scaled by sqrt(width), RMS norms on each
+    /// head's query and key, norms after attention and after the
+    /// feed-forward too, a GELU-gated (tanh approximation) feed-forward.
+    /// GGUF stores Gemma's norm weights with the 1 of its `(1 + w)` already
+    /// added, so every norm is a plain RMS norm here.
+    Gemma3,
+}
+
+/// Interleaved local (sliding-window) and global attention layers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlidingWindow {
+    /// A query at position p sees keys at positions p - window + 1 ..= p.
+    pub window: usize,
+    /// Every `pattern`-th layer (layers pattern - 1, 2 * pattern - 1, …)
+    /// is global; the others are local.
+    pub pattern: u32,
+    /// RoPE base of the local layers (the global ones use `rope_theta`).
+    pub rope_theta: f32,
+}
+
+impl ModelConfig {
+    /// Whether layer `layer` attends through the sliding window.
+    pub fn is_local(&self, layer: u32) -> bool {
+        self.sliding_window
+            .is_some_and(|w| w.pattern == 0 || layer % w.pattern < w.pattern - 1)
+    }
+    /// Width of the attention's concatenated heads (the hidden width for
+    /// most models; Gemma 3's heads are wider).
+    pub fn attention_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
 }
 
 /// A tensor as read from disk: quantized (GGUF) or dense.
@@ -228,10 +276,13 @@ fn gguf_f64(content: &gguf_file::Content, key: &str) -> Option<f64> {
     }
 }
 
-fn architecture_supported(arch: &str) -> Result<(RopeLayout, bool)> {
+/// What an architecture name means to this engine: its RoPE layout, whether
+/// its attention projections carry biases, and its block style.
+fn architecture_supported(arch: &str) -> Result<(RopeLayout, bool, BlockStyle)> {
     match arch {
-        "llama" | "mistral" => Ok((RopeLayout::Interleaved, false)),
-        "qwen2" => Ok((RopeLayout::Halves, true)),
+        "llama" | "mistral" => Ok((RopeLayout::Interleaved, false, BlockStyle::Llama)),
+        "qwen2" => Ok((RopeLayout::Halves, true, BlockStyle::Llama)),
+        "gemma3" => Ok((RopeLayout::Halves, false, BlockStyle::Gemma3)),
         other => Err(EngineError::UnsupportedArchitecture(other.to_string())),
     }
 }
@@ -259,19 +310,69 @@ impl Source {
             Some(gguf_file::Value::String(arch)) => arch.clone(),
             _ => return Err(bad(path, "no general.architecture in the GGUF metadata")),
         };
-        let (rope_layout, qkv_bias) = architecture_supported(&arch)?;
+        let (rope_layout, qkv_bias, block_style) = architecture_supported(&arch)?;
         let key = |k: &str| format!("{arch}.{k}");
         let need = |k: &str| {
             gguf_u64(&content, &key(k)).ok_or_else(|| bad(path, format!("missing {}", key(k))))
         };
         let hidden = need("embedding_length")? as usize;
         let heads = need("attention.head_count")? as usize;
-        if heads == 0 || !hidden.is_multiple_of(heads) {
+        let key_length = gguf_u64(&content, &key("attention.key_length")).map(|v| v as usize);
+        let value_length = gguf_u64(&content, &key("attention.value_length")).map(|v| v as usize);
+        if key_length != value_length {
+            return Err(bad(
+                path,
+                format!(
+                    "attention.key_length {key_length:?} differs from attention.value_length \
+                     {value_length:?}; this engine needs them equal"
+                ),
+            ));
+        }
+        if heads == 0 || (key_length.is_none() && !hidden.is_multiple_of(heads)) {
             return Err(bad(
                 path,
                 "embedding_length is not a multiple of head_count",
             ));
         }
+        let head_dim = key_length.unwrap_or(hidden / heads);
+        let layers =
+            u32::try_from(need("block_count")?).map_err(|_| bad(path, "block_count too large"))?;
+        let (query_scale, sliding_window) = match block_style {
+            BlockStyle::Llama => (1.0 / (head_dim as f64).sqrt(), None),
+            BlockStyle::Gemma3 => {
+                // As llama.cpp and gemma_pytorch do: the 27B model (62
+                // layers) scales by its width per head, the others by the
+                // head dimension.
+                let per_head = if layers == 62 {
+                    hidden / heads
+                } else {
+                    head_dim
+                };
+                let window = gguf_u64(&content, &key("attention.sliding_window"))
+                    .filter(|w| *w > 0)
+                    .map(|w| SlidingWindow {
+                        window: w as usize,
+                        pattern: gguf_u64(&content, &key("attention.sliding_window_pattern"))
+                            .map_or(6, |p| p as u32),
+                        rope_theta: gguf_f64(&content, &key("rope.freq_base_swa"))
+                            .unwrap_or(10_000.0) as f32,
+                    });
+                (1.0 / (per_head as f64).sqrt(), window)
+            }
+        };
+        let rope_scale = match content.metadata.get(&key("rope.scaling.type")) {
+            None => 1.0,
+            Some(gguf_file::Value::String(kind)) if kind == "none" => 1.0,
+            Some(gguf_file::Value::String(kind)) if kind == "linear" => {
+                gguf_f64(&content, &key("rope.scaling.factor")).unwrap_or(1.0) as f32
+            }
+            Some(other) => {
+                return Err(bad(
+                    path,
+                    format!("RoPE scaling {other:?} is not supported (only linear)"),
+                ));
+            }
+        };
         let kv_heads =
             gguf_u64(&content, &key("attention.head_count_kv")).unwrap_or(heads as u64) as usize;
         let vocab = match content.metadata.get("tokenizer.ggml.tokens") {
@@ -281,19 +382,22 @@ impl Source {
         };
         let config = ModelConfig {
             architecture: arch.clone(),
-            layers: u32::try_from(need("block_count")?)
-                .map_err(|_| bad(path, "block_count too large"))?,
+            layers,
             hidden,
             ffn: need("feed_forward_length")? as usize,
             heads,
             kv_heads,
-            head_dim: hidden / heads,
+            head_dim,
             vocab,
             rope_theta: gguf_f64(&content, &key("rope.freq_base")).unwrap_or(10_000.0) as f32,
             rms_eps: gguf_f64(&content, &key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
             context: gguf_u64(&content, &key("context_length")).unwrap_or(2048) as usize,
             rope_layout,
             qkv_bias,
+            query_scale,
+            block_style,
+            sliding_window,
+            rope_scale,
         };
         check_config(path, &config)?;
         let name = path.file_name().map_or("model.gguf".to_string(), |n| {
@@ -316,7 +420,17 @@ impl Source {
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| bad(&config_path, e.to_string()))?;
         let model_type = json["model_type"].as_str().unwrap_or("llama").to_string();
-        let (_, qkv_bias) = architecture_supported(&model_type)?;
+        let (_, qkv_bias, block_style) = architecture_supported(&model_type)?;
+        if block_style != BlockStyle::Llama {
+            return Err(bad(
+                &config_path,
+                format!(
+                    "`{model_type}` is supported from GGUF files only (its safetensors norms \
+                     are stored without their offset); convert it with llama.cpp's \
+                     convert_hf_to_gguf.py"
+                ),
+            ));
+        }
         let num = |k: &str| {
             json[k]
                 .as_u64()
@@ -345,6 +459,10 @@ impl Source {
             context: json["max_position_embeddings"].as_u64().unwrap_or(2048) as usize,
             rope_layout: RopeLayout::Halves,
             qkv_bias,
+            query_scale: 1.0 / ((hidden / heads) as f64).sqrt(),
+            block_style,
+            sliding_window: None,
+            rope_scale: 1.0,
         };
         check_config(&config_path, &config)?;
         let index = dir.join("model.safetensors.index.json");
@@ -473,7 +591,10 @@ fn check_config(path: &Path, c: &ModelConfig) -> Result<()> {
         && c.heads.is_multiple_of(c.kv_heads)
         && c.head_dim.is_multiple_of(2)
         && c.vocab > 0
-        && c.ffn > 0;
+        && c.ffn > 0
+        && c.rope_scale > 0.0
+        && c.sliding_window
+            .is_none_or(|w| w.window > 0 && w.pattern > 0);
     if sane {
         Ok(())
     } else {

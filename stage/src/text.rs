@@ -6,15 +6,35 @@ use tokenizers::Tokenizer;
 
 use crate::error::{EngineError, Result};
 use crate::source::Source;
+use crate::spm::SpmVocabulary;
 
 /// A model's tokenizer with what generation needs around it.
 #[derive(Debug, Clone)]
 pub struct TextCodec {
-    tokenizer: Tokenizer,
+    tokenizer: Vocabulary,
     eos: Vec<u32>,
     bos: Option<u32>,
     add_bos: bool,
     chat: Option<ChatTemplate>,
+}
+
+/// The two tokenizer kinds a model can carry.
+#[derive(Debug, Clone)]
+enum Vocabulary {
+    /// Byte-level BPE (GGUF `gpt2`) or a `tokenizer.json`, through the
+    /// `tokenizers` crate.
+    Hf(Box<Tokenizer>),
+    /// SentencePiece by scores (GGUF `llama`: Gemma, Llama 2, Mistral).
+    Spm(Box<SpmVocabulary>),
+}
+
+impl Vocabulary {
+    fn token_to_id(&self, text: &str) -> Option<u32> {
+        match self {
+            Vocabulary::Hf(t) => t.token_to_id(text),
+            Vocabulary::Spm(v) => v.token_to_id(text),
+        }
+    }
 }
 
 /// The chat formats this engine renders (from the model's own template).
@@ -82,7 +102,14 @@ impl TextCodec {
     }
 
     fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
-        let tokenizer = Tokenizer::from_gguf(content).map_err(tokenizer_error)?;
+        let tokenizer = match content.metadata.get("tokenizer.ggml.model") {
+            Some(gguf_file::Value::String(kind)) if kind == "llama" => {
+                Vocabulary::Spm(Box::new(SpmVocabulary::from_gguf(content)?))
+            }
+            _ => Vocabulary::Hf(Box::new(
+                Tokenizer::from_gguf(content).map_err(tokenizer_error)?,
+            )),
+        };
         let id = |key: &str| match content.metadata.get(key) {
             Some(gguf_file::Value::U32(v)) => Some(*v),
             Some(gguf_file::Value::I32(v)) => u32::try_from(*v).ok(),
@@ -131,7 +158,7 @@ impl TextCodec {
             bos: token("bos_token"),
             add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
             chat,
-            tokenizer,
+            tokenizer: Vocabulary::Hf(Box::new(tokenizer)),
         };
         codec.add_turn_end_tokens();
         Ok(codec)
@@ -139,7 +166,13 @@ impl TextCodec {
 
     /// Chat models end a turn with their own marker; stop there too.
     fn add_turn_end_tokens(&mut self) {
-        for marker in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>"] {
+        for marker in [
+            "<|im_end|>",
+            "<|eot_id|>",
+            "<|endoftext|>",
+            "</s>",
+            "<end_of_turn>",
+        ] {
             if let Some(id) = self.tokenizer.token_to_id(marker)
                 && !self.eos.contains(&id)
             {
@@ -149,22 +182,27 @@ impl TextCodec {
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(tokenizer_error)?;
-        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        let mut ids = Vec::new();
         if self.add_bos
             && let Some(bos) = self.bos
         {
             ids.push(bos);
         }
-        ids.extend_from_slice(encoding.get_ids());
+        match &self.tokenizer {
+            Vocabulary::Hf(t) => {
+                let encoding = t.encode(text, false).map_err(tokenizer_error)?;
+                ids.extend_from_slice(encoding.get_ids());
+            }
+            Vocabulary::Spm(v) => ids.extend(v.encode(text)),
+        }
         Ok(ids)
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer.decode(ids, true).map_err(tokenizer_error)
+        match &self.tokenizer {
+            Vocabulary::Hf(t) => t.decode(ids, true).map_err(tokenizer_error),
+            Vocabulary::Spm(v) => v.decode(ids),
+        }
     }
 
     pub fn is_eos(&self, id: u32) -> bool {
@@ -181,10 +219,6 @@ impl TextCodec {
             .as_ref()
             .map(|t| t.render_user(prompt))
             .ok_or_else(|| EngineError::ChatTemplate("the model carries no chat template this engine recognises (ChatML, Llama 3, [INST]); run without --chat".into()))
-    }
-
-    pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
     }
 }
 
