@@ -564,6 +564,7 @@ async fn drive(
         // (which it writes only to say why it stopped), each read whole-frame
         // by a task so a wait on both can be abandoned without losing bytes.
         let mut direct: Option<Frames> = None;
+        let mut direct_closed = false;
         let mut stage1: Option<Frames> = None;
         let mut recv = Some(recv);
         if return_mode == ReturnMode::Direct {
@@ -654,7 +655,7 @@ async fn drive(
                         reply
                     }
                     _ => {
-                        let until = tokio::time::Instant::now() + wait;
+                        let mut until = tokio::time::Instant::now() + wait;
                         loop {
                             tokio::select! {
                                 opened = wait_direct(&mut direct_waiter), if direct.is_none() => {
@@ -666,9 +667,17 @@ async fn drive(
                                     }
                                     direct = Some(spawn_frames(stream));
                                 }
-                                arrived = next_frame(&mut direct) => {
-                                    let reply = arrived
-                                        .context("the final stage closed the direct return")??;
+                                arrived = next_frame(&mut direct), if !direct_closed => {
+                                    let Some(arrived) = arrived else {
+                                        // The final stage ends its return after telling
+                                        // stage 1 why it stopped (a FAILED relayed up, on
+                                        // another connection): wait a moment for that
+                                        // reason instead of racing it.
+                                        direct_closed = true;
+                                        until = until.min(tokio::time::Instant::now() + DRAIN_WAIT);
+                                        continue;
+                                    };
+                                    let reply = arrived?;
                                     if let Some(fold) = lanes.direct_received.as_mut() {
                                         folds.time(|| fold.push_frame(&reply));
                                     }
@@ -682,6 +691,9 @@ async fn drive(
                                 () = tokio::time::sleep_until(until) => {
                                     if deadline.is_past() {
                                         return Ok(TerminalState::TimedOut);
+                                    }
+                                    if direct_closed {
+                                        bail!("the final stage closed the direct return");
                                     }
                                     let whom = if direct.is_none() { "the final stage's direct return" } else { "the final stage" };
                                     return Err(step_timed_out(whom, inner.step_timeout));
