@@ -118,3 +118,41 @@ fn a_broken_model_file_is_one_short_error_even_with_backtraces_on() {
         );
     }
 }
+
+#[test]
+fn an_unsupported_architecture_is_one_line_naming_it_and_the_supported_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = mesh_stage::synthetic::write_synthetic(
+        &dir.path().join("model"),
+        &mesh_stage::synthetic::SyntheticSpec::default(),
+        &[candle_core::quantized::GgmlDType::F32],
+    )
+    .unwrap();
+    let mut bytes =
+        std::fs::read(model.gguf(candle_core::quantized::GgmlDType::F32).unwrap()).unwrap();
+    // general.architecture's value: after the key, a 4-byte type and an
+    // 8-byte length.
+    let key = b"general.architecture";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 12;
+    assert_eq!(&bytes[at..at + 5], b"llama");
+    bytes[at..at + 5].copy_from_slice(b"mamba");
+    let renamed = dir.path().join("mamba.gguf");
+    std::fs::write(&renamed, &bytes).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+        .env("RUST_BACKTRACE", "1")
+        .args(["generate", "--prompt", "hi", "--model"])
+        .arg(&renamed)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| !l.starts_with("loading "))
+        .collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].contains("`mamba`"), "{stderr}");
+    for supported in ["llama", "mistral", "qwen2", "gemma3"] {
+        assert!(errors[0].contains(supported), "{stderr}");
+    }
+}

@@ -109,11 +109,17 @@ fn serve(
     Served { child, peer }
 }
 
-fn local_tokens(model: &Path, prompt: &str, max_tokens: usize) -> Value {
+/// `--chat` for models with a chat template; a base model continues the
+/// prompt as written.
+fn chat_flag(chat: bool) -> &'static [&'static str] {
+    if chat { &["--chat"] } else { &[] }
+}
+
+fn local_tokens(model: &Path, prompt: &str, max_tokens: usize, chat: bool) -> Value {
     let out = Command::new(bin())
+        .arg("generate")
+        .args(chat_flag(chat))
         .args([
-            "generate",
-            "--chat",
             "--json",
             "--prompt",
             prompt,
@@ -132,11 +138,17 @@ fn local_tokens(model: &Path, prompt: &str, max_tokens: usize) -> Value {
     serde_json::from_slice::<Value>(&out.stdout).unwrap()["token_ids"].clone()
 }
 
-fn remote(coordinator: &str, prompt: &str, max_tokens: usize, bundle: &Path) -> (bool, Value) {
+fn remote(
+    coordinator: &str,
+    prompt: &str,
+    max_tokens: usize,
+    chat: bool,
+    bundle: &Path,
+) -> (bool, Value) {
     let out = Command::new(bin())
+        .arg("generate")
+        .args(chat_flag(chat))
         .args([
-            "generate",
-            "--chat",
             "--json",
             "--prompt",
             prompt,
@@ -166,7 +178,7 @@ fn verify(bundle: &Path) -> (i32, Value) {
     )
 }
 
-fn split_equals_unsplit(model: &Path, prompt: &str, max_tokens: usize) {
+fn split_equals_unsplit(model: &Path, prompt: &str, max_tokens: usize, chat: bool) {
     let dir = tempfile::tempdir().unwrap();
     let (relayed_id, direct_id) = (
         node_id(dir.path(), "relayed"),
@@ -191,10 +203,10 @@ fn split_equals_unsplit(model: &Path, prompt: &str, max_tokens: usize) {
         &["--return-mode", "direct"],
         &[],
     );
-    let expected = local_tokens(model, prompt, max_tokens);
+    let expected = local_tokens(model, prompt, max_tokens, chat);
     for (mode, coordinator) in [("relayed", &relayed), ("direct", &direct)] {
         let bundle = dir.path().join(format!("{mode}.json"));
-        let (ok, value) = remote(&coordinator.peer, prompt, max_tokens, &bundle);
+        let (ok, value) = remote(&coordinator.peer, prompt, max_tokens, chat, &bundle);
         assert!(ok, "{mode}: {value:#}");
         assert_eq!(
             value["details"]["token_ids"], expected,
@@ -225,7 +237,7 @@ fn split_equals_unsplit(model: &Path, prompt: &str, max_tokens: usize) {
 fn three_processes_serve_the_synthetic_model_in_both_return_modes() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    split_equals_unsplit(&model, "Hello split world", 12);
+    split_equals_unsplit(&model, "Hello split world", 12, true);
 }
 
 #[test]
@@ -233,7 +245,18 @@ fn three_processes_serve_smollm2_in_both_return_modes() {
     let Some(model) = common::smollm2("the real-model split test") else {
         return;
     };
-    split_equals_unsplit(&model, "What is the capital of France?", 16);
+    split_equals_unsplit(&model, "What is the capital of France?", 16, true);
+}
+
+/// Gemma 3: a base model (no chat template), a 262,144-token vocabulary,
+/// split by bytes (its embedding and tied head are most of it), with local
+/// and global attention layers on either side of a boundary.
+#[test]
+fn three_processes_serve_gemma3_in_both_return_modes() {
+    let Some(model) = common::gemma3("the Gemma 3 split test") else {
+        return;
+    };
+    split_equals_unsplit(&model, "The capital of France is", 12, false);
 }
 
 #[test]
@@ -344,7 +367,7 @@ fn one_altered_forward_byte_breaks_that_hop() {
     let c = stage(dir.path(), "c", &model, &[], &[]);
     let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
     let bundle = dir.path().join("bundle.json");
-    let (_, _) = remote(&coordinator.peer, "fault", 6, &bundle);
+    let (_, _) = remote(&coordinator.peer, "fault", 6, true, &bundle);
     let (code, report) = verify(&bundle);
     assert_eq!(code, 1, "{report:#}");
     let lanes = report["lanes"].as_array().unwrap();
@@ -495,7 +518,7 @@ fn a_restarted_stage_is_assigned_again() {
     let c = stage(dir.path(), "c", &model, &[], &[]);
     let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
     let bundle = dir.path().join("bundle.json");
-    let (ok, value) = remote(&coordinator.peer, "before the restart", 4, &bundle);
+    let (ok, value) = remote(&coordinator.peer, "before the restart", 4, true, &bundle);
     assert!(ok, "{value:#}");
     // Stage 2 restarts on the same key and address, holding no slice.
     let address = c.peer.rsplit_once('@').unwrap().1.to_string();
@@ -504,9 +527,9 @@ fn a_restarted_stage_is_assigned_again() {
     // The request that meets the restart may fail (stage 1 still holds its
     // connection to the dead process, or the new one holds no slice); the
     // coordinator then assigns again, and the next request is served.
-    let (ok, _) = remote(&coordinator.peer, "meets the restart", 4, &bundle);
+    let (ok, _) = remote(&coordinator.peer, "meets the restart", 4, true, &bundle);
     if !ok {
-        let (ok, value) = remote(&coordinator.peer, "after the restart", 4, &bundle);
+        let (ok, value) = remote(&coordinator.peer, "after the restart", 4, true, &bundle);
         assert!(ok, "{value:#}");
     }
     drop(c);

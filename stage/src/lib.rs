@@ -106,6 +106,109 @@ impl ModelHandle {
     }
 }
 
+/// The bytes a slice holds for each part of a model: what the first slice
+/// adds (the embedding), each layer, and what the last adds (the final norm
+/// and the output head, the embedding again when tied).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerBytes {
+    pub embedding: u64,
+    pub layers: Vec<u64>,
+    pub head: u64,
+}
+
+impl ModelHandle {
+    /// The stored bytes of each part of the model, from its tensor index.
+    pub fn layer_bytes(&self) -> LayerBytes {
+        let names = self.source.names();
+        let sizes = self.source.stored_sizes();
+        let size = |name: &str| {
+            sizes
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map_or(0, |(_, bytes)| *bytes)
+        };
+        let output = if self.source.has(names.output) {
+            names.output
+        } else {
+            names.embedding
+        };
+        let mut layers = vec![0u64; self.config.layers as usize];
+        for (i, bytes) in layers.iter_mut().enumerate() {
+            let prefix = names.block(i as u32, "");
+            *bytes = sizes
+                .iter()
+                .filter(|(name, _)| name.starts_with(&prefix))
+                .map(|(_, b)| *b)
+                .sum();
+        }
+        LayerBytes {
+            embedding: size(names.embedding),
+            layers,
+            head: size(names.output_norm) + size(output),
+        }
+    }
+}
+
+/// Split the layers into `parts` contiguous ranges whose slices hold about
+/// the same bytes (the embedding counted in the first, the head in the
+/// last): the largest slice as small as it can be, then the slices as even
+/// as they can be. Most of a small model with a large vocabulary is its
+/// embedding and head (Gemma 3 270M: 170 MiB each of 410), so counting
+/// layers would give the end slices far more than the middle ones.
+pub fn split_by_bytes(bytes: &LayerBytes, parts: u32) -> Vec<Range<u32>> {
+    let layers = bytes.layers.len();
+    let parts = (parts as usize).clamp(1, layers.max(1));
+    if layers == 0 {
+        return Vec::new();
+    }
+    // prefix[i] = bytes of layers 0..i
+    let mut prefix = vec![0u128; layers + 1];
+    for (i, b) in bytes.layers.iter().enumerate() {
+        prefix[i + 1] = prefix[i] + u128::from(*b);
+    }
+    let cost = |start: usize, end: usize| -> u128 {
+        let mut c = prefix[end] - prefix[start];
+        if start == 0 {
+            c += u128::from(bytes.embedding);
+        }
+        if end == layers {
+            c += u128::from(bytes.head);
+        }
+        c
+    };
+    // best[k][e]: (largest slice, sum of squares) splitting layers 0..e
+    // into k slices; from[k][e] the start of the last of them.
+    let none = (u128::MAX, u128::MAX);
+    let mut best = vec![vec![none; layers + 1]; parts + 1];
+    let mut from = vec![vec![0usize; layers + 1]; parts + 1];
+    best[0][0] = (0, 0);
+    for k in 1..=parts {
+        for end in k..=layers {
+            for start in (k - 1)..end {
+                let (largest, squares) = best[k - 1][start];
+                if largest == u128::MAX {
+                    continue;
+                }
+                let c = cost(start, end);
+                let candidate = (largest.max(c), squares.saturating_add(c.saturating_mul(c)));
+                if candidate < best[k][end] {
+                    best[k][end] = candidate;
+                    from[k][end] = start;
+                }
+            }
+        }
+    }
+    let mut ranges = Vec::with_capacity(parts);
+    let mut end = layers;
+    for k in (1..=parts).rev() {
+        let start = from[k][end];
+        ranges.push(start as u32..end as u32);
+        end = start;
+    }
+    ranges.reverse();
+    ranges
+}
+
 /// Split `layers` into `parts` contiguous ranges as evenly as possible.
 pub fn even_split(layers: u32, parts: u32) -> Vec<Range<u32>> {
     let parts = parts.clamp(1, layers.max(1));
@@ -160,6 +263,29 @@ pub fn parse_split(spec: &str, layers: u32) -> Result<Vec<Range<u32>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_split_by_bytes_weighs_the_embedding_and_the_head() {
+        let even = LayerBytes {
+            embedding: 0,
+            layers: vec![10; 30],
+            head: 0,
+        };
+        assert_eq!(split_by_bytes(&even, 3), even_split(30, 3));
+        // Gemma 3 270M's shape: ends of 170 MiB, 18 layers of about 4.
+        let gemma = LayerBytes {
+            embedding: 170,
+            layers: vec![4; 18],
+            head: 170,
+        };
+        let ranges = split_by_bytes(&gemma, 3);
+        assert_eq!(ranges, vec![0..1, 1..17, 17..18]);
+        assert_eq!(split_by_bytes(&gemma, 1), vec![0..18]);
+        // More parts than layers: one layer each.
+        assert_eq!(split_by_bytes(&gemma, 40).len(), 18);
+        let two = split_by_bytes(&gemma, 2);
+        assert_eq!(two, vec![0..9, 9..18]);
+    }
 
     #[test]
     fn splits() {

@@ -560,6 +560,25 @@ impl Source {
         }
     }
 
+    /// Every tensor's name and the bytes it takes in the file.
+    pub fn stored_sizes(&self) -> Vec<(&str, u64)> {
+        match self {
+            Source::Gguf { content, .. } => content
+                .tensor_infos
+                .iter()
+                .map(|(name, info)| {
+                    let dtype = info.ggml_dtype;
+                    let bytes = info.shape.elem_count() / dtype.block_size() * dtype.type_size();
+                    (name.as_str(), bytes as u64)
+                })
+                .collect(),
+            Source::Safetensors { tensors, .. } => tensors
+                .iter()
+                .map(|(name, entry)| (name.as_str(), entry.end - entry.start))
+                .collect(),
+        }
+    }
+
     /// Tensor names of the standard Llama layout, per format.
     pub fn names(&self) -> TensorNames {
         match self {

@@ -6,7 +6,6 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 
@@ -43,8 +42,9 @@ impl Default for SyntheticSpec {
     }
 }
 
-/// Bumped whenever the generated weights change, so cached copies are rewritten.
-pub const SYNTHETIC_VERSION: u32 = 2;
+/// Bumped whenever the generated files change (weights, tokenizer), so cached
+/// copies are rewritten.
+pub const SYNTHETIC_VERSION: u32 = 3;
 
 pub const SYNTHETIC_NAME: &str = "synthetic-llama (seeded weights, not a trained model)";
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -341,8 +341,7 @@ pub fn write_synthetic(
         .ok_or(EngineError::WrongInput("needs at least one GGUF type"))?;
     let mut file = std::fs::File::open(&first).map_err(io(&first))?;
     let content = gguf_file::Content::read(&mut file)?;
-    let tokenizer = tokenizers::Tokenizer::from_gguf(&content)
-        .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+    let tokenizer = crate::text::byte_level_bpe(&content)?;
     tokenizer
         .save(st.join("tokenizer.json"), false)
         .map_err(|e| EngineError::Tokenizer(e.to_string()))?;

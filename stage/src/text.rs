@@ -16,6 +16,8 @@ pub struct TextCodec {
     bos: Option<u32>,
     add_bos: bool,
     chat: Option<ChatTemplate>,
+    /// Whether the model carries a chat template at all (recognised or not).
+    has_template: bool,
 }
 
 /// The two tokenizer kinds a model can carry.
@@ -87,6 +89,37 @@ impl ChatTemplate {
     }
 }
 
+/// A GGUF `gpt2` (byte-level BPE) tokenizer, through candle's reader, with
+/// its pre-tokenizer set as llama.cpp sets it for the file's
+/// `tokenizer.ggml.pre`. candle's default adds a space before the text
+/// ("The" becomes "ĠThe"), which neither llama.cpp nor the models' own
+/// `tokenizer.json` do; SmolLM's also isolates every digit.
+pub(crate) fn byte_level_bpe(content: &gguf_file::Content) -> Result<Tokenizer> {
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::digits::Digits;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+    let mut tokenizer = Tokenizer::from_gguf(content).map_err(tokenizer_error)?;
+    let pre = match content.metadata.get("tokenizer.ggml.pre") {
+        Some(gguf_file::Value::String(pre)) => pre.as_str(),
+        _ => "default",
+    };
+    let byte_level = ByteLevel::new(false, true, true);
+    match pre {
+        // candle's own settings for these match the models' tokenizer.json.
+        "qwen2" | "smaug-bpe" | "lfm2" | "llama3" => {}
+        "smollm" => {
+            tokenizer.with_pre_tokenizer(Some(Sequence::new(vec![
+                Digits::new(true).into(),
+                byte_level.into(),
+            ])));
+        }
+        _ => {
+            tokenizer.with_pre_tokenizer(Some(byte_level));
+        }
+    }
+    Ok(tokenizer)
+}
+
 fn tokenizer_error(e: impl std::fmt::Display) -> EngineError {
     EngineError::Tokenizer(e.to_string())
 }
@@ -106,9 +139,7 @@ impl TextCodec {
             Some(gguf_file::Value::String(kind)) if kind == "llama" => {
                 Vocabulary::Spm(Box::new(SpmVocabulary::from_gguf(content)?))
             }
-            _ => Vocabulary::Hf(Box::new(
-                Tokenizer::from_gguf(content).map_err(tokenizer_error)?,
-            )),
+            _ => Vocabulary::Hf(Box::new(byte_level_bpe(content)?)),
         };
         let id = |key: &str| match content.metadata.get(key) {
             Some(gguf_file::Value::U32(v)) => Some(*v),
@@ -119,16 +150,18 @@ impl TextCodec {
             content.metadata.get("tokenizer.ggml.add_bos_token"),
             Some(gguf_file::Value::Bool(true))
         );
-        let chat = match content.metadata.get("tokenizer.chat_template") {
-            Some(gguf_file::Value::String(t)) => ChatTemplate::recognise(t),
+        let template = match content.metadata.get("tokenizer.chat_template") {
+            Some(gguf_file::Value::String(t)) => Some(t.as_str()),
             _ => None,
         };
+        let chat = template.and_then(ChatTemplate::recognise);
         let mut codec = Self {
             tokenizer,
             eos: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
             bos: id("tokenizer.ggml.bos_token_id"),
             add_bos,
             chat,
+            has_template: template.is_some(),
         };
         codec.add_turn_end_tokens();
         Ok(codec)
@@ -150,14 +183,14 @@ impl TextCodec {
             };
             tokenizer.token_to_id(&text)
         };
-        let chat = config["chat_template"]
-            .as_str()
-            .and_then(ChatTemplate::recognise);
+        let template = config["chat_template"].as_str();
+        let chat = template.and_then(ChatTemplate::recognise);
         let mut codec = Self {
             eos: token("eos_token").into_iter().collect(),
             bos: token("bos_token"),
             add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
             chat,
+            has_template: template.is_some(),
             tokenizer: Vocabulary::Hf(Box::new(tokenizer)),
         };
         codec.add_turn_end_tokens();
@@ -215,10 +248,19 @@ impl TextCodec {
 
     /// The prompt wrapped in the model's chat template.
     pub fn chat_prompt(&self, prompt: &str) -> Result<String> {
-        self.chat
-            .as_ref()
-            .map(|t| t.render_user(prompt))
-            .ok_or_else(|| EngineError::ChatTemplate("the model carries no chat template this engine recognises (ChatML, Llama 3, [INST]); run without --chat".into()))
+        match &self.chat {
+            Some(template) => Ok(template.render_user(prompt)),
+            None if self.has_template => Err(EngineError::ChatTemplate(
+                "the model's chat template is none this engine recognises (ChatML, Llama 3, \
+                 [INST]); run without --chat"
+                    .into(),
+            )),
+            None => Err(EngineError::ChatTemplate(
+                "the model has no chat template (a base model completes text as written); \
+                 run without --chat"
+                    .into(),
+            )),
+        }
     }
 }
 

@@ -57,7 +57,7 @@ fn answers_the_capital_of_france_with_paris() {
     assert_eq!(handle.config().hidden, 576);
     let prompt = handle
         .text()
-        .chat_prompt("What is the capital of France?")
+        .chat_prompt("Which city is the capital of France?")
         .unwrap();
     let ids = handle.text().encode(&prompt).unwrap();
     let slices = vec![handle.load_slice(0..30).unwrap()];

@@ -318,7 +318,13 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             ),
         },
     };
-    let layers = mesh_stage::ModelHandle::open(&model)?.config().layers as usize;
+    let (layers, chat) = {
+        let handle = mesh_stage::ModelHandle::open(&model)?;
+        (
+            handle.config().layers as usize,
+            handle.text().chat_template().is_some(),
+        )
+    };
     let stages = args.stages.clamp(2, layers.max(2));
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
@@ -384,15 +390,18 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     nodes += &format!("  energy meter: {} (every node)", coordinator.meter_name());
     let prompt = args
         .prompt
-        .unwrap_or_else(|| "What is the capital of France?".into());
+        .unwrap_or_else(|| "Which city is the capital of France?".into());
     if !args.quiet {
         println!("prompt: {prompt}");
+        if !chat {
+            println!("(the model has no chat template: the prompt is continued as written)");
+        }
     }
     print!("answer: ");
     let request = GenerateRequest {
         prompt,
         max_tokens: args.max_tokens,
-        chat: true,
+        chat,
         sampling: SamplingParams::greedy(),
         grant: None,
         timeout: None,

@@ -13,15 +13,28 @@ pub fn smollm2(test: &str) -> Option<PathBuf> {
     let path = std::env::var_os("MESH_SMOLLM2_GGUF")
         .map(PathBuf::from)
         .unwrap_or_else(mesh_node::cli::models::smollm2_path);
+    present(path, "SmolLM2-135M", "MESH_REQUIRE_MODEL", test)
+}
+
+/// Gemma 3 270M's GGUF (`MESH_GEMMA3_GGUF`, else the model cache, where
+/// `scripts/fetch-gemma3.sh` puts it), or `None` with `test` reported
+/// SKIPPED; with `MESH_REQUIRE_GEMMA3=1` its absence fails the test.
+pub fn gemma3(test: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("MESH_GEMMA3_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| mesh_node::cli::models::cache_dir().join("gemma-3-270m-q4_k_m.gguf"));
+    present(path, "Gemma 3 270M", "MESH_REQUIRE_GEMMA3", test)
+}
+
+/// `path` when it is a file; otherwise SKIPPED, or a failure when
+/// `require` is set to 1.
+pub fn present(path: PathBuf, what: &str, require: &str, test: &str) -> Option<PathBuf> {
     if path.is_file() {
         return Some(path);
     }
-    let message = format!(
-        "SmolLM2-135M not found at {}: {test} is SKIPPED",
-        path.display()
-    );
-    if std::env::var("MESH_REQUIRE_MODEL").is_ok_and(|v| v == "1") {
-        panic!("{message} (MESH_REQUIRE_MODEL=1)");
+    let message = format!("{what} not found at {}: {test} is SKIPPED", path.display());
+    if std::env::var(require).is_ok_and(|v| v == "1") {
+        panic!("{message} ({require}=1)");
     }
     eprintln!("{message}");
     None

@@ -1948,7 +1948,9 @@ impl Inner {
         if stages > layers {
             bail!("{stages} stages for a model of {layers} layers");
         }
-        let ranges = mesh_stage::even_split(layers, stages);
+        // By bytes, not layer counts: the first slice also holds the
+        // embedding and the last the head.
+        let ranges = mesh_stage::split_by_bytes(&self.model.layer_bytes(), stages);
         let run_id = format!(
             "mesh-split-{}",
             SystemTime::now()
