@@ -88,8 +88,8 @@ impl Linear {
     /// the same way whatever the number of rows, up to `MAX_BATCH_ROWS`
     /// (checked by `a_batch_of_requests_gives_each_the_bits_it_gets_alone`
     /// for every supported type). On x86-64 the block-quantized kernels are
-    /// one row's dot products (Q4_0, Q4_1, Q8_0 unpacked; Q4_K and Q8_0
-    /// repacked into tiles), except Q6_K, whose one-row kernel is not its
+    /// one row's dot products (Q4_0, Q4_1, Q5_0, Q8_0 unpacked; Q4_K, Q5_K
+    /// and Q8_0 repacked into tiles), except Q6_K, whose one-row kernel is not its
     /// tiled one, and Q4_K from 32 rows with AMX. Dense products go through
     /// a blocked multiply whose summation order follows the row count; on
     /// other architectures the packed kernels change with the row count.
