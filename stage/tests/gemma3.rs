@@ -1,3 +1,4 @@
+#![allow(clippy::single_range_in_vec_init)] // one range is the whole model, unsplit
 //! Gemma 3 270M (Q4_K_M), when present (`MESH_GEMMA3_GGUF`, else the model
 //! cache; `scripts/fetch-gemma3.sh` puts it there): its metadata is read as
 //! Gemma 3's, a prompt tokenizes as llama.cpp tokenizes it, and splits with
