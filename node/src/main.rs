@@ -369,6 +369,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 },
                 grant,
                 timeout: timeout_ms.map(std::time::Duration::from_millis),
+                stop: Vec::new(),
             };
             let summary = runtime()?.block_on(mesh_node::cli::node_cli::generate_via(
                 &coordinator,

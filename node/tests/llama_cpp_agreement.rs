@@ -17,8 +17,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -103,40 +102,18 @@ impl LlamaServer {
         }
     }
 
-    /// One HTTP/1.1 exchange on a fresh connection.
     fn call(
         &self,
         method: &str,
         path: &str,
         body: Option<&Value>,
     ) -> std::io::Result<(u16, Value)> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port))?;
-        stream.set_read_timeout(Some(Duration::from_secs(120)))?;
-        let body = body.map(Value::to_string).unwrap_or_default();
-        write!(
-            stream,
-            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )?;
-        let mut response = Vec::new();
-        stream.read_to_end(&mut response)?;
-        let text = String::from_utf8_lossy(&response);
-        let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        // Chunked replies: the JSON lies between the chunk sizes.
-        let json_text = match (rest.find('{'), rest.rfind('}')) {
-            (Some(a), Some(b)) if b > a => &rest[a..=b],
-            _ => "null",
-        };
-        Ok((
-            status,
-            serde_json::from_str(json_text).unwrap_or(Value::Null),
-        ))
+        common::http::call(
+            SocketAddr::from(([127, 0, 0, 1], self.port)),
+            method,
+            path,
+            body,
+        )
     }
 }
 

@@ -85,6 +85,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),
+        http: None,
     })
     .await
     .unwrap();

@@ -895,9 +895,12 @@ async fn connections_past_the_bound_are_refused_but_known_peers_get_in() {
         .unwrap()
         .await
         .unwrap();
-    let closed = tokio::time::timeout(Duration::from_secs(5), extra.closed())
+    // A generous bound: 512 handshakes on a loaded two-core machine can
+    // hold the node's answer back for seconds. What is checked is the
+    // reason it gives, which an idle close would not.
+    let closed = tokio::time::timeout(Duration::from_secs(20), extra.closed())
         .await
-        .expect("closed at once, not left open");
+        .expect("closed, not left open");
     assert!(
         format!("{closed}").contains("too many connections"),
         "{closed}"

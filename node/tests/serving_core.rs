@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::nodes::{Setup, ask, no_lane_breaks, request, synthetic, verify};
+use common::nodes::{
+    Setup, all_stats, ask, no_lane_breaks, pools_empty_within, request, synthetic, verify,
+};
 use mesh_node::runtime::serve::{
     GenerateRequest, GrantedServe, Node, NodeStats, generate_remote, node_stats_remote,
 };
@@ -32,34 +34,9 @@ async fn three_nodes_admitting(
     [a.start().await, b, c]
 }
 
-async fn all_stats(nodes: &[Node]) -> Vec<NodeStats> {
-    let mut stats = Vec::new();
-    for node in nodes {
-        stats.push(node.stats().await);
-    }
-    stats
-}
-
 fn assert_pools_empty(stats: &[NodeStats]) {
     for (i, s) in stats.iter().enumerate() {
         assert!(s.pools_empty(), "node {i}: {s:#?}");
-    }
-}
-
-/// Wait until every pool of `nodes` is empty, polling; fails past `bound`
-/// (counted from `since`) with the stats it last saw.
-async fn pools_empty_within(nodes: &[Node], since: Instant, bound: Duration, what: &str) {
-    loop {
-        let stats = all_stats(nodes).await;
-        if stats.iter().all(NodeStats::pools_empty) {
-            return;
-        }
-        assert!(
-            since.elapsed() < bound,
-            "still held {:?} after {what}: {stats:#?}",
-            since.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 

@@ -5,109 +5,14 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::nodes::synthetic;
+use common::processes::{bin, keygen, node_id, serve, stage};
 use serde_json::Value;
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_mesh-node")
-}
-
-/// A `mesh-node serve` child, killed when dropped.
-struct Served {
-    child: Child,
-    peer: String,
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn keygen(dir: &Path, name: &str) -> PathBuf {
-    let path = dir.join(format!("{name}.key"));
-    if path.exists() {
-        return path;
-    }
-    let out = Command::new(bin())
-        .args(["keygen", "--out"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    path
-}
-
-/// The node id of `name`'s key (made if needed), for `--coordinator`.
-fn node_id(dir: &Path, name: &str) -> String {
-    let seed = std::fs::read_to_string(keygen(dir, name)).unwrap();
-    let key = mesh_protocol::SigningKey::from_bytes(
-        &mesh_protocol::hex::decode_array(seed.trim()).unwrap(),
-    );
-    mesh_protocol::identity::did_key(&key.verifying_key().to_bytes())
-}
-
-/// A stage node serving the coordinator named "coord" in `dir`.
-fn stage(dir: &Path, name: &str, model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Served {
-    let coordinator = node_id(dir, "coord");
-    let mut args = vec!["--coordinator", coordinator.as_str()];
-    args.extend_from_slice(extra);
-    serve(dir, name, model, &[], &args, env)
-}
-
-fn serve(
-    dir: &Path,
-    name: &str,
-    model: &Path,
-    peers: &[&str],
-    extra: &[&str],
-    env: &[(&str, &str)],
-) -> Served {
-    let key = keygen(dir, name);
-    let mut command = Command::new(bin());
-    command.arg("serve");
-    if !extra.contains(&"--listen") {
-        command.args(["--listen", "127.0.0.1:0"]);
-    }
-    command
-        .arg("--key")
-        .arg(&key)
-        .arg("--model")
-        .arg(model)
-        .arg("--data")
-        .arg(dir.join(name))
-        .args(extra)
-        .stdout(Stdio::piped())
-        // Its log, for the tests that read what a node logs.
-        .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap());
-    for peer in peers {
-        command.args(["--peer", peer]);
-    }
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    let mut child = command.spawn().unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(stdout).lines();
-    let peer = loop {
-        let line = lines
-            .next()
-            .expect("serve prints its peer address")
-            .unwrap();
-        if let Some(peer) = line.strip_prefix("peer address: ") {
-            break peer.to_string();
-        }
-    };
-    // Keep draining stdout so the child never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Served { child, peer }
-}
 
 /// `--chat` for models with a chat template; a base model continues the
 /// prompt as written.

@@ -11,6 +11,10 @@ use crate::mesh1::ServeRequest;
 
 /// Longest text member other than a prompt (ids, addresses, run ids).
 pub const MAX_CONTROL_TEXT: usize = 512;
+/// Most stop sequences a generation names (as OpenAI's API allows).
+pub const MAX_STOP_SEQUENCES: usize = 4;
+/// Longest stop sequence, in bytes.
+pub const MAX_STOP_BYTES: usize = 64;
 
 /// Why a control request is refused.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -63,6 +67,10 @@ pub struct GenerateRequestMessage {
     pub top_p_milli: u64,
     pub seed: u64,
     pub timeout_ms: Option<u64>,
+    /// Texts that end the generation where they first appear (the text
+    /// returned stops before them); at most `MAX_STOP_SEQUENCES`, each 1 to
+    /// `MAX_STOP_BYTES` bytes. Absent on the wire when empty.
+    pub stop: Vec<String>,
     /// On grants: the request as the requester derived it, and one
     /// presentation per stage (empty where none).
     pub grant: Option<(ServeRequest, Vec<Vec<u8>>)>,
@@ -134,6 +142,9 @@ impl ControlRequest {
                 ]);
                 if let Some(ms) = g.timeout_ms {
                     members.push(("timeout_ms", Cbor::Uint(ms)));
+                }
+                if !g.stop.is_empty() {
+                    members.push(("stop", Cbor::Array(g.stop.iter().map(Cbor::text).collect())));
                 }
                 if let Some((serve, presentations)) = &g.grant {
                     members.push(("serve_request", serve.to_cbor()));
@@ -244,6 +255,27 @@ fn read_generate(value: &Cbor, f: &mut Fields<'_>) -> Result<ControlRequest, Con
         })?
         .to_string();
     f.optional("prompt");
+    let stop = match f.optional("stop") {
+        None => Vec::new(),
+        Some(list) => {
+            let invalid = || ControlError::Field {
+                kind: "generate",
+                error: FieldError::Invalid("stop"),
+            };
+            let list = list.as_array().ok_or_else(invalid)?;
+            if list.is_empty() || list.len() > MAX_STOP_SEQUENCES {
+                return Err(invalid());
+            }
+            list.iter()
+                .map(|s| {
+                    s.as_text()
+                        .filter(|t| !t.is_empty() && t.len() <= MAX_STOP_BYTES)
+                        .map(str::to_string)
+                        .ok_or_else(invalid)
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        }
+    };
     let grant = match f.optional("serve_request") {
         None => None,
         Some(serve) => {
@@ -278,6 +310,7 @@ fn read_generate(value: &Cbor, f: &mut Fields<'_>) -> Result<ControlRequest, Con
         top_p_milli: f.uint("top_p_milli").map_err(e)?,
         seed: f.uint("seed").map_err(e)?,
         timeout_ms: f.opt_uint("timeout_ms").map_err(e)?,
+        stop,
         grant,
     }))
 }
@@ -350,6 +383,7 @@ mod tests {
                 top_p_milli: 950,
                 seed: 7,
                 timeout_ms: Some(5_000),
+                stop: vec!["\n\n".into(), "END".into()],
                 grant: Some((serve(), vec![vec![1, 2], Vec::new()])),
             }),
             ControlRequest::Plan,

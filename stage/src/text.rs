@@ -71,6 +71,56 @@ impl ChatTemplate {
         }
     }
 
+    /// A conversation (`role`: system, user or assistant; in order), ready
+    /// for the assistant's next answer.
+    pub fn render(&self, turns: &[(&str, String)]) -> String {
+        match self {
+            ChatTemplate::ChatMl { default_system } => {
+                let mut out = String::new();
+                if turns.first().is_none_or(|(role, _)| *role != "system")
+                    && let Some(system) = default_system
+                {
+                    out.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
+                }
+                for (role, content) in turns {
+                    out.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
+                }
+                out.push_str("<|im_start|>assistant\n");
+                out
+            }
+            ChatTemplate::Llama3 => {
+                let mut out = String::from("<|begin_of_text|>");
+                for (role, content) in turns {
+                    out.push_str(&format!(
+                        "<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>"
+                    ));
+                }
+                out.push_str("<|start_header_id|>assistant<|end_header_id|>\n\n");
+                out
+            }
+            ChatTemplate::Inst => {
+                // System text goes before the first user turn, as the
+                // Llama 2 and Mistral templates put it.
+                let mut out = String::new();
+                let mut system = String::new();
+                for (role, content) in turns {
+                    match *role {
+                        "system" => {
+                            system.push_str(content);
+                            system.push_str("\n\n");
+                        }
+                        "assistant" => out.push_str(&format!(" {content}</s>")),
+                        _ => {
+                            out.push_str(&format!("[INST] {system}{content} [/INST]"));
+                            system.clear();
+                        }
+                    }
+                }
+                out
+            }
+        }
+    }
+
     /// One user turn, ready for the assistant's answer.
     pub fn render_user(&self, prompt: &str) -> String {
         match self {
@@ -277,5 +327,37 @@ mod tests {
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
         assert_eq!(ChatTemplate::recognise("{{ bos_token }}"), None);
+    }
+
+    #[test]
+    fn a_one_turn_conversation_renders_as_one_user_prompt() {
+        for template in [
+            ChatTemplate::ChatMl {
+                default_system: Some("Be brief.".into()),
+            },
+            ChatTemplate::ChatMl {
+                default_system: None,
+            },
+            ChatTemplate::Llama3,
+            ChatTemplate::Inst,
+        ] {
+            assert_eq!(
+                template.render(&[("user", "Hi".into())]),
+                template.render_user("Hi"),
+                "{template:?}"
+            );
+        }
+        let chatml = ChatTemplate::ChatMl {
+            default_system: Some("Be brief.".into()),
+        };
+        assert_eq!(
+            chatml.render(&[
+                ("system", "Be kind.".into()),
+                ("user", "Hi".into()),
+                ("assistant", "Hello".into()),
+                ("user", "Bye".into())
+            ]),
+            "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 }

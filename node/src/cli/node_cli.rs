@@ -27,6 +27,8 @@ pub struct ServeConfig {
     /// Address peers reach this node at (default: the listen address, or
     /// 127.0.0.1 when listening on all interfaces).
     pub advertise: Option<SocketAddr>,
+    /// Serve the OpenAI-compatible HTTP API here (default: off).
+    pub http: Option<SocketAddr>,
     /// GGUF file or safetensors directory.
     pub model: Option<PathBuf>,
     /// Data directory for the steward's journal (default ./mesh-node-data).
@@ -85,6 +87,10 @@ pub struct ServeArgs {
     /// HOST:PORT other nodes reach this one at.
     #[arg(long)]
     pub advertise: Option<SocketAddr>,
+    /// HOST:PORT to serve the OpenAI-compatible HTTP API on (a coordinator;
+    /// default: off). Bind 127.0.0.1 unless the API should be public.
+    #[arg(long)]
+    pub http: Option<SocketAddr>,
     /// This node's copy of the model: a GGUF file or a safetensors directory.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -207,6 +213,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         wire: WireDType::parse(&wire)
             .with_context(|| format!("wire `{wire}` is not f32, f16 or bf16"))?,
         meter,
+        http: args.http.or(file.http),
     })
 }
 
@@ -219,6 +226,9 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
         .collect();
     let node = Node::start(options).await?;
     println!("node {} listening on {}", node.did(), node.addr());
+    if let Some(http) = node.http_addr() {
+        println!("OpenAI-compatible API: http://{http}/v1");
+    }
     println!("peer address: {}", node.peer_addr());
     if !coordinators.is_empty() {
         println!(
@@ -301,6 +311,10 @@ pub struct DemoArgs {
     /// Print only the answer and the verdict.
     #[arg(long)]
     pub quiet: bool,
+    /// Serve the OpenAI-compatible API on HOST:PORT from the coordinator and
+    /// keep the nodes up after the first answer (until Ctrl-C).
+    #[arg(long)]
+    pub http: Option<SocketAddr>,
 }
 
 pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
@@ -366,6 +380,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             return_mode: args.return_mode,
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter::default()),
+            http: if k == 0 { args.http } else { None },
         })
     };
     let mut stage_nodes = Vec::new();
@@ -405,6 +420,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         sampling: SamplingParams::greedy(),
         grant: None,
         timeout: None,
+        stop: Vec::new(),
     };
     let summary = generate_via(&coordinator.peer_addr().to_string(), request, None, false).await?;
     if let Some(error) = &summary.error {
@@ -435,6 +451,15 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     );
     if !args.quiet {
         print_demo_details(&nodes, &summary.details, &path, &report);
+    }
+    if let Some(http) = coordinator.http_addr() {
+        let model = coordinator.model_card().id;
+        println!("\nOpenAI-compatible API: http://{http}/v1 (the nodes stay up until Ctrl-C)");
+        println!(
+            "  curl http://{http}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Which city is the capital of France?\"}}]}}'"
+        );
+        let _ = std::io::stdout().flush();
+        tokio::signal::ctrl_c().await?;
     }
     coordinator.shutdown().await;
     for node in stage_nodes {
@@ -566,6 +591,7 @@ pub async fn bench_split(
             sampling: SamplingParams::greedy(),
             grant: None,
             timeout: None,
+            stop: Vec::new(),
         };
         // Warm up (assignment, slice loads), then measure.
         generate_remote(
@@ -676,6 +702,7 @@ fn bench_options(
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),
+        http: None,
     })
 }
 

@@ -6,6 +6,7 @@ use std::path::Path;
 use mesh_stage::ModelHandle;
 
 pub mod energy;
+pub mod http;
 pub mod journal;
 pub mod keys;
 pub mod net;

@@ -120,6 +120,7 @@ async fn mesh_level(coordinator: &PeerAddr, n: usize, tokens: usize) -> anyhow::
                 sampling: SamplingParams::greedy(),
                 grant: None,
                 timeout: None,
+                stop: Vec::new(),
             };
             tokio::spawn(async move { generate_remote(&coordinator, &request, &mut |_| {}).await })
         })

@@ -2,7 +2,9 @@
 //! a part of it, so the rest is dead code there.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod nodes;
+pub mod processes;
 
 use std::path::PathBuf;
 

@@ -46,6 +46,8 @@ pub struct Setup<'a> {
     pub return_mode: ReturnMode,
     /// The estimator's power: what this node's steward bills per second.
     pub milliwatts: u64,
+    /// Serve the HTTP API (on an ephemeral loopback port).
+    pub http: bool,
 }
 
 impl<'a> Setup<'a> {
@@ -62,6 +64,7 @@ impl<'a> Setup<'a> {
             return_mode: ReturnMode::Relayed,
             milliwatts: mesh_node::runtime::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
             step_timeout: Duration::from_secs(20),
+            http: false,
         }
     }
 
@@ -103,6 +106,9 @@ impl<'a> Setup<'a> {
             meter: Box::new(EstimatorMeter {
                 milliwatts: self.milliwatts,
             }),
+            http: self
+                .http
+                .then(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
         })
         .await
     }
@@ -124,6 +130,7 @@ pub fn request(prompt: &str, max_tokens: usize, grant: Option<GrantedServe>) -> 
         sampling: SamplingParams::greedy(),
         grant,
         timeout: None,
+        stop: Vec::new(),
     }
 }
 
@@ -267,4 +274,37 @@ pub async fn observed_stalling_stage(
         }
     });
     (endpoint, peer, opened)
+}
+
+pub async fn all_stats(nodes: &[Node]) -> Vec<mesh_node::runtime::serve::NodeStats> {
+    let mut stats = Vec::new();
+    for node in nodes {
+        stats.push(node.stats().await);
+    }
+    stats
+}
+
+/// Wait until every pool of `nodes` is empty, polling; fails past `bound`
+/// (counted from `since`) with the stats it last saw.
+pub async fn pools_empty_within(
+    nodes: &[Node],
+    since: std::time::Instant,
+    bound: Duration,
+    what: &str,
+) {
+    loop {
+        let stats = all_stats(nodes).await;
+        if stats
+            .iter()
+            .all(mesh_node::runtime::serve::NodeStats::pools_empty)
+        {
+            return;
+        }
+        assert!(
+            since.elapsed() < bound,
+            "still held {:?} after {what}: {stats:#?}",
+            since.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

@@ -21,6 +21,9 @@ pub struct GenerateRequest {
     /// it to its last token; `None`, or more than the coordinator allows,
     /// is the coordinator's `request_timeout`.
     pub timeout: Option<Duration>,
+    /// Texts that end the generation where they first appear; the text
+    /// returned stops before them (at most `MAX_STOP_SEQUENCES`).
+    pub stop: Vec<String>,
 }
 
 /// A granted request (seed 001 §2.3: served as exactly what the requester
@@ -61,6 +64,7 @@ impl GenerateRequest {
             top_p_milli: (self.sampling.top_p.clamp(0.0, 1.0) * 1000.0).round() as u64,
             seed: self.sampling.seed,
             timeout_ms: self.timeout.map(|t| t.as_millis() as u64),
+            stop: self.stop.clone(),
             grant: self
                 .grant
                 .as_ref()
@@ -80,6 +84,7 @@ impl GenerateRequest {
                 seed: message.seed,
             },
             timeout: message.timeout_ms.map(Duration::from_millis),
+            stop: message.stop.clone(),
             grant: message
                 .grant
                 .as_ref()
@@ -110,6 +115,30 @@ async fn send_error(send: &mut quinn::SendStream, reason: &str) -> anyhow::Resul
         ]),
     )
     .await
+}
+
+/// Where the text shown so far ends, and whether a stop sequence ended the
+/// generation: before the first stop sequence in `text`; else, unless this
+/// is the `last` step, before the longest tail of `text` that could still
+/// grow into one (so no part of a stop sequence is ever shown); else all
+/// of it.
+fn shown_end(text: &str, stop: &[String], last: bool) -> (usize, bool) {
+    if let Some(at) = stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+        return (at, true);
+    }
+    if last {
+        return (text.len(), false);
+    }
+    let held = stop
+        .iter()
+        .filter_map(|s| {
+            (1..s.len())
+                .rev()
+                .find(|k| s.is_char_boundary(*k) && text.ends_with(&s[..*k]))
+        })
+        .max()
+        .unwrap_or(0);
+    (text.len() - held, false)
 }
 
 /// `plan`: set up the split if needed and name every stage's steward, so a
@@ -738,19 +767,24 @@ async fn drive(
                 }
                 let next = sampler.sample(&logits).context("no logits")?;
                 tokens.push(next);
-                let stop = codec.is_eos(next);
-                if !stop {
-                    let visible: Vec<u32> = tokens
-                        .iter()
-                        .copied()
-                        .filter(|t| !codec.is_eos(*t))
-                        .collect();
-                    let decoded = codec.decode(&visible)?;
-                    let piece = decoded
-                        .strip_prefix(printed.as_str())
-                        .unwrap_or("")
-                        .to_string();
-                    printed = decoded;
+                let eos = codec.is_eos(next);
+                let last = eos || tokens.len() >= max_new;
+                let visible: Vec<u32> = tokens
+                    .iter()
+                    .copied()
+                    .filter(|t| !codec.is_eos(*t))
+                    .collect();
+                let decoded = codec.decode(&visible)?;
+                let (end, stopped) = shown_end(&decoded, &request.stop, last);
+                let shown = decoded.get(..end).unwrap_or("");
+                let piece = shown
+                    .strip_prefix(printed.as_str())
+                    .unwrap_or("")
+                    .to_string();
+                printed = shown.to_string();
+                // Every token but an end-of-sequence one is announced; an
+                // end-of-sequence one only when it releases held-back text.
+                if !eos || !piece.is_empty() {
                     let token = Cbor::text_map([
                         ("kind", Cbor::text("token")),
                         ("id", Cbor::Uint(next.into())),
@@ -761,7 +795,7 @@ async fn drive(
                     }
                 }
                 step += 1;
-                if stop || tokens.len() >= max_new {
+                if last || stopped {
                     return Ok(TerminalState::Completed);
                 }
                 input = vec![next];
@@ -1380,4 +1414,28 @@ pub(super) async fn connect_as(
     .with_context(|| format!("timed out connecting to {coordinator}"))?
     .with_context(|| format!("connecting to {coordinator}"))?;
     Ok((endpoint, connection))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shown_end;
+
+    #[test]
+    fn a_stop_sequence_ends_the_text_before_it_and_is_never_shown_in_part() {
+        let stop = vec!["\n\n".to_string(), "END".to_string()];
+        assert_eq!(shown_end("one two", &stop, false), (7, false));
+        // A tail that may become a stop sequence is held back…
+        assert_eq!(shown_end("one\n", &stop, false), (3, false));
+        assert_eq!(shown_end("one EN", &stop, false), (4, false));
+        // …and shown when it does not, or at the last step.
+        assert_eq!(shown_end("one ENd", &stop, false), (7, false));
+        assert_eq!(shown_end("one EN", &stop, true), (6, false));
+        // The first stop sequence found ends the text.
+        assert_eq!(shown_end("a END b\n\n", &stop, false), (2, true));
+        assert_eq!(shown_end("a\n\nEND", &stop, true), (1, true));
+        assert_eq!(shown_end("anything", &[], false), (8, false));
+        // Held-back tails end on character boundaries.
+        let stop = vec!["é!".to_string()];
+        assert_eq!(shown_end("café", &stop, false), (3, false));
+    }
 }

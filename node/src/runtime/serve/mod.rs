@@ -111,6 +111,9 @@ pub struct NodeOptions {
     pub return_mode: ReturnMode,
     pub wire: WireDType,
     pub meter: Box<dyn EnergyMeter>,
+    /// Serve the OpenAI-compatible HTTP API here (a coordinator; off when
+    /// `None`).
+    pub http: Option<SocketAddr>,
 }
 
 /// Per-request figures a stage keeps for a while (asked for by `stats`).
@@ -301,6 +304,7 @@ struct Inner {
 pub struct Node {
     inner: Arc<Inner>,
     accept: tokio::task::JoinHandle<()>,
+    http: Option<crate::runtime::http::HttpApi>,
 }
 
 impl std::fmt::Debug for Node {
@@ -378,7 +382,38 @@ impl Node {
         });
         let accept = tokio::spawn(accept_loop(inner.clone()));
         tokio::spawn(release_idle_slices(Arc::downgrade(&inner)));
-        Ok(Node { inner, accept })
+        let mut node = Node {
+            inner,
+            accept,
+            http: None,
+        };
+        if let Some(listen) = options.http {
+            let card = node.model_card();
+            node.http = Some(crate::runtime::http::start(listen, node.peer_addr(), card).await?);
+        }
+        Ok(node)
+    }
+
+    /// What the HTTP API says about this node's model.
+    pub fn model_card(&self) -> crate::runtime::http::ModelCard {
+        let model = &self.inner.model;
+        crate::runtime::http::ModelCard {
+            id: model
+                .path()
+                .file_stem()
+                .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()),
+            package_id: model.package_id(),
+            context: model
+                .config()
+                .context
+                .min(mesh_stage::model::MAX_ENGINE_CONTEXT),
+            codec: model.text().clone(),
+        }
+    }
+
+    /// Where the HTTP API listens, when it was asked for.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().map(crate::runtime::http::HttpApi::addr)
     }
 
     pub fn did(&self) -> &str {

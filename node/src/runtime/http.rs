@@ -1,0 +1,780 @@
+//! The OpenAI-compatible HTTP API of a coordinator (`serve --http`):
+//! `/v1/models`, `/v1/completions` and `/v1/chat/completions` (with
+//! `stream: true` as server-sent events), and `/v1/mesh/bundles/{id}`.
+//!
+//! The API is a requester of its own node: each HTTP request becomes one
+//! `generate` request on the node's QUIC endpoint, so admission, deadlines,
+//! grants and records are exactly those of any other requester, and a
+//! client that goes away drops that request's connection, which cancels it
+//! on every stage. docs/api.md lists every endpoint, field and error.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use mesh_protocol::control::{MAX_STOP_BYTES, MAX_STOP_SEQUENCES};
+use mesh_stage::sampling::SamplingParams;
+use mesh_stage::text::TextCodec;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::runtime::serve::{GenerateRequest, GenerateSummary, PeerAddr, generate_remote};
+
+/// Largest request body accepted.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+/// Most messages in one chat request.
+pub const MAX_MESSAGES: usize = 256;
+/// Bundles kept for `/v1/mesh/bundles/{id}`, the most recent first out last.
+pub const MAX_KEPT_BUNDLES: usize = 64;
+/// `max_tokens` of a completion that names none (OpenAI's default).
+const DEFAULT_COMPLETION_TOKENS: usize = 16;
+/// `max_tokens` of a chat completion that names none, at most what the
+/// context leaves.
+const DEFAULT_CHAT_TOKENS: usize = 1024;
+
+/// What the API says about the model its node serves.
+#[derive(Debug, Clone)]
+pub struct ModelCard {
+    /// The model's name in requests: its file name without extension.
+    pub id: String,
+    pub package_id: [u8; 32],
+    /// Positions a request may use, prompt and answer together.
+    pub context: usize,
+    pub codec: TextCodec,
+}
+
+struct Api {
+    coordinator: PeerAddr,
+    card: ModelCard,
+    bundles: Mutex<VecDeque<(String, Arc<Value>)>>,
+}
+
+/// A running HTTP API; dropping it stops the listener.
+#[derive(Debug)]
+pub struct HttpApi {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl HttpApi {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for HttpApi {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Bind `listen` and serve the API for the coordinator at `coordinator`.
+pub async fn start(
+    listen: SocketAddr,
+    coordinator: PeerAddr,
+    card: ModelCard,
+) -> anyhow::Result<HttpApi> {
+    use anyhow::Context;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding the HTTP API to {listen}"))?;
+    let addr = listener.local_addr()?;
+    let api = Arc::new(Api {
+        coordinator,
+        card,
+        bundles: Mutex::new(VecDeque::new()),
+    });
+    let router = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/mesh/bundles/{id}", get(bundle))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(api);
+    let task = tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, router).await {
+            tracing::warn!(%error, "the HTTP API stopped");
+        }
+    });
+    Ok(HttpApi { addr, task })
+}
+
+/// An error in OpenAI's shape.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    code: Option<&'static str>,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        let kind = match status.as_u16() {
+            400..=499 => "invalid_request_error",
+            _ => "server_error",
+        };
+        Self {
+            status,
+            kind,
+            code: None,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+    fn bad(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+    fn code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": null,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such endpoint").code("not_found")
+}
+
+async fn models(State(api): State<Arc<Api>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [model_object(&api.card)],
+    }))
+    .into_response()
+}
+
+fn model_object(card: &ModelCard) -> Value {
+    json!({
+        "id": card.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "mesh-node",
+        "mesh": {
+            "package_id": format!("sha256:{}", mesh_protocol::hex::encode(&card.package_id)),
+            "context_length": card.context,
+            "chat_template": card.codec.chat_template().is_some(),
+        },
+    })
+}
+
+async fn bundle(State(api): State<Arc<Api>>, Path(id): Path<String>) -> Response {
+    let found = api
+        .bundles
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|(kept, _)| *kept == id)
+        .map(|(_, bundle)| bundle.clone());
+    match found {
+        Some(bundle) => axum::Json(bundle.as_ref().clone()).into_response(),
+        None => ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no bundle {id} here (this coordinator keeps its last {MAX_KEPT_BUNDLES})"),
+        )
+        .code("not_found")
+        .into_response(),
+    }
+}
+
+/// One string or several (OpenAI's `stop` and `prompt`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+/// What `/v1/completions` and `/v1/chat/completions` share.
+#[derive(Debug, Deserialize)]
+struct Common {
+    model: String,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    seed: Option<u64>,
+    stop: Option<OneOrMany>,
+    #[serde(default)]
+    stream: bool,
+    n: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionBody {
+    prompt: OneOrMany,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatBody {
+    messages: Vec<Message>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+struct Message {
+    role: String,
+    content: Content,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    let body = body.map_err(|rejection| {
+        let status = rejection.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!("the request body is over {MAX_BODY_BYTES} bytes")
+        } else {
+            rejection.body_text()
+        };
+        ApiError::new(status, message)
+    })?;
+    serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("the request body: {e}")))
+}
+
+/// Which endpoint a request came in on: the shapes of its answers differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flavour {
+    Completion,
+    Chat,
+}
+
+/// A request checked and ready for the coordinator.
+struct Prepared {
+    flavour: Flavour,
+    request: GenerateRequest,
+    stream: bool,
+}
+
+async fn completions(State(api): State<Arc<Api>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let prepared = parse::<CompletionBody>(body).and_then(|body| {
+        let prompts = body.prompt.into_vec();
+        let [prompt] = prompts.as_slice() else {
+            return Err(ApiError::bad("`prompt` must be one string"));
+        };
+        prepare(&api, Flavour::Completion, prompt.clone(), body.common)
+    });
+    match prepared {
+        Ok(prepared) => run(api, prepared).await,
+        Err(error) => error.into_response(),
+    }
+}
+
+async fn chat_completions(
+    State(api): State<Arc<Api>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let prepared = parse::<ChatBody>(body).and_then(|body| {
+        let prompt = render_chat(&api.card.codec, body.messages)?;
+        prepare(&api, Flavour::Chat, prompt, body.common)
+    });
+    match prepared {
+        Ok(prepared) => run(api, prepared).await,
+        Err(error) => error.into_response(),
+    }
+}
+
+fn render_chat(codec: &TextCodec, messages: Vec<Message>) -> Result<String, ApiError> {
+    let Some(template) = codec.chat_template() else {
+        return Err(ApiError::bad(
+            "this model has no chat template (a base model): use /v1/completions",
+        ));
+    };
+    if messages.is_empty() || messages.len() > MAX_MESSAGES {
+        return Err(ApiError::bad(format!(
+            "`messages` must hold 1 to {MAX_MESSAGES} messages"
+        )));
+    }
+    let mut turns = Vec::with_capacity(messages.len());
+    for message in messages {
+        let role = match message.role.as_str() {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            other => {
+                return Err(ApiError::bad(format!(
+                    "role `{other}` is not supported (system, developer, user, assistant)"
+                )));
+            }
+        };
+        let content = match message.content {
+            Content::Text(text) => text,
+            Content::Parts(parts) => {
+                let mut text = String::new();
+                for part in parts {
+                    match (part.kind.as_str(), part.text) {
+                        ("text", Some(piece)) => text.push_str(&piece),
+                        (kind, _) => {
+                            return Err(ApiError::bad(format!(
+                                "content part `{kind}` is not supported (text only)"
+                            )));
+                        }
+                    }
+                }
+                text
+            }
+        };
+        turns.push((role, content));
+    }
+    Ok(template.render(&turns))
+}
+
+fn prepare(
+    api: &Api,
+    flavour: Flavour,
+    prompt: String,
+    common: Common,
+) -> Result<Prepared, ApiError> {
+    let card = &api.card;
+    if common.model != card.id && common.model != model_package(card) {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "model `{}` is not served here; this coordinator serves `{}`",
+                common.model, card.id
+            ),
+        )
+        .code("model_not_found"));
+    }
+    if common.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad("`n` must be 1"));
+    }
+    let temperature = common.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad("`temperature` must be between 0 and 2"));
+    }
+    let top_p = common.top_p.unwrap_or(1.0);
+    if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
+        return Err(ApiError::bad("`top_p` must be above 0 and at most 1"));
+    }
+    let stop = common.stop.map(OneOrMany::into_vec).unwrap_or_default();
+    if stop.len() > MAX_STOP_SEQUENCES
+        || stop
+            .iter()
+            .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
+        return Err(ApiError::bad(format!(
+            "`stop` must be at most {MAX_STOP_SEQUENCES} sequences of 1 to {MAX_STOP_BYTES} bytes"
+        )));
+    }
+    let prompt_tokens = card
+        .codec
+        .encode(&prompt)
+        .map_err(|e| ApiError::bad(format!("the prompt: {e}")))?
+        .len();
+    if prompt_tokens >= card.context {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the prompt is {prompt_tokens} tokens; this model's context is {}",
+                card.context
+            ),
+        )
+        .code("context_length_exceeded"));
+    }
+    let room = card.context - prompt_tokens;
+    let max_tokens = match common.max_completion_tokens.or(common.max_tokens) {
+        Some(0) => return Err(ApiError::bad("`max_tokens` must be at least 1")),
+        Some(n) if n as usize > room => {
+            return Err(ApiError::bad(format!(
+                "{prompt_tokens} prompt tokens and max_tokens {n} are more than this model's context of {}",
+                card.context
+            ))
+            .code("context_length_exceeded"));
+        }
+        Some(n) => n as usize,
+        None => match flavour {
+            Flavour::Completion => DEFAULT_COMPLETION_TOKENS.min(room),
+            Flavour::Chat => DEFAULT_CHAT_TOKENS.min(room),
+        },
+    };
+    let seed = common.seed.unwrap_or_else(|| {
+        let mut bytes = [0u8; 8];
+        // A seedless request samples differently each time, as with any
+        // OpenAI server; a failing OS source only makes it predictable.
+        let _ = getrandom::fill(&mut bytes);
+        u64::from_le_bytes(bytes)
+    });
+    Ok(Prepared {
+        flavour,
+        stream: common.stream,
+        request: GenerateRequest {
+            prompt,
+            max_tokens,
+            chat: false,
+            sampling: SamplingParams {
+                temperature: temperature as f32,
+                top_k: 0,
+                top_p: top_p as f32,
+                seed,
+            },
+            grant: None,
+            timeout: None,
+            stop,
+        },
+    })
+}
+
+fn model_package(card: &ModelCard) -> String {
+    format!("sha256:{}", mesh_protocol::hex::encode(&card.package_id))
+}
+
+/// What the generating task reports.
+enum Progress {
+    Piece(String),
+    Done(anyhow::Result<GenerateSummary>),
+}
+
+/// Aborts the generating task when the response is dropped (the client went
+/// away): its QUIC connection to the coordinator closes, which cancels the
+/// request on every stage.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn run(api: Arc<Api>, prepared: Prepared) -> Response {
+    let Prepared {
+        flavour,
+        request,
+        stream,
+    } = prepared;
+    let max_tokens = request.max_tokens;
+    // Pieces are at most one per token, so the channel holds at most
+    // max_tokens + 1 entries.
+    let (sender, mut receiver) = mpsc::unbounded_channel();
+    let coordinator = api.coordinator.clone();
+    let task = AbortOnDrop(tokio::spawn(async move {
+        let pieces = sender.clone();
+        let summary = generate_remote(&coordinator, &request, &mut |piece| {
+            let _ = pieces.send(Progress::Piece(piece.to_string()));
+        })
+        .await;
+        let _ = sender.send(Progress::Done(summary));
+    }));
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let answer = Answer {
+        api: api.clone(),
+        flavour,
+        id: completion_id(flavour),
+        created,
+        max_tokens,
+    };
+    if !stream {
+        let mut text = String::new();
+        loop {
+            match receiver.recv().await {
+                Some(Progress::Piece(piece)) => text.push_str(&piece),
+                Some(Progress::Done(Ok(summary))) => return answer.whole(summary),
+                Some(Progress::Done(Err(error))) => return refused(&error).into_response(),
+                None => {
+                    return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the request ended")
+                        .into_response();
+                }
+            }
+        }
+    }
+    // Streamed: the status is decided by the first report, so a refusal
+    // (busy, too long) is still an HTTP error, not an event.
+    let first = match receiver.recv().await {
+        Some(Progress::Done(Err(error))) => return refused(&error).into_response(),
+        Some(first) => first,
+        None => {
+            return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the request ended")
+                .into_response();
+        }
+    };
+    let state = StreamState {
+        answer,
+        receiver,
+        first: Some(first),
+        queued: VecDeque::new(),
+        started: false,
+        finished: false,
+        _task: task,
+    };
+    let events = futures_util::stream::unfold(state, |mut state| async move {
+        let event = state.next_event().await?;
+        Some((Ok::<Event, Infallible>(event), state))
+    });
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+/// Why the coordinator would not serve: the status OpenAI clients expect.
+fn refused(error: &anyhow::Error) -> ApiError {
+    let message = format!("{error:#}");
+    if message.contains("too many concurrent requests") {
+        let mut error = ApiError::new(StatusCode::TOO_MANY_REQUESTS, message);
+        error.retry_after = Some(1);
+        return error.code("busy");
+    }
+    if message.contains("exceeds the context") {
+        return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, message)
+            .code("context_length_exceeded");
+    }
+    let mut error = ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("the mesh could not serve the request: {message}"),
+    );
+    error.retry_after = Some(5);
+    error
+}
+
+/// An id for one answer, known before the first chunk (the mesh's
+/// request id is known only at the end; `usage.energy` carries it).
+fn completion_id(flavour: Flavour) -> String {
+    let mut bytes = [0u8; 12];
+    let _ = getrandom::fill(&mut bytes);
+    let prefix = match flavour {
+        Flavour::Completion => "cmpl",
+        Flavour::Chat => "chatcmpl",
+    };
+    format!("{prefix}-{}", mesh_protocol::hex::encode(&bytes))
+}
+
+/// Builds the response bodies of one request.
+struct Answer {
+    api: Arc<Api>,
+    flavour: Flavour,
+    id: String,
+    created: u64,
+    max_tokens: usize,
+}
+
+impl Answer {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.flavour, chunk) {
+            (Flavour::Completion, _) => "text_completion",
+            (Flavour::Chat, false) => "chat.completion",
+            (Flavour::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// Token counts and the energy of the request; the bundle is kept for
+    /// its link.
+    fn usage(&self, summary: &GenerateSummary) -> Value {
+        let details = &summary.details;
+        let request_id = details["request_id"].as_str().unwrap_or("").to_string();
+        let prompt_tokens = details["prompt_tokens"].as_u64().unwrap_or(0);
+        let completion_tokens = details["generated_tokens"].as_u64().unwrap_or(0);
+        let receipt = &details["receipt"];
+        let mut energy = json!({
+            "microjoules": receipt["energy_uj"],
+            "provenance": receipt["energy_provenance"],
+            "receipt": receipt,
+            "envelope_hex": summary.bundle.as_ref().map_or(Value::Null, |b| b["mesh1_envelope"].clone()),
+        });
+        if let Some(bundle) = &summary.bundle {
+            let mut kept = self.api.bundles.lock().unwrap_or_else(|p| p.into_inner());
+            if kept.len() >= MAX_KEPT_BUNDLES {
+                kept.pop_front();
+            }
+            kept.push_back((request_id.clone(), Arc::new(bundle.clone())));
+            energy["bundle"] = json!(format!("/v1/mesh/bundles/{request_id}"));
+        }
+        energy["request_id"] = json!(request_id);
+        json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "energy": energy,
+        })
+    }
+
+    fn finish_reason(&self, summary: &GenerateSummary) -> &'static str {
+        let generated = summary.details["generated_tokens"].as_u64().unwrap_or(0);
+        if generated as usize >= self.max_tokens {
+            "length"
+        } else {
+            "stop"
+        }
+    }
+
+    /// The whole answer of a request that was not streamed.
+    fn whole(&self, summary: GenerateSummary) -> Response {
+        if let Some(error) = &summary.error {
+            return ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "the mesh ended the request early ({}): {error}",
+                    summary.terminal_state
+                ),
+            )
+            .into_response();
+        }
+        let usage = self.usage(&summary);
+        let finish_reason = self.finish_reason(&summary);
+        let choice = match self.flavour {
+            Flavour::Completion => json!({
+                "index": 0, "text": summary.text, "logprobs": null, "finish_reason": finish_reason,
+            }),
+            Flavour::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": summary.text},
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }),
+        };
+        axum::Json(json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": self.api.card.id,
+            "choices": [choice],
+            "usage": usage,
+        }))
+        .into_response()
+    }
+
+    fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Value {
+        let choice = match self.flavour {
+            Flavour::Completion => json!({
+                "index": 0,
+                "text": delta.get("content").cloned().unwrap_or(json!("")),
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }),
+            Flavour::Chat => json!({
+                "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason,
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.api.card.id,
+            "choices": [choice],
+        })
+    }
+}
+
+/// Where a streamed answer stands.
+struct StreamState {
+    answer: Answer,
+    receiver: mpsc::UnboundedReceiver<Progress>,
+    /// The report that decided the status, not yet sent as an event.
+    first: Option<Progress>,
+    /// Events to send before reading further (the last chunk, `[DONE]`).
+    queued: VecDeque<Event>,
+    started: bool,
+    finished: bool,
+    _task: AbortOnDrop,
+}
+
+impl StreamState {
+    async fn next_event(&mut self) -> Option<Event> {
+        if let Some(event) = self.queued.pop_front() {
+            return Some(event);
+        }
+        if self.finished {
+            return None;
+        }
+        if !self.started {
+            self.started = true;
+            if self.answer.flavour == Flavour::Chat {
+                let chunk = self
+                    .answer
+                    .chunk(json!({"role": "assistant", "content": ""}), None);
+                return Some(Event::default().data(chunk.to_string()));
+            }
+        }
+        let progress = match self.first.take() {
+            Some(progress) => progress,
+            None => self.receiver.recv().await?,
+        };
+        match progress {
+            Progress::Piece(piece) => {
+                let chunk = self.answer.chunk(json!({"content": piece}), None);
+                Some(Event::default().data(chunk.to_string()))
+            }
+            Progress::Done(Ok(summary)) => {
+                self.finished = true;
+                if let Some(error) = &summary.error {
+                    let error = ApiError::new(
+                        StatusCode::BAD_GATEWAY,
+                        format!(
+                            "the mesh ended the request early ({}): {error}",
+                            summary.terminal_state
+                        ),
+                    );
+                    return Some(Event::default().data(error.body().to_string()));
+                }
+                let mut last = self
+                    .answer
+                    .chunk(json!({}), Some(self.answer.finish_reason(&summary)));
+                last["usage"] = self.answer.usage(&summary);
+                self.queued.push_back(Event::default().data("[DONE]"));
+                Some(Event::default().data(last.to_string()))
+            }
+            Progress::Done(Err(error)) => {
+                self.finished = true;
+                Some(Event::default().data(refused(&error).body().to_string()))
+            }
+        }
+    }
+}

@@ -1,0 +1,56 @@
+//! A minimal HTTP/1.1 client for the tests (one exchange per connection,
+//! `Connection: close`), so they need no HTTP client crate.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// One exchange: the status and the body's JSON (the text between its
+/// first `{` and last `}`, which also reads a chunked body of one object;
+/// `Null` when there is none).
+pub fn call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> std::io::Result<(u16, Value)> {
+    let body = body.map(Value::to_string).unwrap_or_default();
+    let (status, text) = exchange(addr, method, path, body.as_bytes())?;
+    let json = match (text.find('{'), text.rfind('}')) {
+        (Some(a), Some(b)) if b > a => serde_json::from_str(&text[a..=b]).unwrap_or(Value::Null),
+        _ => Value::Null,
+    };
+    Ok((status, json))
+}
+
+/// One exchange with a raw body: the status and the body as text.
+pub fn exchange(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    // A server may answer (413) before reading all of a large body and
+    // close: what it answered is still read.
+    let _ = stream.write_all(body);
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    Ok((status, rest.to_string()))
+}

@@ -1,0 +1,249 @@
+//! The OpenAI-compatible HTTP API of a coordinator (`serve --http`): the
+//! official `openai` Python client against three `serve` processes, bad
+//! input answered in OpenAI's error shape with the right status, and a
+//! client that goes away mid-stream freeing every stage.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::http::{call, exchange};
+use common::nodes::{Setup, all_stats, pools_empty_within, synthetic};
+use common::processes::{bin, node_id, serve, stage};
+use serde_json::{Value, json};
+
+/// A Python with the `openai` package (`MESH_OPENAI_PYTHON`, else the
+/// virtualenv `.ci/run` makes), or `None` with the test SKIPPED;
+/// `MESH_REQUIRE_OPENAI=1` makes its absence a failure.
+fn openai_python() -> Option<PathBuf> {
+    let path = std::env::var_os("MESH_OPENAI_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            mesh_node::cli::models::cache_dir()
+                .parent()
+                .map(|cache| cache.join("openai-venv/bin/python"))
+                .unwrap_or_default()
+        });
+    let works = Command::new(&path)
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if works {
+        return Some(path);
+    }
+    let message = format!(
+        "no Python with the openai package at {}: the openai client test is SKIPPED",
+        path.display()
+    );
+    if std::env::var("MESH_REQUIRE_OPENAI").is_ok_and(|v| v == "1") {
+        panic!("{message} (MESH_REQUIRE_OPENAI=1)");
+    }
+    eprintln!("{message}");
+    None
+}
+
+#[test]
+fn the_openai_python_client_uses_a_three_process_split() {
+    let Some(python) = openai_python() else {
+        return;
+    };
+    let Some(model) = common::smollm2("the openai client test") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let b = stage(dir.path(), "b", &model, &[], &[]);
+    let c = stage(dir.path(), "c", &model, &[], &[]);
+    let coordinator = serve(
+        dir.path(),
+        "coord",
+        &model,
+        &[&b.peer, &c.peer],
+        &["--http", "127.0.0.1:0"],
+        &[],
+    );
+    assert!(!node_id(dir.path(), "coord").is_empty());
+    let api = coordinator
+        .banner
+        .iter()
+        .find_map(|line| line.strip_prefix("OpenAI-compatible API: "))
+        .expect("serve --http prints its API's address")
+        .to_string();
+    let bundle = dir.path().join("bundle.json");
+    let out = Command::new(python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/python/openai_client.py"
+        ))
+        .args([api.as_str(), "Which city is the capital of France?", "24"])
+        .arg(&bundle)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let text = seen["text"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{seen:#}");
+    // Greedy: the streamed deltas are the same text.
+    assert_eq!(seen["streamed"], seen["text"], "{seen:#}");
+    assert_eq!(seen["stream_ids"], 1, "one id for every chunk");
+    assert_eq!(seen["finish_reason"], "stop");
+    assert_eq!(seen["stream_finish_reason"], "stop");
+    assert_eq!(seen["unknown_model_status"], 404);
+    assert_eq!(seen["completion_text"], " Paris.");
+    let energy = &seen["usage"]["energy"];
+    assert!(energy["microjoules"].as_u64().unwrap() > 0, "{seen:#}");
+    assert_eq!(energy["provenance"], energy["receipt"]["energy_provenance"]);
+    assert!(energy["envelope_hex"].as_str().unwrap().len() > 100);
+    assert!(seen["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    assert!(seen["stream_usage"]["energy"]["bundle"].is_string());
+    // The bundle behind the link verifies offline.
+    let verified = Command::new(bin())
+        .arg("verify")
+        .arg(&bundle)
+        .output()
+        .unwrap();
+    assert!(
+        verified.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verified.stdout)
+    );
+}
+
+/// A coordinator with the API on, over two stages, in this process.
+async fn api_nodes(dir: &std::path::Path) -> ([mesh_node::runtime::serve::Node; 3], SocketAddr) {
+    let model = synthetic(dir);
+    let b = Setup::stage(&model, dir, "b", 2).start().await;
+    let c = Setup::stage(&model, dir, "c", 3).start().await;
+    let mut a = Setup::coordinator(&model, dir, vec![b.peer_addr(), c.peer_addr()]);
+    a.http = true;
+    let a = a.start().await;
+    let addr = a.http_addr().unwrap();
+    ([a, b, c], addr)
+}
+
+fn error_of(reply: &Value) -> (&str, &str) {
+    (
+        reply["error"]["type"].as_str().unwrap_or(""),
+        reply["error"]["message"].as_str().unwrap_or(""),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_openai_errors_with_the_right_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, addr) = api_nodes(dir.path()).await;
+    let model = nodes[0].model_card().id;
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        ("malformed JSON", b"{\"model\": ".to_vec(), 400),
+        (
+            "a wrong type",
+            json!({"model": model, "prompt": "hi", "max_tokens": "many"})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        (
+            "an unknown model",
+            json!({"model": "gpt-4", "prompt": "hi"})
+                .to_string()
+                .into_bytes(),
+            404,
+        ),
+        (
+            "an oversized body",
+            json!({"model": model, "prompt": "x".repeat(2 * 1024 * 1024)})
+                .to_string()
+                .into_bytes(),
+            413,
+        ),
+        (
+            "a prompt past the context",
+            json!({"model": model, "prompt": "word ".repeat(20_000)})
+                .to_string()
+                .into_bytes(),
+            413,
+        ),
+        (
+            "too many stop sequences",
+            json!({"model": model, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+    ];
+    for (what, body, status) in cases {
+        let (got, text) = tokio::task::spawn_blocking(move || {
+            exchange(addr, "POST", "/v1/completions", &body).unwrap()
+        })
+        .await
+        .unwrap();
+        assert_eq!(got, status, "{what}: {text}");
+        let reply: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: {e}: {text}"));
+        let (kind, message) = error_of(&reply);
+        assert_eq!(kind, "invalid_request_error", "{what}: {reply}");
+        assert!(!message.is_empty(), "{what}: {reply}");
+    }
+    // A chat message with a role the API does not know.
+    let body = json!({"model": model, "messages": [{"role": "tool", "content": "x"}]});
+    let (status, reply) = tokio::task::spawn_blocking(move || {
+        call(addr, "POST", "/v1/chat/completions", Some(&body)).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 400, "{reply}");
+    // Nothing was admitted, so nothing is held; a good request is served.
+    let stats = all_stats(&nodes).await;
+    assert!(stats.iter().all(|s| s.pools_empty()), "{stats:#?}");
+    let body = json!({"model": model, "prompt": "hi", "max_tokens": 3, "temperature": 0});
+    let (status, reply) = tokio::task::spawn_blocking(move || {
+        call(addr, "POST", "/v1/completions", Some(&body)).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["usage"]["completion_tokens"], 3, "{reply}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_stream_frees_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, addr) = api_nodes(dir.path()).await;
+    let model = nodes[0].model_card().id;
+    let body = json!({
+        "model": model, "prompt": "a long answer please", "max_tokens": 1500, "stream": true,
+    })
+    .to_string();
+    // Read the first streamed event, then hang up.
+    tokio::task::spawn_blocking(move || {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        write!(
+            stream,
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut seen = Vec::new();
+        let mut buffer = [0u8; 512];
+        while !String::from_utf8_lossy(&seen).contains("data: ") {
+            let n = stream.read(&mut buffer).unwrap();
+            assert!(n > 0, "the stream ended before its first event");
+            seen.extend_from_slice(&buffer[..n]);
+        }
+        assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
+    })
+    .await
+    .unwrap();
+    let left = Instant::now();
+    pools_empty_within(&nodes, left, Duration::from_secs(10), "the client left").await;
+    let stats = nodes[0].stats().await;
+    assert_eq!(stats.requests_cancelled, 1, "{stats:#?}");
+}
