@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::nodes::{
-    Setup, all_stats, ask, no_lane_breaks, pools_empty_within, request, synthetic, verify,
+    Setup, all_stats, ask, cancel_counted_within, no_lane_breaks, pools_empty_within, request,
+    synthetic, verify,
 };
 use mesh_node::runtime::serve::{
     GenerateRequest, GrantedServe, Node, NodeStats, generate_remote, node_stats_remote,
@@ -37,15 +38,6 @@ async fn three_nodes_admitting(
 fn assert_pools_empty(stats: &[NodeStats]) {
     for (i, s) in stats.iter().enumerate() {
         assert!(s.pools_empty(), "node {i}: {s:#?}");
-    }
-}
-
-/// Wait until the coordinator has counted its one cancelled request: it
-/// seals a cancelled request (its stages' records, its receipt) first.
-async fn cancel_counted_within(coordinator: &Node, since: Instant, bound: Duration) {
-    while coordinator.stats().await.requests_cancelled == 0 {
-        assert!(since.elapsed() < bound, "never counted");
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -131,6 +131,17 @@ impl SpmVocabulary {
         }
     }
 
+    /// The first control token whose text `text` holds.
+    pub fn control_token_in(&self, text: &str) -> Option<String> {
+        self.specials
+            .iter()
+            .map(|id| *id as usize)
+            .filter(|id| self.types[*id] == CONTROL)
+            .map(|id| &self.tokens[id])
+            .find(|token| text.contains(token.as_str()))
+            .cloned()
+    }
+
     pub fn token_to_id(&self, text: &str) -> Option<u32> {
         self.ids.get(text).copied()
     }

@@ -288,6 +288,21 @@ impl TextCodec {
         }
     }
 
+    /// The first control token (a chat template's markers, BOS, EOS) whose
+    /// text `text` holds: such text would be read as the token itself, so a
+    /// message that holds one could forge turns of the conversation.
+    pub fn control_token_in(&self, text: &str) -> Option<String> {
+        match &self.tokenizer {
+            Vocabulary::Hf(t) => t
+                .get_added_tokens_decoder()
+                .values()
+                .filter(|added| added.special && !added.content.is_empty())
+                .find(|added| text.contains(added.content.as_str()))
+                .map(|added| added.content.clone()),
+            Vocabulary::Spm(v) => v.control_token_in(text),
+        }
+    }
+
     pub fn is_eos(&self, id: u32) -> bool {
         self.eos.contains(&id)
     }

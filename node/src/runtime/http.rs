@@ -29,10 +29,20 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::runtime::serve::{GenerateRequest, GenerateSummary, PeerAddr, generate_remote};
+use crate::runtime::serve::{
+    GenerateRequest, GenerateSummary, MAX_PROMPT_BYTES_PER_TOKEN, PeerAddr, generate_remote,
+};
 
 /// Largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+/// Most HTTP connections open at once; more are closed at accept.
+pub const MAX_HTTP_CONNECTIONS: usize = 256;
+/// How long a client may take to send a request's headers.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send a request's body.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Most bytes of a connection's read buffer (headers included).
+const MAX_HTTP_BUFFER: usize = 64 * 1024;
 /// Most messages in one chat request.
 pub const MAX_MESSAGES: usize = 256;
 /// Bundles kept for `/v1/mesh/bundles/{id}`, the most recent first out last.
@@ -103,12 +113,40 @@ pub async fn start(
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(api);
-    let task = tokio::spawn(async move {
-        if let Err(error) = axum::serve(listener, router).await {
-            tracing::warn!(%error, "the HTTP API stopped");
-        }
-    });
+    let task = tokio::spawn(accept_loop(listener, router));
     Ok(HttpApi { addr, task })
+}
+
+/// Accept connections while fewer than `MAX_HTTP_CONNECTIONS` are open;
+/// each gets a header timeout and a bounded buffer, so a client that
+/// trickles bytes holds one slot for seconds, not forever.
+async fn accept_loop(listener: tokio::net::TcpListener, router: Router) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CONNECTIONS));
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Out of file descriptors and the like: wait, then go on.
+                tracing::warn!(%error, "the HTTP API could not accept");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        tokio::spawn(async move {
+            let _slot = slot;
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .max_buf_size(MAX_HTTP_BUFFER)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let _ = connection.await;
+        });
+    }
 }
 
 /// An error in OpenAI's shape.
@@ -275,19 +313,8 @@ struct Part {
     text: Option<String>,
 }
 
-fn parse<T: serde::de::DeserializeOwned>(
-    body: Result<Bytes, BytesRejection>,
-) -> Result<T, ApiError> {
-    let body = body.map_err(|rejection| {
-        let status = rejection.status();
-        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            format!("the request body is over {MAX_BODY_BYTES} bytes")
-        } else {
-            rejection.body_text()
-        };
-        ApiError::new(status, message)
-    })?;
-    serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("the request body: {e}")))
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("the request body: {e}")))
 }
 
 /// Which endpoint a request came in on: the shapes of its answers differ.
@@ -304,32 +331,90 @@ struct Prepared {
     stream: bool,
 }
 
-async fn completions(State(api): State<Arc<Api>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let prepared = parse::<CompletionBody>(body).and_then(|body| {
-        let prompts = body.prompt.into_vec();
-        let [prompt] = prompts.as_slice() else {
-            return Err(ApiError::bad("`prompt` must be one string"));
-        };
-        prepare(&api, Flavour::Completion, prompt.clone(), body.common)
-    });
-    match prepared {
+/// The body of a POST: JSON only (a form or text body is what a web page
+/// can send cross-site without asking first), read within
+/// `BODY_READ_TIMEOUT`.
+async fn read_body(request: axum::extract::Request) -> Result<Bytes, ApiError> {
+    use axum::extract::FromRequest;
+    let json = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"));
+    if !json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "send the body as JSON with Content-Type: application/json",
+        ));
+    }
+    match tokio::time::timeout(BODY_READ_TIMEOUT, Bytes::from_request(request, &())).await {
+        Ok(body) => body.map_err(rejected),
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "the request body took too long to arrive",
+        )),
+    }
+}
+
+fn rejected(rejection: BytesRejection) -> ApiError {
+    let status = rejection.status();
+    let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        format!("the request body is over {MAX_BODY_BYTES} bytes")
+    } else {
+        rejection.body_text()
+    };
+    ApiError::new(status, message)
+}
+
+/// Parse and check a request off the async workers: tokenizing a long
+/// prompt is CPU work that must not stall the node's other requests.
+async fn checked(
+    api: &Arc<Api>,
+    request: axum::extract::Request,
+    check: fn(&Api, Bytes) -> Result<Prepared, ApiError>,
+) -> Result<Prepared, ApiError> {
+    let body = read_body(request).await?;
+    let api = api.clone();
+    tokio::task::spawn_blocking(move || check(&api, body))
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "checking the request failed",
+            )
+        })?
+}
+
+async fn completions(State(api): State<Arc<Api>>, request: axum::extract::Request) -> Response {
+    match checked(&api, request, check_completion).await {
         Ok(prepared) => run(api, prepared).await,
         Err(error) => error.into_response(),
     }
 }
 
+fn check_completion(api: &Api, body: Bytes) -> Result<Prepared, ApiError> {
+    let body = parse::<CompletionBody>(&body)?;
+    let prompts = body.prompt.into_vec();
+    let [prompt] = prompts.as_slice() else {
+        return Err(ApiError::bad("`prompt` must be one string"));
+    };
+    prepare(api, Flavour::Completion, prompt.clone(), body.common)
+}
+
 async fn chat_completions(
     State(api): State<Arc<Api>>,
-    body: Result<Bytes, BytesRejection>,
+    request: axum::extract::Request,
 ) -> Response {
-    let prepared = parse::<ChatBody>(body).and_then(|body| {
-        let prompt = render_chat(&api.card.codec, body.messages)?;
-        prepare(&api, Flavour::Chat, prompt, body.common)
-    });
-    match prepared {
+    match checked(&api, request, check_chat).await {
         Ok(prepared) => run(api, prepared).await,
         Err(error) => error.into_response(),
     }
+}
+
+fn check_chat(api: &Api, body: Bytes) -> Result<Prepared, ApiError> {
+    let body = parse::<ChatBody>(&body)?;
+    let prompt = render_chat(&api.card.codec, body.messages)?;
+    prepare(api, Flavour::Chat, prompt, body.common)
 }
 
 fn render_chat(codec: &TextCodec, messages: Vec<Message>) -> Result<String, ApiError> {
@@ -372,6 +457,12 @@ fn render_chat(codec: &TextCodec, messages: Vec<Message>) -> Result<String, ApiE
                 text
             }
         };
+        if let Some(token) = codec.control_token_in(&content) {
+            return Err(ApiError::bad(format!(
+                "a message holds the model's control token `{token}`, which would be read as \
+                 a turn marker; remove it"
+            )));
+        }
         turns.push((role, content));
     }
     Ok(template.render(&turns))
@@ -414,6 +505,20 @@ fn prepare(
         return Err(ApiError::bad(format!(
             "`stop` must be at most {MAX_STOP_SEQUENCES} sequences of 1 to {MAX_STOP_BYTES} bytes"
         )));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::bad("the prompt is empty"));
+    }
+    if prompt.len() > card.context.saturating_mul(MAX_PROMPT_BYTES_PER_TOKEN) {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "a prompt of {} bytes cannot fit this model's context of {} tokens",
+                prompt.len(),
+                card.context
+            ),
+        )
+        .code("context_length_exceeded"));
     }
     let prompt_tokens = card
         .codec
@@ -597,6 +702,24 @@ fn completion_id(flavour: Flavour) -> String {
     format!("{prefix}-{}", mesh_protocol::hex::encode(&bytes))
 }
 
+/// A request the mesh ended before its end: 504 past its deadline, 502
+/// otherwise.
+fn ended_early(summary: &GenerateSummary) -> Option<ApiError> {
+    let error = summary.error.as_ref()?;
+    let status = if summary.terminal_state == "timed_out" {
+        StatusCode::GATEWAY_TIMEOUT
+    } else {
+        StatusCode::BAD_GATEWAY
+    };
+    Some(ApiError::new(
+        status,
+        format!(
+            "the mesh ended the request early ({}): {error}",
+            summary.terminal_state
+        ),
+    ))
+}
+
 /// Builds the response bodies of one request.
 struct Answer {
     api: Arc<Api>,
@@ -657,15 +780,8 @@ impl Answer {
 
     /// The whole answer of a request that was not streamed.
     fn whole(&self, summary: GenerateSummary) -> Response {
-        if let Some(error) = &summary.error {
-            return ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                format!(
-                    "the mesh ended the request early ({}): {error}",
-                    summary.terminal_state
-                ),
-            )
-            .into_response();
+        if let Some(error) = ended_early(&summary) {
+            return error.into_response();
         }
         let usage = self.usage(&summary);
         let finish_reason = self.finish_reason(&summary);
@@ -754,14 +870,7 @@ impl StreamState {
             }
             Progress::Done(Ok(summary)) => {
                 self.finished = true;
-                if let Some(error) = &summary.error {
-                    let error = ApiError::new(
-                        StatusCode::BAD_GATEWAY,
-                        format!(
-                            "the mesh ended the request early ({}): {error}",
-                            summary.terminal_state
-                        ),
-                    );
+                if let Some(error) = ended_early(&summary) {
                     return Some(Event::default().data(error.body().to_string()));
                 }
                 let mut last = self

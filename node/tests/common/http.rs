@@ -25,18 +25,29 @@ pub fn call(
     Ok((status, json))
 }
 
-/// One exchange with a raw body: the status and the body as text.
+/// One exchange with a raw JSON body: the status and the body as text.
 pub fn exchange(
     addr: SocketAddr,
     method: &str,
     path: &str,
     body: &[u8],
 ) -> std::io::Result<(u16, String)> {
+    exchange_as(addr, method, path, "application/json", body)
+}
+
+/// One exchange with a raw body of `content_type`.
+pub fn exchange_as(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, String)> {
     let mut stream = TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(120)))?;
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: {content_type}\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     )?;

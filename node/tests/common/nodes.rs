@@ -308,3 +308,12 @@ pub async fn pools_empty_within(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Wait until the coordinator has counted its one cancelled request: it
+/// seals a cancelled request (its stages' records, its receipt) first.
+pub async fn cancel_counted_within(coordinator: &Node, since: std::time::Instant, bound: Duration) {
+    while coordinator.stats().await.requests_cancelled == 0 {
+        assert!(since.elapsed() < bound, "never counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -129,6 +129,9 @@ fn shown_end(text: &str, stop: &[String], last: bool) -> (usize, bool) {
     if last {
         return (text.len(), false);
     }
+    // A character still missing bytes decodes as U+FFFD for now: hold it
+    // back until its bytes arrive, or its replacement would be streamed.
+    let text = text.trim_end_matches('\u{FFFD}');
     let held = stop
         .iter()
         .filter_map(|s| {
@@ -1238,7 +1241,7 @@ async fn wait_direct(
 }
 
 /// A token is rarely longer than this many bytes of text.
-const MAX_PROMPT_BYTES_PER_TOKEN: usize = 16;
+pub const MAX_PROMPT_BYTES_PER_TOKEN: usize = 16;
 
 /// Prompt positions per prefill step.
 pub const PREFILL_CHUNK_TOKENS: usize = 256;
@@ -1437,5 +1440,8 @@ mod tests {
         // Held-back tails end on character boundaries.
         let stop = vec!["é!".to_string()];
         assert_eq!(shown_end("café", &stop, false), (3, false));
+        // A character still missing bytes is held back until it is whole.
+        assert_eq!(shown_end("caf\u{FFFD}", &[], false), (3, false));
+        assert_eq!(shown_end("caf\u{FFFD}", &[], true), (6, false));
     }
 }

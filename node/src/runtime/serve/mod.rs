@@ -44,8 +44,8 @@ mod batch;
 mod coordinator;
 mod stats;
 pub use coordinator::{
-    GenerateRequest, GenerateSummary, GrantedServe, PREFILL_CHUNK_TOKENS, generate_remote,
-    plan_remote,
+    GenerateRequest, GenerateSummary, GrantedServe, MAX_PROMPT_BYTES_PER_TOKEN,
+    PREFILL_CHUNK_TOKENS, generate_remote, plan_remote,
 };
 pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
 
