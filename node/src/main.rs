@@ -239,6 +239,24 @@ enum BenchTarget {
         #[arg(long)]
         json: bool,
     },
+    /// One greedy request through the coordinator's HTTP API (streamed)
+    /// against the same request from a `generate --coordinator` requester,
+    /// on a three-node split in this process: time to first token, decode
+    /// tokens/s, and the API's cost per token.
+    Api {
+        /// A GGUF file (default: SmolLM2-135M from the model cache, else the
+        /// built-in synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+        /// Alternating rounds; medians are reported.
+        #[arg(long, default_value_t = 7)]
+        rounds: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Aggregate decode tokens/s of concurrent greedy requests over three
     /// `serve` processes on 127.0.0.1 (continuous batching), next to
     /// llama.cpp's llama-server with as many parallel slots when given.
@@ -603,6 +621,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string_pretty(&measurements)?);
             } else {
                 print!("{}", mesh_node::tools::bench::render_fold(&measurements));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target:
+                BenchTarget::Api {
+                    model,
+                    tokens,
+                    rounds,
+                    json,
+                },
+        } => {
+            let model = bench_model(model)?;
+            let report = runtime()?.block_on(mesh_node::tools::bench_api::bench_api(
+                &model, tokens, rounds,
+            ))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", mesh_node::tools::bench_api::render_api(&report));
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -223,6 +223,13 @@ async fn bad_input_gets_openai_errors_with_the_right_status() {
     .unwrap();
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["usage"]["completion_tokens"], 3, "{reply}");
+    // The steward a grant for this coordinator names.
+    let (status, reply) =
+        tokio::task::spawn_blocking(move || call(addr, "GET", "/v1/mesh/steward", None).unwrap())
+            .await
+            .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(reply["steward"], nodes[0].did(), "{reply}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -674,7 +674,7 @@ pub(crate) fn tempfile_dir() -> anyhow::Result<PathBuf> {
 
 /// Bench nodes: node 0 coordinates with `coordinator_key`, the others
 /// serve it.
-fn bench_options(
+pub fn bench_options(
     model: &Path,
     scratch: &Path,
     k: usize,

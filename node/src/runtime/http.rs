@@ -110,6 +110,7 @@ pub async fn start(
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/mesh/bundles/{id}", get(bundle))
+        .route("/v1/mesh/steward", get(steward))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(api);
@@ -226,6 +227,15 @@ fn model_object(card: &ModelCard) -> Value {
             "chat_template": card.codec.chat_template().is_some(),
         },
     })
+}
+
+/// The steward's node id: the subject a grant for this coordinator names
+/// (seed 001 §2.3).
+async fn steward(State(api): State<Arc<Api>>) -> Response {
+    axum::Json(json!({
+        "steward": mesh_protocol::identity::did_key(&api.coordinator.key),
+    }))
+    .into_response()
 }
 
 async fn bundle(State(api): State<Arc<Api>>, Path(id): Path<String>) -> Response {

@@ -3,6 +3,7 @@
 //! `inspect` commands.
 
 pub mod bench;
+pub mod bench_api;
 pub mod bench_concurrency;
 pub mod exercise;
 pub mod inspect;
