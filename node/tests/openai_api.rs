@@ -70,6 +70,7 @@ fn the_openai_python_client_uses_a_three_process_split() {
         .banner
         .iter()
         .find_map(|line| line.strip_prefix("OpenAI-compatible API: "))
+        .and_then(|rest| rest.split_whitespace().next())
         .expect("serve --http prints its API's address")
         .to_string();
     let bundle = dir.path().join("bundle.json");
@@ -265,4 +266,94 @@ async fn a_client_that_leaves_mid_stream_frees_every_stage() {
     let left = Instant::now();
     pools_empty_within(&nodes, left, Duration::from_secs(10), "the client left").await;
     cancel_counted_within(&nodes[0], left, Duration::from_secs(10)).await;
+}
+
+/// Headless Chromium (`MESH_CHROMIUM`, else `chromium` on the PATH), or
+/// `None` with the test SKIPPED; `MESH_REQUIRE_CHROMIUM=1` makes its
+/// absence a failure.
+fn chromium() -> Option<PathBuf> {
+    let path = std::env::var_os("MESH_CHROMIUM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("chromium"));
+    if Command::new(&path)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return Some(path);
+    }
+    let message = format!(
+        "no headless Chromium at {} (Debian's `chromium` package): the console test is SKIPPED",
+        path.display()
+    );
+    if std::env::var("MESH_REQUIRE_CHROMIUM").is_ok_and(|v| v == "1") {
+        panic!("{message} (MESH_REQUIRE_CHROMIUM=1)");
+    }
+    eprintln!("{message}");
+    None
+}
+
+/// The console, loaded in headless Chromium, sends a prompt from the page
+/// and shows the finished request: verified, every hop agreeing, one box
+/// per stage. The DOM is checked, not pixels; a screenshot is saved beside
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_sends_a_prompt_and_shows_every_hop_agreeing() {
+    let Some(chromium) = chromium() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, addr) = api_nodes(dir.path()).await;
+    let url = format!("http://{addr}/?live=0&prompt=Hello%20mesh");
+    let browser = |extra: &[String]| {
+        let mut command = Command::new(&chromium);
+        command.args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1100,900",
+            "--virtual-time-budget=30000",
+        ]);
+        command.args(extra).arg(&url);
+        command
+    };
+    let dump = browser(&["--dump-dom".into()]);
+    let out = tokio::task::spawn_blocking(move || {
+        let mut dump = dump;
+        dump.output().unwrap()
+    })
+    .await
+    .unwrap();
+    let dom = String::from_utf8_lossy(&out.stdout).into_owned();
+    // The request list only (the page's script, after it, spells the same
+    // class names).
+    let requests = dom
+        .split("id=\"requests\"")
+        .nth(1)
+        .and_then(|rest| rest.split("</section>").next())
+        .unwrap_or_else(|| panic!("no request list in the page: {dom}"));
+    assert!(requests.contains("data-state=\"finished\""), "{requests}");
+    assert!(requests.contains("data-verified=\"true\""), "{requests}");
+    assert!(requests.contains("data-agree=\"true\""), "{requests}");
+    assert_eq!(requests.matches("class=\"stage\"").count(), 3, "{requests}");
+    // Two hops, each with its forward and reply lanes agreeing.
+    assert_eq!(requests.matches("class=\"agree\"").count(), 4, "{requests}");
+    assert!(!requests.contains("class=\"break\""), "{requests}");
+    // The answer the page asked for arrived on the page.
+    let answer = dom.split("id=\"answer\">").nth(1).unwrap_or("");
+    assert!(
+        !answer.starts_with("</pre>"),
+        "no answer on the page: {dom}"
+    );
+    let shot = dir.path().join("console.png");
+    let screenshot = browser(&[format!("--screenshot={}", shot.display())]);
+    tokio::task::spawn_blocking(move || {
+        let mut screenshot = screenshot;
+        screenshot.output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(std::fs::metadata(&shot).is_ok_and(|m| m.len() > 10_000));
+    drop(nodes);
 }

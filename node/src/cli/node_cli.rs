@@ -227,7 +227,7 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
     let node = Node::start(options).await?;
     println!("node {} listening on {}", node.did(), node.addr());
     if let Some(http) = node.http_addr() {
-        println!("OpenAI-compatible API: http://{http}/v1");
+        println!("OpenAI-compatible API: http://{http}/v1 (console: http://{http}/)");
     }
     println!("peer address: {}", node.peer_addr());
     if !coordinators.is_empty() {
@@ -454,7 +454,8 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     }
     if let Some(http) = coordinator.http_addr() {
         let model = coordinator.model_card().id;
-        println!("\nOpenAI-compatible API: http://{http}/v1 (the nodes stay up until Ctrl-C)");
+        println!("\nconsole: http://{http}/ (the nodes stay up until Ctrl-C)");
+        println!("OpenAI-compatible API: http://{http}/v1");
         println!(
             "  curl http://{http}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Which city is the capital of France?\"}}]}}'"
         );

@@ -47,6 +47,12 @@ const MAX_HTTP_BUFFER: usize = 64 * 1024;
 pub const MAX_MESSAGES: usize = 256;
 /// Bundles kept for `/v1/mesh/bundles/{id}`, the most recent first out last.
 pub const MAX_KEPT_BUNDLES: usize = 64;
+/// Requests the console lists, the most recent last.
+pub const MAX_CONSOLE_REQUESTS: usize = 32;
+/// Console events not yet sent to a slow console; it then reloads the list.
+const CONSOLE_EVENT_BACKLOG: usize = 64;
+/// The console: one page, its styles and script inline, no network use.
+const CONSOLE_HTML: &str = include_str!("console.html");
 /// `max_tokens` of a completion that names none (OpenAI's default).
 const DEFAULT_COMPLETION_TOKENS: usize = 16;
 /// `max_tokens` of a chat completion that names none, at most what the
@@ -68,6 +74,30 @@ struct Api {
     coordinator: PeerAddr,
     card: ModelCard,
     bundles: Mutex<VecDeque<(String, Arc<Value>)>>,
+    /// What the console shows of recent requests (no prompt, no output).
+    requests: Mutex<VecDeque<Value>>,
+    /// Tells open consoles that a request started or ended.
+    events: tokio::sync::broadcast::Sender<Value>,
+}
+
+impl Api {
+    /// A request started or ended: list it and tell the consoles.
+    fn publish(&self, entry: Value) {
+        {
+            let mut requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+            let id = entry["id"].clone();
+            match requests.iter_mut().find(|r| r["id"] == id) {
+                Some(known) => *known = entry.clone(),
+                None => {
+                    if requests.len() >= MAX_CONSOLE_REQUESTS {
+                        requests.pop_front();
+                    }
+                    requests.push_back(entry.clone());
+                }
+            }
+        }
+        let _ = self.events.send(entry);
+    }
 }
 
 /// A running HTTP API; dropping it stops the listener.
@@ -104,6 +134,8 @@ pub async fn start(
         coordinator,
         card,
         bundles: Mutex::new(VecDeque::new()),
+        requests: Mutex::new(VecDeque::new()),
+        events: tokio::sync::broadcast::channel(CONSOLE_EVENT_BACKLOG).0,
     });
     let router = Router::new()
         .route("/v1/models", get(models))
@@ -111,6 +143,9 @@ pub async fn start(
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/mesh/bundles/{id}", get(bundle))
         .route("/v1/mesh/steward", get(steward))
+        .route("/v1/mesh/requests", get(console_requests))
+        .route("/v1/mesh/events", get(console_events))
+        .route("/", get(console))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(api);
@@ -227,6 +262,98 @@ fn model_object(card: &ModelCard) -> Value {
             "chat_template": card.codec.chat_template().is_some(),
         },
     })
+}
+
+async fn console() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        CONSOLE_HTML,
+    )
+        .into_response()
+}
+
+async fn console_requests(State(api): State<Arc<Api>>) -> Response {
+    let requests: Vec<Value> = api
+        .requests
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .cloned()
+        .collect();
+    axum::Json(json!({"requests": requests})).into_response()
+}
+
+/// Server-sent events: one per request that starts or ends.
+async fn console_events(State(api): State<Arc<Api>>) -> Response {
+    let receiver = api.events.subscribe();
+    let events = futures_util::stream::unfold(receiver, |mut receiver| async move {
+        loop {
+            match receiver.recv().await {
+                Ok(entry) => {
+                    return Some((
+                        Ok::<Event, Infallible>(Event::default().data(entry.to_string())),
+                        receiver,
+                    ));
+                }
+                // A console that fell behind reloads the list on the next
+                // event; nothing is queued for it past the backlog.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    });
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+/// What the console shows of a finished request: its stages, each hop's
+/// lanes as `mesh-node verify` prints them, the verdict of the same checks,
+/// its energy. Never its prompt or output.
+fn console_entry(id: &str, summary: &GenerateSummary) -> Value {
+    let details = &summary.details;
+    let mut entry = json!({
+        "id": id,
+        "state": if summary.error.is_some() { "failed" } else { "finished" },
+        "terminal_state": summary.terminal_state,
+        "request_id": details["request_id"],
+        "prompt_tokens": details["prompt_tokens"],
+        "generated_tokens": details["generated_tokens"],
+        "decode_tokens_per_s": details["decode_tokens_per_s"],
+        "energy_uj": details["receipt"]["energy_uj"],
+        "energy_provenance": details["receipt"]["energy_provenance"],
+        "stages": details["stages"],
+    });
+    let Some(bundle) = &summary.bundle else {
+        return entry;
+    };
+    match mesh_protocol::verify::verify_document(bundle) {
+        Ok(report) => {
+            let passed = report.checks.iter().filter(|c| c.outcome.is_ok()).count();
+            entry["verify"] = json!({
+                "ok": report.success(),
+                "checks_passed": passed,
+                "checks": report.checks.len(),
+            });
+            if let Some(hop) = &report.hop {
+                entry["handoffs_agree"] = json!(hop.handoffs_agree);
+                entry["lanes"] = hop
+                    .lanes
+                    .iter()
+                    .map(|l| {
+                        json!({
+                            "hop_index": l.hop_index,
+                            "lane": l.lane.as_str(),
+                            "state": l.state.as_str(),
+                            "glyph": l.state.glyph(),
+                        })
+                    })
+                    .collect();
+            }
+        }
+        Err(error) => entry["verify"] = json!({"ok": false, "error": error.to_string()}),
+    }
+    entry
 }
 
 /// The steward's node id: the subject a grant for this coordinator names
@@ -638,13 +765,27 @@ async fn run(api: Arc<Api>, prepared: Prepared) -> Response {
         created,
         max_tokens,
     };
+    api.publish(json!({"id": answer.id, "state": "running", "max_tokens": max_tokens}));
     if !stream {
-        let mut text = String::new();
+        // A client that goes away drops this future: the guard lists the
+        // request as cancelled.
+        let mut waiting = Waiting {
+            answer: &answer,
+            settled: false,
+        };
         loop {
             match receiver.recv().await {
-                Some(Progress::Piece(piece)) => text.push_str(&piece),
-                Some(Progress::Done(Ok(summary))) => return answer.whole(summary),
-                Some(Progress::Done(Err(error))) => return refused(&error).into_response(),
+                // The summary carries the whole text.
+                Some(Progress::Piece(_)) => {}
+                Some(Progress::Done(Ok(summary))) => {
+                    waiting.settled = true;
+                    return answer.whole(summary);
+                }
+                Some(Progress::Done(Err(error))) => {
+                    waiting.settled = true;
+                    answer.refused();
+                    return refused(&error).into_response();
+                }
                 None => {
                     return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the request ended")
                         .into_response();
@@ -655,7 +796,10 @@ async fn run(api: Arc<Api>, prepared: Prepared) -> Response {
     // Streamed: the status is decided by the first report, so a refusal
     // (busy, too long) is still an HTTP error, not an event.
     let first = match receiver.recv().await {
-        Some(Progress::Done(Err(error))) => return refused(&error).into_response(),
+        Some(Progress::Done(Err(error))) => {
+            answer.refused();
+            return refused(&error).into_response();
+        }
         Some(first) => first,
         None => {
             return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the request ended")
@@ -678,6 +822,21 @@ async fn run(api: Arc<Api>, prepared: Prepared) -> Response {
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response()
+}
+
+/// Lists a request that was not streamed as cancelled if its handler is
+/// dropped before the answer.
+struct Waiting<'a> {
+    answer: &'a Answer,
+    settled: bool,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.answer.cancelled();
+        }
+    }
 }
 
 /// Why the coordinator would not serve: the status OpenAI clients expect.
@@ -740,6 +899,23 @@ struct Answer {
 }
 
 impl Answer {
+    /// The console lists the request as refused.
+    fn refused(&self) {
+        self.api
+            .publish(json!({"id": self.id, "state": "refused", "max_tokens": self.max_tokens}));
+    }
+
+    /// The console lists the request as cancelled by its client.
+    fn cancelled(&self) {
+        self.api
+            .publish(json!({"id": self.id, "state": "cancelled", "max_tokens": self.max_tokens}));
+    }
+
+    /// The console lists the request as it ended.
+    fn ended(&self, summary: &GenerateSummary) {
+        self.api.publish(console_entry(&self.id, summary));
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.flavour, chunk) {
             (Flavour::Completion, _) => "text_completion",
@@ -790,6 +966,7 @@ impl Answer {
 
     /// The whole answer of a request that was not streamed.
     fn whole(&self, summary: GenerateSummary) -> Response {
+        self.ended(&summary);
         if let Some(error) = ended_early(&summary) {
             return error.into_response();
         }
@@ -852,6 +1029,15 @@ struct StreamState {
     _task: AbortOnDrop,
 }
 
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        // The client went away before the end: the request is cancelled.
+        if !self.finished {
+            self.answer.cancelled();
+        }
+    }
+}
+
 impl StreamState {
     async fn next_event(&mut self) -> Option<Event> {
         if let Some(event) = self.queued.pop_front() {
@@ -880,6 +1066,7 @@ impl StreamState {
             }
             Progress::Done(Ok(summary)) => {
                 self.finished = true;
+                self.answer.ended(&summary);
                 if let Some(error) = ended_early(&summary) {
                     return Some(Event::default().data(error.body().to_string()));
                 }
@@ -892,6 +1079,7 @@ impl StreamState {
             }
             Progress::Done(Err(error)) => {
                 self.finished = true;
+                self.answer.refused();
                 Some(Event::default().data(refused(&error).body().to_string()))
             }
         }
