@@ -357,3 +357,125 @@ async fn the_console_sends_a_prompt_and_shows_every_hop_agreeing() {
     assert!(std::fs::metadata(&shot).is_ok_and(|m| m.len() > 10_000));
     drop(nodes);
 }
+
+/// Grants over the binding (seed 001 §2.3): the request a body is served
+/// as is derived from the body alone and exported, presentations signed
+/// for it are served, one signed for another request is refused with 403,
+/// a presentation without its ceiling is refused with 400; the receipt a
+/// response carried is witnessed with 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_ride_on_the_binding_and_a_receipt_is_witnessed() {
+    use common::nodes::{key, public};
+    use mesh_node::runtime::serve::GrantedServe;
+    use mesh_protocol::identity::did_key;
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, addr) = api_nodes(dir.path()).await;
+    let model = nodes[0].model_card().id;
+    // A budget from an owner to a holder, sharded over the three stewards.
+    let (owner, holder) = (dir.path().join("owner.key"), dir.path().join("holder.key"));
+    std::fs::write(&owner, mesh_protocol::hex::encode(&[5u8; 32])).unwrap();
+    std::fs::write(&holder, mesh_protocol::hex::encode(&[6u8; 32])).unwrap();
+    let (root, shards) = (
+        dir.path().join("root.grant"),
+        dir.path().join("shards.cbor"),
+    );
+    mesh_node::cli::node_cli::grant_issue(
+        &owner,
+        &did_key(&public(&key(6))),
+        90_000_000,
+        Duration::from_secs(3600),
+        None,
+        &root,
+    )
+    .unwrap();
+    mesh_node::cli::node_cli::grant_shard(
+        &root,
+        &holder,
+        &nodes[0].peer_addr().to_string(),
+        &shards,
+    )
+    .await
+    .unwrap();
+    let prompt = "a granted hello";
+    let body = json!({
+        "model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "metadata": {"joule_ceiling_uj": "20000000"},
+    });
+    // The exported derivation is the one a client computes.
+    let serve = GrantedServe::derive(prompt, 4, prompt.len().div_ceil(4) as u32, 20_000_000);
+    let asked = body.clone();
+    let (status, derived) = tokio::task::spawn_blocking(move || {
+        call(addr, "POST", "/v1/mesh/granted_serve_request", Some(&asked)).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{derived}");
+    assert_eq!(
+        derived["request_id"],
+        mesh_protocol::hex::encode(&serve.request_id()),
+        "{derived}"
+    );
+    let hexes = |presentations: Vec<Vec<u8>>| -> Value {
+        presentations
+            .iter()
+            .map(|p| json!(mesh_protocol::hex::encode(p)))
+            .collect()
+    };
+    let signed =
+        hexes(mesh_node::cli::node_cli::presentations_for(&shards, &holder, &serve).unwrap());
+    let other = GrantedServe::derive("another prompt", 4, 4, 20_000_000);
+    let for_another =
+        hexes(mesh_node::cli::node_cli::presentations_for(&shards, &holder, &other).unwrap());
+    let with = |presentations: &Value| {
+        let mut body = body.clone();
+        body["jcp_presentation"] = presentations.clone();
+        body
+    };
+    let cases = [
+        ("signed for this request", with(&signed), 200),
+        ("signed for another request", with(&for_another), 403),
+        (
+            "no ceiling named",
+            {
+                let mut body = with(&signed);
+                body["metadata"] = json!({});
+                body
+            },
+            400,
+        ),
+    ];
+    let mut envelope = Value::Null;
+    for (what, body, expected) in cases {
+        let (status, reply) = tokio::task::spawn_blocking(move || {
+            call(addr, "POST", "/v1/completions", Some(&body)).unwrap()
+        })
+        .await
+        .unwrap();
+        assert_eq!(status, expected, "{what}: {reply}");
+        if expected == 200 {
+            assert!(
+                reply["usage"]["energy"]["receipt"]["grant_id"].is_string(),
+                "{reply}"
+            );
+            envelope = reply["usage"]["energy"]["envelope_hex"].clone();
+        } else {
+            assert!(reply["error"]["message"].is_string(), "{what}: {reply}");
+        }
+    }
+    // The receipt is one the steward's journal holds.
+    let shown = json!({"envelope_hex": envelope});
+    let (status, reply) = tokio::task::spawn_blocking(move || {
+        call(addr, "POST", "/v1/mesh/witness", Some(&shown)).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["held"], true);
+    let garbage = json!({"envelope_hex": "d284"});
+    let (status, reply) = tokio::task::spawn_blocking(move || {
+        call(addr, "POST", "/v1/mesh/witness", Some(&garbage)).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 400, "{reply}");
+}

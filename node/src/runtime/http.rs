@@ -70,9 +70,15 @@ pub struct ModelCard {
     pub codec: TextCodec,
 }
 
+/// Shows the coordinator's steward a receipt (seed 001 §2.2): `Ok(true)`
+/// when its journal holds it; `Ok(false)` when not, after which it refuses
+/// every grant.
+pub type Witness = Arc<dyn Fn(&[u8]) -> anyhow::Result<bool> + Send + Sync>;
+
 struct Api {
     coordinator: PeerAddr,
     card: ModelCard,
+    witness: Witness,
     bundles: Mutex<VecDeque<(String, Arc<Value>)>>,
     /// What the console shows of recent requests (no prompt, no output).
     requests: Mutex<VecDeque<Value>>,
@@ -124,6 +130,7 @@ pub async fn start(
     listen: SocketAddr,
     coordinator: PeerAddr,
     card: ModelCard,
+    witness: Witness,
 ) -> anyhow::Result<HttpApi> {
     use anyhow::Context;
     let listener = tokio::net::TcpListener::bind(listen)
@@ -133,6 +140,7 @@ pub async fn start(
     let api = Arc::new(Api {
         coordinator,
         card,
+        witness,
         bundles: Mutex::new(VecDeque::new()),
         requests: Mutex::new(VecDeque::new()),
         events: tokio::sync::broadcast::channel(CONSOLE_EVENT_BACKLOG).0,
@@ -143,6 +151,11 @@ pub async fn start(
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/mesh/bundles/{id}", get(bundle))
         .route("/v1/mesh/steward", get(steward))
+        .route("/v1/mesh/witness", post(witness_receipt))
+        .route(
+            "/v1/mesh/granted_serve_request",
+            post(granted_serve_request),
+        )
         .route("/v1/mesh/requests", get(console_requests))
         .route("/v1/mesh/events", get(console_events))
         .route("/", get(console))
@@ -404,6 +417,11 @@ impl OneOrMany {
 /// What `/v1/completions` and `/v1/chat/completions` share.
 #[derive(Debug, Deserialize)]
 struct Common {
+    /// Presentations of grants (seed 001 §2.1), hex: one for the
+    /// coordinator's steward, or one per stage in order ("" where none).
+    jcp_presentation: Option<OneOrMany>,
+    #[serde(default)]
+    metadata: Metadata,
     model: String,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
@@ -414,6 +432,34 @@ struct Common {
     #[serde(default)]
     stream: bool,
     n: Option<u64>,
+}
+
+/// OpenAI's `metadata`, with the members a granted request names.
+#[derive(Debug, Default, Deserialize)]
+struct Metadata {
+    /// The energy ceiling a granted request is served under (required with
+    /// `jcp_presentation`); a number or its decimal text.
+    joule_ceiling_uj: Option<Value>,
+    /// The requester's estimate of the prompt's tokens, as signed for.
+    prompt_tokens: Option<Value>,
+}
+
+/// A number, or its decimal text (OpenAI's `metadata` values are text).
+fn metadata_number(value: &Option<Value>, name: &str) -> Result<Option<u64>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| ApiError::bad(format!("`metadata.{name}` must be a whole number"))),
+        Some(Value::String(s)) => s
+            .parse()
+            .map(Some)
+            .map_err(|_| ApiError::bad(format!("`metadata.{name}` must be a whole number"))),
+        Some(_) => Err(ApiError::bad(format!(
+            "`metadata.{name}` must be a whole number"
+        ))),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -609,7 +655,7 @@ fn prepare(
     api: &Api,
     flavour: Flavour,
     prompt: String,
-    common: Common,
+    mut common: Common,
 ) -> Result<Prepared, ApiError> {
     let card = &api.card;
     if common.model != card.id && common.model != model_package(card) {
@@ -633,7 +679,11 @@ fn prepare(
     if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
         return Err(ApiError::bad("`top_p` must be above 0 and at most 1"));
     }
-    let stop = common.stop.map(OneOrMany::into_vec).unwrap_or_default();
+    let stop = common
+        .stop
+        .take()
+        .map(OneOrMany::into_vec)
+        .unwrap_or_default();
     if stop.len() > MAX_STOP_SEQUENCES
         || stop
             .iter()
@@ -688,6 +738,10 @@ fn prepare(
             Flavour::Chat => DEFAULT_CHAT_TOKENS.min(room),
         },
     };
+    let grant = match &common.jcp_presentation {
+        None => None,
+        Some(presentations) => Some(granted(&prompt, &common, presentations)?),
+    };
     let seed = common.seed.unwrap_or_else(|| {
         let mut bytes = [0u8; 8];
         // A seedless request samples differently each time, as with any
@@ -708,11 +762,159 @@ fn prepare(
                 top_p: top_p as f32,
                 seed,
             },
-            grant: None,
+            grant,
             timeout: None,
             stop,
         },
     })
+}
+
+/// The `mesh/1` request a granted body is served as, derived from the body
+/// alone (seed 001 §2.3), so a client can sign presentations for its id:
+/// the prompt as served (a chat rendered with the model's template), the
+/// body's own `max_tokens` and `metadata.joule_ceiling_uj`, and its
+/// estimate of the prompt's tokens (`metadata.prompt_tokens`, else a
+/// quarter of its bytes, rounded up). `POST /v1/mesh/granted_serve_request`
+/// returns it for a body.
+fn derive_granted(
+    prompt: &str,
+    common: &Common,
+) -> Result<mesh_protocol::mesh1::ServeRequest, ApiError> {
+    let ceiling = metadata_number(&common.metadata.joule_ceiling_uj, "joule_ceiling_uj")?
+        .ok_or_else(|| {
+            ApiError::bad("a granted request names its own `metadata.joule_ceiling_uj`")
+        })?;
+    let max_tokens = common
+        .max_completion_tokens
+        .or(common.max_tokens)
+        .ok_or_else(|| ApiError::bad("a granted request names its own `max_tokens`"))?;
+    let estimate = match metadata_number(&common.metadata.prompt_tokens, "prompt_tokens")? {
+        Some(n) => n,
+        None => prompt.len().div_ceil(4) as u64,
+    };
+    Ok(crate::runtime::serve::GrantedServe::derive(
+        prompt,
+        max_tokens as usize,
+        u32::try_from(estimate).unwrap_or(u32::MAX),
+        ceiling,
+    ))
+}
+
+fn granted(
+    prompt: &str,
+    common: &Common,
+    presentations: &OneOrMany,
+) -> Result<crate::runtime::serve::GrantedServe, ApiError> {
+    let serve = derive_granted(prompt, common)?;
+    let presentations = match presentations {
+        OneOrMany::One(one) => vec![one.clone()],
+        OneOrMany::Many(many) => many.clone(),
+    };
+    if presentations.is_empty() || presentations.len() > mesh_protocol::receipt::MAX_STAGES {
+        return Err(ApiError::bad(
+            "`jcp_presentation` must hold 1 to 64 presentations",
+        ));
+    }
+    let presentations = presentations
+        .iter()
+        .map(|hex| {
+            mesh_protocol::hex::decode(hex)
+                .ok_or_else(|| ApiError::bad("`jcp_presentation` holds text that is not hex"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(crate::runtime::serve::GrantedServe {
+        serve,
+        presentations,
+    })
+}
+
+/// `POST /v1/mesh/granted_serve_request`: the request a body (completion
+/// when it has `prompt`, chat when it has `messages`) is served as.
+async fn granted_serve_request(
+    State(api): State<Arc<Api>>,
+    request: axum::extract::Request,
+) -> Response {
+    let derived = async {
+        let body = read_body(request).await?;
+        let api = api.clone();
+        tokio::task::spawn_blocking(move || -> Result<Value, ApiError> {
+            let value: Value = parse(&body)?;
+            let (prompt, common) = if value.get("messages").is_some() {
+                let body: ChatBody = parse(&body)?;
+                (render_chat(&api.card.codec, body.messages)?, body.common)
+            } else {
+                let body: CompletionBody = parse(&body)?;
+                let prompts = body.prompt.into_vec();
+                let [prompt] = prompts.as_slice() else {
+                    return Err(ApiError::bad("`prompt` must be one string"));
+                };
+                (prompt.clone(), body.common)
+            };
+            let serve = derive_granted(&prompt, &common)?;
+            Ok(json!({
+                "serve_request": {
+                    "prompt_hash": mesh_protocol::hex::encode(&serve.prompt_hash),
+                    "prompt_tokens": serve.prompt_tokens,
+                    "max_tokens": serve.max_tokens,
+                    "fidelity_floor": format!("{:?}", serve.fidelity_floor),
+                    "joule_ceiling_uj": serve.joule_ceiling_uj,
+                    "cbor_hex": mesh_protocol::hex::encode(&serve.to_cbor().encode()),
+                },
+                "request_id": mesh_protocol::hex::encode(&serve.request_id()),
+            }))
+        })
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "deriving the request failed",
+            )
+        })?
+    };
+    match derived.await {
+        Ok(value) => axum::Json(value).into_response(),
+        Err(error) => error.into_response(),
+    }
+}
+
+/// `POST /v1/mesh/witness` with `{"envelope_hex": …}` (a response's
+/// `usage.energy.envelope_hex`; a `receipt` member beside it is ignored):
+/// 200 when the steward's journal holds that receipt, 409 when it does not
+/// (the steward then refuses every grant), 400 when it is not a receipt
+/// this steward sealed.
+async fn witness_receipt(State(api): State<Arc<Api>>, request: axum::extract::Request) -> Response {
+    #[derive(Deserialize)]
+    struct Shown {
+        envelope_hex: String,
+    }
+    let shown = match read_body(request)
+        .await
+        .and_then(|body| parse::<Shown>(&body))
+    {
+        Ok(shown) => shown,
+        Err(error) => return error.into_response(),
+    };
+    let Some(envelope) = mesh_protocol::hex::decode(&shown.envelope_hex) else {
+        return ApiError::bad("`envelope_hex` is not hex").into_response();
+    };
+    let witness = api.witness.clone();
+    match tokio::task::spawn_blocking(move || witness(&envelope)).await {
+        Ok(Ok(true)) => axum::Json(json!({"held": true})).into_response(),
+        Ok(Ok(false)) => ApiError::new(
+            StatusCode::CONFLICT,
+            "the steward's journal does not hold this receipt: it now refuses every grant",
+        )
+        .code("receipt_not_held")
+        .into_response(),
+        Ok(Err(error)) => {
+            ApiError::bad(format!("not a receipt this steward sealed: {error:#}")).into_response()
+        }
+        Err(_) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the witness check failed",
+        )
+        .into_response(),
+    }
 }
 
 fn model_package(card: &ModelCard) -> String {
@@ -846,6 +1048,27 @@ fn refused(error: &anyhow::Error) -> ApiError {
         let mut error = ApiError::new(StatusCode::TOO_MANY_REQUESTS, message);
         error.retry_after = Some(1);
         return error.code("busy");
+    }
+    if message.contains("grant refused") {
+        let status = if message.contains("caller-not-issuer") {
+            StatusCode::UNAUTHORIZED
+        } else if message.contains("steward-halted") {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::FORBIDDEN
+        };
+        let kind = if status == StatusCode::SERVICE_UNAVAILABLE {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        };
+        return ApiError {
+            status,
+            kind,
+            code: Some("grant_refused"),
+            message,
+            retry_after: None,
+        };
     }
     if message.contains("exceeds the context") {
         return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, message)

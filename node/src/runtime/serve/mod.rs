@@ -389,7 +389,12 @@ impl Node {
         };
         if let Some(listen) = options.http {
             let card = node.model_card();
-            node.http = Some(crate::runtime::http::start(listen, node.peer_addr(), card).await?);
+            let inner = node.inner.clone();
+            let witness: crate::runtime::http::Witness = Arc::new(move |envelope: &[u8]| {
+                Ok(lock(&inner.steward).witness(envelope, now_ms())?)
+            });
+            node.http =
+                Some(crate::runtime::http::start(listen, node.peer_addr(), card, witness).await?);
         }
         Ok(node)
     }
