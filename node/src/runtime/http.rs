@@ -333,6 +333,7 @@ fn console_entry(id: &str, summary: &GenerateSummary) -> Value {
         "prompt_tokens": details["prompt_tokens"],
         "generated_tokens": details["generated_tokens"],
         "decode_tokens_per_s": details["decode_tokens_per_s"],
+        "per_hop_overhead_us": details["per_hop_overhead_us"],
         "energy_uj": details["receipt"]["energy_uj"],
         "energy_provenance": details["receipt"]["energy_provenance"],
         "stages": details["stages"],
