@@ -452,7 +452,7 @@ fn no_log_line_at_the_most_verbose_level_holds_the_prompt_or_the_output() {
         "coord",
         &model,
         &[&b.peer, &c.peer],
-        &[],
+        &["--http", "127.0.0.1:0"],
         &trace,
     );
     let prompt = "Zanzibar quetzal marmalade";
@@ -481,6 +481,43 @@ fn no_log_line_at_the_most_verbose_level_holds_the_prompt_or_the_output() {
         text.chars().count() >= 8,
         "too little output to look for: {text:?}"
     );
+    // And through the HTTP API, streamed and not.
+    let api: std::net::SocketAddr = coordinator
+        .banner
+        .iter()
+        .find_map(|line| line.strip_prefix("OpenAI-compatible API: http://"))
+        .and_then(|rest| rest.split('/').next())
+        .expect("serve --http prints its API's address")
+        .parse()
+        .unwrap();
+    let api_prompt = "Xylophone walrus gazpacho";
+    let (status, reply) = common::http::call(
+        api,
+        "POST",
+        "/v1/completions",
+        Some(&serde_json::json!({
+            "model": "synthetic-f32", "prompt": api_prompt, "max_tokens": 16, "temperature": 0,
+        })),
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{reply}");
+    let api_text = reply["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .trim()
+        .to_string();
+    let (status, _) = common::http::exchange(
+        api,
+        "POST",
+        "/v1/completions",
+        serde_json::json!({
+            "model": "synthetic-f32", "prompt": api_prompt, "max_tokens": 16, "stream": true,
+        })
+        .to_string()
+        .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(status, 200);
     drop((b, c, coordinator));
     let mut logs = String::from_utf8_lossy(&out.stderr).into_owned();
     for name in ["b", "c", "coord"] {
@@ -492,7 +529,17 @@ fn no_log_line_at_the_most_verbose_level_holds_the_prompt_or_the_output() {
         "{} lines",
         logs.lines().count()
     );
-    for needle in [prompt, "Zanzibar", "quetzal", "marmalade", text.as_str()] {
+    for needle in [
+        prompt,
+        "Zanzibar",
+        "quetzal",
+        "marmalade",
+        text.as_str(),
+        "Xylophone",
+        "walrus",
+        "gazpacho",
+        api_text.as_str(),
+    ] {
         assert!(!logs.contains(needle), "a log line holds {needle:?}");
     }
 }
