@@ -506,6 +506,10 @@ fn no_log_line_at_the_most_verbose_level_holds_the_prompt_or_the_output() {
         .unwrap()
         .trim()
         .to_string();
+    assert!(
+        api_text.chars().count() >= 8,
+        "too little output to look for: {api_text:?}"
+    );
     let (status, _) = common::http::exchange(
         api,
         "POST",
