@@ -98,6 +98,8 @@ fn the_openai_python_client_uses_a_three_process_split() {
     assert_eq!(seen["stream_finish_reason"], "stop");
     assert_eq!(seen["unknown_model_status"], 404);
     assert_eq!(seen["completion_text"], " Paris.");
+    // Ended by its stop sequence, though max_tokens (8) left room.
+    assert_eq!(seen["completion_finish_reason"], "stop");
     let energy = &seen["usage"]["energy"];
     assert!(energy["microjoules"].as_u64().unwrap() > 0, "{seen:#}");
     assert_eq!(energy["provenance"], energy["receipt"]["energy_provenance"]);
@@ -224,6 +226,7 @@ async fn bad_input_gets_openai_errors_with_the_right_status() {
     .unwrap();
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["usage"]["completion_tokens"], 3, "{reply}");
+    assert_eq!(reply["choices"][0]["finish_reason"], "length", "{reply}");
     // The steward a grant for this coordinator names.
     let (status, reply) =
         tokio::task::spawn_blocking(move || call(addr, "GET", "/v1/mesh/steward", None).unwrap())

@@ -1179,12 +1179,19 @@ impl Answer {
         })
     }
 
-    fn finish_reason(&self, summary: &GenerateSummary) -> &'static str {
-        let generated = summary.details["generated_tokens"].as_u64().unwrap_or(0);
-        if generated as usize >= self.max_tokens {
-            "length"
-        } else {
-            "stop"
+    /// The coordinator's own reason: `stop` for an end-of-sequence token or
+    /// a stop sequence, `length` for max_tokens.
+    fn finish_reason(&self, summary: &GenerateSummary) -> String {
+        match summary.details["finish_reason"].as_str() {
+            Some(reason) => reason.to_string(),
+            None => {
+                let generated = summary.details["generated_tokens"].as_u64().unwrap_or(0);
+                if generated as usize >= self.max_tokens {
+                    "length".into()
+                } else {
+                    "stop".into()
+                }
+            }
         }
     }
 
@@ -1296,7 +1303,7 @@ impl StreamState {
                 }
                 let mut last = self
                     .answer
-                    .chunk(json!({}), Some(self.answer.finish_reason(&summary)));
+                    .chunk(json!({}), Some(&self.answer.finish_reason(&summary)));
                 last["usage"] = self.answer.usage(&summary);
                 self.queued.push_back(Event::default().data("[DONE]"));
                 Some(Event::default().data(last.to_string()))

@@ -58,5 +58,6 @@ print(json.dumps({
     "stream_usage": stream_usage,
     "stream_ids": len(chunk_ids),
     "completion_text": completion.choices[0].text,
+    "completion_finish_reason": completion.choices[0].finish_reason,
     "unknown_model_status": unknown_model,
 }))

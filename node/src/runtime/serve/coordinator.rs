@@ -357,6 +357,7 @@ struct Admitted<'a> {
 struct Driven {
     tokens: Vec<u32>,
     printed: String,
+    finish_reason: &'static str,
     terminal: TerminalState,
     failure: Option<String>,
     lanes: OwnLanes,
@@ -561,6 +562,9 @@ async fn drive(
 
     let mut tokens: Vec<u32> = Vec::new();
     let mut printed = String::new();
+    // Why a completed generation ended, in OpenAI's words: `stop` for an
+    // end-of-sequence token or a stop sequence, `length` for max_tokens.
+    let mut finish_reason = "length";
     let mut own_compute = Duration::ZERO;
     let mut round_trips = Duration::ZERO;
     let started = Instant::now();
@@ -798,6 +802,9 @@ async fn drive(
                     }
                 }
                 step += 1;
+                if eos || stopped {
+                    finish_reason = "stop";
+                }
                 if last || stopped {
                     return Ok(TerminalState::Completed);
                 }
@@ -898,6 +905,7 @@ async fn drive(
     Ok(Driven {
         tokens,
         printed,
+        finish_reason,
         terminal,
         failure,
         lanes,
@@ -1129,6 +1137,7 @@ async fn report(
     let Driven {
         tokens,
         printed,
+        finish_reason,
         terminal,
         failure,
         own_compute,
@@ -1193,6 +1202,7 @@ async fn report(
         "return_mode": return_mode.as_str(),
         "prompt_tokens": prompt_ids.len(),
         "generated_tokens": tokens.len(),
+        "finish_reason": finish_reason,
         "token_ids": tokens,
         "prefill_ms": prefill_time.as_secs_f64() * 1e3,
         "decode_tokens_per_s": (tokens.len().saturating_sub(1)) as f64 / decode_time.as_secs_f64().max(1e-9),
