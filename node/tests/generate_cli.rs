@@ -1,7 +1,10 @@
 //! `mesh-node generate` in one process on the built-in synthetic model.
 
+mod common;
+
 use std::process::Command;
 
+use common::nodes::synthetic;
 use serde_json::Value;
 
 fn generate(cache: &std::path::Path, extra: &[&str]) -> Value {
@@ -85,13 +88,7 @@ fn bad_requests_fail_with_a_message() {
 #[test]
 fn a_broken_model_file_is_one_short_error_even_with_backtraces_on() {
     let dir = tempfile::tempdir().unwrap();
-    let model = mesh_stage::synthetic::write_synthetic(
-        &dir.path().join("model"),
-        &mesh_stage::synthetic::SyntheticSpec::default(),
-        &[candle_core::quantized::GgmlDType::F32],
-    )
-    .unwrap();
-    let whole = std::fs::read(model.gguf(candle_core::quantized::GgmlDType::F32).unwrap()).unwrap();
+    let whole = std::fs::read(synthetic(dir.path())).unwrap();
     // Cut in its header, in its metadata (candle's reader fails there, and
     // used to append ~50 lines of backtrace), and in its tensor data.
     for cut in [1000, 4000, whole.len() / 2] {
@@ -122,14 +119,7 @@ fn a_broken_model_file_is_one_short_error_even_with_backtraces_on() {
 #[test]
 fn an_unsupported_architecture_is_one_line_naming_it_and_the_supported_ones() {
     let dir = tempfile::tempdir().unwrap();
-    let model = mesh_stage::synthetic::write_synthetic(
-        &dir.path().join("model"),
-        &mesh_stage::synthetic::SyntheticSpec::default(),
-        &[candle_core::quantized::GgmlDType::F32],
-    )
-    .unwrap();
-    let mut bytes =
-        std::fs::read(model.gguf(candle_core::quantized::GgmlDType::F32).unwrap()).unwrap();
+    let mut bytes = std::fs::read(synthetic(dir.path())).unwrap();
     // general.architecture's value: after the key, a 4-byte type and an
     // 8-byte length.
     let key = b"general.architecture";

@@ -66,13 +66,7 @@ fn the_openai_python_client_uses_a_three_process_split() {
         &[],
     );
     assert!(!node_id(dir.path(), "coord").is_empty());
-    let api = coordinator
-        .banner
-        .iter()
-        .find_map(|line| line.strip_prefix("OpenAI-compatible API: "))
-        .and_then(|rest| rest.split_whitespace().next())
-        .expect("serve --http prints its API's address")
-        .to_string();
+    let api = format!("http://{}/v1", coordinator.api_addr());
     let bundle = dir.path().join("bundle.json");
     let out = Command::new(python)
         .arg(concat!(
@@ -368,37 +362,13 @@ async fn the_console_sends_a_prompt_and_shows_every_hop_agreeing() {
 /// response carried is witnessed with 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grants_ride_on_the_binding_and_a_receipt_is_witnessed() {
-    use common::nodes::{key, public};
+    use common::nodes::grants;
     use mesh_node::runtime::serve::GrantedServe;
-    use mesh_protocol::identity::did_key;
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addr) = api_nodes(dir.path()).await;
     let model = nodes[0].model_card().id;
     // A budget from an owner to a holder, sharded over the three stewards.
-    let (owner, holder) = (dir.path().join("owner.key"), dir.path().join("holder.key"));
-    std::fs::write(&owner, mesh_protocol::hex::encode(&[5u8; 32])).unwrap();
-    std::fs::write(&holder, mesh_protocol::hex::encode(&[6u8; 32])).unwrap();
-    let (root, shards) = (
-        dir.path().join("root.grant"),
-        dir.path().join("shards.cbor"),
-    );
-    mesh_node::cli::node_cli::grant_issue(
-        &owner,
-        &did_key(&public(&key(6))),
-        90_000_000,
-        Duration::from_secs(3600),
-        None,
-        &root,
-    )
-    .unwrap();
-    mesh_node::cli::node_cli::grant_shard(
-        &root,
-        &holder,
-        &nodes[0].peer_addr().to_string(),
-        &shards,
-    )
-    .await
-    .unwrap();
+    let (shards, holder) = grants(dir.path(), &nodes[0], 90_000_000).await;
     let prompt = "a granted hello";
     let body = json!({
         "model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0,

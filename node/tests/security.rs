@@ -5,12 +5,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use common::nodes::{
-    Setup, ask, connect, key, no_lane_breaks, observed_stalling_stage, public, request,
-    stalling_stage, synthetic, three_nodes, verify,
+    Setup, ask, connect, granted, grants, key, no_lane_breaks, observed_stalling_stage, public,
+    request, stalling_stage, synthetic, three_nodes, verify,
 };
 use mesh_node::runtime::net::tls::{self, TlsIdentity};
 use mesh_node::runtime::net::{ALPN_CONTROL, ALPN_STAGE, msg};
@@ -342,52 +342,6 @@ async fn refused_requests_leave_no_collector_slot_behind() {
 }
 
 // ---------------------------------------------------------------- S4
-
-/// A root grant of `budget_uj` to a holder, sharded evenly over the
-/// stewards of `coordinator`'s split: (shards file, holder key file).
-async fn grants(dir: &Path, coordinator: &Node, budget_uj: u64) -> (PathBuf, PathBuf) {
-    let owner = dir.join("owner.key");
-    let holder = dir.join("holder.key");
-    std::fs::write(&owner, mesh_protocol::hex::encode(&[5u8; 32])).unwrap();
-    std::fs::write(&holder, mesh_protocol::hex::encode(&[6u8; 32])).unwrap();
-    let root = dir.join("root.grant");
-    let shards = dir.join("shards.cbor");
-    mesh_node::cli::node_cli::grant_issue(
-        &owner,
-        &did_key(&public(&key(6))),
-        budget_uj,
-        Duration::from_secs(3600),
-        None,
-        &root,
-    )
-    .unwrap();
-    mesh_node::cli::node_cli::grant_shard(
-        &root,
-        &holder,
-        &coordinator.peer_addr().to_string(),
-        &shards,
-    )
-    .await
-    .unwrap();
-    (shards, holder)
-}
-
-/// A request riding on the shards, one presentation per steward.
-fn granted(
-    shards: &Path,
-    holder: &Path,
-    prompt: &str,
-    max_tokens: usize,
-    ceiling_uj: u64,
-) -> GrantedServe {
-    let serve = GrantedServe::derive(prompt, max_tokens, 4, ceiling_uj);
-    let presentations =
-        mesh_node::cli::node_cli::presentations_for(shards, holder, &serve).unwrap();
-    GrantedServe {
-        serve,
-        presentations,
-    }
-}
 
 /// A stopped node's journal, once its last in-flight task (a record push
 /// to a peer that is gone, say) has let go of it.

@@ -349,16 +349,19 @@ async fn only_a_node_its_peers_and_coordinators_read_its_stats_and_the_cli_print
     assert_eq!(remote.tokens_generated, 3);
     let key_file = dir.path().join("coordinator.key");
     std::fs::write(&key_file, mesh_protocol::hex::encode(&[1u8; 32])).unwrap();
-    let peer = nodes[1].peer_addr().to_string();
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_mesh-node"))
-            .args(["stats", &peer, "--json", "--key"])
-            .arg(&key_file)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    // `mesh-node stats NODE FORMAT --key` with the coordinator's key.
+    let stats_cli = |node: &Node, format: &'static str| {
+        let peer = node.peer_addr().to_string();
+        let key_file = key_file.clone();
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+                .args(["stats", &peer, format, "--key"])
+                .arg(&key_file)
+                .output()
+                .unwrap()
+        })
+    };
+    let output = stats_cli(&nodes[1], "--json").await.unwrap();
     assert!(output.status.success(), "{output:?}");
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     assert_eq!(json["stage_requests"], 1);
@@ -371,17 +374,7 @@ async fn only_a_node_its_peers_and_coordinators_read_its_stats_and_the_cli_print
     // The coordinator's figures in Prometheus' text format: every sample
     // line is `name{labels} value`, the histogram is cumulative and ends at
     // +Inf with every step the coordinator waited for.
-    let coordinator = nodes[0].peer_addr().to_string();
-    let key_file = dir.path().join("coordinator.key");
-    let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_mesh-node"))
-            .args(["stats", &coordinator, "--prometheus", "--key"])
-            .arg(&key_file)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let output = stats_cli(&nodes[0], "--prometheus").await.unwrap();
     assert!(output.status.success(), "{output:?}");
     let text = String::from_utf8(output.stdout).unwrap();
     for line in text.lines().filter(|l| !l.starts_with('#')) {

@@ -482,14 +482,7 @@ fn no_log_line_at_the_most_verbose_level_holds_the_prompt_or_the_output() {
         "too little output to look for: {text:?}"
     );
     // And through the HTTP API, streamed and not.
-    let api: std::net::SocketAddr = coordinator
-        .banner
-        .iter()
-        .find_map(|line| line.strip_prefix("OpenAI-compatible API: http://"))
-        .and_then(|rest| rest.split('/').next())
-        .expect("serve --http prints its API's address")
-        .parse()
-        .unwrap();
+    let api = coordinator.api_addr();
     let api_prompt = "Xylophone walrus gazpacho";
     let (status, reply) = common::http::call(
         api,

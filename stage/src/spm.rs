@@ -146,14 +146,6 @@ impl SpmVocabulary {
         self.ids.get(text).copied()
     }
 
-    pub fn len(&self) -> usize {
-        self.tokens.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.tokens.is_empty()
-    }
-
     /// The ids of `text`, without a BOS (the caller adds it).
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut output = Vec::new();
@@ -183,10 +175,10 @@ impl SpmVocabulary {
     /// The text cut at every special token, longest first (llama.cpp's
     /// `tokenizer_st_partition`, with special tokens parsed).
     fn partition<'t>(&self, text: &'t str) -> Vec<Fragment<'t>> {
-        let mut fragments = vec![Fragment::Text(text)];
         if text.is_empty() {
             return Vec::new();
         }
+        let mut fragments = vec![Fragment::Text(text)];
         for &id in &self.specials {
             let special = self.tokens[id as usize].as_str();
             if !fragments

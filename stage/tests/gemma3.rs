@@ -5,48 +5,22 @@
 //! boundaries on either side of a global layer are bit-identical to the
 //! whole model.
 
-use std::ops::Range;
+mod common;
+
 use std::path::PathBuf;
 
+use common::run;
 use mesh_stage::ModelHandle;
-use mesh_stage::frame::WireDType;
-use mesh_stage::pipeline::{Generation, Pipeline};
-use mesh_stage::sampling::{Sampler, SamplingParams};
 use mesh_stage::source::BlockStyle;
 
 fn model_path() -> Option<PathBuf> {
-    let path = std::env::var_os("MESH_GEMMA3_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            std::env::var_os("MESH_MODEL_CACHE")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| {
-                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                        .join(".cache/mesh-node/models")
-                })
-                .join("gemma-3-270m-q4_k_m.gguf")
-        });
-    if path.is_file() {
-        return Some(path);
-    }
-    let message = format!("Gemma 3 270M not found at {}: SKIPPED", path.display());
-    if std::env::var("MESH_REQUIRE_GEMMA3").is_ok_and(|v| v == "1") {
-        panic!("{message} (MESH_REQUIRE_GEMMA3=1)");
-    }
-    eprintln!("{message}");
-    None
-}
-
-fn run(handle: &ModelHandle, ranges: &[Range<u32>], prompt: &[u32], max_new: usize) -> Generation {
-    let slices = ranges
-        .iter()
-        .map(|r| handle.load_slice(r.clone()).unwrap())
-        .collect();
-    let pipeline = Pipeline::new(slices, WireDType::F32).unwrap();
-    let mut sampler = Sampler::new(SamplingParams::greedy());
-    pipeline
-        .generate(prompt, max_new, &mut sampler, &|_| false, &mut |_| {})
-        .unwrap()
+    common::cached_model(
+        "MESH_GEMMA3_GGUF",
+        "gemma-3-270m-q4_k_m.gguf",
+        "Gemma 3 270M",
+        "scripts/fetch-gemma3.sh",
+        "MESH_REQUIRE_GEMMA3",
+    )
 }
 
 #[test]

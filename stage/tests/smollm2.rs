@@ -3,50 +3,24 @@
 //! fetched by `scripts/fetch-smollm2.sh` (CI runs it); when it is absent the
 //! tests say so and are skipped, unless `MESH_REQUIRE_MODEL=1`.
 
-use std::ops::Range;
+mod common;
+
 use std::path::PathBuf;
 
+use common::run;
 use mesh_stage::ModelHandle;
 use mesh_stage::frame::WireDType;
-use mesh_stage::pipeline::{Generation, Pipeline};
+use mesh_stage::pipeline::Pipeline;
 use mesh_stage::sampling::{Sampler, SamplingParams};
 
 fn model_path() -> Option<PathBuf> {
-    let path = std::env::var_os("MESH_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let cache = std::env::var_os("MESH_MODEL_CACHE")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| {
-                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                        .join(".cache/mesh-node/models")
-                });
-            cache.join("SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    if path.is_file() {
-        return Some(path);
-    }
-    let message = format!(
-        "SmolLM2-135M not found at {} (run scripts/fetch-smollm2.sh): test SKIPPED",
-        path.display()
-    );
-    if std::env::var("MESH_REQUIRE_MODEL").is_ok_and(|v| v == "1") {
-        panic!("{message} (MESH_REQUIRE_MODEL=1)");
-    }
-    eprintln!("{message}");
-    None
-}
-
-fn run(handle: &ModelHandle, ranges: &[Range<u32>], prompt: &[u32], max_new: usize) -> Generation {
-    let slices = ranges
-        .iter()
-        .map(|r| handle.load_slice(r.clone()).unwrap())
-        .collect();
-    let pipeline = Pipeline::new(slices, WireDType::F32).unwrap();
-    let mut sampler = Sampler::new(SamplingParams::greedy());
-    pipeline
-        .generate(prompt, max_new, &mut sampler, &|_| false, &mut |_| {})
-        .unwrap()
+    common::cached_model(
+        "MESH_SMOLLM2_GGUF",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M",
+        "scripts/fetch-smollm2.sh",
+        "MESH_REQUIRE_MODEL",
+    )
 }
 
 #[test]

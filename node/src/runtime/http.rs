@@ -270,7 +270,7 @@ fn model_object(card: &ModelCard) -> Value {
         "created": 0,
         "owned_by": "mesh-node",
         "mesh": {
-            "package_id": format!("sha256:{}", mesh_protocol::hex::encode(&card.package_id)),
+            "package_id": model_package(card),
             "context_length": card.context,
             "chat_template": card.codec.chat_template().is_some(),
         },
@@ -498,7 +498,11 @@ struct Part {
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("the request body: {e}")))
+    serde_json::from_slice(body).map_err(body_error)
+}
+
+fn body_error(error: serde_json::Error) -> ApiError {
+    ApiError::bad(format!("the request body: {error}"))
 }
 
 /// Which endpoint a request came in on: the shapes of its answers differ.
@@ -577,12 +581,22 @@ async fn completions(State(api): State<Arc<Api>>, request: axum::extract::Reques
 }
 
 fn check_completion(api: &Api, body: Bytes) -> Result<Prepared, ApiError> {
-    let body = parse::<CompletionBody>(&body)?;
-    let prompts = body.prompt.into_vec();
-    let [prompt] = prompts.as_slice() else {
-        return Err(ApiError::bad("`prompt` must be one string"));
-    };
-    prepare(api, Flavour::Completion, prompt.clone(), body.common)
+    let (prompt, common) = completion_prompt(parse(&body)?)?;
+    prepare(api, Flavour::Completion, prompt, common)
+}
+
+/// A completion's prompt, as served: its one string.
+fn completion_prompt(body: CompletionBody) -> Result<(String, Common), ApiError> {
+    let mut prompts = body.prompt.into_vec();
+    match (prompts.pop(), prompts.is_empty()) {
+        (Some(prompt), true) => Ok((prompt, body.common)),
+        _ => Err(ApiError::bad("`prompt` must be one string")),
+    }
+}
+
+/// A chat's prompt, as served: its messages in the model's template.
+fn chat_prompt(api: &Api, body: ChatBody) -> Result<(String, Common), ApiError> {
+    Ok((render_chat(&api.card.codec, body.messages)?, body.common))
 }
 
 async fn chat_completions(
@@ -596,9 +610,8 @@ async fn chat_completions(
 }
 
 fn check_chat(api: &Api, body: Bytes) -> Result<Prepared, ApiError> {
-    let body = parse::<ChatBody>(&body)?;
-    let prompt = render_chat(&api.card.codec, body.messages)?;
-    prepare(api, Flavour::Chat, prompt, body.common)
+    let (prompt, common) = chat_prompt(api, parse(&body)?)?;
+    prepare(api, Flavour::Chat, prompt, common)
 }
 
 fn render_chat(codec: &TextCodec, messages: Vec<Message>) -> Result<String, ApiError> {
@@ -841,15 +854,9 @@ async fn granted_serve_request(
         tokio::task::spawn_blocking(move || -> Result<Value, ApiError> {
             let value: Value = parse(&body)?;
             let (prompt, common) = if value.get("messages").is_some() {
-                let body: ChatBody = parse(&body)?;
-                (render_chat(&api.card.codec, body.messages)?, body.common)
+                chat_prompt(&api, serde_json::from_value(value).map_err(body_error)?)?
             } else {
-                let body: CompletionBody = parse(&body)?;
-                let prompts = body.prompt.into_vec();
-                let [prompt] = prompts.as_slice() else {
-                    return Err(ApiError::bad("`prompt` must be one string"));
-                };
-                (prompt.clone(), body.common)
+                completion_prompt(serde_json::from_value(value).map_err(body_error)?)?
             };
             let serve = derive_granted(&prompt, &common)?;
             Ok(json!({
@@ -1181,18 +1188,8 @@ impl Answer {
 
     /// The coordinator's own reason: `stop` for an end-of-sequence token or
     /// a stop sequence, `length` for max_tokens.
-    fn finish_reason(&self, summary: &GenerateSummary) -> String {
-        match summary.details["finish_reason"].as_str() {
-            Some(reason) => reason.to_string(),
-            None => {
-                let generated = summary.details["generated_tokens"].as_u64().unwrap_or(0);
-                if generated as usize >= self.max_tokens {
-                    "length".into()
-                } else {
-                    "stop".into()
-                }
-            }
-        }
+    fn finish_reason(summary: &GenerateSummary) -> &str {
+        summary.details["finish_reason"].as_str().unwrap_or("stop")
     }
 
     /// The whole answer of a request that was not streamed.
@@ -1202,7 +1199,7 @@ impl Answer {
             return error.into_response();
         }
         let usage = self.usage(&summary);
-        let finish_reason = self.finish_reason(&summary);
+        let finish_reason = Self::finish_reason(&summary);
         let choice = match self.flavour {
             Flavour::Completion => json!({
                 "index": 0, "text": summary.text, "logprobs": null, "finish_reason": finish_reason,
@@ -1303,7 +1300,7 @@ impl StreamState {
                 }
                 let mut last = self
                     .answer
-                    .chunk(json!({}), Some(&self.answer.finish_reason(&summary)));
+                    .chunk(json!({}), Some(Answer::finish_reason(&summary)));
                 last["usage"] = self.answer.usage(&summary);
                 self.queued.push_back(Event::default().data("[DONE]"));
                 Some(Event::default().data(last.to_string()))

@@ -317,3 +317,49 @@ pub async fn cancel_counted_within(coordinator: &Node, since: std::time::Instant
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A root grant of `budget_uj` to a holder, sharded evenly over the
+/// stewards of `coordinator`'s split: (shards file, holder key file).
+pub async fn grants(dir: &Path, coordinator: &Node, budget_uj: u64) -> (PathBuf, PathBuf) {
+    let owner = dir.join("owner.key");
+    let holder = dir.join("holder.key");
+    std::fs::write(&owner, mesh_protocol::hex::encode(&[5u8; 32])).unwrap();
+    std::fs::write(&holder, mesh_protocol::hex::encode(&[6u8; 32])).unwrap();
+    let root = dir.join("root.grant");
+    let shards = dir.join("shards.cbor");
+    mesh_node::cli::node_cli::grant_issue(
+        &owner,
+        &mesh_protocol::identity::did_key(&public(&key(6))),
+        budget_uj,
+        Duration::from_secs(3600),
+        None,
+        &root,
+    )
+    .unwrap();
+    mesh_node::cli::node_cli::grant_shard(
+        &root,
+        &holder,
+        &coordinator.peer_addr().to_string(),
+        &shards,
+    )
+    .await
+    .unwrap();
+    (shards, holder)
+}
+
+/// A request riding on the shards, one presentation per steward.
+pub fn granted(
+    shards: &Path,
+    holder: &Path,
+    prompt: &str,
+    max_tokens: usize,
+    ceiling_uj: u64,
+) -> GrantedServe {
+    let serve = GrantedServe::derive(prompt, max_tokens, 4, ceiling_uj);
+    let presentations =
+        mesh_node::cli::node_cli::presentations_for(shards, holder, &serve).unwrap();
+    GrantedServe {
+        serve,
+        presentations,
+    }
+}

@@ -18,6 +18,19 @@ pub struct Served {
     pub banner: Vec<String>,
 }
 
+impl Served {
+    /// The address of the HTTP API a `serve --http` printed.
+    pub fn api_addr(&self) -> std::net::SocketAddr {
+        self.banner
+            .iter()
+            .find_map(|line| line.strip_prefix("OpenAI-compatible API: http://"))
+            .and_then(|rest| rest.split('/').next())
+            .expect("serve --http prints its API's address")
+            .parse()
+            .unwrap()
+    }
+}
+
 impl Drop for Served {
     fn drop(&mut self) {
         let _ = self.child.kill();
