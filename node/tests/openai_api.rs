@@ -452,3 +452,51 @@ async fn grants_ride_on_the_binding_and_a_receipt_is_witnessed() {
     .unwrap();
     assert_eq!(status, 400, "{reply}");
 }
+
+/// Console event streams stay open as long as their page: past
+/// `MAX_CONSOLE_STREAMS` more are refused at once (503), so they cannot
+/// take every connection the API has; one that closes gives its place back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_event_streams_are_capped_and_give_their_place_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_nodes, addr) = api_nodes(dir.path()).await;
+    let open = move || {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        write!(
+            stream,
+            "GET /v1/mesh/events HTTP/1.1\r\nHost: {addr}\r\n\r\n"
+        )
+        .unwrap();
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).unwrap();
+        (stream, String::from_utf8_lossy(&head).into_owned())
+    };
+    let streams = tokio::task::spawn_blocking(move || {
+        (0..mesh_node::runtime::http::MAX_CONSOLE_STREAMS)
+            .map(|_| {
+                let (stream, head) = open();
+                assert_eq!(head, "HTTP/1.1 200", "within the cap");
+                stream
+            })
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    let (_, head) = tokio::task::spawn_blocking(open).await.unwrap();
+    assert_eq!(head, "HTTP/1.1 503", "past the cap");
+    drop(streams);
+    // The server learns of the closed streams when it next writes to them
+    // (a keep-alive every 15 s at the latest).
+    let started = Instant::now();
+    loop {
+        let (_, head) = tokio::task::spawn_blocking(open).await.unwrap();
+        if head == "HTTP/1.1 200" {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(40),
+            "no place came back"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}

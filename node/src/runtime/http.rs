@@ -49,6 +49,10 @@ pub const MAX_MESSAGES: usize = 256;
 pub const MAX_KEPT_BUNDLES: usize = 64;
 /// Requests the console lists, the most recent last.
 pub const MAX_CONSOLE_REQUESTS: usize = 32;
+/// Console event streams open at once: each holds a connection for as long
+/// as its page is open, so without a cap a stranger could hold every
+/// connection slot the API has.
+pub const MAX_CONSOLE_STREAMS: usize = 16;
 /// Console events not yet sent to a slow console; it then reloads the list.
 const CONSOLE_EVENT_BACKLOG: usize = 64;
 /// The console: one page, its styles and script inline, no network use.
@@ -84,6 +88,8 @@ struct Api {
     requests: Mutex<VecDeque<Value>>,
     /// Tells open consoles that a request started or ended.
     events: tokio::sync::broadcast::Sender<Value>,
+    /// Places for console event streams (`MAX_CONSOLE_STREAMS`).
+    console_streams: Arc<tokio::sync::Semaphore>,
 }
 
 impl Api {
@@ -144,6 +150,7 @@ pub async fn start(
         bundles: Mutex::new(VecDeque::new()),
         requests: Mutex::new(VecDeque::new()),
         events: tokio::sync::broadcast::channel(CONSOLE_EVENT_BACKLOG).0,
+        console_streams: Arc::new(tokio::sync::Semaphore::new(MAX_CONSOLE_STREAMS)),
     });
     let router = Router::new()
         .route("/v1/models", get(models))
@@ -298,23 +305,33 @@ async fn console_requests(State(api): State<Arc<Api>>) -> Response {
 
 /// Server-sent events: one per request that starts or ends.
 async fn console_events(State(api): State<Arc<Api>>) -> Response {
+    let Ok(place) = api.console_streams.clone().try_acquire_owned() else {
+        let mut error = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{MAX_CONSOLE_STREAMS} consoles are open already; close one or retry later"),
+        );
+        error.retry_after = Some(30);
+        return error.into_response();
+    };
     let receiver = api.events.subscribe();
-    let events = futures_util::stream::unfold(receiver, |mut receiver| async move {
-        loop {
-            match receiver.recv().await {
-                Ok(entry) => {
-                    return Some((
-                        Ok::<Event, Infallible>(Event::default().data(entry.to_string())),
-                        receiver,
-                    ));
+    // The place is held by the stream and freed with it.
+    let events =
+        futures_util::stream::unfold((receiver, place), |(mut receiver, place)| async move {
+            loop {
+                match receiver.recv().await {
+                    Ok(entry) => {
+                        return Some((
+                            Ok::<Event, Infallible>(Event::default().data(entry.to_string())),
+                            (receiver, place),
+                        ));
+                    }
+                    // A console that fell behind reloads the list on the next
+                    // event; nothing is queued for it past the backlog.
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
                 }
-                // A console that fell behind reloads the list on the next
-                // event; nothing is queued for it past the backlog.
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
             }
-        }
-    });
+        });
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response()
