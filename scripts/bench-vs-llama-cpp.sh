@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Decode and prefill tokens/s of llama.cpp and of mesh-node's engine on the
-# same GGUF, one thread each, side by side in one run.
+# same GGUF, at one and two threads, side by side in one run: ROUNDS
+# interleaved rounds (default 3; llama-bench repeats each test 5 times within
+# a round), medians reported, since a shared machine's speed drifts.
 #   usage: scripts/bench-vs-llama-cpp.sh [MODEL.gguf]   (default: SmolLM2-135M Q4_1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="${1:-$(scripts/fetch-smollm2.sh)}"
+rounds="${ROUNDS:-3}"
 bench="$(scripts/build-llama-cpp.sh)"
 cargo build --release --locked -q -p mesh-node
-echo "model: $model"
-llama_json="$("$bench" -m "$model" -p 64 -n 64 -t 1 -o json)"
-mesh_json="$(RAYON_NUM_THREADS=1 ./target/release/mesh-node bench engine --model "$model" --prompt-tokens 64 --decode-tokens 64 --json)"
-python3 - "$llama_json" "$mesh_json" <<'PY'
+echo "model: $model  rounds: $rounds"
+results="$(mktemp)"
+trap 'rm -f "$results"' EXIT
+for round in $(seq "$rounds"); do
+  for threads in 1 2; do
+    llama_json="$("$bench" -m "$model" -p 64 -n 64 -t "$threads" -o json)"
+    mesh_json="$(RAYON_NUM_THREADS="$threads" ./target/release/mesh-node bench engine --model "$model" --prompt-tokens 64 --decode-tokens 64 --json)"
+    python3 - "$threads" "$llama_json" "$mesh_json" >>"$results" <<'PY'
 import json, sys
-llama = json.loads(sys.argv[1])
-mesh = json.loads(sys.argv[2])
+llama = json.loads(sys.argv[2])
+mesh = json.loads(sys.argv[3])
 def llama_rate(kind):
     for r in llama:
         if kind == "prefill" and r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0:
@@ -22,8 +29,24 @@ def llama_rate(kind):
             return r["avg_ts"]
     return float("nan")
 unsplit = next(r for r in mesh["runs"] if r["slices"] == 1 and r["execution"].startswith("stored"))
-print(f"{'one thread':<28} {'prefill tok/s':>14} {'decode tok/s':>14}")
-print(f"{'llama.cpp (llama-bench)':<28} {llama_rate('prefill'):>14.1f} {llama_rate('decode'):>14.1f}")
-print(f"{'mesh-node engine':<28} {unsplit['prefill_tokens_per_s']:>14.1f} {unsplit['decode_tokens_per_s']:>14.1f}")
-print(f"{'ratio mesh-node/llama.cpp':<28} {unsplit['prefill_tokens_per_s']/llama_rate('prefill'):>14.3f} {unsplit['decode_tokens_per_s']/llama_rate('decode'):>14.3f}")
+print(json.dumps({"threads": int(sys.argv[1]),
+    "llama_prefill": llama_rate("prefill"), "llama_decode": llama_rate("decode"),
+    "mesh_prefill": unsplit["prefill_tokens_per_s"], "mesh_decode": unsplit["decode_tokens_per_s"]}))
+PY
+  done
+done
+python3 - "$results" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for threads in sorted({r["threads"] for r in rows}):
+    mine = [r for r in rows if r["threads"] == threads]
+    med = lambda key: statistics.median(r[key] for r in mine)
+    ratio = lambda kind: statistics.median(r[f"mesh_{kind}"] / r[f"llama_{kind}"] for r in mine)
+    label = f"{threads} thread" + ("s" if threads > 1 else "") + f", median of {len(mine)}"
+    print(f"{label:<28} {'prefill tok/s':>14} {'decode tok/s':>14}")
+    print(f"{'llama.cpp (llama-bench)':<28} {med('llama_prefill'):>14.1f} {med('llama_decode'):>14.1f}")
+    print(f"{'mesh-node engine':<28} {med('mesh_prefill'):>14.1f} {med('mesh_decode'):>14.1f}")
+    print(f"{'ratio mesh-node/llama.cpp':<28} {ratio('prefill'):>14.3f} {ratio('decode'):>14.3f}")
+    print("per round (prefill, decode ratios): " + ", ".join(
+        f"{r['mesh_prefill']/r['llama_prefill']:.2f}/{r['mesh_decode']/r['llama_decode']:.2f}" for r in mine))
 PY

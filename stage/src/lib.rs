@@ -11,6 +11,7 @@ pub mod error;
 pub mod frame;
 pub mod model;
 pub mod pipeline;
+pub mod q4_1;
 pub mod sampling;
 pub mod source;
 pub mod spm;

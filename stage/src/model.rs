@@ -11,6 +11,7 @@ use candle_nn::kv_cache::KvCache;
 
 use crate::error::{EngineError, Result};
 use crate::frame::Activations;
+use crate::q4_1::Q4_1Matrix;
 use crate::source::{BlockStyle, ModelConfig, RawTensor, RopeLayout, Source};
 
 /// Longest context a slice prepares rotary tables for.
@@ -23,29 +24,18 @@ pub const MAX_BATCH_ROWS: usize = 31;
 #[derive(Debug)]
 enum Linear {
     Quantized(QMatMul),
+    /// Q4_1 in its stored blocks, on the engine's own kernel (candle's is
+    /// scalar).
+    Q4_1(Q4_1Matrix),
     Dense(candle_nn::Linear),
 }
 
 /// How stored weights are executed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ExecPolicy {
-    /// Run Q4_1 matrices as Q8_0, requantized once at load. candle has SIMD
-    /// dot kernels for Q8_0 and none for Q4_1, so this is ~3.5x faster on x86
-    /// at 1.7x the memory of Q4_1; the slice's weights digest still covers
-    /// the stored Q4_1 bytes. Deterministic, so splits stay bit-identical.
-    pub q4_1_as_q8_0: bool,
     /// Run every matrix dense in f32 (dequantized at load): exact but 4-6x
     /// the memory of a 4-bit file; for comparison and for debugging.
     pub dense_f32: bool,
-}
-
-impl Default for ExecPolicy {
-    fn default() -> Self {
-        Self {
-            q4_1_as_q8_0: true,
-            dense_f32: false,
-        }
-    }
 }
 
 impl Linear {
@@ -57,11 +47,12 @@ impl Linear {
                 *resident += dense.elem_count() * 4;
                 Linear::Dense(candle_nn::Linear::new(dense, None))
             }
-            RawTensor::Quantized(q) if policy.q4_1_as_q8_0 && q.dtype() == GgmlDType::Q4_1 => {
-                let dense = q.dequantize(&Device::Cpu)?;
-                let q8 = QTensor::quantize(&dense, GgmlDType::Q8_0)?;
-                *resident += q8.storage_size_in_bytes();
-                Linear::Quantized(QMatMul::from_qtensor(q8)?)
+            RawTensor::Quantized(q) if q.dtype() == GgmlDType::Q4_1 => {
+                let (rows, cols) = q.shape().dims2()?;
+                let matrix = Q4_1Matrix::new(rows, cols, q.data()?.into_owned())
+                    .map_err(|e| EngineError::Compute(e.to_string()))?;
+                *resident += matrix.storage_bytes();
+                Linear::Q4_1(matrix)
             }
             RawTensor::Quantized(q) => {
                 // F32/F16 GGUF matrices are held dequantized by candle.
@@ -80,6 +71,17 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Linear::Quantized(q) => q.forward(x)?,
+            Linear::Q4_1(matrix) => {
+                let mut dims = x.dims().to_vec();
+                let input = x.flatten_all()?.to_vec1::<f32>()?;
+                let out = matrix
+                    .matmul(&input)
+                    .map_err(|e| EngineError::Compute(e.to_string()))?;
+                if let Some(last) = dims.last_mut() {
+                    *last = matrix.rows();
+                }
+                Tensor::from_vec(out, dims, &Device::Cpu)?
+            }
             Linear::Dense(l) => l.forward(x)?,
         })
     }
@@ -87,10 +89,11 @@ impl Linear {
     /// Whether candle's CPU kernel for this matrix computes each output row
     /// the same way whatever the number of rows, up to `MAX_BATCH_ROWS`
     /// (checked by `a_batch_of_requests_gives_each_the_bits_it_gets_alone`
-    /// for every supported type). On x86-64 the block-quantized kernels are
-    /// one row's dot products (Q4_0, Q4_1, Q5_0, Q8_0 unpacked; Q4_K, Q5_K
-    /// and Q8_0 repacked into tiles), except Q6_K, whose one-row kernel is not its
-    /// tiled one, and Q4_K from 32 rows with AMX. Dense products go through
+    /// for every supported type). On x86-64 candle's block-quantized
+    /// kernels are one row's dot products (Q4_0, Q5_0, Q8_0 unpacked; Q4_K,
+    /// Q5_K and Q8_0 repacked into tiles), except Q6_K, whose one-row kernel
+    /// is not its tiled one, and Q4_K from 32 rows with AMX; the engine's own
+    /// Q4_1 kernel is row-independent everywhere. Dense products go through
     /// a blocked multiply whose summation order follows the row count; on
     /// other architectures the packed kernels change with the row count.
     fn rows_independent(&self) -> bool {
@@ -98,6 +101,7 @@ impl Linear {
             Linear::Quantized(QMatMul::QTensor(q)) => {
                 cfg!(target_arch = "x86_64") && q.dtype() != GgmlDType::Q6K
             }
+            Linear::Q4_1(_) => true,
             _ => false,
         }
     }
@@ -154,9 +158,8 @@ impl Projections {
                     .collect::<Result<_>>()?,
             ));
         }
-        let dequantize_all = policy.dense_f32
-            || matches!(first, None | Some(GgmlDType::F32) | Some(GgmlDType::F16))
-            || (policy.q4_1_as_q8_0 && first == Some(GgmlDType::Q4_1));
+        let dequantize_all =
+            policy.dense_f32 || matches!(first, None | Some(GgmlDType::F32) | Some(GgmlDType::F16));
         let stacked = if dequantize_all {
             let dense = raws
                 .into_iter()
@@ -165,12 +168,7 @@ impl Projections {
                     RawTensor::Dense(t) => Ok(t),
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            let dense = Tensor::cat(&dense, 0)?;
-            if first == Some(GgmlDType::Q4_1) && policy.q4_1_as_q8_0 && !policy.dense_f32 {
-                RawTensor::Quantized(QTensor::quantize(&dense, GgmlDType::Q8_0)?)
-            } else {
-                RawTensor::Dense(dense)
-            }
+            RawTensor::Dense(Tensor::cat(&dense, 0)?)
         } else {
             // Same block type, rows of whole blocks: the stored bytes stack.
             let cols = match raws.first() {
@@ -190,11 +188,6 @@ impl Projections {
                 dtype,
             )?;
             RawTensor::Quantized(QTensor::new(storage, (widths.iter().sum::<usize>(), cols))?)
-        };
-        // Already in its executed form: do not requantize again.
-        let policy = ExecPolicy {
-            q4_1_as_q8_0: false,
-            ..policy
         };
         Ok(Projections::Stacked {
             linear: Linear::from_raw(stacked, policy, resident)?,
@@ -561,6 +554,17 @@ impl LayerSlice {
         for (input, cache) in jobs.iter() {
             self.check_step(input, cache)?;
         }
+        // On candle's own thread pool: its norm, RoPE and softmax kernels
+        // split their work with rayon, and called from outside the pool
+        // each of them (five per layer) hands its work to a pool thread and
+        // sleeps until it is done, two context switches apiece.
+        Device::Cpu.with_context(|| self.forward_checked(jobs))
+    }
+
+    fn forward_checked(
+        &self,
+        jobs: &mut [(SliceInput<'_>, &mut SliceCache)],
+    ) -> Result<Vec<SliceOutput>> {
         let mut inputs = Vec::with_capacity(jobs.len());
         for (input, _) in jobs.iter() {
             inputs.push(self.input_rows(input)?);

@@ -405,7 +405,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
     nodes += &format!("  energy meter: {} (every node)", coordinator.meter_name());
     let prompt = args
         .prompt
-        .unwrap_or_else(|| "Which city is the capital of France?".into());
+        .unwrap_or_else(|| "Name the capital of France.".into());
     if !args.quiet {
         println!("prompt: {prompt}");
         if !chat {
@@ -457,7 +457,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         println!("\nconsole: http://{http}/ (the nodes stay up until Ctrl-C)");
         println!("OpenAI-compatible API: http://{http}/v1");
         println!(
-            "  curl http://{http}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Which city is the capital of France?\"}}]}}'"
+            "  curl http://{http}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Name the capital of France.\"}}]}}'"
         );
         let _ = std::io::stdout().flush();
         tokio::signal::ctrl_c().await?;

@@ -297,17 +297,8 @@ pub fn bench_engine(
     let mut runs = Vec::new();
     let mut whole_bytes = 0;
     for (execution, policy) in [
-        (
-            "stored quantization (Q4_1 runs as Q8_0)",
-            ExecPolicy::default(),
-        ),
-        (
-            "dense f32",
-            ExecPolicy {
-                dense_f32: true,
-                ..ExecPolicy::default()
-            },
-        ),
+        ("stored quantization", ExecPolicy::default()),
+        ("dense f32", ExecPolicy { dense_f32: true }),
     ] {
         for parts in [1u32, 3] {
             let slices = mesh_stage::even_split(layers, parts)
@@ -352,7 +343,7 @@ pub fn bench_engine(
         };
         find(3) / find(1).max(1e-9)
     };
-    let quantized = "stored quantization (Q4_1 runs as Q8_0)";
+    let quantized = "stored quantization";
     Ok(serde_json::json!({
         "model": model.display().to_string(),
         "threads": mesh_stage::compute_threads(),
