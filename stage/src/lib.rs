@@ -9,9 +9,9 @@
 pub mod cache;
 pub mod error;
 pub mod frame;
+pub mod kernels;
 pub mod model;
 pub mod pipeline;
-pub mod q4_1;
 pub mod sampling;
 pub mod source;
 pub mod spm;

@@ -11,7 +11,7 @@ use candle_nn::kv_cache::KvCache;
 
 use crate::error::{EngineError, Result};
 use crate::frame::Activations;
-use crate::q4_1::Q4_1Matrix;
+use crate::kernels::{BlockFormat, BlockMatrix};
 use crate::source::{BlockStyle, ModelConfig, RawTensor, RopeLayout, Source};
 
 /// Longest context a slice prepares rotary tables for.
@@ -21,12 +21,22 @@ pub const MAX_ENGINE_CONTEXT: usize = 8192;
 /// from the kernel one request alone gets.
 pub const MAX_BATCH_ROWS: usize = 31;
 
+/// The block formats the engine runs on its own kernels rather than
+/// candle's (`kernels`).
+fn own_kernel(dtype: GgmlDType) -> Option<BlockFormat> {
+    match dtype {
+        GgmlDType::Q4_1 => Some(BlockFormat::Q4_1),
+        GgmlDType::Q5_0 => Some(BlockFormat::Q5_0),
+        _ => None,
+    }
+}
+
 #[derive(Debug)]
 enum Linear {
     Quantized(QMatMul),
-    /// Q4_1 in its stored blocks, on the engine's own kernel (candle's is
-    /// scalar).
-    Q4_1(Q4_1Matrix),
+    /// Q4_1 and Q5_0 in their stored blocks, on the engine's own kernels
+    /// (candle's are scalar).
+    Blocks(BlockMatrix),
     Dense(candle_nn::Linear),
 }
 
@@ -47,21 +57,23 @@ impl Linear {
                 *resident += dense.elem_count() * 4;
                 Linear::Dense(candle_nn::Linear::new(dense, None))
             }
-            RawTensor::Quantized(q) if q.dtype() == GgmlDType::Q4_1 => {
-                let (rows, cols) = q.shape().dims2()?;
-                let matrix = Q4_1Matrix::new(rows, cols, q.data()?.into_owned())
-                    .map_err(|e| EngineError::Compute(e.to_string()))?;
-                *resident += matrix.storage_bytes();
-                Linear::Q4_1(matrix)
-            }
-            RawTensor::Quantized(q) => {
-                // F32/F16 GGUF matrices are held dequantized by candle.
-                *resident += match q.dtype() {
-                    GgmlDType::F32 | GgmlDType::F16 => q.shape().elem_count() * 4,
-                    _ => q.storage_size_in_bytes(),
-                };
-                Linear::Quantized(QMatMul::from_qtensor(q)?)
-            }
+            RawTensor::Quantized(q) => match own_kernel(q.dtype()) {
+                Some(format) => {
+                    let (rows, cols) = q.shape().dims2()?;
+                    let matrix = BlockMatrix::new(format, rows, cols, q.data()?.into_owned())
+                        .map_err(|e| EngineError::Compute(e.to_string()))?;
+                    *resident += matrix.storage_bytes();
+                    Linear::Blocks(matrix)
+                }
+                None => {
+                    // F32/F16 GGUF matrices are held dequantized by candle.
+                    *resident += match q.dtype() {
+                        GgmlDType::F32 | GgmlDType::F16 => q.shape().elem_count() * 4,
+                        _ => q.storage_size_in_bytes(),
+                    };
+                    Linear::Quantized(QMatMul::from_qtensor(q)?)
+                }
+            },
             RawTensor::Dense(t) => {
                 *resident += t.elem_count() * 4;
                 Linear::Dense(candle_nn::Linear::new(t, None))
@@ -71,7 +83,7 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Linear::Quantized(q) => q.forward(x)?,
-            Linear::Q4_1(matrix) => {
+            Linear::Blocks(matrix) => {
                 let mut dims = x.dims().to_vec();
                 let input = x.flatten_all()?.to_vec1::<f32>()?;
                 let out = matrix
@@ -93,7 +105,7 @@ impl Linear {
     /// kernels are one row's dot products (Q4_0, Q5_0, Q8_0 unpacked; Q4_K,
     /// Q5_K and Q8_0 repacked into tiles), except Q6_K, whose one-row kernel
     /// is not its tiled one, and Q4_K from 32 rows with AMX; the engine's own
-    /// Q4_1 kernel is row-independent everywhere. Dense products go through
+    /// Q4_1 and Q5_0 kernels are row-independent everywhere. Dense products go through
     /// a blocked multiply whose summation order follows the row count; on
     /// other architectures the packed kernels change with the row count.
     fn rows_independent(&self) -> bool {
@@ -101,7 +113,7 @@ impl Linear {
             Linear::Quantized(QMatMul::QTensor(q)) => {
                 cfg!(target_arch = "x86_64") && q.dtype() != GgmlDType::Q6K
             }
-            Linear::Q4_1(_) => true,
+            Linear::Blocks(_) => true,
             _ => false,
         }
     }
