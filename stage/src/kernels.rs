@@ -21,8 +21,8 @@
 //! on its weight row and its activation row, so a batch of requests gets
 //! the bits each gets alone.
 //!
-//! The SIMD path is safe Rust: `pulp`'s x86-64-v3 token (checked once at
-//! run time) makes the AVX2 and FMA intrinsics safe to call, and the byte
+//! The SIMD path is safe Rust: `pulp`'s x86-64-v3 token (a run-time CPU
+//! check, cached after the first) makes the AVX2 and FMA intrinsics safe to call, and the byte
 //! loads are `bytemuck` casts of fixed-size arrays. A CPU without them
 //! takes the scalar path, which gives the same bits.
 
@@ -102,8 +102,11 @@ impl BlockMatrix {
         if !cols.is_multiple_of(BLOCK_ELEMS) {
             return Err(KernelError::RaggedRow { format, cols });
         }
-        let expected = rows * (cols / BLOCK_ELEMS) * format.block_bytes();
-        if blocks.len() != expected {
+        let expected = rows
+            .checked_mul(cols / BLOCK_ELEMS)
+            .and_then(|blocks| blocks.checked_mul(format.block_bytes()));
+        if expected != Some(blocks.len()) {
+            let expected = expected.unwrap_or(usize::MAX);
             return Err(KernelError::WrongSize {
                 format,
                 rows,
@@ -226,11 +229,17 @@ fn quantize_activations(row: &[f32], out: &mut Vec<ActivationBlock>) {
     for values in row.chunks_exact(BLOCK_ELEMS) {
         let max = values.iter().fold(0f32, |max, v| max.max(v.abs()));
         let d = max / 127.0;
-        let inverse = if max != 0.0 { 127.0 / max } else { 0.0 };
+        // Below about 3.7e-37 the inverse overflows; such a block's scale
+        // is 0 in f16 anyway, so it contributes 0, as in llama.cpp.
+        let inverse = match 127.0 / max {
+            inverse if max != 0.0 && inverse.is_finite() => inverse,
+            _ => 0.0,
+        };
         let mut qs = [0i8; BLOCK_ELEMS];
         let mut sum = 0i32;
         for (q, v) in qs.iter_mut().zip(values) {
-            // |v * 127 / max| <= 127, so the cast never saturates.
+            // |v| <= max, so |v * 127 / max| rounds to at most 127 and
+            // the casts never saturate.
             let rounded = (v * inverse).round_ties_even() as i32;
             *q = rounded as i8;
             sum += rounded;
@@ -618,6 +627,19 @@ mod tests {
         check::<Q5_0>(&stored(BlockFormat::Q5_0, 5, cols, 11).1, &activations);
     }
 
+    /// A block of activations too small for its inverse scale to be finite
+    /// adds 0, as in llama.cpp, and does not overflow the quant sum.
+    #[test]
+    fn vanishing_activations_add_nothing() {
+        let (_, matrix) = stored(BlockFormat::Q4_1, 2, 64, 5);
+        let mut input = vec![1e-38f32; 64];
+        input[32..].fill(0.5);
+        let tiny = matrix.matmul(&input).unwrap();
+        input[..32].fill(0.0);
+        let zero = matrix.matmul(&input).unwrap();
+        assert_eq!(tiny, zero);
+    }
+
     #[test]
     fn refuses_bytes_that_are_not_the_shape() {
         assert_eq!(
@@ -634,6 +656,10 @@ mod tests {
         assert!(matches!(
             BlockMatrix::new(BlockFormat::Q5_0, 2, 64, vec![0; 80]),
             Err(KernelError::WrongSize { expected: 88, .. })
+        ));
+        assert!(matches!(
+            BlockMatrix::new(BlockFormat::Q4_1, usize::MAX / 4, 64, Vec::new()),
+            Err(KernelError::WrongSize { .. })
         ));
         let matrix = BlockMatrix::new(BlockFormat::Q4_1, 2, 64, vec![0; 80]).unwrap();
         assert!(matches!(

@@ -85,6 +85,12 @@ impl Linear {
             Linear::Quantized(q) => q.forward(x)?,
             Linear::Blocks(matrix) => {
                 let mut dims = x.dims().to_vec();
+                if dims.last() != Some(&matrix.cols()) {
+                    return Err(EngineError::Compute(format!(
+                        "an input of shape {dims:?} for a matrix of {} columns",
+                        matrix.cols()
+                    )));
+                }
                 let input = x.flatten_all()?.to_vec1::<f32>()?;
                 let out = matrix
                     .matmul(&input)
@@ -102,7 +108,7 @@ impl Linear {
     /// the same way whatever the number of rows, up to `MAX_BATCH_ROWS`
     /// (checked by `a_batch_of_requests_gives_each_the_bits_it_gets_alone`
     /// for every supported type). On x86-64 candle's block-quantized
-    /// kernels are one row's dot products (Q4_0, Q5_0, Q8_0 unpacked; Q4_K,
+    /// kernels are one row's dot products (Q4_0, Q8_0 unpacked; Q4_K,
     /// Q5_K and Q8_0 repacked into tiles), except Q6_K, whose one-row kernel
     /// is not its tiled one, and Q4_K from 32 rows with AMX; the engine's own
     /// Q4_1 and Q5_0 kernels are row-independent everywhere. Dense products go through
@@ -159,7 +165,16 @@ impl Projections {
                 RawTensor::Dense(_) => None,
             })
             .collect();
-        let same = dtypes.windows(2).all(|w| w[0] == w[1]);
+        let columns: Vec<Option<usize>> = raws
+            .iter()
+            .map(|r| match r {
+                RawTensor::Quantized(q) => q.shape().dims().get(1).copied(),
+                RawTensor::Dense(t) => t.dims().get(1).copied(),
+            })
+            .collect();
+        // Only parts of one type and one input width stack into one matrix.
+        let same =
+            dtypes.windows(2).all(|w| w[0] == w[1]) && columns.windows(2).all(|w| w[0] == w[1]);
         let Some(first) = dtypes.first().copied() else {
             return Ok(Projections::Separate(Vec::new()));
         };
@@ -183,10 +198,7 @@ impl Projections {
             RawTensor::Dense(Tensor::cat(&dense, 0)?)
         } else {
             // Same block type, rows of whole blocks: the stored bytes stack.
-            let cols = match raws.first() {
-                Some(RawTensor::Quantized(q)) => q.shape().dims().get(1).copied().unwrap_or(0),
-                _ => 0,
-            };
+            let cols = columns.first().copied().flatten().unwrap_or(0);
             let mut bytes = Vec::new();
             for raw in &raws {
                 if let RawTensor::Quantized(q) = raw {
