@@ -21,6 +21,43 @@ pub const MAX_ENGINE_CONTEXT: usize = 8192;
 /// from the kernel one request alone gets.
 pub const MAX_BATCH_ROWS: usize = 31;
 
+/// `gelu(gate) * up` with GELU's tanh approximation (Gemma's reference),
+/// computed as llama.cpp does: GELU read from a table of every f16 input
+/// (the gate rounded to f16), 0 below -10 and the identity above 10. One
+/// lookup instead of a libm `tanhf` per value (9 % of Gemma 3's prefill),
+/// and the same values as llama.cpp's `ggml_vec_geglu_f32`.
+fn gelu_gated(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| {
+                let x = half::f16::from_bits(bits).to_f32();
+                // llama.cpp's constant and order of operations.
+                const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+                let inner = SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x);
+                half::f16::from_f32(0.5 * x * (1.0 + inner.tanh())).to_f32()
+            })
+            .collect()
+    });
+    let dims = gate.dims().to_vec();
+    let gates = gate.flatten_all()?.to_vec1::<f32>()?;
+    let ups = up.flatten_all()?.to_vec1::<f32>()?;
+    let values: Vec<f32> = gates
+        .iter()
+        .zip(&ups)
+        .map(|(&g, &u)| {
+            if g <= -10.0 {
+                0.0
+            } else if g >= 10.0 {
+                g * u
+            } else {
+                table[usize::from(half::f16::from_f32(g).to_bits())] * u
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(values, dims, &Device::Cpu)?)
+}
+
 /// The block formats the engine runs on its own kernels rather than
 /// candle's (`kernels`).
 fn own_kernel(dtype: GgmlDType) -> Option<BlockFormat> {
@@ -790,12 +827,11 @@ impl LayerSlice {
             .forward(&h, spans)?
             .try_into()
             .map_err(|_| EngineError::WrongInput("has a malformed feed-forward projection"))?;
-        let gate = match c.block_style {
-            BlockStyle::Llama => candle_nn::ops::silu(&gate)?,
-            // The tanh approximation, as Gemma's reference and llama.cpp use.
-            BlockStyle::Gemma3 => gate.gelu()?,
+        let gated = match c.block_style {
+            BlockStyle::Llama => (candle_nn::ops::silu(&gate)? * up)?,
+            BlockStyle::Gemma3 => gelu_gated(&gate, &up)?,
         };
-        let ffn_out = post_norm(b.down.forward_rows(&(gate * up)?, spans)?, &b.post_ffn_norm)?;
+        let ffn_out = post_norm(b.down.forward_rows(&gated, spans)?, &b.post_ffn_norm)?;
         Ok((x + ffn_out)?)
     }
     /// One request's attention over its own cache: `q`, `k`, `v` are its
