@@ -64,6 +64,7 @@ fn own_kernel(dtype: GgmlDType) -> Option<BlockFormat> {
     match dtype {
         GgmlDType::Q4_1 => Some(BlockFormat::Q4_1),
         GgmlDType::Q5_0 => Some(BlockFormat::Q5_0),
+        GgmlDType::Q8_0 => Some(BlockFormat::Q8_0),
         _ => None,
     }
 }
