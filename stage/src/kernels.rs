@@ -7,8 +7,8 @@
 //!   nibbles); the weight is `d * (q - 16)` with 5-bit `q`.
 //! - Q8_0: 34-byte blocks (an f16 scale `d`, 32 signed bytes). candle has
 //!   a SIMD kernel for it, but with one accumulator chain; here it gets the
-//!   same four chains as the others (it holds the embedding and output head
-//!   of SmolLM2 and Gemma 3: 45 % of Gemma 3's decode).
+//!   same chains as the others (it holds the embedding and output head of
+//!   SmolLM2 and Gemma 3: 45 % of Gemma 3's decode).
 //!
 //! candle's dot products for these are scalar, 5x slower than its Q8_0
 //! one, which is why the engine used to requantize Q4_1 to Q8_0: 1.7x the
@@ -22,9 +22,10 @@
 //! activation row is quantized to 8-bit blocks (an f16 scale, the f16 of
 //! scale times the quants' sum, 32 signed bytes, rounded half to even),
 //! then each weight row's dot product sums `d_w * d_a * (quant products)`
-//! in eight f32 lanes, plus `m_w * s_a` for Q4_1. Each output depends only
-//! on its weight row and its activation row, so a batch of requests gets
-//! the bits each gets alone.
+//! in eight f32 lanes, in several accumulator chains (`RowPlan`), plus
+//! `m_w * s_a` for Q4_1. Each output depends only on its weight row, its
+//! activation row and whether its step has one row or many, so a batch of
+//! requests gets the bits each gets alone.
 //!
 //! The SIMD path is safe Rust: `pulp`'s x86-64-v3 token (a run-time CPU
 //! check, cached after the first) makes the AVX2 and FMA intrinsics safe to call, and the byte
@@ -147,27 +148,45 @@ impl BlockMatrix {
         self.blocks.len()
     }
 
-    /// `input` is `m` rows of `cols` values; the result is `m` rows of
-    /// `rows` values, computed on candle's thread pool.
+    /// `input` is `m` rows of `cols` values, all of one step; the result
+    /// is `m` rows of `rows` values, computed on candle's thread pool.
     pub fn matmul(&self, input: &[f32]) -> Result<Vec<f32>, KernelError> {
-        match self.format {
-            BlockFormat::Q4_1 => self.matmul_as::<Q4_1>(input),
-            BlockFormat::Q5_0 => self.matmul_as::<Q5_0>(input),
-            BlockFormat::Q8_0 => self.matmul_as::<Q8_0>(input),
-        }
+        let m = input.len().checked_div(self.cols).unwrap_or(0);
+        self.matmul_steps(input, &[m])
     }
 
-    fn matmul_as<F: Format>(&self, input: &[f32]) -> Result<Vec<f32>, KernelError> {
-        if self.cols == 0 || !input.len().is_multiple_of(self.cols) {
+    /// The rows of several requests' steps at once: `steps` are the row
+    /// counts of consecutive steps (a decode step is one row, a prompt's
+    /// prefill many). A row's bits depend only on its weights, its input
+    /// and whether its step has one row or several, never on the other
+    /// steps it is batched with.
+    pub fn matmul_steps(&self, input: &[f32], steps: &[usize]) -> Result<Vec<f32>, KernelError> {
+        if self.cols == 0
+            || !input.len().is_multiple_of(self.cols)
+            || steps.iter().sum::<usize>() != input.len() / self.cols
+        {
             return Err(KernelError::WrongInput {
                 len: input.len(),
                 cols: self.cols,
             });
         }
+        match self.format {
+            BlockFormat::Q4_1 => self.matmul_as::<Q4_1>(input, steps),
+            BlockFormat::Q5_0 => self.matmul_as::<Q5_0>(input, steps),
+            BlockFormat::Q8_0 => self.matmul_as::<Q8_0>(input, steps),
+        }
+    }
+
+    fn matmul_as<F: Format>(
+        &self,
+        input: &[f32],
+        steps: &[usize],
+    ) -> Result<Vec<f32>, KernelError> {
         let m = input.len() / self.cols;
         if m == 0 {
             return Ok(Vec::new());
         }
+        let plan = RowPlan::new(steps);
         let row_blocks = self.cols / BLOCK_ELEMS;
         let mut activations = Vec::with_capacity(m * row_blocks);
         for row in input.chunks_exact(self.cols) {
@@ -198,16 +217,28 @@ impl BlockMatrix {
                     {
                         let activation_row =
                             |row: usize| &activations[row * row_blocks..][..row_blocks];
-                        let mut groups = out_row.chunks_exact_mut(ROW_GROUP);
-                        for (group, values) in (&mut groups).enumerate() {
-                            let rows =
-                                std::array::from_fn(|r| activation_row(group * ROW_GROUP + r));
-                            values.copy_from_slice(&dot_rows::<F, ROW_GROUP>(weight_row, rows));
-                        }
-                        let done = m - groups.into_remainder().len();
-                        for (row, value) in out_row.iter_mut().enumerate().skip(done) {
-                            *value = dot_rows::<F, 1>(weight_row, [activation_row(row)])[0];
-                        }
+                        plan.run(
+                            out_row,
+                            |rows: [usize; WIDE_GROUP]| {
+                                dot_rows::<F, WIDE_GROUP, WIDE_CHAINS>(
+                                    weight_row,
+                                    rows.map(activation_row),
+                                )
+                            },
+                            |row| {
+                                dot_rows::<F, 1, WIDE_CHAINS>(weight_row, [activation_row(row)])[0]
+                            },
+                            |rows: [usize; NARROW_GROUP]| {
+                                dot_rows::<F, NARROW_GROUP, NARROW_CHAINS>(
+                                    weight_row,
+                                    rows.map(activation_row),
+                                )
+                            },
+                            |row| {
+                                dot_rows::<F, 1, NARROW_CHAINS>(weight_row, [activation_row(row)])
+                                    [0]
+                            },
+                        );
                     }
                 }
             };
@@ -440,49 +471,131 @@ impl Format for Q8_0 {
     }
 }
 
-/// Activation rows one weight row is applied to at once (prefill): the
-/// weight row is unpacked once for all of them. Weight rows are still read
-/// in order, which keeps the hardware prefetcher streaming them.
-const ROW_GROUP: usize = 2;
-/// Independent accumulators per dot product: block `i` goes to chain
-/// `i % CHAINS`. One chain (llama.cpp's loop) waits on the fused
-/// multiply-add's latency at every block; four let the CPU overlap them.
-/// The chains are summed in a fixed order, so a row's bits depend only on
-/// its weights and its input.
-const CHAINS: usize = 4;
+/// How a step's rows are computed. Independent accumulators per dot
+/// product ("chains": block `i` goes to chain `i % chains`) hide the fused
+/// multiply-add's latency, which one chain (llama.cpp's loop) waits on at
+/// every block; rows computed together share each weight block's unpacking.
+/// Both fill the 16 AVX2 registers, so they trade against each other:
+/// - a one-row step (decode): four chains, two such rows at a time;
+/// - a many-row step (prefill): two chains, four rows at a time (prefill
+///   +14-21 %, where four chains there would cost decode 7-17 %).
+///
+/// The chain count fixes a row's bits, so it follows the step, never the
+/// batch: a request gets the same bits batched or alone.
+const NARROW_CHAINS: usize = 4;
+const NARROW_GROUP: usize = 2;
+const WIDE_CHAINS: usize = 2;
+const WIDE_GROUP: usize = 4;
+
+/// The rows of a batch sorted by how they are computed.
+#[derive(Debug, Default)]
+struct RowPlan {
+    wide_groups: Vec<[usize; WIDE_GROUP]>,
+    wide_rest: Vec<usize>,
+    narrow_groups: Vec<[usize; NARROW_GROUP]>,
+    narrow_rest: Vec<usize>,
+}
+
+impl RowPlan {
+    fn new(steps: &[usize]) -> Self {
+        let mut plan = RowPlan::default();
+        let mut narrow = Vec::new();
+        let mut first = 0;
+        for &rows in steps {
+            if rows == 1 {
+                narrow.push(first);
+            } else {
+                let step: Vec<usize> = (first..first + rows).collect();
+                let mut groups = step.chunks_exact(WIDE_GROUP);
+                for group in &mut groups {
+                    plan.wide_groups.push(std::array::from_fn(|i| group[i]));
+                }
+                plan.wide_rest.extend_from_slice(groups.remainder());
+            }
+            first += rows;
+        }
+        let mut groups = narrow.chunks_exact(NARROW_GROUP);
+        for group in &mut groups {
+            plan.narrow_groups.push(std::array::from_fn(|i| group[i]));
+        }
+        plan.narrow_rest.extend_from_slice(groups.remainder());
+        plan
+    }
+
+    /// Fill one weight row's outputs (`out[row]` for every row).
+    fn run(
+        &self,
+        out: &mut [f32],
+        wide: impl Fn([usize; WIDE_GROUP]) -> [f32; WIDE_GROUP],
+        wide_one: impl Fn(usize) -> f32,
+        narrow: impl Fn([usize; NARROW_GROUP]) -> [f32; NARROW_GROUP],
+        narrow_one: impl Fn(usize) -> f32,
+    ) {
+        for rows in &self.wide_groups {
+            for (row, value) in rows.iter().zip(wide(*rows)) {
+                out[*row] = value;
+            }
+        }
+        for &row in &self.wide_rest {
+            out[row] = wide_one(row);
+        }
+        for rows in &self.narrow_groups {
+            for (row, value) in rows.iter().zip(narrow(*rows)) {
+                out[*row] = value;
+            }
+        }
+        for &row in &self.narrow_rest {
+            out[row] = narrow_one(row);
+        }
+    }
+}
+
+/// The chains' sums added pairwise, in a fixed order: `(c0 + c1) + (c2 +
+/// c3)` for four. `C` is a power of two.
+fn chain_sum<T: Copy, const C: usize>(mut values: [T; C], add: impl Fn(T, T) -> T) -> T {
+    let mut len = C;
+    while len > 1 {
+        for i in 0..len / 2 {
+            values[i] = add(values[2 * i], values[2 * i + 1]);
+        }
+        len /= 2;
+    }
+    values[0]
+}
 
 /// One stored row against `N` activation rows (each `len()` blocks of the
-/// weight row). Each result has the bits of that pair's own dot product.
+/// weight row), in `C` chains. Each result has the bits of that pair's own
+/// dot product in `C` chains.
 /// Kept out of line: inlined into the piece loop, the compiler spilled
 /// the accumulators of the two-row form to the stack (prefill 230 -> 155
 /// tok/s).
 #[inline(never)]
-fn dot_rows<F: Format, const N: usize>(
+fn dot_rows<F: Format, const N: usize, const C: usize>(
     weights: &[u8],
     activations: [&[ActivationBlock]; N],
 ) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
     if let Some(simd) = pulp::x86::V3::try_new() {
-        return simd.vectorize(|| dot_rows_avx2::<F, N>(simd, weights, activations));
+        return simd.vectorize(|| dot_rows_avx2::<F, N, C>(simd, weights, activations));
     }
-    activations.map(|a| dot_scalar::<F>(weights, a))
+    activations.map(|a| dot_scalar::<F, C>(weights, a))
 }
 
-/// The AVX2 loop (llama.cpp's per block, in `CHAINS` chains) for one
+/// The AVX2 loop (llama.cpp's per block, in `C` chains) for one
 /// weight row and `N` activation rows, through pulp's tokens (each
 /// intrinsic is safe to call once the token proves the CPU has the
 /// feature).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn dot_rows_avx2<F: Format, const N: usize>(
+fn dot_rows_avx2<F: Format, const N: usize, const C: usize>(
     simd: pulp::x86::V3,
     weights: &[u8],
     activations: [&[ActivationBlock]; N],
 ) -> [f32; N] {
     use std::arch::x86_64::__m256i;
     let (avx, sse) = (simd.avx, simd.sse);
-    let mut acc = [[avx._mm256_setzero_ps(); CHAINS]; N];
-    let mut summs = [[0f32; CHAINS]; N];
+    let mut acc = [[avx._mm256_setzero_ps(); C]; N];
+    let mut summs = [[0f32; C]; N];
     // One block into chain `chain` of every activation row.
     let mut step = |chain: usize, index: usize, block: &[u8]| {
         let (d, m) = F::scales(block);
@@ -500,34 +613,32 @@ fn dot_rows_avx2<F: Format, const N: usize>(
             acc[r][chain] = simd.fma._mm256_fmadd_ps(scale, sums, acc[r][chain]);
         }
     };
-    // Blocks go in rounds of `CHAINS`, chain `c` taking the round's block
-    // `c`: constant indices, so the accumulators stay in registers.
-    let mut rounds = weights.chunks_exact(CHAINS * F::BYTES);
+    // Blocks go in rounds of `C`, chain `c` taking the round's block `c`:
+    // constant indices, so the accumulators stay in registers.
+    let mut rounds = weights.chunks_exact(C * F::BYTES);
     for (round, blocks) in (&mut rounds).enumerate() {
-        for chain in 0..CHAINS {
+        for chain in 0..C {
             step(
                 chain,
-                round * CHAINS + chain,
+                round * C + chain,
                 &blocks[chain * F::BYTES..][..F::BYTES],
             );
         }
     }
-    let first = (weights.len() / (CHAINS * F::BYTES)) * CHAINS;
+    let first = (weights.len() / (C * F::BYTES)) * C;
     for (chain, block) in rounds.remainder().chunks_exact(F::BYTES).enumerate() {
         step(chain, first + chain, block);
     }
     let mut out = [0f32; N];
     for r in 0..N {
-        let [a0, a1, a2, a3] = acc[r];
-        let all = avx._mm256_add_ps(avx._mm256_add_ps(a0, a1), avx._mm256_add_ps(a2, a3));
+        let all = chain_sum(acc[r], |a, b| avx._mm256_add_ps(a, b));
         let half = sse._mm_add_ps(
             avx._mm256_extractf128_ps::<1>(all),
             avx._mm256_castps256_ps128(all),
         );
         let quarter = sse._mm_add_ps(half, sse._mm_movehl_ps(half, half));
         let total = sse._mm_add_ss(quarter, simd.sse3._mm_movehdup_ps(quarter));
-        let [s0, s1, s2, s3] = summs[r];
-        out[r] = sse._mm_cvtss_f32(total) + ((s0 + s1) + (s2 + s3));
+        out[r] = sse._mm_cvtss_f32(total) + chain_sum(summs[r], |a, b| a + b);
     }
     out
 }
@@ -535,11 +646,11 @@ fn dot_rows_avx2<F: Format, const N: usize>(
 /// The same sums without SIMD, in the SIMD path's chains, eight lanes
 /// (lane `j` holds weights `4j..4j+4` of a block) and order, so both give
 /// the same bits.
-fn dot_scalar<F: Format>(weights: &[u8], activations: &[ActivationBlock]) -> f32 {
-    let mut acc = [[0f32; 8]; CHAINS];
-    let mut summs = [0f32; CHAINS];
+fn dot_scalar<F: Format, const C: usize>(weights: &[u8], activations: &[ActivationBlock]) -> f32 {
+    let mut acc = [[0f32; 8]; C];
+    let mut summs = [0f32; C];
     for (index, (block, a)) in weights.chunks_exact(F::BYTES).zip(activations).enumerate() {
-        let chain = index % CHAINS;
+        let chain = index % C;
         let (d, m) = F::scales(block);
         if F::HAS_MIN {
             summs[chain] = m.mul_add(a.s, summs[chain]);
@@ -553,7 +664,7 @@ fn dot_scalar<F: Format>(weights: &[u8], activations: &[ActivationBlock]) -> f32
             *acc = scale.mul_add(sum as f32, *acc);
         }
     }
-    let all: [f32; 8] = std::array::from_fn(|j| (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]));
+    let all: [f32; 8] = chain_sum(acc, |a, b| std::array::from_fn(|j| a[j] + b[j]));
     let half = [
         all[0] + all[4],
         all[1] + all[5],
@@ -561,7 +672,7 @@ fn dot_scalar<F: Format>(weights: &[u8], activations: &[ActivationBlock]) -> f32
         all[3] + all[7],
     ];
     let quarter = [half[0] + half[2], half[1] + half[3]];
-    (quarter[0] + quarter[1]) + ((summs[0] + summs[1]) + (summs[2] + summs[3]))
+    (quarter[0] + quarter[1]) + chain_sum(summs, |a, b| a + b)
 }
 
 #[cfg(test)]
@@ -677,8 +788,12 @@ mod tests {
             let row_bytes = matrix.cols / BLOCK_ELEMS * F::BYTES;
             for weights in matrix.blocks.chunks_exact(row_bytes) {
                 assert_eq!(
-                    dot_rows::<F, 1>(weights, [activations])[0].to_bits(),
-                    dot_scalar::<F>(weights, activations).to_bits()
+                    dot_rows::<F, 1, NARROW_CHAINS>(weights, [activations])[0].to_bits(),
+                    dot_scalar::<F, NARROW_CHAINS>(weights, activations).to_bits()
+                );
+                assert_eq!(
+                    dot_rows::<F, 1, WIDE_CHAINS>(weights, [activations])[0].to_bits(),
+                    dot_scalar::<F, WIDE_CHAINS>(weights, activations).to_bits()
                 );
             }
         }
@@ -734,21 +849,30 @@ mod tests {
     }
 
     proptest! {
-        /// A row's outputs do not depend on the other rows it is batched with.
+        /// A step's outputs do not depend on the other steps it is batched
+        /// with, whatever their mix of one-row and many-row steps.
         #[test]
-        fn rows_are_independent(m in 1usize..40, seed in any::<u64>(), which in 0usize..3) {
+        fn steps_are_independent(
+            steps in proptest::collection::vec(prop_oneof![Just(1usize), 1usize..12], 1..8),
+            seed in any::<u64>(),
+            which in 0usize..3,
+        ) {
             let format = FORMATS[which].0;
             let (rows, cols) = (37, 64);
             let (_, matrix) = stored(format, rows, cols, seed);
+            let m: usize = steps.iter().sum();
             let input: Vec<f32> = (0..m * cols)
                 .map(|i| (((i as u64).wrapping_mul(seed | 1) >> 7) % 1000) as f32 / 250.0 - 2.0)
                 .collect();
-            let all = matrix.matmul(&input).unwrap();
-            for row in 0..m {
-                let alone = matrix.matmul(&input[row * cols..][..cols]).unwrap();
-                let batched: Vec<u32> = all[row * rows..][..rows].iter().map(|v| v.to_bits()).collect();
+            let all = matrix.matmul_steps(&input, &steps).unwrap();
+            let mut first = 0;
+            for &step in &steps {
+                let alone = matrix.matmul(&input[first * cols..][..step * cols]).unwrap();
+                let batched: Vec<u32> =
+                    all[first * rows..][..step * rows].iter().map(|v| v.to_bits()).collect();
                 let alone: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
                 prop_assert_eq!(batched, alone);
+                first += step;
             }
         }
 

@@ -58,6 +58,26 @@ fn gelu_gated(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(values, dims, &Device::Cpu)?)
 }
 
+/// `x` (rows of `matrix.cols()` values, the steps' rows one after the
+/// other) through one of the engine's own block kernels.
+fn blocks_forward(matrix: &BlockMatrix, x: &Tensor, steps: &[usize]) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    if dims.last() != Some(&matrix.cols()) {
+        return Err(EngineError::Compute(format!(
+            "an input of shape {dims:?} for a matrix of {} columns",
+            matrix.cols()
+        )));
+    }
+    let input = x.flatten_all()?.to_vec1::<f32>()?;
+    let out = matrix
+        .matmul_steps(&input, steps)
+        .map_err(|e| EngineError::Compute(e.to_string()))?;
+    if let Some(last) = dims.last_mut() {
+        *last = matrix.rows();
+    }
+    Ok(Tensor::from_vec(out, dims, &Device::Cpu)?)
+}
+
 /// The block formats the engine runs on its own kernels rather than
 /// candle's (`kernels`).
 fn own_kernel(dtype: GgmlDType) -> Option<BlockFormat> {
@@ -122,21 +142,8 @@ impl Linear {
         Ok(match self {
             Linear::Quantized(q) => q.forward(x)?,
             Linear::Blocks(matrix) => {
-                let mut dims = x.dims().to_vec();
-                if dims.last() != Some(&matrix.cols()) {
-                    return Err(EngineError::Compute(format!(
-                        "an input of shape {dims:?} for a matrix of {} columns",
-                        matrix.cols()
-                    )));
-                }
-                let input = x.flatten_all()?.to_vec1::<f32>()?;
-                let out = matrix
-                    .matmul(&input)
-                    .map_err(|e| EngineError::Compute(e.to_string()))?;
-                if let Some(last) = dims.last_mut() {
-                    *last = matrix.rows();
-                }
-                Tensor::from_vec(out, dims, &Device::Cpu)?
+                let rows = x.elem_count() / matrix.cols().max(1);
+                blocks_forward(matrix, x, &[rows])?
             }
             Linear::Dense(l) => l.forward(x)?,
         })
@@ -167,6 +174,10 @@ impl Linear {
     /// weights are read once; otherwise each request's rows go alone and
     /// get the bits they get alone.
     fn forward_rows(&self, x: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor> {
+        if let Linear::Blocks(matrix) = self {
+            let steps: Vec<usize> = spans.iter().map(|(_, rows)| *rows).collect();
+            return blocks_forward(matrix, x, &steps);
+        }
         if spans.len() == 1 || (self.rows_independent() && x.dim(0)? <= MAX_BATCH_ROWS) {
             return self.forward(x);
         }
