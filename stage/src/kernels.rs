@@ -186,7 +186,11 @@ impl BlockMatrix {
         if m == 0 {
             return Ok(Vec::new());
         }
-        let plan = RowPlan::new(steps);
+        let plan = if m == 1 {
+            RowPlan::default()
+        } else {
+            RowPlan::new(steps)
+        };
         let row_blocks = self.cols / BLOCK_ELEMS;
         let mut activations = Vec::with_capacity(m * row_blocks);
         for row in input.chunks_exact(self.cols) {
@@ -212,6 +216,16 @@ impl BlockMatrix {
                     let (first_row, out) = &mut *guard;
                     let weights =
                         &self.blocks[*first_row * row_bytes..][..out.len() / m * row_bytes];
+                    if m == 1 {
+                        // One decode step: no plan to walk per weight row.
+                        let activation = &activations[..row_blocks];
+                        for (weight_row, value) in
+                            weights.chunks_exact(row_bytes).zip(out.iter_mut())
+                        {
+                            *value = dot_rows::<F, 1, NARROW_CHAINS>(weight_row, [activation])[0];
+                        }
+                        continue;
+                    }
                     for (weight_row, out_row) in
                         weights.chunks_exact(row_bytes).zip(out.chunks_exact_mut(m))
                     {
