@@ -278,6 +278,13 @@ enum BenchTarget {
         #[arg(long)]
         json: bool,
     },
+    /// The engine's own block kernels against candle's on the same stored
+    /// blocks: one decode row and a 64-row prompt, SmolLM2's shapes.
+    Kernels {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Engine prefill/decode tokens/s, unsplit vs split in-process, and the
     /// memory a third of the layers holds.
     Engine {
@@ -688,6 +695,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", mesh_node::tools::bench::render_engine(&report));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target: BenchTarget::Kernels { json },
+        } => {
+            let report = mesh_node::tools::bench::bench_kernels()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", mesh_node::tools::bench::render_kernels(&report));
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -1,6 +1,9 @@
 //! Block formats candle runs only on a scalar path, run as the file stores
 //! them on the engine's own kernels, never widened at load:
 //!
+//! - Q4_0: 18-byte blocks of 32 weights (an f16 scale `d`, 16 bytes of
+//!   4-bit quants); the weight is `d * (q - 8)`. candle has a SIMD kernel
+//!   for it, with one accumulator chain.
 //! - Q4_1: 20-byte blocks of 32 weights (an f16 scale `d`, an f16 minimum
 //!   `m`, 16 bytes of 4-bit quants); the weight is `d * q + m`.
 //! - Q5_0: 22-byte blocks (an f16 scale `d`, 32 high bits, 16 bytes of low
@@ -17,8 +20,8 @@
 //! and gate/up projections in Q5_0.
 //!
 //! The arithmetic per block is llama.cpp's (`quantize_row_q8_1`,
-//! `ggml_vec_dot_q4_1_q8_1`, `ggml_vec_dot_q5_0_q8_0` and
-//! `ggml_vec_dot_q8_0_q8_0`, AVX2 path): each
+//! `ggml_vec_dot_q4_0_q8_0`, `ggml_vec_dot_q4_1_q8_1`,
+//! `ggml_vec_dot_q5_0_q8_0` and `ggml_vec_dot_q8_0_q8_0`, AVX2 path): each
 //! activation row is quantized to 8-bit blocks (an f16 scale, the f16 of
 //! scale times the quants' sum, 32 signed bytes, rounded half to even),
 //! then each weight row's dot product sums `d_w * d_a * (quant products)`
@@ -46,6 +49,7 @@ const PIECE_ROWS: usize = 16;
 /// The stored block formats these kernels run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockFormat {
+    Q4_0,
     Q4_1,
     Q5_0,
     Q8_0,
@@ -55,6 +59,7 @@ impl BlockFormat {
     /// Bytes of one stored block.
     pub const fn block_bytes(self) -> usize {
         match self {
+            BlockFormat::Q4_0 => 18,
             BlockFormat::Q4_1 => 20,
             BlockFormat::Q5_0 => 22,
             BlockFormat::Q8_0 => 34,
@@ -171,6 +176,7 @@ impl BlockMatrix {
             });
         }
         match self.format {
+            BlockFormat::Q4_0 => self.matmul_as::<Q4_0>(input, steps),
             BlockFormat::Q4_1 => self.matmul_as::<Q4_1>(input, steps),
             BlockFormat::Q5_0 => self.matmul_as::<Q5_0>(input, steps),
             BlockFormat::Q8_0 => self.matmul_as::<Q8_0>(input, steps),
@@ -277,6 +283,61 @@ impl BlockMatrix {
     }
 }
 
+/// One matrix product timed on this engine's kernel and on candle's, side
+/// by side, for `mesh-node bench kernels`: the same stored blocks (random
+/// weights quantized by candle), `steps` of rows, `rounds` alternating
+/// calls each after one warm-up. Returns seconds per call (ours, candle's).
+pub fn time_against_candle(
+    format: BlockFormat,
+    (rows, cols): (usize, usize),
+    steps: &[usize],
+    rounds: usize,
+) -> crate::Result<(f64, f64)> {
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::{Device, Module, Tensor};
+    let dtype = match format {
+        BlockFormat::Q4_0 => GgmlDType::Q4_0,
+        BlockFormat::Q4_1 => GgmlDType::Q4_1,
+        BlockFormat::Q5_0 => GgmlDType::Q5_0,
+        BlockFormat::Q8_0 => GgmlDType::Q8_0,
+    };
+    let values: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / 16_777_216.0 - 0.5)
+        .collect();
+    let weights = QTensor::quantize(
+        &Tensor::from_vec(values, (rows, cols), &Device::Cpu)?,
+        dtype,
+    )?;
+    let ours = BlockMatrix::new(format, rows, cols, weights.data()?.into_owned())
+        .map_err(|e| crate::EngineError::Compute(e.to_string()))?;
+    let theirs = QMatMul::from_qtensor(weights)?;
+    let m: usize = steps.iter().sum();
+    let input: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let tensor = Tensor::from_vec(input.clone(), (m, cols), &Device::Cpu)?;
+    let run_ours = || {
+        ours.matmul_steps(&input, steps)
+            .map(|_| ())
+            .map_err(|e| crate::EngineError::Compute(e.to_string()))
+    };
+    let run_theirs = || -> crate::Result<()> {
+        theirs.forward(&tensor)?;
+        Ok(())
+    };
+    run_ours()?;
+    run_theirs()?;
+    let (mut ours_s, mut theirs_s) = (0f64, 0f64);
+    for _ in 0..rounds {
+        let start = std::time::Instant::now();
+        run_ours()?;
+        ours_s += start.elapsed().as_secs_f64();
+        let start = std::time::Instant::now();
+        run_theirs()?;
+        theirs_s += start.elapsed().as_secs_f64();
+    }
+    let rounds = rounds.max(1) as f64;
+    Ok((ours_s / rounds, theirs_s / rounds))
+}
+
 /// Append one row's activation blocks (`row.len()` a multiple of 32).
 fn quantize_activations(row: &[f32], out: &mut Vec<ActivationBlock>) {
     for values in row.chunks_exact(BLOCK_ELEMS) {
@@ -354,6 +415,43 @@ fn lane_sums_unsigned(
     let pairs = simd.avx2._mm256_maddubs_epi16(unsigned, activation);
     simd.avx2
         ._mm256_madd_epi16(simd.avx._mm256_set1_epi16(1), pairs)
+}
+
+#[derive(Debug)]
+struct Q4_0;
+
+impl Format for Q4_0 {
+    const BYTES: usize = BlockFormat::Q4_0.block_bytes();
+    const HAS_MIN: bool = false;
+
+    fn scales(block: &[u8]) -> (f32, f32) {
+        (f16_at(block, 0), 0.0)
+    }
+
+    fn quants(block: &[u8]) -> [i8; BLOCK_ELEMS] {
+        let mut quants = [0i8; BLOCK_ELEMS];
+        for (i, byte) in block[2..18].iter().enumerate() {
+            quants[i] = (byte & 0x0F) as i8 - 8;
+            quants[i + 16] = (byte >> 4) as i8 - 8;
+        }
+        quants
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn lane_sums(
+        simd: pulp::x86::V3,
+        block: &[u8],
+    ) -> impl Fn(std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
+        let avx2 = simd.avx2;
+        let quants =
+            avx2._mm256_sub_epi8(nibbles(simd, &block[2..18]), simd.avx._mm256_set1_epi8(8));
+        // As for Q5_0.
+        let magnitude = avx2._mm256_sign_epi8(quants, quants);
+        move |activation| {
+            lane_sums_unsigned(simd, magnitude, avx2._mm256_sign_epi8(activation, quants))
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -696,7 +794,8 @@ mod tests {
     use candle_core::{Device, Tensor};
     use proptest::prelude::*;
 
-    const FORMATS: [(BlockFormat, GgmlDType); 3] = [
+    const FORMATS: [(BlockFormat, GgmlDType); 4] = [
+        (BlockFormat::Q4_0, GgmlDType::Q4_0),
         (BlockFormat::Q4_1, GgmlDType::Q4_1),
         (BlockFormat::Q5_0, GgmlDType::Q5_0),
         (BlockFormat::Q8_0, GgmlDType::Q8_0),
@@ -769,6 +868,18 @@ mod tests {
                 assert_eq!(d * f32::from(*quant), dense[0][b * 32 + i]);
             }
         }
+        let (q, matrix) = stored(BlockFormat::Q4_0, 1, 64, 3);
+        let dense = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        for (b, block) in matrix.blocks.chunks_exact(Q4_0::BYTES).enumerate() {
+            let (d, _) = Q4_0::scales(block);
+            for (i, quant) in Q4_0::quants(block).iter().enumerate() {
+                assert_eq!(d * f32::from(*quant), dense[0][b * 32 + i]);
+            }
+        }
         let (q, matrix) = stored(BlockFormat::Q8_0, 1, 64, 3);
         let dense = q
             .dequantize(&Device::Cpu)
@@ -818,6 +929,7 @@ mod tests {
         check::<Q4_1>(&stored(BlockFormat::Q4_1, 5, cols, 11).1, &activations);
         check::<Q5_0>(&stored(BlockFormat::Q5_0, 5, cols, 11).1, &activations);
         check::<Q8_0>(&stored(BlockFormat::Q8_0, 5, cols, 11).1, &activations);
+        check::<Q4_0>(&stored(BlockFormat::Q4_0, 5, cols, 11).1, &activations);
     }
 
     /// A block of activations too small for its inverse scale to be finite
@@ -869,7 +981,7 @@ mod tests {
         fn steps_are_independent(
             steps in proptest::collection::vec(prop_oneof![Just(1usize), 1usize..12], 1..8),
             seed in any::<u64>(),
-            which in 0usize..3,
+            which in 0usize..4,
         ) {
             let format = FORMATS[which].0;
             let (rows, cols) = (37, 64);
@@ -896,7 +1008,7 @@ mod tests {
         fn never_panics(
             blocks in proptest::collection::vec(any::<u8>(), 3 * 2 * 34),
             input in proptest::collection::vec(-1e30f32..1e30, 64),
-            which in 0usize..3,
+            which in 0usize..4,
         ) {
             let format = FORMATS[which].0;
             let bytes = blocks[..3 * 2 * format.block_bytes()].to_vec();

@@ -78,13 +78,20 @@ fn blocks_forward(matrix: &BlockMatrix, x: &Tensor, steps: &[usize]) -> Result<T
     Ok(Tensor::from_vec(out, dims, &Device::Cpu)?)
 }
 
-/// The block formats the engine runs on its own kernels rather than
-/// candle's (`kernels`).
-fn own_kernel(dtype: GgmlDType) -> Option<BlockFormat> {
+/// The block formats the engine runs on its own kernels (`kernels`)
+/// rather than candle's, for a `rows x cols` matrix. Q8_0 stays on
+/// candle's when candle can tile it (columns a multiple of 256, rows of 16):
+/// with AVX-512 VNNI its tiled kernel is 3x the engine's (`mesh-node bench
+/// kernels`, 576x1536); otherwise candle runs Q8_0 with one accumulator
+/// chain and the engine's kernel is 1.4-1.6x faster.
+fn own_kernel(dtype: GgmlDType, rows: usize, cols: usize) -> Option<BlockFormat> {
     match dtype {
+        GgmlDType::Q4_0 => Some(BlockFormat::Q4_0),
         GgmlDType::Q4_1 => Some(BlockFormat::Q4_1),
         GgmlDType::Q5_0 => Some(BlockFormat::Q5_0),
-        GgmlDType::Q8_0 => Some(BlockFormat::Q8_0),
+        GgmlDType::Q8_0 if !(cols.is_multiple_of(256) && rows.is_multiple_of(16)) => {
+            Some(BlockFormat::Q8_0)
+        }
         _ => None,
     }
 }
@@ -115,7 +122,12 @@ impl Linear {
                 *resident += dense.elem_count() * 4;
                 Linear::Dense(candle_nn::Linear::new(dense, None))
             }
-            RawTensor::Quantized(q) => match own_kernel(q.dtype()) {
+            RawTensor::Quantized(q) => match q
+                .shape()
+                .dims2()
+                .ok()
+                .and_then(|(rows, cols)| own_kernel(q.dtype(), rows, cols))
+            {
                 Some(format) => {
                     let (rows, cols) = q.shape().dims2()?;
                     let matrix = BlockMatrix::new(format, rows, cols, q.data()?.into_owned())

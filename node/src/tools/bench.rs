@@ -267,6 +267,63 @@ pub fn resident_bytes() -> Option<u64> {
     Some(pages * 4096)
 }
 
+/// `mesh-node bench kernels`: each block format on the engine's kernel and
+/// on candle's, on the same stored blocks, at SmolLM2's shapes: one decode
+/// row, and a 64-row prompt (one step).
+pub fn bench_kernels() -> anyhow::Result<serde_json::Value> {
+    use mesh_stage::kernels::{BlockFormat, time_against_candle};
+    let shapes = [(1536, 576), (576, 1536), (49_152, 576)];
+    let mut rows = Vec::new();
+    for format in [
+        BlockFormat::Q4_0,
+        BlockFormat::Q4_1,
+        BlockFormat::Q5_0,
+        BlockFormat::Q8_0,
+    ] {
+        for shape in shapes {
+            for m in [1usize, 64] {
+                // About 0.2 s of each kernel per figure.
+                let work = shape.0 * shape.1 * m;
+                let rounds = (2_000_000_000 / work).clamp(3, 2000);
+                let (ours, candle) = time_against_candle(format, shape, &[m], rounds)?;
+                rows.push(serde_json::json!({
+                    "format": format!("{format:?}"),
+                    "rows": shape.0,
+                    "cols": shape.1,
+                    "input_rows": m,
+                    "ours_us": ours * 1e6,
+                    "candle_us": candle * 1e6,
+                    "speedup": candle / ours.max(1e-12),
+                }));
+            }
+        }
+    }
+    Ok(serde_json::json!({
+        "threads": mesh_stage::compute_threads(),
+        "runs": rows,
+    }))
+}
+
+pub fn render_kernels(report: &serde_json::Value) -> String {
+    let mut out = format!(
+        "threads {}\nformat  matrix        input rows   ours us   candle us   candle/ours\n",
+        report["threads"]
+    );
+    for r in report["runs"].as_array().into_iter().flatten() {
+        out += &format!(
+            "{:<7} {:>6}x{:<6} {:>10} {:>9.1} {:>11.1} {:>13.2}\n",
+            r["format"].as_str().unwrap_or(""),
+            r["rows"],
+            r["cols"],
+            r["input_rows"],
+            r["ours_us"].as_f64().unwrap_or(0.0),
+            r["candle_us"].as_f64().unwrap_or(0.0),
+            r["speedup"].as_f64().unwrap_or(0.0),
+        );
+    }
+    out
+}
+
 /// `mesh-node bench engine`: prefill and decode tokens/s, unsplit and split
 /// in-process, for the model's own quantization and for dense f32; and the
 /// memory a third of the layers holds.
