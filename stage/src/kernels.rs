@@ -417,6 +417,20 @@ fn lane_sums_unsigned(
         ._mm256_madd_epi16(simd.avx._mm256_set1_epi16(1), pairs)
 }
 
+/// Lane sums for signed weight quants (Q4_0, Q5_0, Q8_0), signed times
+/// signed as maddubs needs it: |q| times the activation with q's sign.
+/// Activations are never -128, so negating them cannot wrap.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn signed_lane_sums(
+    simd: pulp::x86::V3,
+    quants: std::arch::x86_64::__m256i,
+) -> impl Fn(std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
+    let avx2 = simd.avx2;
+    let magnitude = avx2._mm256_sign_epi8(quants, quants);
+    move |activation| lane_sums_unsigned(simd, magnitude, avx2._mm256_sign_epi8(activation, quants))
+}
+
 #[derive(Debug)]
 struct Q4_0;
 
@@ -446,11 +460,7 @@ impl Format for Q4_0 {
         let avx2 = simd.avx2;
         let quants =
             avx2._mm256_sub_epi8(nibbles(simd, &block[2..18]), simd.avx._mm256_set1_epi8(8));
-        // As for Q5_0.
-        let magnitude = avx2._mm256_sign_epi8(quants, quants);
-        move |activation| {
-            lane_sums_unsigned(simd, magnitude, avx2._mm256_sign_epi8(activation, quants))
-        }
+        signed_lane_sums(simd, quants)
     }
 }
 
@@ -536,12 +546,7 @@ impl Format for Q5_0 {
             nibbles(simd, &block[6..22]),
             avx2._mm256_andnot_si256(set, avx._mm256_set1_epi8(0xF0u8 as i8)),
         );
-        // Signed times signed as maddubs needs it: |q| times the activation
-        // with q's sign.
-        let magnitude = avx2._mm256_sign_epi8(quants, quants);
-        move |activation| {
-            lane_sums_unsigned(simd, magnitude, avx2._mm256_sign_epi8(activation, quants))
-        }
+        signed_lane_sums(simd, quants)
     }
 }
 
@@ -570,16 +575,10 @@ impl Format for Q8_0 {
         simd: pulp::x86::V3,
         block: &[u8],
     ) -> impl Fn(std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256i {
-        let avx2 = simd.avx2;
         let mut bytes = [0u8; 32];
         bytes.copy_from_slice(&block[2..34]);
         let quants: std::arch::x86_64::__m256i = bytemuck::cast(bytes);
-        // As for Q5_0. Activations are never -128, so negating them by
-        // the weight's sign cannot wrap.
-        let magnitude = avx2._mm256_sign_epi8(quants, quants);
-        move |activation| {
-            lane_sums_unsigned(simd, magnitude, avx2._mm256_sign_epi8(activation, quants))
-        }
+        signed_lane_sums(simd, quants)
     }
 }
 
@@ -856,54 +855,29 @@ mod tests {
     /// Each format's quants read back as candle dequantizes them.
     #[test]
     fn quants_read_as_candle_dequantizes() {
-        let (q, matrix) = stored(BlockFormat::Q5_0, 1, 64, 3);
-        let dense = q
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        for (b, block) in matrix.blocks.chunks_exact(Q5_0::BYTES).enumerate() {
-            let (d, _) = Q5_0::scales(block);
-            for (i, quant) in Q5_0::quants(block).iter().enumerate() {
-                assert_eq!(d * f32::from(*quant), dense[0][b * 32 + i]);
+        fn check<F: Format>(format: BlockFormat) {
+            let (q, matrix) = stored(format, 1, 64, 3);
+            let dense = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            for (b, block) in matrix.blocks.chunks_exact(F::BYTES).enumerate() {
+                let (d, m) = F::scales(block);
+                for (i, quant) in F::quants(block).iter().enumerate() {
+                    let weight = if F::HAS_MIN {
+                        d * f32::from(*quant) + m
+                    } else {
+                        d * f32::from(*quant)
+                    };
+                    assert_eq!(weight, dense[0][b * 32 + i], "{format:?}");
+                }
             }
         }
-        let (q, matrix) = stored(BlockFormat::Q4_0, 1, 64, 3);
-        let dense = q
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        for (b, block) in matrix.blocks.chunks_exact(Q4_0::BYTES).enumerate() {
-            let (d, _) = Q4_0::scales(block);
-            for (i, quant) in Q4_0::quants(block).iter().enumerate() {
-                assert_eq!(d * f32::from(*quant), dense[0][b * 32 + i]);
-            }
-        }
-        let (q, matrix) = stored(BlockFormat::Q8_0, 1, 64, 3);
-        let dense = q
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        for (b, block) in matrix.blocks.chunks_exact(Q8_0::BYTES).enumerate() {
-            let (d, _) = Q8_0::scales(block);
-            for (i, quant) in Q8_0::quants(block).iter().enumerate() {
-                assert_eq!(d * f32::from(*quant), dense[0][b * 32 + i]);
-            }
-        }
-        let (q, matrix) = stored(BlockFormat::Q4_1, 1, 64, 3);
-        let dense = q
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap();
-        for (b, block) in matrix.blocks.chunks_exact(Q4_1::BYTES).enumerate() {
-            let (d, m) = Q4_1::scales(block);
-            for (i, quant) in Q4_1::quants(block).iter().enumerate() {
-                assert_eq!(d * f32::from(*quant) + m, dense[0][b * 32 + i]);
-            }
-        }
+        check::<Q4_0>(BlockFormat::Q4_0);
+        check::<Q4_1>(BlockFormat::Q4_1);
+        check::<Q5_0>(BlockFormat::Q5_0);
+        check::<Q8_0>(BlockFormat::Q8_0);
     }
 
     /// The SIMD path and the scalar one give the same bits.

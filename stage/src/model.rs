@@ -122,14 +122,10 @@ impl Linear {
                 *resident += dense.elem_count() * 4;
                 Linear::Dense(candle_nn::Linear::new(dense, None))
             }
-            RawTensor::Quantized(q) => match q
-                .shape()
-                .dims2()
-                .ok()
-                .and_then(|(rows, cols)| own_kernel(q.dtype(), rows, cols))
-            {
-                Some(format) => {
-                    let (rows, cols) = q.shape().dims2()?;
+            RawTensor::Quantized(q) => match q.shape().dims2().ok().and_then(|(rows, cols)| {
+                own_kernel(q.dtype(), rows, cols).map(|format| (format, rows, cols))
+            }) {
+                Some((format, rows, cols)) => {
                     let matrix = BlockMatrix::new(format, rows, cols, q.data()?.into_owned())
                         .map_err(|e| EngineError::Compute(e.to_string()))?;
                     *resident += matrix.storage_bytes();
