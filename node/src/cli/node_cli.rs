@@ -566,33 +566,11 @@ pub async fn bench_split(
         "ratio_to_unsplit": 1.0,
     })];
     for stages in [2usize, 3] {
-        let scratch = tempfile_dir()?;
-        let mut nodes = Vec::new();
-        let coordinator_key =
-            mesh_protocol::SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
-        for k in 1..stages {
-            nodes.push(
-                Node::start(bench_options(
-                    &model,
-                    &scratch,
-                    k,
-                    Vec::new(),
-                    &coordinator_key,
-                )?)
-                .await?,
-            );
-        }
-        let peers: Vec<PeerAddr> = nodes.iter().map(Node::peer_addr).collect();
-        let coordinator =
-            Node::start(bench_options(&model, &scratch, 0, peers, &coordinator_key)?).await?;
+        let split = BenchSplit::start(&model, stages, None).await?;
+        let coordinator = &split.coordinator;
         let request = GenerateRequest {
-            prompt: prompt.into(),
-            max_tokens: tokens,
             chat: true,
-            sampling: SamplingParams::greedy(),
-            grant: None,
-            timeout: None,
-            stop: Vec::new(),
+            ..GenerateRequest::greedy(prompt, tokens)
         };
         // Warm up (assignment, slice loads), then measure.
         generate_remote(
@@ -615,11 +593,7 @@ pub async fn bench_split(
             "per_hop_overhead_us": d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
             "fold_share": d["fold_share"].as_f64().unwrap_or(0.0),
         }));
-        coordinator.shutdown().await;
-        for node in nodes {
-            node.shutdown().await;
-        }
-        let _ = std::fs::remove_dir_all(&scratch);
+        split.shutdown().await;
     }
     Ok(serde_json::json!({
         "model": model.display().to_string(),
@@ -673,9 +647,61 @@ pub(crate) fn tempfile_dir() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// A split of `stages` nodes on 127.0.0.1 for the benches: stages 1.. start
+/// first, then node 0 coordinating them (serving the HTTP API on `http`
+/// when given), all with their data in one scratch directory.
+#[derive(Debug)]
+pub struct BenchSplit {
+    pub coordinator: Node,
+    stages: Vec<Node>,
+    scratch: PathBuf,
+}
+
+impl BenchSplit {
+    pub async fn start(
+        model: &Path,
+        stages: usize,
+        http: Option<SocketAddr>,
+    ) -> anyhow::Result<Self> {
+        let scratch = tempfile_dir()?;
+        let coordinator_key =
+            mesh_protocol::SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
+        let mut nodes = Vec::new();
+        for k in 1..stages {
+            nodes.push(
+                Node::start(bench_options(
+                    model,
+                    &scratch,
+                    k,
+                    Vec::new(),
+                    &coordinator_key,
+                )?)
+                .await?,
+            );
+        }
+        let peers: Vec<PeerAddr> = nodes.iter().map(Node::peer_addr).collect();
+        let mut options = bench_options(model, &scratch, 0, peers, &coordinator_key)?;
+        options.http = http;
+        Ok(Self {
+            coordinator: Node::start(options).await?,
+            stages: nodes,
+            scratch,
+        })
+    }
+
+    /// Stop every node and remove the scratch directory.
+    pub async fn shutdown(self) {
+        self.coordinator.shutdown().await;
+        for node in self.stages {
+            node.shutdown().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.scratch);
+    }
+}
+
 /// Bench nodes: node 0 coordinates with `coordinator_key`, the others
 /// serve it.
-pub fn bench_options(
+fn bench_options(
     model: &Path,
     scratch: &Path,
     k: usize,

@@ -10,10 +10,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use mesh_stage::sampling::SamplingParams;
 use serde_json::{Value, json};
 
-use crate::runtime::serve::{GenerateRequest, Node, PeerAddr, generate_remote};
+use crate::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
 
 /// A prompt a base or chat model continues for many tokens.
 const PROMPT: &str = "Once upon a time, in a small village by the sea, there lived";
@@ -34,15 +33,7 @@ impl Timing {
 }
 
 async fn over_quic(coordinator: &PeerAddr, tokens: usize) -> anyhow::Result<Timing> {
-    let request = GenerateRequest {
-        prompt: PROMPT.into(),
-        max_tokens: tokens,
-        chat: false,
-        sampling: SamplingParams::greedy(),
-        grant: None,
-        timeout: None,
-        stop: Vec::new(),
-    };
+    let request = GenerateRequest::greedy(PROMPT, tokens);
     let started = Instant::now();
     let mut first: Option<Duration> = None;
     let summary = generate_remote(coordinator, &request, &mut |piece| {
@@ -112,27 +103,13 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 pub async fn bench_api(model: &Path, tokens: usize, rounds: usize) -> anyhow::Result<Value> {
-    let scratch = crate::cli::node_cli::tempfile_dir()?;
-    let coordinator_key =
-        mesh_protocol::SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
-    let mut stages = Vec::new();
-    for k in 1..3 {
-        stages.push(
-            Node::start(crate::cli::node_cli::bench_options(
-                model,
-                &scratch,
-                k,
-                Vec::new(),
-                &coordinator_key,
-            )?)
-            .await?,
-        );
-    }
-    let peers: Vec<PeerAddr> = stages.iter().map(Node::peer_addr).collect();
-    let mut options =
-        crate::cli::node_cli::bench_options(model, &scratch, 0, peers, &coordinator_key)?;
-    options.http = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
-    let coordinator = Node::start(options).await?;
+    let split = crate::cli::node_cli::BenchSplit::start(
+        model,
+        3,
+        Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+    )
+    .await?;
+    let coordinator = &split.coordinator;
     let api = coordinator.http_addr().context("the API did not start")?;
     let model_id = coordinator.model_card().id;
     let peer = coordinator.peer_addr();
@@ -149,11 +126,7 @@ pub async fn bench_api(model: &Path, tokens: usize, rounds: usize) -> anyhow::Re
         let id = model_id.clone();
         http.push(tokio::task::spawn_blocking(move || over_http(api, &id, tokens)).await??);
     }
-    coordinator.shutdown().await;
-    for stage in stages {
-        stage.shutdown().await;
-    }
-    let _ = std::fs::remove_dir_all(&scratch);
+    split.shutdown().await;
     let summary = |runs: &[Timing]| {
         json!({
             "first_token_ms": median(runs.iter().map(|t| t.first_token.as_secs_f64() * 1e3).collect()),

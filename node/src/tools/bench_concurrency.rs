@@ -13,7 +13,6 @@ use anyhow::{Context, bail};
 use serde_json::{Value, json};
 
 use crate::runtime::serve::{GenerateRequest, PeerAddr, generate_remote, node_stats_remote};
-use mesh_stage::sampling::SamplingParams;
 
 /// A child process killed when dropped.
 struct Process(Child);
@@ -113,15 +112,7 @@ async fn mesh_level(coordinator: &PeerAddr, n: usize, tokens: usize) -> anyhow::
     let tasks: Vec<_> = (0..n)
         .map(|i| {
             let coordinator = coordinator.clone();
-            let request = GenerateRequest {
-                prompt: prompt(i),
-                max_tokens: tokens,
-                chat: false,
-                sampling: SamplingParams::greedy(),
-                grant: None,
-                timeout: None,
-                stop: Vec::new(),
-            };
+            let request = GenerateRequest::greedy(prompt(i), tokens);
             tokio::spawn(async move { generate_remote(&coordinator, &request, &mut |_| {}).await })
         })
         .collect();

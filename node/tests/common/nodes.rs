@@ -11,7 +11,6 @@ use mesh_node::runtime::serve::{
 use mesh_protocol::SigningKey;
 use mesh_protocol::block::ReturnMode;
 use mesh_stage::frame::WireDType;
-use mesh_stage::sampling::SamplingParams;
 
 pub fn key(seed: u8) -> SigningKey {
     SigningKey::from_bytes(&[seed; 32])
@@ -124,13 +123,8 @@ pub async fn three_nodes(model: &Path, dir: &Path) -> (Node, Node, Node) {
 
 pub fn request(prompt: &str, max_tokens: usize, grant: Option<GrantedServe>) -> GenerateRequest {
     GenerateRequest {
-        prompt: prompt.into(),
-        max_tokens,
-        chat: false,
-        sampling: SamplingParams::greedy(),
         grant,
-        timeout: None,
-        stop: Vec::new(),
+        ..GenerateRequest::greedy(prompt, max_tokens)
     }
 }
 

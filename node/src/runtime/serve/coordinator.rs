@@ -54,6 +54,20 @@ impl GrantedServe {
 }
 
 impl GenerateRequest {
+    /// A plain greedy completion of `prompt`: no chat template, grant,
+    /// deadline of its own or stop sequences.
+    pub fn greedy(prompt: impl Into<String>, max_tokens: usize) -> Self {
+        Self {
+            prompt: prompt.into(),
+            max_tokens,
+            chat: false,
+            sampling: SamplingParams::greedy(),
+            grant: None,
+            timeout: None,
+            stop: Vec::new(),
+        }
+    }
+
     fn to_message(&self) -> ControlRequest {
         ControlRequest::Generate(GenerateRequestMessage {
             prompt: self.prompt.clone(),
