@@ -35,15 +35,13 @@ fn openai_python() -> Option<PathBuf> {
     if works {
         return Some(path);
     }
-    let message = format!(
-        "no Python with the openai package at {}: the openai client test is SKIPPED",
-        path.display()
-    );
-    if std::env::var("MESH_REQUIRE_OPENAI").is_ok_and(|v| v == "1") {
-        panic!("{message} (MESH_REQUIRE_OPENAI=1)");
-    }
-    eprintln!("{message}");
-    None
+    common::skipped(
+        format!(
+            "no Python with the openai package at {}: the openai client test is SKIPPED",
+            path.display()
+        ),
+        "MESH_REQUIRE_OPENAI",
+    )
 }
 
 #[test]
@@ -279,15 +277,13 @@ fn chromium() -> Option<PathBuf> {
     {
         return Some(path);
     }
-    let message = format!(
-        "no headless Chromium at {} (Debian's `chromium` package): the console test is SKIPPED",
-        path.display()
-    );
-    if std::env::var("MESH_REQUIRE_CHROMIUM").is_ok_and(|v| v == "1") {
-        panic!("{message} (MESH_REQUIRE_CHROMIUM=1)");
-    }
-    eprintln!("{message}");
-    None
+    common::skipped(
+        format!(
+            "no headless Chromium at {} (Debian's `chromium` package): the console test is SKIPPED",
+            path.display()
+        ),
+        "MESH_REQUIRE_CHROMIUM",
+    )
 }
 
 /// The console, loaded in headless Chromium, sends a prompt from the page

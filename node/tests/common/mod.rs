@@ -34,7 +34,15 @@ pub fn present(path: PathBuf, what: &str, require: &str, test: &str) -> Option<P
     if path.is_file() {
         return Some(path);
     }
-    let message = format!("{what} not found at {}: {test} is SKIPPED", path.display());
+    skipped(
+        format!("{what} not found at {}: {test} is SKIPPED", path.display()),
+        require,
+    )
+}
+
+/// Report `message` (what is missing, and that the test is SKIPPED) and
+/// give `None`; when `require` is set to 1, fail the test instead.
+pub fn skipped<T>(message: String, require: &str) -> Option<T> {
     if std::env::var(require).is_ok_and(|v| v == "1") {
         panic!("{message} ({require}=1)");
     }
