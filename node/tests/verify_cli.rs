@@ -6,6 +6,8 @@ use std::process::Command;
 
 use serde_json::Value;
 
+mod common;
+
 fn mesh_node() -> Command {
     Command::new(env!("CARGO_BIN_EXE_mesh-node"))
 }
@@ -16,15 +18,13 @@ fn shared_vectors() -> Option<PathBuf> {
     if dir.is_dir() {
         return Some(dir);
     }
-    let message = format!(
-        "published vectors not found at {}: test SKIPPED",
-        dir.display()
-    );
-    if std::env::var("MESH_REQUIRE_SHARED").is_ok_and(|v| v == "1") {
-        panic!("{message} (MESH_REQUIRE_SHARED=1)");
-    }
-    eprintln!("{message}");
-    None
+    common::skipped(
+        format!(
+            "published vectors not found at {}: test SKIPPED",
+            dir.display()
+        ),
+        "MESH_REQUIRE_SHARED",
+    )
 }
 
 fn repo() -> PathBuf {
