@@ -6,6 +6,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+mod attention;
 pub mod cache;
 pub mod error;
 pub mod frame;

@@ -9,6 +9,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::kv_cache::KvCache;
 
+use crate::attention;
 use crate::error::{EngineError, Result};
 use crate::frame::Activations;
 use crate::kernels::{BlockFormat, BlockMatrix};
@@ -891,6 +892,10 @@ impl LayerSlice {
             Some(w) if b.local => w.window,
             _ => usize::MAX,
         };
+        let span = attention::Span { position, window };
+        if let Some(attended) = attention::attend(&q, &k_all, &v_all, c.query_scale as f32, span)? {
+            return Ok(attended);
+        }
         let (k_all, v_all, first_key) = {
             let total = k_all.dim(2)?;
             let first_key = (position + 1).saturating_sub(window).min(total);

@@ -867,8 +867,11 @@ async fn drive(
             drain_for(stage1, &mut lanes.down_replies_received, drain_bound).await;
         }
         // Likewise the direct return: the final stage may have opened it (and
-        // folded its opening) before the failure reached it.
-        if unfinished && return_mode == ReturnMode::Direct {
+        // folded its opening) before the failure reached it. It is read to
+        // its end even after a clean finish: the final stage ends it once
+        // STOP reaches it, and nothing it folded as sent is left unread.
+        if return_mode == ReturnMode::Direct {
+            let drain_bound = if unfinished { drain_bound } else { DRAIN_WAIT };
             if direct.is_none()
                 && let Ok(Ok((_send, stream, opening))) =
                     tokio::time::timeout(drain_bound, wait_direct(&mut direct_waiter)).await
