@@ -34,6 +34,7 @@ struct View<'a> {
 }
 
 impl View<'_> {
+    #[inline(always)]
     fn row(&self, head: usize, position: usize, width: usize) -> Option<&[f32]> {
         let at = self.start + head * self.head_stride + position * self.position_stride;
         self.values.get(at..at + width)
@@ -95,42 +96,27 @@ pub fn attend(
     if span.position + seq > cached {
         return Err(EngineError::WrongInput("attends past its cache"));
     }
-    // Output row `s` holds every head's result for query `s`, side by side.
     let mut out = vec![0f32; seq * heads * width];
-    let mut scores = Vec::with_capacity(cached);
-    for (index, result) in out.chunks_exact_mut(width).enumerate() {
-        let (s, head) = (index / heads, index % heads);
-        let kv_head = head / group;
-        let query_position = span.position + s;
-        let first = (query_position + 1).saturating_sub(span.window);
-        let query = queries
-            .row(head, s, width)
-            .ok_or(EngineError::WrongInput("has a query outside its tensor"))?;
-        scores.clear();
-        let mut max = f32::NEG_INFINITY;
-        for key in first..=query_position {
-            let key_row = keys
-                .row(kv_head, key, width)
-                .ok_or(EngineError::WrongInput("has a key outside its cache"))?;
-            let score = dot(query, key_row) * scale;
-            max = max.max(score);
-            scores.push(score);
-        }
-        let mut total = 0f32;
-        for score in scores.iter_mut() {
-            *score = (*score - max).exp();
-            total += *score;
-        }
-        for (key, score) in (first..=query_position).zip(&scores) {
-            let value_row = values
-                .row(kv_head, key, width)
-                .ok_or(EngineError::WrongInput("has a value outside its cache"))?;
-            let weight = score / total;
-            for (o, v) in result.iter_mut().zip(value_row) {
-                *o += weight * v;
-            }
-        }
-    }
+    let inputs = Inputs {
+        queries: &queries,
+        keys: &keys,
+        values: &values,
+        heads,
+        group,
+        width,
+        scale,
+        span,
+    };
+    // With AVX2 when the CPU has it: no fused multiply-add either way, so
+    // both give the same bits.
+    #[cfg(target_arch = "x86_64")]
+    let computed = match pulp::x86::V3::try_new() {
+        Some(simd) => simd.vectorize(|| rows(&inputs, &mut out)),
+        None => rows(&inputs, &mut out),
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let computed = rows(&inputs, &mut out);
+    computed?;
     Ok(Some(Tensor::from_vec(
         out,
         (seq, heads * width),
@@ -138,8 +124,87 @@ pub fn attend(
     )?))
 }
 
+struct Inputs<'a> {
+    queries: &'a View<'a>,
+    keys: &'a View<'a>,
+    values: &'a View<'a>,
+    heads: usize,
+    group: usize,
+    width: usize,
+    scale: f32,
+    span: Span,
+}
+
+/// Every query row of the step. The query heads that share a KV head are
+/// computed together, so each cached key and value row is read once for
+/// all of them (at a 1,000-token context the cache is a third of what a
+/// decode step reads).
+#[inline(always)]
+fn rows(inputs: &Inputs<'_>, out: &mut [f32]) -> Result<()> {
+    let Inputs {
+        queries,
+        keys,
+        values,
+        heads,
+        group,
+        width,
+        scale,
+        span,
+    } = *inputs;
+    let mut scores: Vec<Vec<f32>> = vec![Vec::with_capacity(keys.positions); group];
+    let mut maxima = vec![f32::NEG_INFINITY; group];
+    let mut totals = vec![0f32; group];
+    // Output row `s` holds every head's result for query `s`, side by side.
+    for (s, out_row) in out.chunks_exact_mut(heads * width).enumerate() {
+        let query_position = span.position + s;
+        let first = (query_position + 1).saturating_sub(span.window);
+        for (kv_head, results) in out_row.chunks_exact_mut(group * width).enumerate() {
+            let query = |g: usize| {
+                queries
+                    .row(kv_head * group + g, s, width)
+                    .ok_or(EngineError::WrongInput("has a query outside its tensor"))
+            };
+            for g in 0..group {
+                scores[g].clear();
+                maxima[g] = f32::NEG_INFINITY;
+            }
+            for key in first..=query_position {
+                let key_row = keys
+                    .row(kv_head, key, width)
+                    .ok_or(EngineError::WrongInput("has a key outside its cache"))?;
+                for g in 0..group {
+                    let score = dot(query(g)?, key_row) * scale;
+                    maxima[g] = maxima[g].max(score);
+                    scores[g].push(score);
+                }
+            }
+            for g in 0..group {
+                let mut total = 0f32;
+                for score in scores[g].iter_mut() {
+                    *score = (*score - maxima[g]).exp();
+                    total += *score;
+                }
+                totals[g] = total;
+            }
+            for (j, key) in (first..=query_position).enumerate() {
+                let value_row = values
+                    .row(kv_head, key, width)
+                    .ok_or(EngineError::WrongInput("has a value outside its cache"))?;
+                for (g, result) in results.chunks_exact_mut(width).enumerate() {
+                    let weight = scores[g][j] / totals[g];
+                    for (o, v) in result.iter_mut().zip(value_row) {
+                        *o += weight * v;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A dot product in eight lanes added in a fixed order (no fused
 /// multiply-add, so every build gives the same bits).
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let mut a8 = a.chunks_exact(8);
