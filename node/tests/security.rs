@@ -756,14 +756,16 @@ async fn only_the_final_stage_may_open_the_direct_return() {
         assert!(started.elapsed() < Duration::from_secs(20), "no OPEN");
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    // A stranger opens the direct return and sends logits of its choosing.
-    let vocab = mesh_stage::ModelHandle::open(&model)
+    // A stranger opens the direct return and sends a final hidden state of
+    // its choosing.
+    let hidden = mesh_stage::ModelHandle::open(&model)
         .unwrap()
         .config()
-        .vocab;
-    let mut chosen = vec![0f32; vocab];
-    chosen[7] = 1e9;
-    let payload: Vec<u8> = chosen.iter().flat_map(|v| v.to_le_bytes()).collect();
+        .hidden;
+    let chosen = vec![1e3f32; hidden];
+    let payload =
+        mesh_stage::frame::encode_frame(&chosen, 1, hidden, mesh_stage::frame::WireDType::F32)
+            .unwrap();
     let stranger = TlsIdentity::new(&key(9)).unwrap();
     let (_endpoint, connection) = connect(&stranger, &a.peer_addr(), ALPN_STAGE)
         .await
@@ -771,7 +773,7 @@ async fn only_the_final_stage_may_open_the_direct_return() {
     let (mut send, _recv) = connection.open_bi().await.unwrap();
     for (kind, body) in [
         (msg::kind::DIRECT_OPEN, Vec::new()),
-        (msg::kind::LOGITS, payload),
+        (msg::kind::HIDDEN, payload),
     ] {
         let _ = msg::write(
             &mut send,
@@ -785,7 +787,7 @@ async fn only_the_final_stage_may_open_the_direct_return() {
     let summary = asked.await.unwrap().unwrap();
     assert_eq!(
         summary.details["generated_tokens"], 0,
-        "the stranger's logits were sampled: {:#}",
+        "the stranger's hidden state was sampled: {:#}",
         summary.details
     );
     assert!(summary.error.is_some());

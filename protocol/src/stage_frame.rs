@@ -20,12 +20,15 @@ pub mod kind {
     pub const STOP: u8 = 3;
     /// The final stage opens its direct-return stream to stage 0.
     pub const DIRECT_OPEN: u8 = 4;
-    /// Reply: logits of the last position (payload: f32 LE).
-    pub const LOGITS: u8 = 16;
     /// Reply: the stage failed (payload: UTF-8 reason).
     pub const FAILED: u8 = 17;
+    /// Reply: the final stage's hidden state at the step's last position
+    /// (payload: an activation frame of one row), from which the coordinator
+    /// computes the logits with the output head it holds. Kind 16, the
+    /// full logits an earlier version returned, is retired.
+    pub const HIDDEN: u8 = 18;
     /// Every kind this version speaks.
-    pub const ALL: [u8; 6] = [OPEN, ACTIVATIONS, STOP, DIRECT_OPEN, LOGITS, FAILED];
+    pub const ALL: [u8; 6] = [OPEN, ACTIVATIONS, STOP, DIRECT_OPEN, FAILED, HIDDEN];
 }
 
 /// Bytes of the header.

@@ -106,6 +106,24 @@ impl ModelHandle {
     ) -> Result<LayerSlice> {
         LayerSlice::load(&self.source, &self.config, range, policy)
     }
+
+    /// Load the slice of layers `range` for a chain: its stages return
+    /// hidden states, even the final one, and the coordinator (`holds_head`)
+    /// applies the output head apart (`LayerSlice::logits`).
+    pub fn load_chain_slice(&self, range: Range<u32>, holds_head: bool) -> Result<LayerSlice> {
+        let head_use = if holds_head {
+            model::HeadUse::Apart
+        } else {
+            model::HeadUse::Without
+        };
+        LayerSlice::load_with_head(
+            &self.source,
+            &self.config,
+            range,
+            model::ExecPolicy::default(),
+            head_use,
+        )
+    }
 }
 
 /// The bytes a slice holds for each part of a model: what the first slice
@@ -116,6 +134,18 @@ pub struct LayerBytes {
     pub embedding: u64,
     pub layers: Vec<u64>,
     pub head: u64,
+}
+
+impl LayerBytes {
+    /// The bytes as a chain holds them: its first slice (the coordinator's)
+    /// holds the output head as well as the embedding.
+    pub fn with_head_on_first(&self) -> Self {
+        Self {
+            embedding: self.embedding + self.head,
+            layers: self.layers.clone(),
+            head: 0,
+        }
+    }
 }
 
 impl ModelHandle {

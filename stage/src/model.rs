@@ -333,6 +333,19 @@ struct Head {
     output: Linear,
 }
 
+/// Where a slice's output head (final norm and output matrix) runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeadUse {
+    /// In `forward`, when the slice ends the model: an in-process pipeline's
+    /// last slice returns logits.
+    InForward,
+    /// Held by the slice but applied only by `logits`: a chain's
+    /// coordinator, which samples from the final stage's hidden state.
+    Apart,
+    /// Not held: a chain's stages, whose final one returns its hidden state.
+    Without,
+}
+
 /// What a slice takes in.
 #[derive(Debug)]
 pub enum SliceInput<'a> {
@@ -377,6 +390,7 @@ pub struct LayerSlice {
     embedding: Option<Embedding>,
     blocks: Vec<Block>,
     head: Option<Head>,
+    head_use: HeadUse,
     /// RoPE tables of the global layers (all layers of most models).
     rope: Rope,
     /// RoPE tables of the local (sliding-window) layers, when there are any.
@@ -448,6 +462,23 @@ impl LayerSlice {
         config: &ModelConfig,
         range: Range<u32>,
         policy: ExecPolicy,
+    ) -> Result<Self> {
+        let head_use = if range.end == config.layers {
+            HeadUse::InForward
+        } else {
+            HeadUse::Without
+        };
+        Self::load_with_head(source, config, range, policy, head_use)
+    }
+
+    /// `load`, with the output head where `head_use` says (`InForward` holds
+    /// it only when the slice ends the model).
+    pub fn load_with_head(
+        source: &Source,
+        config: &ModelConfig,
+        range: Range<u32>,
+        policy: ExecPolicy,
+        head_use: HeadUse,
     ) -> Result<Self> {
         if range.start >= range.end || range.end > config.layers {
             return Err(EngineError::BadRange {
@@ -531,7 +562,12 @@ impl LayerSlice {
                 local: config.is_local(i),
             });
         }
-        let head = if last {
+        let holds_head = match head_use {
+            HeadUse::InForward => last,
+            HeadUse::Apart => true,
+            HeadUse::Without => false,
+        };
+        let head = if holds_head {
             let norm = dense(read(names.output_norm)?, &mut resident)?;
             let output_name = if source.has(names.output) {
                 names.output
@@ -558,6 +594,7 @@ impl LayerSlice {
             embedding,
             blocks,
             head,
+            head_use,
             rope,
             local_rope,
             weights_digest: *hasher.finalize().as_bytes(),
@@ -572,7 +609,13 @@ impl LayerSlice {
     pub fn is_first(&self) -> bool {
         self.embedding.is_some()
     }
+    /// Whether `forward` returns logits: the slice ends the model and runs
+    /// the head itself.
     pub fn is_last(&self) -> bool {
+        self.head.is_some() && self.head_use == HeadUse::InForward
+    }
+    /// Whether the slice holds the output head (`logits` can run).
+    pub fn holds_head(&self) -> bool {
         self.head.is_some()
     }
     /// BLAKE3 over every tensor this slice read (name, length, stored bytes),
@@ -643,6 +686,37 @@ impl LayerSlice {
         Device::Cpu.with_context(|| self.forward_checked(jobs))
     }
 
+    /// The logits of each row of `hidden` (final hidden states, as a chain's
+    /// final stage returns them), through the head this slice holds apart.
+    /// A row gets the bits the model's last slice gives it in `forward`.
+    pub fn logits(&self, hidden: &Activations) -> Result<Vec<Vec<f32>>> {
+        let head = self
+            .head
+            .as_ref()
+            .ok_or(EngineError::WrongInput("holds no output head"))?;
+        if hidden.cols != self.config.hidden
+            || hidden.rows == 0
+            || hidden.values.len() != hidden.rows * hidden.cols
+        {
+            return Err(EngineError::WrongInput(
+                "was given hidden states of the wrong shape for the head",
+            ));
+        }
+        let rows = Tensor::from_slice(&hidden.values, (hidden.rows, hidden.cols), &Device::Cpu)?;
+        Device::Cpu.with_context(|| self.apply_head(head, &rows))
+    }
+
+    /// Final norm and output matrix over `rows`, each row its own step.
+    fn apply_head(&self, head: &Head, rows: &Tensor) -> Result<Vec<Vec<f32>>> {
+        let normed = candle_nn::ops::rms_norm(rows, &head.norm, self.config.rms_eps as f32)?;
+        let count = rows.dim(0)?;
+        let one_row_each: Vec<(usize, usize)> = (0..count).map(|i| (i, 1)).collect();
+        let logits = head.output.forward_rows(&normed, &one_row_each)?;
+        (0..count)
+            .map(|row| Ok(logits.get(row)?.to_vec1::<f32>()?))
+            .collect()
+    }
+
     fn forward_checked(
         &self,
         jobs: &mut [(SliceInput<'_>, &mut SliceCache)],
@@ -677,22 +751,20 @@ impl LayerSlice {
             cache.position += seq;
         }
         match &self.head {
-            Some(head) => {
+            Some(head) if self.head_use == HeadUse::InForward => {
                 // Only each request's last position is sampled.
                 let last: Vec<Tensor> = spans
                     .iter()
                     .map(|(offset, seq)| x.narrow(0, offset + seq - 1, 1))
                     .collect::<candle_core::Result<_>>()?;
                 let last = Tensor::cat(&last, 0)?;
-                let normed =
-                    candle_nn::ops::rms_norm(&last, &head.norm, self.config.rms_eps as f32)?;
-                let one_row_each: Vec<(usize, usize)> = (0..spans.len()).map(|i| (i, 1)).collect();
-                let logits = head.output.forward_rows(&normed, &one_row_each)?;
-                (0..spans.len())
-                    .map(|row| Ok(SliceOutput::Logits(logits.get(row)?.to_vec1::<f32>()?)))
-                    .collect()
+                Ok(self
+                    .apply_head(head, &last)?
+                    .into_iter()
+                    .map(SliceOutput::Logits)
+                    .collect())
             }
-            None => spans
+            _ => spans
                 .iter()
                 .map(|(offset, seq)| {
                     Ok(SliceOutput::Hidden(Activations {

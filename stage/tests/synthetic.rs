@@ -6,11 +6,12 @@
 use std::ops::Range;
 
 use candle_core::quantized::GgmlDType;
+use mesh_stage::frame::Activations;
 use mesh_stage::frame::WireDType;
 use mesh_stage::pipeline::{Generation, Pipeline};
 use mesh_stage::sampling::{Sampler, SamplingParams};
 use mesh_stage::synthetic::{SyntheticModel, SyntheticSpec, write_synthetic};
-use mesh_stage::{EngineError, ModelHandle};
+use mesh_stage::{EngineError, ModelHandle, SliceInput, SliceOutput};
 
 fn model(types: &[GgmlDType]) -> (tempfile::TempDir, SyntheticModel) {
     let dir = tempfile::tempdir().unwrap();
@@ -66,6 +67,66 @@ fn splits_are_bit_identical_to_the_unsplit_run() {
                 path.display()
             );
         }
+    }
+}
+
+/// A chain's way: the final stage returns its hidden state and the
+/// coordinator's first slice, holding the head apart, turns the last row
+/// into logits with the bits the model's own last slice gives, in every
+/// format the head may be stored in.
+#[test]
+fn a_head_held_apart_gives_the_last_slices_logits() {
+    let types = [
+        GgmlDType::F32,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q4K,
+    ];
+    let (_dir, model) = model(&types);
+    for dtype in types {
+        let handle = ModelHandle::open(model.gguf(dtype).unwrap()).unwrap();
+        let ids = handle.text().encode("The quick brown fox").unwrap();
+        let whole = handle.load_slice(0..6).unwrap();
+        let mut cache = whole.new_cache(32).unwrap();
+        let expected = match whole.forward(SliceInput::Tokens(&ids), &mut cache).unwrap() {
+            SliceOutput::Logits(logits) => logits,
+            other => panic!("the whole model returned {other:?}"),
+        };
+        let first = handle.load_chain_slice(0..2, true).unwrap();
+        let last = handle.load_chain_slice(2..6, false).unwrap();
+        assert!(first.holds_head() && !first.is_last());
+        assert!(!last.holds_head() && !last.is_last());
+        let mut first_cache = first.new_cache(32).unwrap();
+        let mut last_cache = last.new_cache(32).unwrap();
+        let SliceOutput::Hidden(middle) = first
+            .forward(SliceInput::Tokens(&ids), &mut first_cache)
+            .unwrap()
+        else {
+            panic!("the first slice returned logits")
+        };
+        let SliceOutput::Hidden(end) = last
+            .forward(SliceInput::Hidden(&middle), &mut last_cache)
+            .unwrap()
+        else {
+            panic!("a chain's final slice returned logits")
+        };
+        assert_eq!(end.rows, ids.len());
+        let final_row = Activations {
+            rows: 1,
+            cols: end.cols,
+            values: end.values[(end.rows - 1) * end.cols..].to_vec(),
+        };
+        let logits = first.logits(&final_row).unwrap();
+        assert_eq!(logits.len(), 1);
+        assert_eq!(bits(&logits[0]), bits(&expected), "{dtype:?}");
+        // Without a head, or with the wrong width, it says so.
+        assert!(last.logits(&final_row).is_err());
+        let narrow = Activations {
+            rows: 1,
+            cols: end.cols - 1,
+            values: vec![0.0; end.cols - 1],
+        };
+        assert!(first.logits(&narrow).is_err());
     }
 }
 

@@ -646,15 +646,9 @@ async fn drive(
                     .await?;
                 held.cache = Some(lease);
                 own_compute += compute_start.elapsed();
-                if let Some(ticket) = held.ticket.as_mut() {
-                    let metered = lock(&inner.steward).mark_engine(ticket);
-                    if let Some(limit) = ticket.limit_uj().filter(|limit| metered >= *limit) {
-                        budget_stop = Some(format!(
-                            "the energy ceiling of {limit} µJ was reached at the coordinator ({metered} µJ metered) after {} tokens",
-                            tokens.len()
-                        ));
-                        return Ok(TerminalState::PolicyDenied);
-                    }
+                if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
+                    budget_stop = Some(stop);
+                    return Ok(TerminalState::PolicyDenied);
                 }
                 let SliceOutput::Hidden(hidden) = output else {
                     bail!("the coordinator's slice returned logits")
@@ -770,19 +764,30 @@ async fn drive(
                     }
                     bail!("a stage failed: {reason}");
                 }
-                if reply_kind != kind::LOGITS || payload.len() % 4 != 0 {
+                if reply_kind != kind::HIDDEN {
                     bail!("a malformed reply (kind {reply_kind})");
                 }
-                // A prefill chunk's logits are not sampled: the next chunk follows.
+                let (hidden, _) = decode_frame(payload, run.own.slice.config().hidden)
+                    .context("the final stage's hidden state")?;
+                if hidden.rows != 1 {
+                    bail!("the final stage returned {} rows, not one", hidden.rows);
+                }
+                // A prefill chunk's last position is not sampled: the next
+                // chunk follows.
                 if let Some(chunk) = prefill.get(step as usize + 1) {
                     step += 1;
                     input = chunk.to_vec();
                     continue;
                 }
-                let logits: Vec<f32> = payload
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
+                let head_start = Instant::now();
+                let logits = tokio::task::block_in_place(|| run.own.slice.logits(&hidden))?
+                    .pop()
+                    .context("the output head returned no logits")?;
+                own_compute += head_start.elapsed();
+                if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
+                    budget_stop = Some(stop);
+                    return Ok(TerminalState::PolicyDenied);
+                }
                 if step as usize + 1 == prefill.len() {
                     prefill_time = started.elapsed();
                 }
@@ -1255,6 +1260,21 @@ async fn report(
     });
     msg::write_cbor(requester, &done).await?;
     Ok(())
+}
+
+/// The coordinator's steward meters its compute so far; past the grant's
+/// energy ceiling, why the serve stops there.
+fn ceiling_reached(
+    inner: &Inner,
+    ticket: Option<&mut crate::runtime::steward::ServeTicket>,
+    tokens: usize,
+) -> Option<String> {
+    let ticket = ticket?;
+    let metered = lock(&inner.steward).mark_engine(ticket);
+    let limit = ticket.limit_uj().filter(|limit| metered >= *limit)?;
+    Some(format!(
+        "the energy ceiling of {limit} µJ was reached at the coordinator ({metered} µJ metered) after {tokens} tokens"
+    ))
 }
 
 /// The final stage's direct-return stream, once it opens it.

@@ -943,7 +943,9 @@ fn handle_assign(
         assign.stage_count
     );
     let slice = tokio::task::block_in_place(|| {
-        inner.model.load_slice(assign.layer_start..assign.layer_end)
+        inner
+            .model
+            .load_chain_slice(assign.layer_start..assign.layer_end, false)
     })?;
     let answer = (slice.weights_digest(), slice.weight_bytes());
     let slot = inner.slot(slice, assign.clone());
@@ -1550,7 +1552,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                         );
                     }
                     match output {
-                        SliceOutput::Hidden(a) => {
+                        SliceOutput::Hidden(a) if down.is_some() => {
                             let frame = encode_frame(&a.values, a.rows, a.cols, wire)?;
                             let (send, down_recv) = down
                                 .as_mut()
@@ -1601,10 +1603,18 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                                 .await?;
                             }
                         }
-                        SliceOutput::Logits(logits) => {
-                            let payload: Vec<u8> =
-                                logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-                            let body = msg::stage_body(kind::LOGITS, request_id, step, &payload);
+                        SliceOutput::Logits(_) => bail!("a chain's slice returned logits"),
+                        SliceOutput::Hidden(a) => {
+                            // The final stage: its hidden state at the step's
+                            // last position, in f32 whatever the wire, for
+                            // the coordinator's output head.
+                            let last = a
+                                .values
+                                .get(a.rows.saturating_sub(1) * a.cols..)
+                                .filter(|row| !row.is_empty())
+                                .context("the final slice returned no hidden state")?;
+                            let payload = encode_frame(last, 1, a.cols, WireDType::F32)?;
+                            let body = msg::stage_body(kind::HIDDEN, request_id, step, &payload);
                             let bytes = msg::frame(&body)?;
                             match (&mut direct, lanes.direct_sent.as_mut()) {
                                 (Some(send), Some(fold)) => {
@@ -1988,9 +1998,10 @@ impl Inner {
         if stages > layers {
             bail!("{stages} stages for a model of {layers} layers");
         }
-        // By bytes, not layer counts: the first slice also holds the
-        // embedding and the last the head.
-        let ranges = mesh_stage::split_by_bytes(&self.model.layer_bytes(), stages);
+        // By bytes, not layer counts: the first slice (this node's) also
+        // holds the embedding and the output head.
+        let ranges =
+            mesh_stage::split_by_bytes(&self.model.layer_bytes().with_head_on_first(), stages);
         let run_id = format!(
             "mesh-split-{}",
             SystemTime::now()
@@ -2050,7 +2061,10 @@ impl Inner {
             tokio::spawn(async move { inner.assign_remote(&assigns).await })
         };
         let own_range = ranges[0].clone();
-        let own_slice = tokio::task::block_in_place(|| self.model.load_slice(own_range))?;
+        // The coordinator holds the output head: the final stage returns its
+        // hidden state, and the logits are computed (and sampled) here.
+        let own_slice =
+            tokio::task::block_in_place(|| self.model.load_chain_slice(own_range, true))?;
         let refresh_after = remote
             .await
             .map_err(|e| anyhow!("assignment task: {e}"))??;
