@@ -228,7 +228,8 @@ enum BenchTarget {
         json: bool,
     },
     /// Decode tokens/s unsplit in-process against split over loopback QUIC
-    /// (2 and 3 stages), per-hop overhead, and the share of time folding.
+    /// (2 and 3 stages, relayed and direct return), per-hop overhead, and
+    /// the share of time folding.
     Split {
         /// A GGUF file or safetensors directory (default: the synthetic model).
         #[arg(long)]

@@ -525,7 +525,8 @@ fn print_demo_details(
 }
 
 /// `mesh-node bench split`: decode tokens/s unsplit in one process against
-/// split over loopback QUIC (2 and 3 stages), with the estimated per-hop
+/// split over loopback QUIC (2 and 3 stages, relayed and direct return),
+/// with the estimated per-hop
 /// overhead and the share of time spent folding.
 pub async fn bench_split(
     model: Option<PathBuf>,
@@ -565,8 +566,13 @@ pub async fn bench_split(
         "decode_tokens_per_s": unsplit,
         "ratio_to_unsplit": 1.0,
     })];
-    for stages in [2usize, 3] {
-        let split = BenchSplit::start(&model, stages, None).await?;
+    for (stages, return_mode) in [
+        (2usize, ReturnMode::Relayed),
+        (3, ReturnMode::Relayed),
+        (2, ReturnMode::Direct),
+        (3, ReturnMode::Direct),
+    ] {
+        let split = BenchSplit::start(&model, stages, None, return_mode).await?;
         let coordinator = &split.coordinator;
         let request = GenerateRequest {
             chat: true,
@@ -586,8 +592,9 @@ pub async fn bench_split(
         let d = &summary.details;
         let rate = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
         rows.push(serde_json::json!({
-            "configuration": format!("{stages} stages over loopback QUIC"),
+            "configuration": format!("{stages} stages, {}", return_mode.as_str()),
             "stages": stages,
+            "return_mode": return_mode.as_str(),
             "decode_tokens_per_s": rate,
             "ratio_to_unsplit": rate / unsplit.max(1e-9),
             "per_hop_overhead_us": d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
@@ -662,6 +669,7 @@ impl BenchSplit {
         model: &Path,
         stages: usize,
         http: Option<SocketAddr>,
+        return_mode: ReturnMode,
     ) -> anyhow::Result<Self> {
         let scratch = tempfile_dir()?;
         let coordinator_key =
@@ -682,6 +690,7 @@ impl BenchSplit {
         let peers: Vec<PeerAddr> = nodes.iter().map(Node::peer_addr).collect();
         let mut options = bench_options(model, &scratch, 0, peers, &coordinator_key)?;
         options.http = http;
+        options.return_mode = return_mode;
         Ok(Self {
             coordinator: Node::start(options).await?,
             stages: nodes,

@@ -107,6 +107,7 @@ pub async fn bench_api(model: &Path, tokens: usize, rounds: usize) -> anyhow::Re
         model,
         3,
         Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+        mesh_protocol::block::ReturnMode::Relayed,
     )
     .await?;
     let coordinator = &split.coordinator;
