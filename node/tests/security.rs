@@ -9,8 +9,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::nodes::{
-    Setup, ask, connect, granted, grants, key, no_lane_breaks, observed_stalling_stage, public,
-    request, stalling_stage, synthetic, three_nodes, verify,
+    Script, Setup, ask, connect, granted, grants, key, no_lane_breaks, observed_stalling_stage,
+    public, request, scripted_stage, stalling_stage, synthetic, three_nodes, verify,
 };
 use mesh_node::runtime::net::tls::{self, TlsIdentity};
 use mesh_node::runtime::net::{ALPN_CONTROL, ALPN_STAGE, msg};
@@ -733,6 +733,121 @@ async fn the_receipt_chain_link_survives_a_coordinator_restart() {
             .unwrap();
     let linked = mesh_protocol::mesh1::SealedReceipt::verify(&previous).unwrap();
     assert_eq!(sealed.receipt.prev, Some(linked.envelope_id()));
+}
+
+/// A final stage that answers with something other than one finite f32
+/// row of the model's width, for the step asked, gets no token sampled
+/// from it: the request fails naming what was wrong, and the coordinator
+/// holds nothing afterwards. The same stage answering one well-formed row
+/// is served, so the refusals are the reply's, not the harness's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_stage_reply_that_is_not_one_finite_row_is_refused() {
+    use mesh_stage::frame::{WireDType, encode_frame};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let hidden = mesh_stage::ModelHandle::open(&model)
+        .unwrap()
+        .config()
+        .hidden;
+    let row = move |value: f32, rows: usize, dtype| {
+        encode_frame(&vec![value; rows * hidden], rows, hidden, dtype).unwrap()
+    };
+    let cases: Vec<(&str, Script, Option<&str>)> = vec![
+        (
+            "one f32 row",
+            std::sync::Arc::new(move |id, step| {
+                Some(msg::stage_body(
+                    msg::kind::HIDDEN,
+                    id,
+                    step,
+                    &row(0.5, 1, WireDType::F32),
+                ))
+            }),
+            None,
+        ),
+        (
+            "two rows",
+            std::sync::Arc::new(move |id, step| {
+                Some(msg::stage_body(
+                    msg::kind::HIDDEN,
+                    id,
+                    step,
+                    &row(0.5, 2, WireDType::F32),
+                ))
+            }),
+            Some("not one of F32"),
+        ),
+        (
+            "f16",
+            std::sync::Arc::new(move |id, step| {
+                Some(msg::stage_body(
+                    msg::kind::HIDDEN,
+                    id,
+                    step,
+                    &row(0.5, 1, WireDType::F16),
+                ))
+            }),
+            Some("not one of F32"),
+        ),
+        (
+            "not finite",
+            std::sync::Arc::new(move |id, step| {
+                Some(msg::stage_body(
+                    msg::kind::HIDDEN,
+                    id,
+                    step,
+                    &row(f32::NAN, 1, WireDType::F32),
+                ))
+            }),
+            Some("not finite"),
+        ),
+        (
+            "another step",
+            std::sync::Arc::new(move |id, step| {
+                Some(msg::stage_body(
+                    msg::kind::HIDDEN,
+                    id,
+                    step + 1,
+                    &row(0.5, 1, WireDType::F32),
+                ))
+            }),
+            Some("a reply for step"),
+        ),
+        (
+            "a megabyte",
+            std::sync::Arc::new(move |id, step| {
+                Some(msg::stage_body(
+                    msg::kind::HIDDEN,
+                    id,
+                    step,
+                    &vec![0u8; 1 << 20],
+                ))
+            }),
+            Some("stage 1"),
+        ),
+    ];
+    for (name, script, refusal) in cases {
+        let (_stage, peer, _) = scripted_stage(&key(3), script).await;
+        let a = Setup::coordinator(&model, dir.path(), vec![peer])
+            .start()
+            .await;
+        let summary = ask(&a.peer_addr(), &request("whose hidden state?", 2, None))
+            .await
+            .unwrap();
+        match refusal {
+            None => {
+                assert!(summary.error.is_none(), "{name}: {:?}", summary.error);
+                assert_eq!(summary.details["generated_tokens"], 2, "{name}");
+            }
+            Some(why) => {
+                let error = summary.error.clone().unwrap_or_default();
+                assert!(error.contains(why), "{name}: {error}");
+                assert_eq!(summary.details["generated_tokens"], 0, "{name}");
+            }
+        }
+        assert!(a.stats().await.pools_empty(), "{name}");
+        a.shutdown().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -75,7 +75,13 @@ pub fn attend(
     }
     let (_, heads, seq, width) = q.dims4()?;
     let kv_heads = k.dim(1)?;
-    if kv_heads == 0 || heads % kv_heads != 0 || v.dims() != k.dims() || k.dim(3)? != width {
+    if heads == 0
+        || width == 0
+        || kv_heads == 0
+        || heads % kv_heads != 0
+        || v.dims() != k.dims()
+        || k.dim(3)? != width
+    {
         return Err(EngineError::WrongInput(
             "has attention shapes that do not fit",
         ));
@@ -93,8 +99,11 @@ pub fn attend(
         return Ok(None);
     };
     let cached = keys.positions;
-    if span.position + seq > cached {
-        return Err(EngineError::WrongInput("attends past its cache"));
+    // The cache holds exactly the positions before this step and the step's.
+    if span.position + seq != cached {
+        return Err(EngineError::WrongInput(
+            "attends over a cache that does not end at its step",
+        ));
     }
     let mut out = vec![0f32; seq * heads * width];
     let inputs = Inputs {
@@ -326,14 +335,23 @@ mod tests {
     }
 
     #[test]
-    fn refuses_queries_past_the_cache_and_shapes_that_do_not_fit() {
+    fn refuses_a_cache_that_does_not_end_at_the_step_and_shapes_that_do_not_fit() {
         let q = random((1, 4, 2, 8), 1);
         let k = random((1, 2, 3, 8), 2);
-        let past = Span {
-            position: 2,
+        for position in [0, 2] {
+            let span = Span {
+                position,
+                window: usize::MAX,
+            };
+            assert!(attend(&q, &k, &k, 1.0, span).is_err(), "{position}");
+        }
+        let no_width = random((1, 4, 2, 0), 4);
+        let empty = random((1, 2, 3, 0), 5);
+        let at = Span {
+            position: 1,
             window: usize::MAX,
         };
-        assert!(attend(&q, &k, &k, 1.0, past).is_err());
+        assert!(attend(&no_width, &empty, &empty, 1.0, at).is_err());
         let uneven = random((1, 3, 3, 8), 3);
         let at = Span {
             position: 1,

@@ -193,6 +193,23 @@ pub async fn observed_stalling_stage(
     PeerAddr,
     std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
 ) {
+    scripted_stage(key, std::sync::Arc::new(|_, _| None)).await
+}
+
+/// A stage's reply to ACTIVATIONS of (request id, step): a message body to
+/// send back on the same stream, or none.
+pub type Script = std::sync::Arc<dyn Fn(u64, u32) -> Option<Vec<u8>> + Send + Sync>;
+
+/// `observed_stalling_stage`, but answering each ACTIVATIONS as `script`
+/// says: a final stage that replies what a test chooses.
+pub async fn scripted_stage(
+    key: &SigningKey,
+    script: Script,
+) -> (
+    quinn::Endpoint,
+    PeerAddr,
+    std::sync::Arc<std::sync::Mutex<Vec<u64>>>,
+) {
     let opened = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = opened.clone();
     mesh_node::runtime::net::tls::install_provider();
@@ -218,12 +235,14 @@ pub async fn observed_stalling_stage(
     tokio::spawn(async move {
         while let Some(incoming) = accepting.accept().await {
             let seen = seen.clone();
+            let script = script.clone();
             tokio::spawn(async move {
                 let Ok(connection) = incoming.await else {
                     return;
                 };
                 while let Ok((mut send, mut recv)) = connection.accept_bi().await {
                     let seen = seen.clone();
+                    let script = script.clone();
                     tokio::spawn(async move {
                         let mut held = Vec::new();
                         while let Ok(Some(frame)) = mesh_node::runtime::net::msg::read(
@@ -242,6 +261,17 @@ pub async fn observed_stalling_stage(
                             )) = mesh_node::runtime::net::msg::parse_stage(&frame)
                             {
                                 seen.lock().unwrap().push(request_id);
+                            }
+                            if let Ok((
+                                mesh_node::runtime::net::msg::kind::ACTIVATIONS,
+                                request_id,
+                                step,
+                                _,
+                            )) = mesh_node::runtime::net::msg::parse_stage(&frame)
+                                && let Some(body) = script(request_id, step)
+                            {
+                                let _ = mesh_node::runtime::net::msg::write(&mut send, &body, None)
+                                    .await;
                             }
                             if let Ok(message) = mesh_protocol::cbor::Cbor::decode(&frame[4..])
                                 && message

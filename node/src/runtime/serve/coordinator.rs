@@ -616,9 +616,10 @@ async fn drive(
         let mut direct: Option<Frames> = None;
         let mut direct_closed = false;
         let mut stage1: Option<Frames> = None;
+        let reply_limit = max_reply(run.own.slice.config().hidden);
         let mut recv = Some(recv);
         if return_mode == ReturnMode::Direct {
-            stage1 = recv.take().map(spawn_frames);
+            stage1 = recv.take().map(|recv| spawn_frames(recv, reply_limit));
         }
         // Relayed replies once the deadline is nearer than a step timeout.
         let mut relayed: Option<Frames> = None;
@@ -676,7 +677,7 @@ async fn drive(
                 let reply = match recv.as_mut() {
                     Some(recv) if wait == inner.step_timeout => {
                         let reply =
-                            msg::read_checked(recv, msg::MAX_STAGE_MESSAGE, inner.step_timeout, None)
+                            msg::read_checked(recv, reply_limit, inner.step_timeout, None)
                                 .await
                                 .map_err(|e| step_failure(e, "stage 1", inner.step_timeout))?
                                 .context("stage 1 closed the request")?;
@@ -688,7 +689,7 @@ async fn drive(
                         // through a task from here on, so the wait can end
                         // without losing part of a frame.
                         if relayed.is_none() {
-                            relayed = recv.take().map(spawn_frames);
+                            relayed = recv.take().map(|recv| spawn_frames(recv, reply_limit));
                         }
                         let Ok(arrived) = tokio::time::timeout(wait, next_frame(&mut relayed)).await
                         else {
@@ -709,7 +710,7 @@ async fn drive(
                                     if let Some(fold) = lanes.direct_received.as_mut() {
                                         folds.time(|| fold.push_frame(&opening));
                                     }
-                                    direct = Some(spawn_frames(stream));
+                                    direct = Some(spawn_frames(stream, reply_limit));
                                 }
                                 arrived = next_frame(&mut direct), if !direct_closed => {
                                     let Some(arrived) = arrived else {
@@ -730,6 +731,11 @@ async fn drive(
                                 said = next_frame(&mut stage1) => {
                                     let frame = said.context("stage 1 closed the request")??;
                                     folds.time(|| lanes.down_replies_received.push_frame(&frame));
+                                    // In direct mode stage 1's own stream only
+                                    // says why the chain stopped.
+                                    if msg::parse_stage(&frame)?.0 != kind::FAILED {
+                                        bail!("stage 1 sent a reply on its own stream in direct mode");
+                                    }
                                     break frame;
                                 }
                                 () = tokio::time::sleep_until(until) => {
@@ -750,7 +756,7 @@ async fn drive(
                 let round_trip = trip.elapsed();
                 round_trips += round_trip;
                 inner.counters.round_trips.record(round_trip);
-                let (reply_kind, id, _, payload) = msg::parse_stage(&reply)?;
+                let (reply_kind, id, reply_step, payload) = msg::parse_stage(&reply)?;
                 if id != request_id {
                     bail!("a reply for request {id} on request {request_id}");
                 }
@@ -767,10 +773,19 @@ async fn drive(
                 if reply_kind != kind::HIDDEN {
                     bail!("a malformed reply (kind {reply_kind})");
                 }
-                let (hidden, _) = decode_frame(payload, run.own.slice.config().hidden)
+                if reply_step != step {
+                    bail!("a reply for step {reply_step} to step {step}");
+                }
+                let (hidden, dtype) = decode_frame(payload, run.own.slice.config().hidden)
                     .context("the final stage's hidden state")?;
-                if hidden.rows != 1 {
-                    bail!("the final stage returned {} rows, not one", hidden.rows);
+                if hidden.rows != 1 || dtype != WireDType::F32 {
+                    bail!(
+                        "the final stage returned {} rows of {dtype:?}, not one of F32",
+                        hidden.rows
+                    );
+                }
+                if hidden.values.iter().any(|v| !v.is_finite()) {
+                    bail!("the final stage returned a hidden state that is not finite");
                 }
                 // A prefill chunk's last position is not sampled: the next
                 // chunk follows.
@@ -872,10 +887,10 @@ async fn drive(
             drain_for(stage1, &mut lanes.down_replies_received, drain_bound).await;
         }
         // Likewise the direct return: the final stage may have opened it (and
-        // folded its opening) before the failure reached it. It is read to
-        // its end even after a clean finish: the final stage ends it once
-        // STOP reaches it, and nothing it folded as sent is left unread.
-        if return_mode == ReturnMode::Direct {
+        // folded its opening) before the failure reached it, or before a
+        // deadline that passed ahead of the first step: its opening is read
+        // and folded then too, so nothing it folded as sent is left unread.
+        if return_mode == ReturnMode::Direct && (unfinished || direct.is_none()) {
             let drain_bound = if unfinished { drain_bound } else { DRAIN_WAIT };
             if direct.is_none()
                 && let Ok(Ok((_send, stream, opening))) =
@@ -884,7 +899,7 @@ async fn drive(
                 if let Some(fold) = lanes.direct_received.as_mut() {
                     fold.push_frame(&opening);
                 }
-                direct = Some(spawn_frames(stream));
+                direct = Some(spawn_frames(stream, reply_limit));
             }
             if let (Some(frames), Some(fold)) = (direct.as_mut(), lanes.direct_received.as_mut()) {
                 drain_for(frames, fold, drain_bound).await;

@@ -1023,7 +1023,7 @@ async fn refusal_behind(
     whom: &str,
     received: Option<&mut LaneFold>,
 ) -> anyhow::Error {
-    let reply = msg::read_checked(recv, msg::MAX_STAGE_MESSAGE, DRAIN_WAIT, None).await;
+    let reply = msg::read_checked(recv, MAX_FAILED_REPLY, DRAIN_WAIT, None).await;
     if let Ok(Some(frame)) = reply
         && let Ok((kind::FAILED, _, _, reason)) = msg::parse_stage(&frame)
     {
@@ -1035,17 +1035,36 @@ async fn refusal_behind(
     error
 }
 
+/// The longest FAILED reply read: its reason is a line or an error chain.
+const MAX_FAILED_REPLY: usize = 64 * 1024;
+
+/// A FAILED reply's reason, cut (at a character) to what a reader takes.
+fn failed_reason(reason: &str) -> &[u8] {
+    let mut end = reason.len().min(MAX_FAILED_REPLY - 1024);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason.as_bytes()[..end]
+}
+
+/// The longest reply a stage sends upstream: a FAILED reason, or the final
+/// stage's hidden state at one position, in f32 (`hidden` wide).
+fn max_reply(hidden: usize) -> usize {
+    (mesh_protocol::stage_frame::STAGE_HEADER + mesh_stage::frame::FRAME_HEADER_BYTES + 4 * hidden)
+        .max(MAX_FAILED_REPLY)
+}
+
 /// Whole frames of a stream, read by their own task so that waiting on them
 /// can be abandoned (in a `select!`) without losing part of a frame. The
 /// channel ends when the stream finishes; a read error is its last item.
 type Frames = tokio::sync::mpsc::Receiver<anyhow::Result<Vec<u8>>>;
 
-fn spawn_frames(mut recv: quinn::RecvStream) -> Frames {
+fn spawn_frames(mut recv: quinn::RecvStream, max: usize) -> Frames {
     let (sender, frames) = tokio::sync::mpsc::channel(1);
     tokio::spawn(async move {
         loop {
             let read = tokio::select! {
-                read = msg::read_checked(&mut recv, msg::MAX_STAGE_MESSAGE, WATCH_TIMEOUT, None) => read,
+                read = msg::read_checked(&mut recv, max, WATCH_TIMEOUT, None) => read,
                 // The request is over: stop reading for it.
                 () = sender.closed() => return,
             };
@@ -1095,7 +1114,7 @@ async fn refuse_stage(
     reason: String,
 ) -> anyhow::Result<()> {
     stats::Counters::bump(&inner.counters.stage_refusals);
-    let body = msg::stage_body(kind::FAILED, request_id, 0, reason.as_bytes());
+    let body = msg::stage_body(kind::FAILED, request_id, 0, failed_reason(&reason));
     msg::write(up_send, &body, None).await?;
     let _ = up_send.finish();
     Ok(())
@@ -1442,7 +1461,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
     let mut down: Option<(quinn::SendStream, Option<quinn::RecvStream>)> = None;
     let mut down_watch: Option<Frames> = None;
     let mut direct: Option<quinn::SendStream> = None;
-    let mut upstream = spawn_frames(up_recv);
+    let mut upstream = spawn_frames(up_recv, msg::MAX_STAGE_MESSAGE);
     let mut terminal = TerminalState::TransportError;
     let mut tokens = Tokens {
         prefill_received: 0,
@@ -1462,7 +1481,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
             lanes.down_replies_received =
                 Some(scope.lane(k, Lane::Reply));
             if return_mode == ReturnMode::Direct {
-                down_watch = Some(spawn_frames(recv));
+                down_watch = Some(spawn_frames(recv, max_reply(slot.slice.config().hidden)));
                 down = Some((send, None));
             } else {
                 down = Some((send, Some(recv)));
@@ -1582,7 +1601,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                                     down_recv.as_mut().context("a relayed downstream's replies")?;
                                 let wait = deadline.bound(inner.step_timeout);
                                 let reply =
-                                    match msg::read_checked(recv, msg::MAX_STAGE_MESSAGE, wait, None)
+                                    match msg::read_checked(recv, max_reply(slot.slice.config().hidden), wait, None)
                                         .await
                                     {
                                         Err(_) if deadline.is_past() => {
@@ -1673,7 +1692,12 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
             } else {
                 format!("stage {k}: {reason}")
             };
-            let body = msg::stage_body(kind::FAILED, request_id, stats.steps, reason.as_bytes());
+            let body = msg::stage_body(
+                kind::FAILED,
+                request_id,
+                stats.steps,
+                failed_reason(&reason),
+            );
             if let Ok(bytes) = msg::frame(&body) {
                 let _ = send_frame(
                     &mut up_send,
