@@ -3,6 +3,8 @@
 //! into the next together (requests join and leave between passes), so the
 //! weights are read once for all of them. Each request keeps its own cache,
 //! positions and frames; the engine gives each the bits it gets alone.
+//! On the coordinator the same worker runs the output head over the final
+//! hidden states that came back, all waiting requests' rows in one pass.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,10 +44,21 @@ struct Job {
     reply: oneshot::Sender<Done>,
 }
 
+/// One request's final hidden state (one row), for the output head.
+struct HeadJob {
+    hidden: Activations,
+    reply: oneshot::Sender<Result<Vec<f32>, EngineError>>,
+}
+
+enum Work {
+    Step(Job),
+    Head(HeadJob),
+}
+
 /// A slice's batch worker; it ends when its last handle is dropped.
 #[derive(Debug)]
 pub(super) struct Batcher {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Work>,
     counts: Arc<Counts>,
 }
 
@@ -65,8 +78,9 @@ impl std::fmt::Debug for Job {
 }
 
 impl Batcher {
-    /// A worker for `slice`. Each request has at most one step waiting, so
-    /// the queue needs no more room than the requests the slice admits.
+    /// A worker for `slice`. Each request has at most one step or head row
+    /// waiting, so the queue needs no more room than the requests the slice
+    /// admits.
     pub(super) fn start(slice: Arc<LayerSlice>, max_requests: usize) -> Self {
         let (jobs, queue) = mpsc::channel(max_requests.max(1));
         let counts = Arc::new(Counts::default());
@@ -88,11 +102,11 @@ impl Batcher {
         let request = lease.request();
         let gone = || EngineError::WrongInput("lost its batch worker");
         self.jobs
-            .send(Job {
+            .send(Work::Step(Job {
                 input,
                 lease,
                 reply,
-            })
+            }))
             .await
             .map_err(|_| gone())?;
         done.await.map_err(|_| {
@@ -100,23 +114,94 @@ impl Batcher {
             gone()
         })?
     }
+
+    /// The logits of one request's final hidden state (one row), through
+    /// the output head the slice holds, batched with the other requests'
+    /// rows waiting; each gets the bits it gets alone.
+    pub(super) async fn logits(&self, hidden: Activations) -> Result<Vec<f32>, EngineError> {
+        let (reply, done) = oneshot::channel();
+        let gone = || EngineError::WrongInput("lost its batch worker");
+        self.jobs
+            .send(Work::Head(HeadJob { hidden, reply }))
+            .await
+            .map_err(|_| gone())?;
+        done.await.map_err(|_| gone())?
+    }
 }
 
-async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Job>, counts: Arc<Counts>) {
+async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: Arc<Counts>) {
     while let Some(first) = queue.recv().await {
         let mut waiting = vec![first];
-        while let Ok(job) = queue.try_recv() {
-            waiting.push(job);
+        while let Ok(work) = queue.try_recv() {
+            waiting.push(work);
+        }
+        let (mut steps, mut heads) = (Vec::new(), Vec::new());
+        for work in waiting {
+            match work {
+                Work::Step(job) => steps.push(job),
+                Work::Head(job) => heads.push(job),
+            }
         }
         tokio::task::block_in_place(|| {
-            for batch in batches(&slice, waiting) {
+            for batch in batches(&slice, std::mem::take(&mut steps)) {
                 counts
                     .steps
                     .fetch_add(batch.len() as u64, Ordering::Relaxed);
                 counts.passes.fetch_add(1, Ordering::Relaxed);
                 run(&slice, batch);
             }
+            if !heads.is_empty() {
+                run_heads(&slice, std::mem::take(&mut heads));
+            }
         });
+    }
+}
+
+/// The output head over every waiting row in one pass. A row of the wrong
+/// shape gets its error at once; an engine error (or panic) fails the pass.
+fn run_heads(slice: &LayerSlice, jobs: Vec<HeadJob>) {
+    let hidden = slice.config().hidden;
+    let mut rows = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        if job.hidden.rows == 1 && job.hidden.cols == hidden && job.hidden.values.len() == hidden {
+            rows.push(job);
+        } else {
+            let _ = job.reply.send(Err(EngineError::WrongInput(
+                "was given a final hidden state that is not one row of the model's width",
+            )));
+        }
+    }
+    if rows.is_empty() {
+        return;
+    }
+    let stacked = Activations {
+        rows: rows.len(),
+        cols: hidden,
+        values: rows
+            .iter()
+            .flat_map(|job| job.hidden.values.iter().copied())
+            .collect(),
+    };
+    let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| slice.logits(&stacked)));
+    match outputs {
+        Ok(Ok(logits)) if logits.len() == rows.len() => {
+            for (job, logits) in rows.into_iter().zip(logits) {
+                let _ = job.reply.send(Ok(logits));
+            }
+        }
+        outcome => {
+            let why = match outcome {
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => "the engine panicked".to_string(),
+                Ok(Ok(_)) => "the head returned the wrong number of rows".to_string(),
+            };
+            tracing::error!(rows = rows.len(), "an output head pass failed: {why}");
+            for job in rows {
+                let _ = job
+                    .reply
+                    .send(Err(EngineError::Compute(format!("output head: {why}"))));
+            }
+        }
     }
 }
 

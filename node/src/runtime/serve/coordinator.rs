@@ -795,9 +795,7 @@ async fn drive(
                     continue;
                 }
                 let head_start = Instant::now();
-                let logits = tokio::task::block_in_place(|| run.own.slice.logits(&hidden))?
-                    .pop()
-                    .context("the output head returned no logits")?;
+                let logits = run.own.batcher.logits(hidden).await?;
                 own_compute += head_start.elapsed();
                 if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
                     budget_stop = Some(stop);
