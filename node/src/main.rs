@@ -236,6 +236,11 @@ enum BenchTarget {
         model: Option<PathBuf>,
         #[arg(long, default_value_t = 64)]
         tokens: usize,
+        /// A prompt of about this many tokens (plain text, no chat
+        /// template) instead of the short chat prompt: the time to first
+        /// token shows prefill, pipelined across stages in direct mode.
+        #[arg(long)]
+        prompt_tokens: Option<usize>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -325,11 +330,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 BenchTarget::Split {
                     model,
                     tokens,
+                    prompt_tokens,
                     json,
                 },
         } => {
-            let report =
-                runtime()?.block_on(mesh_node::cli::node_cli::bench_split(model, tokens))?;
+            let report = runtime()?.block_on(mesh_node::cli::node_cli::bench_split(
+                model,
+                tokens,
+                prompt_tokens,
+            ))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {

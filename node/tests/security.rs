@@ -660,6 +660,48 @@ async fn a_long_prompt_is_prefilled_in_chunks_each_its_own_step() {
     }
 }
 
+/// With direct return the prompt's chunks go down without waiting for
+/// each other's replies (stage k on chunk i+1 while stage k+1 is on chunk
+/// i): the tokens are the relayed run's, every stage still answers every
+/// chunk, and every hand-off of the bundle agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipelined_prompt_gives_the_sequential_tokens_and_whole_lanes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let prompt: String = (0..300).map(|i| format!("w{i} ")).collect();
+    let mut tokens = Vec::new();
+    for mode in [ReturnMode::Relayed, ReturnMode::Direct] {
+        let b = Setup::stage(&model, dir.path(), "b", 2).start().await;
+        let c = Setup::stage(&model, dir.path(), "c", 3).start().await;
+        let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c.peer_addr()]);
+        a.return_mode = mode;
+        let a = a.start().await;
+        let summary = ask(&a.peer_addr(), &request(&prompt, 6, None))
+            .await
+            .unwrap();
+        assert!(summary.error.is_none(), "{mode:?}: {:?}", summary.error);
+        let prompt_tokens = summary.details["prompt_tokens"].as_u64().unwrap() as usize;
+        let chunks = prompt_tokens.div_ceil(mesh_node::runtime::serve::PREFILL_CHUNK_TOKENS);
+        assert!(chunks >= 3, "{prompt_tokens} prompt tokens");
+        let generated = summary.details["generated_tokens"].as_u64().unwrap() as usize;
+        for stage in [1, 2] {
+            assert_eq!(
+                summary.details["stages"][stage]["steps"].as_u64().unwrap() as usize,
+                chunks + generated - 1,
+                "{mode:?} stage {stage}"
+            );
+        }
+        let (_, report) = verify(dir.path(), summary.bundle.as_ref().unwrap());
+        assert_eq!(report["handoffs_agree"], true, "{mode:?}: {report:#}");
+        no_lane_breaks(&report);
+        tokens.push(summary.details["token_ids"].clone());
+        for node in [a, b, c] {
+            node.shutdown().await;
+        }
+    }
+    assert_eq!(tokens[0], tokens[1], "relayed and pipelined direct differ");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_slice_is_freed_and_assigned_again_when_needed() {
     let dir = tempfile::tempdir().unwrap();

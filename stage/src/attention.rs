@@ -110,22 +110,46 @@ pub fn attend(
         queries: &queries,
         keys: &keys,
         values: &values,
-        heads,
         group,
+        kv_heads,
         width,
         scale,
         span,
     };
-    // With AVX2 when the CPU has it: no fused multiply-add either way, so
-    // both give the same bits.
-    #[cfg(target_arch = "x86_64")]
-    let computed = match pulp::x86::V3::try_new() {
-        Some(simd) => simd.vectorize(|| rows(&inputs, &mut out)),
-        None => rows(&inputs, &mut out),
+    // A piece is one query position's heads that share one KV head. A long
+    // prompt's pieces go to the compute threads; each piece's bits are the
+    // same wherever it runs.
+    let pieces: Vec<std::sync::Mutex<&mut [f32]>> = out
+        .chunks_exact_mut(group * width)
+        .map(std::sync::Mutex::new)
+        .collect();
+    let failure: std::sync::Mutex<Option<EngineError>> = std::sync::Mutex::new(None);
+    let run = |range: std::ops::Range<usize>| {
+        let mut scratch = Scratch::new(group, cached);
+        for index in range {
+            let Some(piece) = pieces.get(index) else {
+                continue;
+            };
+            let mut results = match piece.lock() {
+                Ok(guard) => guard,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            if let Err(error) = compute_piece(&inputs, index, &mut results, &mut scratch)
+                && let Ok(mut failure) = failure.lock()
+            {
+                *failure = Some(error);
+            }
+        }
     };
-    #[cfg(not(target_arch = "x86_64"))]
-    let computed = rows(&inputs, &mut out);
-    computed?;
+    if seq * cached >= PARALLEL_WORK {
+        candle_core::utils::barrier_pool().execute_chunked(pieces.len(), run);
+    } else {
+        run(0..pieces.len());
+    }
+    drop(pieces);
+    if let Some(error) = failure.into_inner().ok().flatten() {
+        return Err(error);
+    }
     Ok(Some(Tensor::from_vec(
         out,
         (seq, heads * width),
@@ -133,78 +157,117 @@ pub fn attend(
     )?))
 }
 
+/// Query positions times cached positions from which a step's pieces are
+/// spread over the compute threads (a prompt chunk, not a decode step).
+const PARALLEL_WORK: usize = 4096;
+
 struct Inputs<'a> {
     queries: &'a View<'a>,
     keys: &'a View<'a>,
     values: &'a View<'a>,
-    heads: usize,
     group: usize,
+    kv_heads: usize,
     width: usize,
     scale: f32,
     span: Span,
 }
 
-/// Every query row of the step. The query heads that share a KV head are
+/// One piece's scores, reused from piece to piece.
+struct Scratch {
+    scores: Vec<Vec<f32>>,
+    maxima: Vec<f32>,
+    totals: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(group: usize, cached: usize) -> Self {
+        Self {
+            scores: vec![Vec::with_capacity(cached); group],
+            maxima: vec![f32::NEG_INFINITY; group],
+            totals: vec![0f32; group],
+        }
+    }
+}
+
+/// Piece `index` (query position `index / kv_heads`, KV head `index %
+/// kv_heads`), into `results`: the query heads that share the KV head are
 /// computed together, so each cached key and value row is read once for
 /// all of them (at a 1,000-token context the cache is a third of what a
-/// decode step reads).
+/// decode step reads). With AVX2 when the CPU has it: no fused
+/// multiply-add either way, so both give the same bits.
+fn compute_piece(
+    inputs: &Inputs<'_>,
+    index: usize,
+    results: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = pulp::x86::V3::try_new() {
+        return simd.vectorize(|| piece_rows(inputs, index, results, scratch));
+    }
+    piece_rows(inputs, index, results, scratch)
+}
+
 #[inline(always)]
-fn rows(inputs: &Inputs<'_>, out: &mut [f32]) -> Result<()> {
+fn piece_rows(
+    inputs: &Inputs<'_>,
+    index: usize,
+    results: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<()> {
     let Inputs {
         queries,
         keys,
         values,
-        heads,
         group,
+        kv_heads,
         width,
         scale,
         span,
     } = *inputs;
-    let mut scores: Vec<Vec<f32>> = vec![Vec::with_capacity(keys.positions); group];
-    let mut maxima = vec![f32::NEG_INFINITY; group];
-    let mut totals = vec![0f32; group];
-    // Output row `s` holds every head's result for query `s`, side by side.
-    for (s, out_row) in out.chunks_exact_mut(heads * width).enumerate() {
-        let query_position = span.position + s;
-        let first = (query_position + 1).saturating_sub(span.window);
-        for (kv_head, results) in out_row.chunks_exact_mut(group * width).enumerate() {
-            let query = |g: usize| {
-                queries
-                    .row(kv_head * group + g, s, width)
-                    .ok_or(EngineError::WrongInput("has a query outside its tensor"))
-            };
-            for g in 0..group {
-                scores[g].clear();
-                maxima[g] = f32::NEG_INFINITY;
-            }
-            for key in first..=query_position {
-                let key_row = keys
-                    .row(kv_head, key, width)
-                    .ok_or(EngineError::WrongInput("has a key outside its cache"))?;
-                for g in 0..group {
-                    let score = dot(query(g)?, key_row) * scale;
-                    maxima[g] = maxima[g].max(score);
-                    scores[g].push(score);
-                }
-            }
-            for g in 0..group {
-                let mut total = 0f32;
-                for score in scores[g].iter_mut() {
-                    *score = (*score - maxima[g]).exp();
-                    total += *score;
-                }
-                totals[g] = total;
-            }
-            for (j, key) in (first..=query_position).enumerate() {
-                let value_row = values
-                    .row(kv_head, key, width)
-                    .ok_or(EngineError::WrongInput("has a value outside its cache"))?;
-                for (g, result) in results.chunks_exact_mut(width).enumerate() {
-                    let weight = scores[g][j] / totals[g];
-                    for (o, v) in result.iter_mut().zip(value_row) {
-                        *o += weight * v;
-                    }
-                }
+    let Scratch {
+        scores,
+        maxima,
+        totals,
+    } = scratch;
+    let (s, kv_head) = (index / kv_heads, index % kv_heads);
+    let query_position = span.position + s;
+    let first = (query_position + 1).saturating_sub(span.window);
+    let query = |g: usize| {
+        queries
+            .row(kv_head * group + g, s, width)
+            .ok_or(EngineError::WrongInput("has a query outside its tensor"))
+    };
+    for g in 0..group {
+        scores[g].clear();
+        maxima[g] = f32::NEG_INFINITY;
+    }
+    for key in first..=query_position {
+        let key_row = keys
+            .row(kv_head, key, width)
+            .ok_or(EngineError::WrongInput("has a key outside its cache"))?;
+        for g in 0..group {
+            let score = dot(query(g)?, key_row) * scale;
+            maxima[g] = maxima[g].max(score);
+            scores[g].push(score);
+        }
+    }
+    for g in 0..group {
+        let mut total = 0f32;
+        for score in scores[g].iter_mut() {
+            *score = (*score - maxima[g]).exp();
+            total += *score;
+        }
+        totals[g] = total;
+    }
+    for (j, key) in (first..=query_position).enumerate() {
+        let value_row = values
+            .row(kv_head, key, width)
+            .ok_or(EngineError::WrongInput("has a value outside its cache"))?;
+        for (g, result) in results.chunks_exact_mut(width).enumerate() {
+            let weight = scores[g][j] / totals[g];
+            for (o, v) in result.iter_mut().zip(value_row) {
+                *o += weight * v;
             }
         }
     }
@@ -304,6 +367,9 @@ mod tests {
             (4, 1, 7, 20, 256, 6),
             (4, 1, 1, 20, 256, 6),
             (2, 2, 3, 3, 13, usize::MAX),
+            // Spread over the compute threads.
+            (4, 2, 70, 80, 16, usize::MAX),
+            (4, 1, 70, 80, 32, 24),
         ] {
             let q = random((1, heads, seq, width), 1);
             let k = random((1, kv_heads, cached, width), 2);
@@ -358,6 +424,47 @@ mod tests {
             window: usize::MAX,
         };
         assert!(attend(&q, &uneven, &uneven, 1.0, at).is_err());
+    }
+
+    /// A prompt long enough to spread over the compute threads gives each
+    /// row the bits that row gets decoded alone.
+    #[test]
+    fn a_spread_prompt_row_has_the_bits_it_gets_alone() {
+        let (seq, cached) = (90, 100);
+        assert!(seq * cached >= PARALLEL_WORK);
+        let q = random((1, 6, seq, 16), 7);
+        let k = random((1, 2, cached, 16), 8);
+        let v = random((1, 2, cached, 16), 9);
+        let span = Span {
+            position: cached - seq,
+            window: 40,
+        };
+        let all = attend(&q, &k, &v, 0.25, span).unwrap().unwrap();
+        for row in [0, 45, seq - 1] {
+            let position = cached - seq + row;
+            let alone = attend(
+                &q.narrow(2, row, 1).unwrap(),
+                &k.narrow(2, 0, position + 1).unwrap(),
+                &v.narrow(2, 0, position + 1).unwrap(),
+                0.25,
+                Span {
+                    position,
+                    window: 40,
+                },
+            )
+            .unwrap()
+            .unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            };
+            assert_eq!(bits(&all.narrow(0, row, 1).unwrap()), bits(&alone), "{row}");
+        }
     }
 
     proptest! {

@@ -531,32 +531,48 @@ fn print_demo_details(
 pub async fn bench_split(
     model: Option<PathBuf>,
     tokens: usize,
+    prompt_tokens: Option<usize>,
 ) -> anyhow::Result<serde_json::Value> {
     let model = match model {
         Some(model) => model,
         None => crate::cli::engine_cli::synthetic_model_path()?,
     };
-    let prompt = "Write a long story about a dragon who learns to fly.";
+    let handle = mesh_stage::ModelHandle::open(&model)?;
+    let chat = prompt_tokens.is_none();
+    let prompt = match prompt_tokens {
+        None => "Write a long story about a dragon who learns to fly.".to_string(),
+        Some(wanted) => {
+            let sentence = "The old harbour town kept its records in a tower by the water, and every ship that came in was written down with its cargo and its crew. ";
+            let per = handle.text().encode(sentence)?.len().max(1);
+            sentence.repeat(wanted.div_ceil(per))
+        }
+    };
     // Unsplit, in this process.
-    let unsplit = tokio::task::spawn_blocking({
-        let model = model.clone();
-        move || -> anyhow::Result<f64> {
-            let handle = mesh_stage::ModelHandle::open(&model)?;
+    let (unsplit, unsplit_prefill, unsplit_prompt) = tokio::task::spawn_blocking({
+        let prompt = prompt.clone();
+        move || -> anyhow::Result<(f64, Duration, usize)> {
             let layers = handle.config().layers;
             let pipeline = mesh_stage::pipeline::Pipeline::new(
                 vec![handle.load_slice(0..layers)?],
                 WireDType::F32,
             )?;
-            let ids = handle.text().encode(
-                &handle
+            let text = if chat {
+                handle
                     .text()
-                    .chat_prompt(prompt)
-                    .unwrap_or_else(|_| prompt.to_string()),
-            )?;
+                    .chat_prompt(&prompt)
+                    .unwrap_or_else(|_| prompt.clone())
+            } else {
+                prompt
+            };
+            let ids = handle.text().encode(&text)?;
             let mut sampler = mesh_stage::sampling::Sampler::new(SamplingParams::greedy());
             let generation =
                 pipeline.generate(&ids, tokens, &mut sampler, &|_| false, &mut |_| {})?;
-            Ok(generation.timings.decode_tokens_per_s())
+            Ok((
+                generation.timings.decode_tokens_per_s(),
+                generation.timings.prefill,
+                ids.len(),
+            ))
         }
     })
     .await??;
@@ -565,6 +581,9 @@ pub async fn bench_split(
         "stages": 1,
         "decode_tokens_per_s": unsplit,
         "ratio_to_unsplit": 1.0,
+        "prompt_tokens": unsplit_prompt,
+        "prefill_ms": unsplit_prefill.as_secs_f64() * 1e3,
+        "prefill_ratio_to_unsplit": 1.0,
     })];
     for (stages, return_mode) in [
         (2usize, ReturnMode::Relayed),
@@ -575,8 +594,8 @@ pub async fn bench_split(
         let split = BenchSplit::start(&model, stages, None, return_mode).await?;
         let coordinator = &split.coordinator;
         let request = GenerateRequest {
-            chat: true,
-            ..GenerateRequest::greedy(prompt, tokens)
+            chat,
+            ..GenerateRequest::greedy(&prompt, tokens)
         };
         // Warm up (assignment, slice loads), then measure.
         generate_remote(
@@ -599,6 +618,10 @@ pub async fn bench_split(
             "ratio_to_unsplit": rate / unsplit.max(1e-9),
             "per_hop_overhead_us": d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
             "fold_share": d["fold_share"].as_f64().unwrap_or(0.0),
+            "prompt_tokens": d["prompt_tokens"],
+            "prefill_ms": d["prefill_ms"],
+            "prefill_ratio_to_unsplit": d["prefill_ms"].as_f64().unwrap_or(0.0)
+                / (unsplit_prefill.as_secs_f64() * 1e3).max(1e-9),
         }));
         split.shutdown().await;
     }
@@ -615,14 +638,15 @@ pub fn render_split(report: &serde_json::Value) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "model {}  {} decode tokens, greedy, f32 activations",
+        "model {}  {} decode tokens, greedy, f32 activations, prompt of {} tokens",
         report["model"].as_str().unwrap_or(""),
-        report["decode_tokens"]
+        report["decode_tokens"],
+        report["rows"][0]["prompt_tokens"]
     );
     let _ = writeln!(
         out,
-        "{:<34} {:>12} {:>8} {:>16} {:>10}",
-        "configuration", "decode tok/s", "ratio", "µs/hop/step", "folding"
+        "{:<34} {:>12} {:>8} {:>16} {:>10} {:>12} {:>8}",
+        "configuration", "decode tok/s", "ratio", "µs/hop/step", "folding", "prefill ms", "ratio"
     );
     for row in report["rows"].as_array().into_iter().flatten() {
         let hop = row["per_hop_overhead_us"]
@@ -633,12 +657,14 @@ pub fn render_split(report: &serde_json::Value) -> String {
             .map_or("-".to_string(), |f| format!("{:.3}%", 100.0 * f));
         let _ = writeln!(
             out,
-            "{:<34} {:>12.1} {:>8.3} {:>16} {:>10}",
+            "{:<34} {:>12.1} {:>8.3} {:>16} {:>10} {:>12.1} {:>8.3}",
             row["configuration"].as_str().unwrap_or(""),
             row["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
             row["ratio_to_unsplit"].as_f64().unwrap_or(0.0),
             hop,
-            fold
+            fold,
+            row["prefill_ms"].as_f64().unwrap_or(0.0),
+            row["prefill_ratio_to_unsplit"].as_f64().unwrap_or(0.0),
         );
     }
     out

@@ -625,9 +625,19 @@ async fn drive(
         let mut relayed: Option<Frames> = None;
         let mut step: u32 = 0;
         let mut input: Vec<u32> = prefill[0].to_vec();
-        // Whether the step sent last still owes its reply (a deadline that
-        // passes while waiting leaves it owed: it is drained after STOP).
+        // Whether a step sent still owes its reply (a deadline that passes
+        // while waiting leaves it owed: it is drained after STOP), and how
+        // many do.
         let mut reply_owed = false;
+        let mut owed: u32 = 0;
+        // Direct return: the prompt's chunks go down one after the other
+        // without waiting for their replies, so stage k works on chunk i+1
+        // while stage k+1 works on chunk i (a relayed stage waits for each
+        // reply before it reads the next chunk).
+        let pipelined = return_mode == ReturnMode::Direct;
+        // Whether `input` (step `step`) is still to be computed and sent.
+        let mut to_send = true;
+        let mut trip = Instant::now();
         let result: anyhow::Result<TerminalState> = async {
             loop {
                 // Between steps the chain is healthy: STOP tells every stage
@@ -638,41 +648,50 @@ async fn drive(
                 if requester_gone.load(std::sync::atomic::Ordering::Relaxed) {
                     return Ok(TerminalState::ClientCancelled);
                 }
-                let compute_start = Instant::now();
-                let lease = held.cache.take().context("the request's cache")?;
-                let (output, lease) = run
-                    .own
-                    .batcher
-                    .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease)
-                    .await?;
-                held.cache = Some(lease);
-                own_compute += compute_start.elapsed();
-                if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
-                    budget_stop = Some(stop);
-                    return Ok(TerminalState::PolicyDenied);
+                if to_send {
+                    let compute_start = Instant::now();
+                    let lease = held.cache.take().context("the request's cache")?;
+                    let (output, lease) = run
+                        .own
+                        .batcher
+                        .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease)
+                        .await?;
+                    held.cache = Some(lease);
+                    own_compute += compute_start.elapsed();
+                    if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
+                        budget_stop = Some(stop);
+                        return Ok(TerminalState::PolicyDenied);
+                    }
+                    let SliceOutput::Hidden(hidden) = output else {
+                        bail!("the coordinator's slice returned logits")
+                    };
+                    let frame = encode_frame(&hidden.values, hidden.rows, hidden.cols, inner.wire)?;
+                    trip = Instant::now();
+                    if let Err(error) = write_forward(
+                        &mut send,
+                        &msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame),
+                        &mut lanes.down_sent,
+                        &mut folds,
+                        0,
+                        step,
+                    )
+                    .await
+                    {
+                        let received = Some(&mut lanes.down_replies_received);
+                        return Err(match recv.as_mut() {
+                            Some(recv) => refusal_behind(recv, error, "stage 1", received).await,
+                            None => error,
+                        });
+                    }
+                    reply_owed = true;
+                    owed += 1;
+                    if pipelined && (step as usize) + 1 < prefill.len() {
+                        step += 1;
+                        input = prefill[step as usize].to_vec();
+                        continue;
+                    }
+                    to_send = false;
                 }
-                let SliceOutput::Hidden(hidden) = output else {
-                    bail!("the coordinator's slice returned logits")
-                };
-                let frame = encode_frame(&hidden.values, hidden.rows, hidden.cols, inner.wire)?;
-                let trip = Instant::now();
-                if let Err(error) = write_forward(
-                    &mut send,
-                    &msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame),
-                    &mut lanes.down_sent,
-                    &mut folds,
-                    0,
-                    step,
-                )
-                .await
-                {
-                    let received = Some(&mut lanes.down_replies_received);
-                    return Err(match recv.as_mut() {
-                        Some(recv) => refusal_behind(recv, error, "stage 1", received).await,
-                        None => error,
-                    });
-                }
-                reply_owed = true;
                 let wait = deadline.bound(inner.step_timeout);
                 let reply = match recv.as_mut() {
                     Some(recv) if wait == inner.step_timeout => {
@@ -752,10 +771,18 @@ async fn drive(
                         }
                     }
                 };
-                reply_owed = false;
-                let round_trip = trip.elapsed();
-                round_trips += round_trip;
-                inner.counters.round_trips.record(round_trip);
+                // Replies come in the order their steps went down.
+                let answered = step + 1 - owed;
+                owed -= 1;
+                reply_owed = owed > 0;
+                // A step's round trip, from its send to its reply; the
+                // earlier chunks of a pipelined prompt overlap the last one's
+                // and are not counted apart.
+                if owed == 0 {
+                    let round_trip = trip.elapsed();
+                    round_trips += round_trip;
+                    inner.counters.round_trips.record(round_trip);
+                }
                 let (reply_kind, id, reply_step, payload) = msg::parse_stage(&reply)?;
                 if id != request_id {
                     bail!("a reply for request {id} on request {request_id}");
@@ -773,8 +800,8 @@ async fn drive(
                 if reply_kind != kind::HIDDEN {
                     bail!("a malformed reply (kind {reply_kind})");
                 }
-                if reply_step != step {
-                    bail!("a reply for step {reply_step} to step {step}");
+                if reply_step != answered {
+                    bail!("a reply for step {reply_step} to step {answered}");
                 }
                 let (hidden, dtype) = decode_frame(payload, run.own.slice.config().hidden)
                     .context("the final stage's hidden state")?;
@@ -787,11 +814,16 @@ async fn drive(
                 if hidden.values.iter().any(|v| !v.is_finite()) {
                     bail!("the final stage returned a hidden state that is not finite");
                 }
+                // A pipelined prompt's earlier chunks: only the last is sampled.
+                if owed > 0 {
+                    continue;
+                }
                 // A prefill chunk's last position is not sampled: the next
                 // chunk follows.
                 if let Some(chunk) = prefill.get(step as usize + 1) {
                     step += 1;
                     input = chunk.to_vec();
+                    to_send = true;
                     continue;
                 }
                 let head_start = Instant::now();
@@ -841,6 +873,7 @@ async fn drive(
                     return Ok(TerminalState::Completed);
                 }
                 input = vec![next];
+                to_send = true;
             }
         }
         .await;
