@@ -284,6 +284,36 @@ enum BenchTarget {
         #[arg(long)]
         json: bool,
     },
+    /// A split behind UDP delay proxies on 127.0.0.1 (one in front of every
+    /// node): time per output token minus compute at each round-trip time,
+    /// against the floor of one-way delays and Mesh-LLM's 2 x RTT + 4.9 ms
+    /// per boundary.
+    Wan {
+        /// A GGUF file (default: SmolLM2-135M from the model cache, else the
+        /// built-in synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Round-trip times of every link, one measurement each.
+        #[arg(long, value_delimiter = ',', default_value = "0,10,40,80")]
+        rtt_ms: Vec<f64>,
+        /// Stage counts, one measurement each.
+        #[arg(long, value_delimiter = ',', default_value = "2,3")]
+        stages: Vec<usize>,
+        /// Extra delay per datagram, uniform in 0..=JITTER (order kept).
+        #[arg(long, default_value_t = 0.0)]
+        jitter_ms: f64,
+        /// Datagrams dropped, each way, in percent.
+        #[arg(long, default_value_t = 0.0)]
+        loss_percent: f64,
+        #[arg(long, default_value_t = 32)]
+        tokens: usize,
+        /// Seeds the proxies' jitter and loss, so a run can be repeated.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// The engine's own block kernels against candle's on the same stored
     /// blocks: one decode row and a 64-row prompt, SmolLM2's shapes.
     Kernels {
@@ -705,6 +735,36 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", mesh_node::tools::bench::render_engine(&report));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target:
+                BenchTarget::Wan {
+                    model,
+                    rtt_ms,
+                    stages,
+                    jitter_ms,
+                    loss_percent,
+                    tokens,
+                    seed,
+                    json,
+                },
+        } => {
+            let bench = mesh_node::tools::bench_wan::WanBench {
+                model: bench_model(model)?,
+                rtts_ms: rtt_ms,
+                stages,
+                jitter_ms,
+                loss: loss_percent / 100.0,
+                tokens,
+                seed,
+            };
+            let report = runtime()?.block_on(mesh_node::tools::bench_wan::bench_wan(&bench))?;
+            if json {
+                println!("{report}");
+            } else {
+                print!("{}", mesh_node::tools::bench_wan::render_wan(&report));
             }
             Ok(ExitCode::SUCCESS)
         }

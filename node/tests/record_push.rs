@@ -82,6 +82,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         step_timeout: Duration::from_secs(5),
         request_timeout: mesh_node::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
+        prefill_chunk_tokens: mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),

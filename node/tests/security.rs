@@ -70,10 +70,16 @@ fn certificate_naming(holder: &SigningKey, named: [u8; 32]) -> Vec<u8> {
 
 fn assign_message(model: &Path, coordinator: [u8; 32], run_id: &str) -> Cbor {
     let handle = mesh_stage::ModelHandle::open(model).unwrap();
+    assign_naming(model, coordinator, run_id, handle.manifest_sha256())
+}
+
+fn assign_naming(model: &Path, coordinator: [u8; 32], run_id: &str, manifest: [u8; 32]) -> Cbor {
+    let handle = mesh_stage::ModelHandle::open(model).unwrap();
     Cbor::text_map([
         ("kind", Cbor::text("assign")),
         ("run_id", Cbor::text(run_id)),
         ("package_id", Cbor::bytes(handle.package_id().to_vec())),
+        ("manifest_sha256", Cbor::bytes(manifest.to_vec())),
         ("layer_start", Cbor::Uint(3)),
         ("layer_end", Cbor::Uint(6)),
         ("stage_index", Cbor::Uint(1)),
@@ -186,6 +192,41 @@ async fn a_forged_certificate_does_not_make_its_holder_the_coordinator() {
     .await;
     assert_eq!(kind(&reply), "ready", "{reply:?}");
     assert_eq!(stage.slices_held(), 1);
+}
+
+/// The manifest is package-wide: a stage whose own package's manifest is
+/// not the one assigned refuses, and loads nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_assign_naming_another_manifest_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let coordinator = key(1);
+    let mut stage = Setup::new(&model, dir.path().join("stage"), key(2));
+    stage.coordinators = vec![public(&coordinator)];
+    let stage = stage.start().await;
+    let identity = TlsIdentity::new(&coordinator).unwrap();
+    let (_endpoint, connection) = connect(&identity, &stage.peer_addr(), ALPN_CONTROL)
+        .await
+        .unwrap();
+    let mut other = mesh_stage::ModelHandle::open(&model)
+        .unwrap()
+        .manifest_sha256();
+    other[0] ^= 1;
+    let reply = control(
+        &connection,
+        &assign_naming(&model, public(&coordinator), "other-manifest", other),
+    )
+    .await;
+    assert_eq!(kind(&reply), "refused", "{reply:?}");
+    let reason = reply.get("reason").and_then(Cbor::as_text).unwrap_or("");
+    assert!(reason.contains("manifest"), "{reason}");
+    assert_eq!(stage.slices_held(), 0);
+    let reply = control(
+        &connection,
+        &assign_message(&model, public(&coordinator), "this-manifest"),
+    )
+    .await;
+    assert_eq!(kind(&reply), "ready", "{reply:?}");
 }
 
 // ---------------------------------------------------------------- S2
@@ -636,28 +677,44 @@ async fn waiting_for_a_peer_that_is_gone_is_not_billed() {
 
 // ---------------------------------------------------------------- Low
 
+/// The default chunk and a configured one: each chunk is one step at
+/// every stage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_prompt_is_prefilled_in_chunks_each_its_own_step() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let (a, _b, _c) = three_nodes(&model, dir.path()).await;
     let prompt: String = (0..300).map(|i| format!("w{i} ")).collect();
-    let summary = ask(&a.peer_addr(), &request(&prompt, 3, None))
-        .await
-        .unwrap();
-    assert!(summary.error.is_none(), "{:?}", summary.error);
-    let prompt_tokens = summary.details["prompt_tokens"].as_u64().unwrap() as usize;
-    assert!(prompt_tokens > 2 * mesh_node::runtime::serve::PREFILL_CHUNK_TOKENS);
-    let generated = summary.details["generated_tokens"].as_u64().unwrap() as usize;
-    let chunks = prompt_tokens.div_ceil(mesh_node::runtime::serve::PREFILL_CHUNK_TOKENS);
-    for stage in [1, 2] {
-        assert_eq!(
-            summary.details["stages"][stage]["steps"].as_u64().unwrap() as usize,
-            chunks + generated - 1,
-            "stage {stage}: {:#}",
-            summary.details
-        );
+    let b = Setup::stage(&model, dir.path(), "b", 2).start().await;
+    let c = Setup::stage(&model, dir.path(), "c", 3).start().await;
+    let mut texts = Vec::new();
+    for (run, chunk) in [mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS, 100]
+        .into_iter()
+        .enumerate()
+    {
+        let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c.peer_addr()]);
+        a.data = dir.path().join(format!("a{run}"));
+        a.prefill_chunk_tokens = chunk;
+        let a = a.start().await;
+        let summary = ask(&a.peer_addr(), &request(&prompt, 3, None))
+            .await
+            .unwrap();
+        assert!(summary.error.is_none(), "{:?}", summary.error);
+        let prompt_tokens = summary.details["prompt_tokens"].as_u64().unwrap() as usize;
+        assert!(prompt_tokens > 2 * chunk);
+        let generated = summary.details["generated_tokens"].as_u64().unwrap() as usize;
+        let chunks = prompt_tokens.div_ceil(chunk);
+        for stage in [1, 2] {
+            assert_eq!(
+                summary.details["stages"][stage]["steps"].as_u64().unwrap() as usize,
+                chunks + generated - 1,
+                "chunk {chunk}, stage {stage}: {:#}",
+                summary.details
+            );
+        }
+        texts.push(summary.text);
+        a.shutdown().await;
     }
+    assert_eq!(texts[0], texts[1], "the chunking changed the answer");
 }
 
 /// With direct return the prompt's chunks go down without waiting for
@@ -681,7 +738,8 @@ async fn a_pipelined_prompt_gives_the_sequential_tokens_and_whole_lanes() {
             .unwrap();
         assert!(summary.error.is_none(), "{mode:?}: {:?}", summary.error);
         let prompt_tokens = summary.details["prompt_tokens"].as_u64().unwrap() as usize;
-        let chunks = prompt_tokens.div_ceil(mesh_node::runtime::serve::PREFILL_CHUNK_TOKENS);
+        let chunks =
+            prompt_tokens.div_ceil(mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS);
         assert!(chunks >= 3, "{prompt_tokens} prompt tokens");
         let generated = summary.details["generated_tokens"].as_u64().unwrap() as usize;
         for stage in [1, 2] {

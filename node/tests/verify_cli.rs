@@ -114,6 +114,11 @@ fn own_bundles_exit_by_their_outcome() {
         ("stage_silent", 1),
         ("two_records_one_stage", 1),
         ("stage_loaded_other_slice", 1),
+        ("stewards_listed", 0),
+        ("stewards_duplicate_index", 1),
+        ("stewards_first_not_coordinator", 1),
+        ("stewards_unknown_index", 1),
+        ("stewards_other_node", 1),
     ] {
         let (actual, value) = verify_json(&bundles.join(format!("{name}.json")));
         assert_eq!(actual, code, "{name}: {value:#}");

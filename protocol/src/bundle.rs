@@ -506,8 +506,9 @@ pub struct MeshBundle<'a> {
     pub mesh1_envelope: Option<Vec<u8>>,
     /// The previous envelope of the same steward (hex), for the chain link.
     pub mesh1_prev_envelope: Option<Vec<u8>>,
-    /// The node id (did:key) that served each stage, as the coordinator assigned.
-    pub stewards: Vec<(u32, String)>,
+    /// The node id (did:key) that served each stage, as the coordinator
+    /// assigned (`None` when the bundle lists none; checked by the verifier).
+    pub stewards: Option<Vec<(u32, String)>>,
 }
 
 impl<'a> MeshBundle<'a> {
@@ -559,18 +560,20 @@ impl<'a> MeshBundle<'a> {
         let mesh1_prev_envelope = hex_member(&mut m, "mesh1_prev_envelope")?;
         let stewards_path = m.path("stewards");
         let stewards = match m.optional("stewards") {
-            None => Vec::new(),
-            Some(Value::Array(items)) if items.len() <= MAX_CARRIED_RECORDS + 1 => items
-                .iter()
-                .enumerate()
-                .map(|(i, item)| {
-                    let mut e = Members::of(item, &format!("{stewards_path}/{i}"))?;
-                    let index = e.u32("stage_index")?;
-                    let node = e.non_empty_string("node_id")?.to_string();
-                    e.finish()?;
-                    Ok((index, node))
-                })
-                .collect::<Result<Vec<_>, ShapeError>>()?,
+            None => None,
+            Some(Value::Array(items)) if items.len() <= MAX_CARRIED_RECORDS + 1 => Some(
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, item)| {
+                        let mut e = Members::of(item, &format!("{stewards_path}/{i}"))?;
+                        let index = e.u32("stage_index")?;
+                        let node = e.non_empty_string("node_id")?.to_string();
+                        e.finish()?;
+                        Ok((index, node))
+                    })
+                    .collect::<Result<Vec<_>, ShapeError>>()?,
+            ),
             Some(_) => {
                 return Err(ShapeError::new(
                     stewards_path,

@@ -41,6 +41,9 @@ pub enum ControlError {
 pub struct AssignRequest {
     pub run_id: String,
     pub package_id: [u8; 32],
+    /// The package manifest's SHA-256 (`package`): package-wide, the same
+    /// for every stage; a stage whose own package has another refuses.
+    pub manifest_sha256: [u8; 32],
     pub layer_start: u32,
     pub layer_end: u32,
     pub stage_index: u32,
@@ -117,6 +120,7 @@ impl ControlRequest {
                 members.extend([
                     ("run_id", Cbor::text(&a.run_id)),
                     ("package_id", Cbor::bytes(a.package_id.to_vec())),
+                    ("manifest_sha256", Cbor::bytes(a.manifest_sha256.to_vec())),
                     ("layer_start", Cbor::Uint(a.layer_start.into())),
                     ("layer_end", Cbor::Uint(a.layer_end.into())),
                     ("stage_index", Cbor::Uint(a.stage_index.into())),
@@ -231,6 +235,7 @@ fn read_assign(f: &mut Fields<'_>) -> Result<ControlRequest, ControlError> {
     Ok(ControlRequest::Assign(AssignRequest {
         run_id: f.text("run_id").map_err(e)?.to_string(),
         package_id: f.fixed("package_id").map_err(e)?,
+        manifest_sha256: f.fixed("manifest_sha256").map_err(e)?,
         layer_start: f.u32("layer_start").map_err(e)?,
         layer_end: f.u32("layer_end").map_err(e)?,
         stage_index: f.u32("stage_index").map_err(e)?,
@@ -364,6 +369,7 @@ mod tests {
             ControlRequest::Assign(AssignRequest {
                 run_id: "run".into(),
                 package_id: [1; 32],
+                manifest_sha256: [2; 32],
                 layer_start: 0,
                 layer_end: 10,
                 stage_index: 1,

@@ -222,31 +222,54 @@ pub fn check_hops(
 
     // Step B.
     let mut rejected: BTreeSet<&str> = BTreeSet::new();
-    let mut valid: BTreeMap<&str, StageBlock> = BTreeMap::new();
+    let mut valid: BTreeMap<&str, (StageBlock, &Value)> = BTreeMap::new();
+    // One id carried with two different valid blocks (possible where ids
+    // are not recomputed, as in a hop case): neither copy can be believed,
+    // so every stage either copy claims is conflicted, as is a cell citing
+    // that id. Identical copies are one record.
+    let mut ambiguous: BTreeSet<&str> = BTreeSet::new();
+    let mut claims: Vec<(&str, StageBlock)> = Vec::new();
     for record in carried {
-        match record.block.map(StageBlock::from_value) {
-            Some(Ok(block)) => {
-                valid.entry(record.capsule_id.as_str()).or_insert(block);
-            }
+        let id = record.capsule_id.as_str();
+        match record
+            .block
+            .map(|value| (StageBlock::from_value(value), value))
+        {
+            Some((Ok(block), value)) => match valid.get(id) {
+                None => {
+                    valid.insert(id, (block, value));
+                }
+                Some((_, first)) if *first == value => {}
+                Some(_) => {
+                    ambiguous.insert(id);
+                    claims.push((id, block));
+                }
+            },
             _ => {
-                rejected.insert(record.capsule_id.as_str());
+                rejected.insert(id);
             }
         }
     }
+    claims.extend(valid.iter().map(|(id, (block, _))| (*id, block.clone())));
     let mut ids_per_stage: BTreeMap<u32, BTreeSet<&str>> = BTreeMap::new();
-    for (id, block) in &valid {
+    let mut conflicted: BTreeSet<u32> = BTreeSet::new();
+    for (id, block) in &claims {
         if block.side == Side::Stage && block.split_key() == split_key {
             ids_per_stage
                 .entry(block.stage_index)
                 .or_default()
                 .insert(id);
+            if ambiguous.contains(id) {
+                conflicted.insert(block.stage_index);
+            }
         }
     }
-    let conflicted: BTreeSet<u32> = ids_per_stage
-        .iter()
-        .filter(|(_, ids)| ids.len() > 1)
-        .map(|(k, _)| *k)
-        .collect();
+    conflicted.extend(
+        ids_per_stage
+            .iter()
+            .filter(|(_, ids)| ids.len() > 1)
+            .map(|(k, _)| *k),
+    );
 
     // Step C.
     let mut cells = vec![Cell {
@@ -272,10 +295,12 @@ pub fn check_hops(
                 StageBundle::Absent => (CellState::NotReceived, None, None),
                 StageBundle::Present(reference) => {
                     let id = crate::hex::encode(&reference.digest);
-                    if rejected.contains(id.as_str()) {
+                    if ambiguous.contains(id.as_str()) {
+                        (CellState::Conflict, Some(id), None)
+                    } else if rejected.contains(id.as_str()) {
                         (CellState::Rejected, Some(id), None)
                     } else {
-                        match valid.get(id.as_str()) {
+                        match valid.get(id.as_str()).map(|(block, _)| block) {
                             None => (CellState::NotReceived, Some(id), None),
                             Some(block)
                                 if block.side != Side::Stage

@@ -17,6 +17,7 @@ pub mod hopcheck;
 pub mod identity;
 pub mod json;
 pub mod mesh1;
+pub mod package;
 pub mod receipt;
 pub mod session;
 pub mod split;

@@ -24,6 +24,9 @@ pub struct SplitSealInput<'a> {
     pub own: &'a StageBlock,
     /// What was routed, stage 0 first.
     pub topology: &'a [Assignment],
+    /// The manifest SHA-256 assigned to each stage, stage 0 first: the
+    /// package-wide value, so every entry equals the own slice's.
+    pub manifests: &'a [[u8; 32]],
     /// Stage records held per stage index (index 0 is ignored); each already
     /// passed the door's checks.
     pub held: &'a [Vec<SealedRecord>],
@@ -82,6 +85,12 @@ pub enum SplitSealError {
     Record(#[from] RecordError),
     #[error("{0}")]
     Inconsistent(&'static str),
+    #[error("{got} manifests for {expected} stages")]
+    ManifestCount { expected: usize, got: usize },
+    #[error(
+        "stage {stage_index} was assigned another manifest than the own slice's: a manifest is package-wide"
+    )]
+    ManifestNotPackageWide { stage_index: usize },
 }
 
 /// Seal a split (see the module documentation).
@@ -92,6 +101,19 @@ pub fn seal_split(
 ) -> Result<SealedSplit, SplitSealError> {
     let own = input.own;
     let n = input.topology.len();
+    if input.manifests.len() != n {
+        return Err(SplitSealError::ManifestCount {
+            expected: n,
+            got: input.manifests.len(),
+        });
+    }
+    if let Some(stage_index) = input
+        .manifests
+        .iter()
+        .position(|m| *m != own.manifest_sha256)
+    {
+        return Err(SplitSealError::ManifestNotPackageWide { stage_index });
+    }
     if own.side != Side::Coordinator || own.stage_index != 0 {
         return Err(SplitSealError::Inconsistent(
             "the own slice must be side coordinator, stage 0",
@@ -203,6 +225,7 @@ pub fn seal_split(
             layer_start: assignment.layer_start,
             layer_end: assignment.layer_end,
             package_id: assignment.package_id,
+            manifest_sha256: input.manifests[k],
             upstream: None,
             downstream: None,
             direct_return: None,

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::{Value, json};
+use thiserror::Error;
 
 use crate::block::{Side, StageBlock};
 use crate::bundle::{MESH_BUNDLE_MEMBER, MeshBundle, RecordPushBundle};
@@ -439,11 +440,20 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
         }
     }
     if let Some((_, receipt)) = split {
+        let stewards = bundle.stewards.as_deref();
+        if let (Some(stewards), Some((sealed, _))) = (stewards, &main) {
+            report.checks.push(Check {
+                subject: "stewards".into(),
+                property: "entry 0 is the coordinator; each stage once, as routed",
+                outcome: check_stewards(stewards, receipt, &sealed.key_id())
+                    .map_err(|e| e.to_string()),
+            });
+        }
         verify_stage_keys(
             &mut report,
             receipt,
             bundle.split_stage_records,
-            &bundle.stewards,
+            stewards.unwrap_or_default(),
         );
     }
     match split {
@@ -580,6 +590,67 @@ fn verify_mesh1_link(
                 .and_then(|p| sealed.check_follows(&p).map_err(|e| e.to_string())),
         });
     }
+}
+
+/// A bundle's `stewards` list that cannot be believed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum StewardsError {
+    #[error("the stewards list is empty")]
+    Empty,
+    #[error(
+        "entry 0 must be stage 0, the coordinator that signed the main record, not stage {stage_index} {node_id}"
+    )]
+    FirstNotCoordinator { stage_index: u32, node_id: String },
+    #[error("stage {0} is listed more than once")]
+    DuplicateIndex(u32),
+    #[error("stage {index} is listed but the receipt routes only {stage_count} stages")]
+    UnknownIndex { index: u32, stage_count: usize },
+    #[error("stage {index} is listed as {listed} but the receipt routed it to {assigned}")]
+    NotAssigned {
+        index: u32,
+        listed: String,
+        assigned: String,
+    },
+}
+
+/// The `stewards` list of a bundle: entry 0 is stage 0 and names the
+/// coordinator whose key signed the main record; every other entry names a
+/// stage the receipt routes, once, and the node it routed it to.
+pub fn check_stewards(
+    stewards: &[(u32, String)],
+    receipt: &CoordinatorReceipt,
+    main_key: &[u8; 32],
+) -> Result<(), StewardsError> {
+    let (first_index, first_node) = stewards.first().ok_or(StewardsError::Empty)?;
+    let coordinator = crate::identity::did_key(main_key);
+    if *first_index != 0 || *first_node != coordinator || receipt.coordinator_node_id != coordinator
+    {
+        return Err(StewardsError::FirstNotCoordinator {
+            stage_index: *first_index,
+            node_id: first_node.clone(),
+        });
+    }
+    let mut seen = BTreeSet::new();
+    for (index, node) in stewards {
+        if !seen.insert(*index) {
+            return Err(StewardsError::DuplicateIndex(*index));
+        }
+        let entry = receipt
+            .topology
+            .get(*index as usize)
+            .ok_or(StewardsError::UnknownIndex {
+                index: *index,
+                stage_count: receipt.topology.len(),
+            })?;
+        if *node != entry.assignment.node_id {
+            return Err(StewardsError::NotAssigned {
+                index: *index,
+                listed: node.clone(),
+                assigned: entry.assignment.node_id.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Where the receipt routes a stage to a node whose id is a did:key, the

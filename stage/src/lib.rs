@@ -90,6 +90,22 @@ impl ModelHandle {
     pub fn weights_digest(&self) -> [u8; 32] {
         protocol::mesh1::weights_digest(&self.digests.files)
     }
+    /// SHA-256 of the package manifest (`protocol::package`): the
+    /// package-wide `manifest_sha256` every stage of this model names.
+    pub fn manifest_sha256(&self) -> [u8; 32] {
+        let files: Vec<protocol::package::PackageFile<'_>> = self
+            .digests
+            .files
+            .iter()
+            .zip(&self.digests.file_bytes)
+            .map(|((name, blake3), bytes)| protocol::package::PackageFile {
+                name,
+                bytes: *bytes,
+                blake3: *blake3,
+            })
+            .collect();
+        protocol::package::manifest_sha256(&self.digests.package_sha256, &files)
+    }
     pub fn file_digests(&self) -> &FileDigests {
         &self.digests
     }

@@ -229,15 +229,19 @@ fn bad(path: &Path, why: impl Into<String>) -> EngineError {
 pub struct FileDigests {
     pub package_sha256: [u8; 32],
     pub files: Vec<(String, [u8; 32])>,
+    /// Each file's length, in the order of `files`.
+    pub file_bytes: Vec<u64>,
 }
 
 fn digest_files(files: &[(String, PathBuf)]) -> Result<FileDigests> {
     let mut package = Sha256::new();
     let mut per_file = Vec::new();
+    let mut file_bytes = Vec::new();
     let mut buffer = vec![0u8; 1 << 20];
     for (name, path) in files {
         let mut reader = BufReader::new(File::open(path).map_err(|e| io_error(path, e))?);
         let mut blake = blake3::Hasher::new();
+        let mut length = 0u64;
         loop {
             let n = reader.read(&mut buffer).map_err(|e| io_error(path, e))?;
             if n == 0 {
@@ -245,12 +249,15 @@ fn digest_files(files: &[(String, PathBuf)]) -> Result<FileDigests> {
             }
             package.update(&buffer[..n]);
             blake.update(&buffer[..n]);
+            length += n as u64;
         }
         per_file.push((name.clone(), *blake.finalize().as_bytes()));
+        file_bytes.push(length);
     }
     Ok(FileDigests {
         package_sha256: package.finalize().into(),
         files: per_file,
+        file_bytes,
     })
 }
 

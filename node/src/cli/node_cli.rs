@@ -44,7 +44,8 @@ pub struct ServeConfig {
     pub max_slices: Option<usize>,
     /// Seconds a slice no request uses is kept before it is freed (default 900).
     pub slice_idle_s: Option<u64>,
-    /// `relayed` (default) or `direct`.
+    /// `direct` (default: the final stage answers the coordinator itself)
+    /// or `relayed` (answers go back up the chain).
     pub return_mode: Option<String>,
     /// How long the coordinator waits for stage records (default 2000 ms).
     pub stage_seal_deadline_ms: Option<u64>,
@@ -55,6 +56,8 @@ pub struct ServeConfig {
     pub request_timeout_ms: Option<u64>,
     /// Concurrent requests per slice (default 8).
     pub max_requests: Option<usize>,
+    /// Prompt positions per prefill step (default 256, at most 4096).
+    pub prefill_chunk_tokens: Option<usize>,
     /// Activation encoding between stages: f32 (default), f16, bf16.
     pub wire: Option<String>,
     /// Estimator power when no hardware meter is live (default 35000 mW).
@@ -107,7 +110,7 @@ pub struct ServeArgs {
     /// A TOML file with these settings (flags override it).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// relayed (default) or direct.
+    /// direct (default) or relayed.
     #[arg(long)]
     pub return_mode: Option<String>,
     /// How long to wait for stage records (default 2000).
@@ -122,6 +125,10 @@ pub struct ServeArgs {
     /// f32 (default), f16 or bf16 activations between stages.
     #[arg(long)]
     pub wire: Option<String>,
+    /// Prompt positions per prefill step, each its own step through the
+    /// chain (default 256, at most 4096).
+    #[arg(long)]
+    pub prefill_chunk_tokens: Option<usize>,
 }
 
 pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
@@ -129,6 +136,15 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         Some(path) => ServeConfig::load(path)?,
         None => ServeConfig::default(),
     };
+    let prefill_chunk_tokens = args
+        .prefill_chunk_tokens
+        .or(file.prefill_chunk_tokens)
+        .unwrap_or(crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS);
+    anyhow::ensure!(
+        (1..=crate::runtime::serve::MAX_PREFILL_CHUNK_TOKENS).contains(&prefill_chunk_tokens),
+        "prefill chunk of {prefill_chunk_tokens} tokens: give 1 to {}",
+        crate::runtime::serve::MAX_PREFILL_CHUNK_TOKENS
+    );
     let key_path = args
         .key
         .or(file.key)
@@ -204,11 +220,12 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             Duration::from_millis,
         ),
         max_requests: file.max_requests.unwrap_or(8),
+        prefill_chunk_tokens,
         return_mode: parse_return_mode(
             &args
                 .return_mode
                 .or(file.return_mode)
-                .unwrap_or_else(|| "relayed".into()),
+                .unwrap_or_else(|| "direct".into()),
         )?,
         wire: WireDType::parse(&wire)
             .with_context(|| format!("wire `{wire}` is not f32, f16 or bf16"))?,
@@ -305,8 +322,8 @@ pub struct DemoArgs {
     /// Where the nodes keep their journals and the bundle is written.
     #[arg(long, default_value = "mesh-demo")]
     pub out: PathBuf,
-    /// relayed or direct.
-    #[arg(long, default_value = "relayed", value_parser = parse_return_mode)]
+    /// direct (default) or relayed.
+    #[arg(long, default_value = "direct", value_parser = parse_return_mode)]
     pub return_mode: ReturnMode,
     /// Print only the answer and the verdict.
     #[arg(long)]
@@ -377,6 +394,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             step_timeout: Duration::from_secs(30),
             request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
             max_requests: 4,
+            prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
             return_mode: args.return_mode,
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter::default()),
@@ -537,45 +555,14 @@ pub async fn bench_split(
         Some(model) => model,
         None => crate::cli::engine_cli::synthetic_model_path()?,
     };
-    let handle = mesh_stage::ModelHandle::open(&model)?;
     let chat = prompt_tokens.is_none();
-    let prompt = match prompt_tokens {
-        None => "Write a long story about a dragon who learns to fly.".to_string(),
-        Some(wanted) => {
-            let sentence = "The old harbour town kept its records in a tower by the water, and every ship that came in was written down with its cargo and its crew. ";
-            let per = handle.text().encode(sentence)?.len().max(1);
-            sentence.repeat(wanted.div_ceil(per))
-        }
-    };
-    // Unsplit, in this process.
-    let (unsplit, unsplit_prefill, unsplit_prompt) = tokio::task::spawn_blocking({
-        let prompt = prompt.clone();
-        move || -> anyhow::Result<(f64, Duration, usize)> {
-            let layers = handle.config().layers;
-            let pipeline = mesh_stage::pipeline::Pipeline::new(
-                vec![handle.load_slice(0..layers)?],
-                WireDType::F32,
-            )?;
-            let text = if chat {
-                handle
-                    .text()
-                    .chat_prompt(&prompt)
-                    .unwrap_or_else(|_| prompt.clone())
-            } else {
-                prompt
-            };
-            let ids = handle.text().encode(&text)?;
-            let mut sampler = mesh_stage::sampling::Sampler::new(SamplingParams::greedy());
-            let generation =
-                pipeline.generate(&ids, tokens, &mut sampler, &|_| false, &mut |_| {})?;
-            Ok((
-                generation.timings.decode_tokens_per_s(),
-                generation.timings.prefill,
-                ids.len(),
-            ))
-        }
-    })
-    .await??;
+    let prompt = bench_prompt(&model, prompt_tokens)?;
+    let unsplit = unsplit_generation(&model, &prompt, chat, tokens).await?;
+    let (unsplit, unsplit_prefill, unsplit_prompt) = (
+        unsplit.decode_tokens_per_s,
+        unsplit.prefill,
+        unsplit.prompt_tokens,
+    );
     let mut rows = vec![serde_json::json!({
         "configuration": "unsplit, in process",
         "stages": 1,
@@ -630,6 +617,62 @@ pub async fn bench_split(
         "decode_tokens": tokens,
         "rows": rows,
     }))
+}
+
+/// The prompt the split benches send: a short chat request, or plain text
+/// of about `prompt_tokens` tokens.
+pub(crate) fn bench_prompt(model: &Path, prompt_tokens: Option<usize>) -> anyhow::Result<String> {
+    Ok(match prompt_tokens {
+        None => "Write a long story about a dragon who learns to fly.".to_string(),
+        Some(wanted) => {
+            let handle = mesh_stage::ModelHandle::open(model)?;
+            let sentence = "The old harbour town kept its records in a tower by the water, and every ship that came in was written down with its cargo and its crew. ";
+            let per = handle.text().encode(sentence)?.len().max(1);
+            sentence.repeat(wanted.div_ceil(per))
+        }
+    })
+}
+
+/// What one greedy generation took in this process, the whole model in one
+/// slice: the reference a split is measured against.
+pub(crate) struct UnsplitRun {
+    pub decode_tokens_per_s: f64,
+    pub prefill: Duration,
+    pub prompt_tokens: usize,
+}
+
+pub(crate) async fn unsplit_generation(
+    model: &Path,
+    prompt: &str,
+    chat: bool,
+    tokens: usize,
+) -> anyhow::Result<UnsplitRun> {
+    let (model, prompt) = (model.to_path_buf(), prompt.to_string());
+    tokio::task::spawn_blocking(move || -> anyhow::Result<UnsplitRun> {
+        let handle = mesh_stage::ModelHandle::open(&model)?;
+        let layers = handle.config().layers;
+        let pipeline = mesh_stage::pipeline::Pipeline::new(
+            vec![handle.load_slice(0..layers)?],
+            WireDType::F32,
+        )?;
+        let text = if chat {
+            handle
+                .text()
+                .chat_prompt(&prompt)
+                .unwrap_or_else(|_| prompt.clone())
+        } else {
+            prompt
+        };
+        let ids = handle.text().encode(&text)?;
+        let mut sampler = mesh_stage::sampling::Sampler::new(SamplingParams::greedy());
+        let generation = pipeline.generate(&ids, tokens, &mut sampler, &|_| false, &mut |_| {})?;
+        Ok(UnsplitRun {
+            decode_tokens_per_s: generation.timings.decode_tokens_per_s(),
+            prefill: generation.timings.prefill,
+            prompt_tokens: ids.len(),
+        })
+    })
+    .await?
 }
 
 /// `bench split` for people.
@@ -736,7 +779,7 @@ impl BenchSplit {
 
 /// Bench nodes: node 0 coordinates with `coordinator_key`, the others
 /// serve it.
-fn bench_options(
+pub(crate) fn bench_options(
     model: &Path,
     scratch: &Path,
     k: usize,
@@ -761,6 +804,7 @@ fn bench_options(
         step_timeout: Duration::from_secs(60),
         request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
+        prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),

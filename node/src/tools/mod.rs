@@ -1,10 +1,12 @@
 //! Tools built on the runtime: the vector generators (`vectors`, over the
-//! deterministic `simulate`d run), benchmarks, and the `exercise` and
-//! `inspect` commands.
+//! deterministic `simulate`d run), benchmarks (and the UDP delay proxy the
+//! WAN bench puts between nodes), and the `exercise` and `inspect` commands.
 
 pub mod bench;
 pub mod bench_api;
 pub mod bench_concurrency;
+pub mod bench_wan;
+pub mod delay_proxy;
 pub mod exercise;
 pub mod inspect;
 pub mod simulate;

@@ -294,6 +294,7 @@ pub fn simulate(scenario: &Scenario) -> SimulatedRun {
         &SplitSealInput {
             own: &own,
             topology: &topology,
+            manifests: &vec![own.manifest_sha256; topology.len()],
             held: &stage_records,
             not_requested: &[],
             coordinator_term: 1,
@@ -309,5 +310,61 @@ pub fn simulate(scenario: &Scenario) -> SimulatedRun {
         topology,
         stage_records,
         sealed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mesh_protocol::split::SplitSealError;
+
+    /// Every stage-exchange record carries the manifest assigned to its
+    /// stage; a split whose assigned manifests are not one package-wide
+    /// value, or that names too few, does not seal.
+    #[test]
+    fn exchange_records_carry_the_assigned_manifest_and_only_a_package_wide_one() {
+        let run = simulate(&Scenario::default());
+        for record in &run.sealed.stage_exchange_records {
+            assert_eq!(
+                record.stage_block().unwrap().manifest_sha256,
+                run.own.manifest_sha256
+            );
+        }
+        let environment = SealEnvironment {
+            producer: Producer::mesh_node(),
+            timestamp: format_timestamp(1_790_000_000_000),
+            nonces: vec![[5; 32]; run.topology.len()],
+            chain_head: None,
+        };
+        let seal = |manifests: &[[u8; 32]]| {
+            seal_split(
+                &SplitSealInput {
+                    own: &run.own,
+                    topology: &run.topology,
+                    manifests,
+                    held: &run.stage_records,
+                    not_requested: &[],
+                    coordinator_term: 1,
+                    stage_seal_deadline_ms: DEFAULT_STAGE_SEAL_DEADLINE_MS,
+                    model_id: MODEL_ID,
+                },
+                &environment,
+                &coordinator_key(),
+            )
+        };
+        let mut manifests = vec![run.own.manifest_sha256; run.topology.len()];
+        assert!(seal(&manifests).is_ok());
+        manifests[2][0] ^= 1;
+        assert!(matches!(
+            seal(&manifests),
+            Err(SplitSealError::ManifestNotPackageWide { stage_index: 2 })
+        ));
+        assert!(matches!(
+            seal(&manifests[..2]),
+            Err(SplitSealError::ManifestCount {
+                expected: 3,
+                got: 2
+            })
+        ));
     }
 }

@@ -43,6 +43,9 @@ pub struct Setup<'a> {
     pub slice_idle: Duration,
     pub step_timeout: Duration,
     pub return_mode: ReturnMode,
+    pub prefill_chunk_tokens: usize,
+    /// The address other nodes are told (default: the bound one).
+    pub advertise: Option<std::net::SocketAddr>,
     /// The estimator's power: what this node's steward bills per second.
     pub milliwatts: u64,
     /// Serve the HTTP API (on an ephemeral loopback port).
@@ -61,6 +64,8 @@ impl<'a> Setup<'a> {
             max_slices: 2,
             slice_idle: Duration::from_secs(600),
             return_mode: ReturnMode::Relayed,
+            prefill_chunk_tokens: mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
+            advertise: None,
             milliwatts: mesh_node::runtime::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
             step_timeout: Duration::from_secs(20),
             http: false,
@@ -89,7 +94,7 @@ impl<'a> Setup<'a> {
         Node::start(NodeOptions {
             key: self.key,
             listen: "127.0.0.1:0".parse().unwrap(),
-            advertise: None,
+            advertise: self.advertise,
             model: self.model.to_path_buf(),
             data: self.data,
             peers: self.peers,
@@ -101,6 +106,7 @@ impl<'a> Setup<'a> {
             request_timeout: mesh_node::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
             max_requests: self.max_requests,
             return_mode: self.return_mode,
+            prefill_chunk_tokens: self.prefill_chunk_tokens,
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter {
                 milliwatts: self.milliwatts,

@@ -587,7 +587,7 @@ async fn drive(
     let mut budget_stop: Option<String> = None;
     // The prompt runs through the chain in chunks, each its own step, so no
     // step of a long prompt outlasts the step timeout.
-    let prefill: Vec<&[u32]> = prompt_ids.chunks(PREFILL_CHUNK_TOKENS).collect();
+    let prefill: Vec<&[u32]> = prompt_ids.chunks(inner.prefill_chunk_tokens).collect();
     let first_peer = inner.peers[0].clone();
 
     let outcome: anyhow::Result<TerminalState> = async {
@@ -1087,6 +1087,7 @@ fn seal(
         &SplitSealInput {
             own: &own_block,
             topology: &run.topology,
+            manifests: &run.assigns.iter().map(|a| a.manifest).collect::<Vec<_>>(),
             held: &records,
             not_requested: &[],
             coordinator_term: inner.coordinator_term,
@@ -1336,8 +1337,11 @@ async fn wait_direct(
 /// A token is rarely longer than this many bytes of text.
 pub const MAX_PROMPT_BYTES_PER_TOKEN: usize = 16;
 
-/// Prompt positions per prefill step.
-pub const PREFILL_CHUNK_TOKENS: usize = 256;
+/// Prompt positions per prefill step, unless configured.
+pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
+/// The most prompt positions one prefill step may carry: a step's frame
+/// and its attention scores grow with it.
+pub const MAX_PREFILL_CHUNK_TOKENS: usize = 4096;
 
 /// Name the wait that ran out, and the setting that bounds it.
 fn step_failure(error: anyhow::Error, whom: &str, timeout: Duration) -> anyhow::Error {

@@ -44,8 +44,8 @@ mod batch;
 mod coordinator;
 mod stats;
 pub use coordinator::{
-    GenerateRequest, GenerateSummary, GrantedServe, MAX_PROMPT_BYTES_PER_TOKEN,
-    PREFILL_CHUNK_TOKENS, generate_remote, plan_remote,
+    DEFAULT_PREFILL_CHUNK_TOKENS, GenerateRequest, GenerateSummary, GrantedServe,
+    MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, generate_remote, plan_remote,
 };
 pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
 
@@ -109,6 +109,8 @@ pub struct NodeOptions {
     pub request_timeout: Duration,
     pub max_requests: usize,
     pub return_mode: ReturnMode,
+    /// Prompt positions per prefill step (1..=MAX_PREFILL_CHUNK_TOKENS).
+    pub prefill_chunk_tokens: usize,
     pub wire: WireDType,
     pub meter: Box<dyn EnergyMeter>,
     /// Serve the OpenAI-compatible HTTP API here (a coordinator; off when
@@ -146,6 +148,7 @@ impl Assign {
         ControlRequest::Assign(AssignRequest {
             run_id: self.run_id.clone(),
             package_id: self.package_id,
+            manifest_sha256: self.manifest,
             layer_start: self.layer_start,
             layer_end: self.layer_end,
             stage_index: self.stage_index,
@@ -159,9 +162,8 @@ impl Assign {
         .to_cbor()
     }
 
-    /// The node's own form of an assignment; `manifest` is BLAKE3 of the
-    /// message as it came.
-    fn from_request(a: &AssignRequest, manifest: [u8; 32]) -> anyhow::Result<Self> {
+    /// The node's own form of an assignment.
+    fn from_request(a: &AssignRequest) -> anyhow::Result<Self> {
         Ok(Self {
             run_id: a.run_id.clone(),
             package_id: a.package_id,
@@ -182,7 +184,7 @@ impl Assign {
                 .map(PeerAddr::from_str)
                 .transpose()?,
             topology_hash: a.topology_hash.clone(),
-            manifest,
+            manifest: a.manifest_sha256,
         })
     }
 }
@@ -280,6 +282,7 @@ struct Inner {
     request_timeout: Duration,
     max_requests: usize,
     return_mode: ReturnMode,
+    prefill_chunk_tokens: usize,
     wire: WireDType,
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     run: tokio::sync::Mutex<Option<Arc<Run>>>,
@@ -365,6 +368,9 @@ impl Node {
             request_timeout: options.request_timeout,
             max_requests: options.max_requests,
             return_mode: options.return_mode,
+            prefill_chunk_tokens: options
+                .prefill_chunk_tokens
+                .clamp(1, MAX_PREFILL_CHUNK_TOKENS),
             wire: options.wire,
             slots: Mutex::new(HashMap::new()),
             run: tokio::sync::Mutex::new(None),
@@ -429,6 +435,11 @@ impl Node {
     }
     pub fn addr(&self) -> SocketAddr {
         self.inner.advertise
+    }
+    /// The address the endpoint is bound to (the advertised one may be a
+    /// proxy or a public address in front of it).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.inner.endpoint.local_addr()
     }
     pub fn peer_addr(&self) -> PeerAddr {
         PeerAddr {
@@ -743,8 +754,7 @@ async fn handle_control(
     };
     match request {
         ControlRequest::Assign(assign) => {
-            let manifest = *blake3::hash(&message.encode()).as_bytes();
-            let reply = match handle_assign(&inner, peer, &assign, manifest) {
+            let reply = match handle_assign(&inner, peer, &assign) {
                 Ok((digest, bytes)) => Cbor::text_map([
                     ("kind", Cbor::text("ready")),
                     ("weights_digest", Cbor::bytes(digest.to_vec())),
@@ -896,7 +906,6 @@ fn handle_assign(
     inner: &Arc<Inner>,
     peer: [u8; 32],
     request: &AssignRequest,
-    manifest: [u8; 32],
 ) -> anyhow::Result<([u8; 32], usize)> {
     if !inner.coordinators.contains(&peer) {
         tracing::warn!(
@@ -905,7 +914,7 @@ fn handle_assign(
         );
         bail!("this node does not serve coordinator {}", did_key(&peer));
     }
-    let assign = Assign::from_request(request, manifest)?;
+    let assign = Assign::from_request(request)?;
     if assign.coordinator != peer {
         bail!("the assignment names a coordinator other than the node that sent it");
     }
@@ -914,6 +923,13 @@ fn handle_assign(
             "this node holds package sha256:{}, not the assigned sha256:{}",
             mesh_protocol::hex::encode(&inner.model.package_id()),
             mesh_protocol::hex::encode(&assign.package_id)
+        );
+    }
+    if assign.manifest != inner.model.manifest_sha256() {
+        bail!(
+            "this node's package has manifest {}, not the assigned {}",
+            mesh_protocol::hex::encode(&inner.model.manifest_sha256()),
+            mesh_protocol::hex::encode(&assign.manifest)
         );
     }
     if assign.stage_index == 0 || assign.stage_index >= assign.stage_count {
@@ -2073,10 +2089,9 @@ impl Inner {
                 upstream: keys[k.saturating_sub(1)],
                 downstream: self.peers.get(k).cloned(),
                 topology_hash: topology_hash.clone(),
-                manifest: [0; 32],
+                manifest: self.model.manifest_sha256(),
             };
-            let manifest = *blake3::hash(&assign.to_cbor().encode()).as_bytes();
-            assigns.push(Assign { manifest, ..assign });
+            assigns.push(assign);
         }
         // Remote stages load in parallel with the own slice.
         let remote = {

@@ -635,5 +635,111 @@ fn hop_cases_and_bundles() -> anyhow::Result<(Value, Vec<(String, Value)>)> {
         );
         bundles.push((name.to_string(), bundle));
     }
+    let listed = stewards_bundles(&bundles[0].1, &cases[0]["receipt"])?;
+    bundles.extend(listed);
+    cases.extend(carried_twice_cases(&cases[0])?);
     Ok((Value::Array(cases), bundles))
+}
+
+/// Bundles derived from `base` with a `stewards` list, as a coordinator
+/// writes one: the true list verifies; a list naming a stage twice, not
+/// starting with the coordinator, naming a stage the receipt does not
+/// route, or naming another node for a stage fails.
+fn stewards_bundles(base: &Value, receipt: &Value) -> anyhow::Result<Vec<(String, Value)>> {
+    let routed: Vec<Value> = receipt["topology"]
+        .as_array()
+        .context("a receipt has a topology")?
+        .iter()
+        .enumerate()
+        .map(|(k, entry)| json!({ "stage_index": k, "node_id": entry["assignment"]["node_id"] }))
+        .collect();
+    ensure!(routed.len() == 3, "the base bundle routes three stages");
+    let stranger = mesh_protocol::identity::did_key(&stage_key(9).verifying_key().to_bytes());
+    let variants = [
+        ("stewards_listed", routed.clone(), true),
+        (
+            "stewards_duplicate_index",
+            vec![routed[0].clone(), routed[1].clone(), routed[1].clone()],
+            false,
+        ),
+        (
+            "stewards_first_not_coordinator",
+            vec![routed[1].clone(), routed[0].clone(), routed[2].clone()],
+            false,
+        ),
+        (
+            "stewards_unknown_index",
+            vec![
+                routed[0].clone(),
+                routed[1].clone(),
+                routed[2].clone(),
+                json!({ "stage_index": 3, "node_id": routed[2]["node_id"] }),
+            ],
+            false,
+        ),
+        (
+            "stewards_other_node",
+            vec![
+                routed[0].clone(),
+                json!({ "stage_index": 1, "node_id": stranger }),
+                routed[2].clone(),
+            ],
+            false,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (name, list, passes) in variants {
+        let mut bundle = base.clone();
+        bundle["stewards"] = Value::Array(list);
+        let report = verify_document(&bundle)?;
+        ensure!(
+            report.checks_passed() == passes,
+            "{name}: checks pass is {} but the case intends {passes}: {:?}",
+            report.checks_passed(),
+            report.checks
+        );
+        out.push((name.to_string(), bundle));
+    }
+    Ok(out)
+}
+
+/// Hop cases derived from `base` (every cell ok) by carrying stage 1's
+/// record a second time under the same id: identical, it is one record;
+/// with another block (its token count changed), the id names two blocks
+/// and neither can be believed, so stage 1 is a conflict, not first-wins.
+fn carried_twice_cases(base: &Value) -> anyhow::Result<Vec<Value>> {
+    let first = base["carried"][0].clone();
+    let mut altered = first.clone();
+    let decode = altered["block"]["tokens"]["decode"]
+        .as_u64()
+        .context("a carried block counts its decode tokens")?;
+    altered["block"]["tokens"]["decode"] = json!(decode + 1);
+    let mut cases = Vec::new();
+    for (name, copy, stage_1) in [
+        ("record_carried_twice", first, CellState::Ok),
+        ("one_id_two_blocks", altered, CellState::Conflict),
+    ] {
+        let mut case = base.clone();
+        case["name"] = json!(name);
+        if let Some(object) = case.as_object_mut() {
+            object.remove("expect");
+        }
+        case["carried"]
+            .as_array_mut()
+            .context("a hop case carries an array")?
+            .push(copy);
+        let report = verify_hop_case(&case)?;
+        let hop = report
+            .hop
+            .as_ref()
+            .context("hop cases always run the check")?;
+        ensure!(
+            hop.cells[1].state == stage_1,
+            "{name}: cell 1 is {:?}",
+            hop.cells[1].state
+        );
+        case["expect"] = hop.to_expect_value();
+        cases.push(case);
+    }
+    Ok(cases)
 }

@@ -1,0 +1,392 @@
+//! A userspace UDP delay proxy: what `tc netem` would do, for a machine
+//! whose kernel has none. It sits in front of one node on 127.0.0.1; every
+//! datagram through it, either way, is held for a one-way delay (plus
+//! uniform jitter) and may be dropped with a given probability. QUIC runs
+//! over it unchanged, so a bench sees what a wide-area link costs.
+//!
+//! Datagrams leave in the order they came (a later one never overtakes an
+//! earlier one: jitter stretches the queue instead of reordering it), and
+//! the proxy counts how late it sent each one against its due time, so a
+//! report can say how close the delay it added was to the delay asked for.
+//! It uses blocking sockets on its own threads: tokio's timer rounds every
+//! sleep up to the next millisecond, which is the size of the effect being
+//! measured.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The largest datagram relayed (QUIC's are at most 1,452 bytes here).
+const MAX_DATAGRAM: usize = 65_535;
+/// Datagrams waiting in one direction; more are dropped, like a full
+/// router queue.
+const MAX_QUEUED: usize = 16_384;
+/// Distinct clients one proxy serves.
+const MAX_CLIENTS: usize = 64;
+/// How often the blocking threads look at the stop flag.
+const POLL: Duration = Duration::from_millis(20);
+
+/// What the link does to each datagram.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkShape {
+    /// Held this long, each way.
+    pub one_way: Duration,
+    /// Plus a uniform extra delay in `0..=jitter`.
+    pub jitter: Duration,
+    /// Dropped with this probability (0.0..=1.0).
+    pub loss: f64,
+}
+
+/// What a proxy did, for the report.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ProxyCounts {
+    pub relayed: u64,
+    pub dropped: u64,
+    /// Mean time a datagram left after its due time.
+    pub mean_late_us: f64,
+    pub max_late_us: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    relayed: AtomicU64,
+    dropped: AtomicU64,
+    late_us_total: AtomicU64,
+    late_us_max: AtomicU64,
+}
+
+/// Where a delayed datagram goes.
+enum Destination {
+    /// To the node behind the proxy, from this client's own socket.
+    Upstream(Arc<UdpSocket>),
+    /// Back to a client, from the proxy's front socket.
+    Client(SocketAddr),
+}
+
+struct Held {
+    due: Instant,
+    bytes: Vec<u8>,
+    to: Destination,
+}
+
+/// The queue of one direction: scheduling and its random draws.
+struct DelayLine {
+    queue: SyncSender<Held>,
+    shape: LinkShape,
+    /// splitmix64 state, so a run with the same seed drops the same
+    /// datagrams.
+    random: u64,
+    last_due: Option<Instant>,
+    counters: Arc<Counters>,
+}
+
+impl DelayLine {
+    fn next_unit(&mut self) -> f64 {
+        self.random = self.random.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.random;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn hold(&mut self, bytes: Vec<u8>, to: Destination) {
+        if self.shape.loss > 0.0 && self.next_unit() < self.shape.loss {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let extra = self.shape.jitter.mul_f64(self.next_unit());
+        let mut due = Instant::now() + self.shape.one_way + extra;
+        if let Some(last) = self.last_due {
+            due = due.max(last);
+        }
+        self.last_due = Some(due);
+        match self.queue.try_send(Held { due, bytes, to }) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// One proxy in front of one node.
+pub struct DelayProxy {
+    addr: SocketAddr,
+    target: Arc<OnceLock<SocketAddr>>,
+    stop: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for DelayProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DelayProxy")
+            .field("addr", &self.addr)
+            .field("target", &self.target.get())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DelayProxy {
+    /// Listen on 127.0.0.1 with `shape`; datagrams are dropped until
+    /// [`DelayProxy::forward_to`] names the node behind it (so a node can
+    /// be told the proxy's address before it is bound itself).
+    pub fn bind(shape: LinkShape, seed: u64) -> std::io::Result<Self> {
+        let front = Arc::new(UdpSocket::bind(("127.0.0.1", 0))?);
+        front.set_read_timeout(Some(POLL))?;
+        let addr = front.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let counters = Arc::new(Counters::default());
+        let target = Arc::new(OnceLock::new());
+
+        let (toward_node, toward_node_rx) = std::sync::mpsc::sync_channel(MAX_QUEUED);
+        let (toward_client, toward_client_rx) = std::sync::mpsc::sync_channel(MAX_QUEUED);
+        let mut threads = vec![
+            spawn_sender(toward_node_rx, front.clone(), counters.clone()),
+            spawn_sender(toward_client_rx, front.clone(), counters.clone()),
+        ];
+        let toward_client = Arc::new(Mutex::new(DelayLine {
+            queue: toward_client,
+            shape,
+            random: seed ^ 0x5EED_0000_0000_0001,
+            last_due: None,
+            counters: counters.clone(),
+        }));
+        let mut toward_node = DelayLine {
+            queue: toward_node,
+            shape,
+            random: seed,
+            last_due: None,
+            counters: counters.clone(),
+        };
+        let front_thread = {
+            let stop = stop.clone();
+            let target = target.clone();
+            std::thread::Builder::new()
+                .name("delay-proxy-front".into())
+                .spawn(move || {
+                    let mut upstreams: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
+                    let mut readers = Vec::new();
+                    let mut buffer = vec![0u8; MAX_DATAGRAM];
+                    while !stop.load(Ordering::Relaxed) {
+                        let Ok((n, client)) = front.recv_from(&mut buffer) else {
+                            continue;
+                        };
+                        let Some(node) = target.get().copied() else {
+                            continue;
+                        };
+                        let upstream = match upstreams.get(&client) {
+                            Some(socket) => socket.clone(),
+                            None if upstreams.len() < MAX_CLIENTS => {
+                                let Ok(socket) = open_upstream(node) else {
+                                    continue;
+                                };
+                                readers.push(spawn_reader(
+                                    socket.clone(),
+                                    client,
+                                    toward_client.clone(),
+                                    stop.clone(),
+                                ));
+                                upstreams.insert(client, socket.clone());
+                                socket
+                            }
+                            None => continue,
+                        };
+                        toward_node.hold(buffer[..n].to_vec(), Destination::Upstream(upstream));
+                    }
+                    for reader in readers {
+                        let _ = reader.join();
+                    }
+                })?
+        };
+        threads.push(front_thread);
+        Ok(Self {
+            addr,
+            target,
+            stop,
+            counters,
+            threads,
+        })
+    }
+
+    /// Where clients send to reach the node behind it.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Name the node behind the proxy (once; later calls change nothing).
+    pub fn forward_to(&self, node: SocketAddr) {
+        let _ = self.target.set(node);
+    }
+
+    pub fn counts(&self) -> ProxyCounts {
+        let relayed = self.counters.relayed.load(Ordering::Relaxed);
+        ProxyCounts {
+            relayed,
+            dropped: self.counters.dropped.load(Ordering::Relaxed),
+            mean_late_us: self.counters.late_us_total.load(Ordering::Relaxed) as f64
+                / relayed.max(1) as f64,
+            max_late_us: self.counters.late_us_max.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for DelayProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // The front thread owns one end of each queue; once it and the
+        // readers are gone the senders see their channels close.
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn open_upstream(node: SocketAddr) -> std::io::Result<Arc<UdpSocket>> {
+    let socket = UdpSocket::bind(("127.0.0.1", 0))?;
+    socket.connect(node)?;
+    socket.set_read_timeout(Some(POLL))?;
+    Ok(Arc::new(socket))
+}
+
+/// Datagrams the node sends back to one client.
+fn spawn_reader(
+    upstream: Arc<UdpSocket>,
+    client: SocketAddr,
+    line: Arc<Mutex<DelayLine>>,
+    stop: Arc<AtomicBool>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut buffer = vec![0u8; MAX_DATAGRAM];
+        while !stop.load(Ordering::Relaxed) {
+            if let Ok(n) = upstream.recv(&mut buffer)
+                && let Ok(mut line) = line.lock()
+            {
+                line.hold(buffer[..n].to_vec(), Destination::Client(client));
+            }
+        }
+    })
+}
+
+/// Send each held datagram at its due time.
+fn spawn_sender(
+    queue: Receiver<Held>,
+    front: Arc<UdpSocket>,
+    counters: Arc<Counters>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        while let Ok(held) = queue.recv() {
+            let now = Instant::now();
+            if held.due > now {
+                std::thread::sleep(held.due - now);
+            }
+            let late = Instant::now().saturating_duration_since(held.due);
+            let sent = match &held.to {
+                Destination::Upstream(socket) => socket.send(&held.bytes),
+                Destination::Client(client) => front.send_to(&held.bytes, client),
+            };
+            if sent.is_ok() {
+                let late_us = late.as_micros() as u64;
+                counters.relayed.fetch_add(1, Ordering::Relaxed);
+                counters.late_us_total.fetch_add(late_us, Ordering::Relaxed);
+                counters.late_us_max.fetch_max(late_us, Ordering::Relaxed);
+            } else {
+                counters.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn echo() -> (UdpSocket, SocketAddr) {
+        let socket = UdpSocket::bind(("127.0.0.1", 0)).unwrap();
+        let addr = socket.local_addr().unwrap();
+        let server = socket.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let mut buffer = [0u8; 2048];
+            while let Ok((n, from)) = server.recv_from(&mut buffer) {
+                let _ = server.send_to(&buffer[..n], from);
+            }
+        });
+        (socket, addr)
+    }
+
+    #[test]
+    fn a_round_trip_through_the_proxy_takes_at_least_two_delays_and_keeps_order() {
+        let (_server, addr) = echo();
+        let proxy = DelayProxy::bind(
+            LinkShape {
+                one_way: Duration::from_millis(15),
+                jitter: Duration::from_millis(5),
+                loss: 0.0,
+            },
+            7,
+        )
+        .unwrap();
+        proxy.forward_to(addr);
+        let client = UdpSocket::bind(("127.0.0.1", 0)).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let start = Instant::now();
+        for i in 0u8..20 {
+            client.send_to(&[i; 100], proxy.addr()).unwrap();
+        }
+        let mut buffer = [0u8; 2048];
+        for i in 0u8..20 {
+            let n = client.recv(&mut buffer).unwrap();
+            assert_eq!(&buffer[..n], &[i; 100], "datagram {i} out of order");
+        }
+        assert!(start.elapsed() >= Duration::from_millis(30));
+        // The sender counts a datagram after handing it to the socket, so
+        // the last count can land just after the client has read it.
+        let counted = Instant::now() + Duration::from_secs(5);
+        while proxy.counts().relayed < 40 && Instant::now() < counted {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(proxy.counts().relayed, 40);
+        assert_eq!(proxy.counts().dropped, 0);
+    }
+
+    #[test]
+    fn a_lossy_link_drops_about_the_share_asked_for_and_the_same_ones_per_seed() {
+        let (_server, addr) = echo();
+        let run = |seed| {
+            let proxy = DelayProxy::bind(
+                LinkShape {
+                    one_way: Duration::ZERO,
+                    jitter: Duration::ZERO,
+                    loss: 0.25,
+                },
+                seed,
+            )
+            .unwrap();
+            proxy.forward_to(addr);
+            let client = UdpSocket::bind(("127.0.0.1", 0)).unwrap();
+            client
+                .set_read_timeout(Some(Duration::from_millis(50)))
+                .unwrap();
+            let mut received = Vec::new();
+            for i in 0u16..100 {
+                client.send_to(&i.to_le_bytes(), proxy.addr()).unwrap();
+                let mut buffer = [0u8; 16];
+                if let Ok(2) = client.recv(&mut buffer) {
+                    received.push(u16::from_le_bytes([buffer[0], buffer[1]]));
+                }
+            }
+            received
+        };
+        let first = run(11);
+        // Two independent 25 % draws per round trip: about 56 % get back.
+        assert!((35..=75).contains(&first.len()), "{}", first.len());
+        assert_eq!(first, run(11));
+    }
+}
