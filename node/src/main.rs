@@ -305,8 +305,11 @@ enum BenchTarget {
         /// Datagrams dropped, each way, in percent.
         #[arg(long, default_value_t = 0.0)]
         loss_percent: f64,
-        #[arg(long, default_value_t = 32)]
+        #[arg(long, default_value_t = 64)]
         tokens: usize,
+        /// Rounds over every configuration; medians are reported.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
         /// Seeds the proxies' jitter and loss, so a run can be repeated.
         #[arg(long, default_value_t = 1)]
         seed: u64,
@@ -747,6 +750,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     jitter_ms,
                     loss_percent,
                     tokens,
+                    rounds,
                     seed,
                     json,
                 },
@@ -758,6 +762,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 jitter_ms,
                 loss: loss_percent / 100.0,
                 tokens,
+                rounds,
                 seed,
             };
             let report = runtime()?.block_on(mesh_node::tools::bench_wan::bench_wan(&bench))?;

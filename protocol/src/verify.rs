@@ -444,7 +444,7 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
         if let (Some(stewards), Some((sealed, _))) = (stewards, &main) {
             report.checks.push(Check {
                 subject: "stewards".into(),
-                property: "entry 0 is the coordinator; each stage once, as routed",
+                property: "entry 0 is the coordinator; no stage twice, each as routed",
                 outcome: check_stewards(stewards, receipt, &sealed.key_id())
                     .map_err(|e| e.to_string()),
             });

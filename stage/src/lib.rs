@@ -91,7 +91,10 @@ impl ModelHandle {
         protocol::mesh1::weights_digest(&self.digests.files)
     }
     /// SHA-256 of the package manifest (`protocol::package`): the
-    /// package-wide `manifest_sha256` every stage of this model names.
+    /// package-wide `manifest_sha256` every stage of this model names. A
+    /// GGUF package is its one file, named `model.gguf` in the manifest
+    /// whatever it is called on disk: the same bytes under two names are
+    /// one package (as the package id says).
     pub fn manifest_sha256(&self) -> [u8; 32] {
         let files: Vec<protocol::package::PackageFile<'_>> = self
             .digests
@@ -99,7 +102,10 @@ impl ModelHandle {
             .iter()
             .zip(&self.digests.file_bytes)
             .map(|((name, blake3), bytes)| protocol::package::PackageFile {
-                name,
+                name: match self.format() {
+                    Format::Gguf => "model.gguf",
+                    Format::Safetensors => name,
+                },
                 bytes: *bytes,
                 blake3: *blake3,
             })

@@ -551,3 +551,20 @@ fn a_batch_of_requests_gives_each_the_bits_it_gets_alone() {
         "batched bits differ from solo bits: {differ:?}"
     );
 }
+
+/// The package manifest binds the bytes, not the name a GGUF has on disk:
+/// the same file under another name is the same package with the same
+/// manifest; another file is another.
+#[test]
+fn the_manifest_of_a_gguf_is_its_bytes_not_its_name() {
+    let (dir, model) = model(&[GgmlDType::F32, GgmlDType::Q8_0]);
+    let original = model.gguf(GgmlDType::F32).unwrap();
+    let renamed = dir.path().join("renamed.gguf");
+    std::fs::copy(original, &renamed).unwrap();
+    let a = ModelHandle::open(original).unwrap();
+    let b = ModelHandle::open(&renamed).unwrap();
+    assert_eq!(a.package_id(), b.package_id());
+    assert_eq!(a.manifest_sha256(), b.manifest_sha256());
+    let other = ModelHandle::open(model.gguf(GgmlDType::Q8_0).unwrap()).unwrap();
+    assert_ne!(other.manifest_sha256(), a.manifest_sha256());
+}

@@ -1,11 +1,14 @@
 //! `mesh-node bench wan`: a split served through UDP delay proxies on
 //! 127.0.0.1, one in front of every node, so each link between two nodes
-//! has the round-trip time asked for. Reports the time per output token
-//! minus the engine's compute, next to two anchors: the floor (the one-way
-//! delays a token's activations cross going around the chain: relayed
-//! return crosses every link twice, direct return once plus the final
-//! stage's link back to the coordinator) and Mesh-LLM's published cost of
-//! 2 x RTT + 4.9 ms per stage boundary.
+//! has the round-trip time asked for. For each configuration it reports
+//! the time per output token, and what the delay costs a token: the
+//! coordinator's mean decode round trip (from sending a step's activation
+//! to reading the final hidden state) minus the same configuration's at
+//! zero delay through the same proxies, measured in the same round. That
+//! is set next to two anchors: the floor (the one-way delays a decode step
+//! crosses: relayed return crosses every link twice, direct return each
+//! link down once plus the final stage's link home) and Mesh-LLM's
+//! published cost of 2 x RTT + 4.9 ms per stage boundary.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -32,6 +35,7 @@ pub struct WanBench {
     pub jitter_ms: f64,
     pub loss: f64,
     pub tokens: usize,
+    pub rounds: usize,
     pub seed: u64,
 }
 
@@ -147,79 +151,169 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
         "--loss-percent takes 0 to 50"
     );
     anyhow::ensure!(bench.tokens >= 2, "--tokens must be at least 2");
+    anyhow::ensure!(bench.rounds >= 1, "--rounds must be at least 1");
     let prompt = bench_prompt(&bench.model, None)?;
-    let mut rows = Vec::new();
-    for &rtt in &bench.rtts_ms {
-        let shape = LinkShape {
-            one_way: Duration::from_secs_f64(rtt / 2e3),
-            jitter: Duration::from_secs_f64(bench.jitter_ms / 1e3),
-            loss: bench.loss,
-        };
+    let request = GenerateRequest {
+        chat: true,
+        ..GenerateRequest::greedy(&prompt, bench.tokens)
+    };
+    // Zero delay through the same proxies is every row's baseline: what a
+    // delay costs is the decode round trip over it.
+    let mut rtts = bench.rtts_ms.clone();
+    if !rtts.contains(&0.0) {
+        rtts.insert(0, 0.0);
+    }
+    let mut configurations = Vec::new();
+    for &rtt in &rtts {
         for &stages in &bench.stages {
             for return_mode in [ReturnMode::Relayed, ReturnMode::Direct] {
-                // The compute a token takes, measured next to each row: this
-                // machine's speed drifts over a run.
-                let unsplit = unsplit_generation(&bench.model, &prompt, true, bench.tokens).await?;
-                let compute_ms = 1e3 / unsplit.decode_tokens_per_s.max(1e-9);
-                let split = WanSplit::start(&bench.model, stages, return_mode, shape, bench.seed)
-                    .await
-                    .context("starting the split behind its proxies")?;
-                let request = GenerateRequest {
-                    chat: true,
-                    ..GenerateRequest::greedy(&prompt, bench.tokens)
-                };
-                // Warm up (handshakes, assignment, slice loads), then measure.
-                let warm = generate_remote(
-                    &split.client,
-                    &GenerateRequest {
-                        max_tokens: 2,
-                        ..request.clone()
-                    },
-                    &mut |_| {},
-                )
-                .await;
-                let measured = match warm {
-                    Ok(_) => generate_remote(&split.client, &request, &mut |_| {}).await,
-                    Err(e) => Err(e),
-                };
-                let proxies = split.shutdown().await;
-                let summary = measured.with_context(|| {
-                    format!(
-                        "{stages} stages, {} return, {rtt} ms RTT",
-                        return_mode.as_str()
-                    )
-                })?;
-                let d = &summary.details;
-                let rate = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
-                let per_token_ms = 1e3 / rate.max(1e-9);
-                let hops = hops_per_step(stages, return_mode);
-                let floor_ms = hops as f64 * (rtt / 2.0 + bench.jitter_ms / 2.0);
-                let overhead_ms = per_token_ms - compute_ms;
-                rows.push(json!({
-                    "rtt_ms": rtt,
-                    "stages": stages,
-                    "return_mode": return_mode.as_str(),
-                    "generated_tokens": d["generated_tokens"],
-                    "ms_per_token": per_token_ms,
-                    "compute_ms_per_token": compute_ms,
-                    "overhead_ms_per_token": overhead_ms,
-                    "one_way_delays_per_token": hops,
-                    "floor_ms_per_token": floor_ms,
-                    "over_floor_ms": overhead_ms - floor_ms,
-                    "mesh_llm_ms_per_token": (stages - 1) as f64 * (2.0 * rtt + MESH_LLM_BOUNDARY_MS),
-                    "proxies": proxies,
-                }));
+                configurations.push((rtt, stages, return_mode));
             }
         }
+    }
+    // Rounds interleave every configuration, and the compute a token takes
+    // unsplit is measured once per round: this machine's speed drifts.
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); configurations.len()];
+    for round in 0..bench.rounds {
+        let unsplit = unsplit_generation(&bench.model, &prompt, true, bench.tokens).await?;
+        let compute_ms = 1e3 / unsplit.decode_tokens_per_s.max(1e-9);
+        for (i, &(rtt, stages, return_mode)) in configurations.iter().enumerate() {
+            // The baseline is the proxies alone: no delay, jitter or loss.
+            let shape = if rtt == 0.0 {
+                LinkShape {
+                    one_way: Duration::ZERO,
+                    jitter: Duration::ZERO,
+                    loss: 0.0,
+                }
+            } else {
+                LinkShape {
+                    one_way: Duration::from_secs_f64(rtt / 2e3),
+                    jitter: Duration::from_secs_f64(bench.jitter_ms / 1e3),
+                    loss: bench.loss,
+                }
+            };
+            let seed = bench.seed.wrapping_add(round as u64);
+            let split = WanSplit::start(&bench.model, stages, return_mode, shape, seed)
+                .await
+                .context("starting the split behind its proxies")?;
+            // Warm up (handshakes, assignment, slice loads), then measure.
+            let warm = generate_remote(
+                &split.client,
+                &GenerateRequest {
+                    max_tokens: 2,
+                    ..request.clone()
+                },
+                &mut |_| {},
+            )
+            .await;
+            let measured = match warm {
+                Ok(_) => generate_remote(&split.client, &request, &mut |_| {}).await,
+                Err(e) => Err(e),
+            };
+            let proxies = split.shutdown().await;
+            let summary = measured.with_context(|| {
+                format!(
+                    "{stages} stages, {} return, {rtt} ms RTT",
+                    return_mode.as_str()
+                )
+            })?;
+            let d = &summary.details;
+            let hops = hops_per_step(stages, return_mode);
+            samples[i].push(Sample {
+                ms_per_token: 1e3 / d["decode_tokens_per_s"].as_f64().unwrap_or(0.0).max(1e-9),
+                compute_ms_per_token: compute_ms,
+                chain_ms_per_token: d["per_hop_overhead_us"].as_f64().unwrap_or(0.0) * hops as f64
+                    / 1e3,
+                decode_round_trip_ms: d["decode_round_trip_ms"].as_f64().unwrap_or(0.0),
+                generated: d["generated_tokens"].as_u64().unwrap_or(0),
+                proxies,
+            });
+        }
+    }
+    let mut rows = Vec::new();
+    for (&(rtt, stages, return_mode), samples_of) in configurations.iter().zip(&samples) {
+        let hops = hops_per_step(stages, return_mode);
+        // Jitter's mean is a lower bound of what it adds: datagrams keep
+        // their order, so a late one holds back those behind it.
+        let jitter_ms = if rtt == 0.0 { 0.0 } else { bench.jitter_ms };
+        let floor_ms = hops as f64 * (rtt / 2.0 + jitter_ms / 2.0);
+        let baseline = configurations
+            .iter()
+            .position(|&(r, s, m)| r == 0.0 && s == stages && m == return_mode)
+            .context("every configuration has its zero-delay baseline")?;
+        // Round by round, so both figures of a difference come from the
+        // same minute of this machine.
+        let delay_cost_ms = median(
+            samples_of
+                .iter()
+                .zip(&samples[baseline])
+                .map(|(s, zero)| s.decode_round_trip_ms - zero.decode_round_trip_ms),
+        );
+        let samples = samples_of;
+        let ms_per_token = median(samples.iter().map(|s| s.ms_per_token));
+        let compute_ms = median(samples.iter().map(|s| s.compute_ms_per_token));
+        let overhead_ms = median(
+            samples
+                .iter()
+                .map(|s| s.ms_per_token - s.compute_ms_per_token),
+        );
+        let chain_ms = median(samples.iter().map(|s| s.chain_ms_per_token));
+        rows.push(json!({
+            "rtt_ms": rtt,
+            "stages": stages,
+            "return_mode": return_mode.as_str(),
+            "rounds": samples.len(),
+            "generated_tokens": samples.iter().map(|s| s.generated).collect::<Vec<_>>(),
+            "ms_per_token": ms_per_token,
+            "ms_per_token_samples": samples.iter().map(|s| s.ms_per_token).collect::<Vec<_>>(),
+            "compute_ms_per_token": compute_ms,
+            "overhead_ms_per_token": overhead_ms,
+            "chain_overhead_ms_per_token": chain_ms,
+            "one_way_delays_per_token": hops,
+            "floor_ms_per_token": floor_ms,
+            "over_floor_ms": overhead_ms - floor_ms,
+            "chain_over_floor_ms": chain_ms - floor_ms,
+            "decode_round_trip_ms": median(samples.iter().map(|s| s.decode_round_trip_ms)),
+            "delay_cost_ms_per_token": delay_cost_ms,
+            "delay_cost_over_floor_ms": delay_cost_ms - floor_ms,
+            "mesh_llm_ms_per_token": (stages - 1) as f64 * (2.0 * rtt + MESH_LLM_BOUNDARY_MS),
+            "proxies": samples.last().map(|s| s.proxies.clone()),
+        }));
     }
     Ok(json!({
         "model": bench.model.display().to_string(),
         "decode_tokens": bench.tokens,
+        "rounds": bench.rounds,
         "jitter_ms": bench.jitter_ms,
         "loss": bench.loss,
         "seed": bench.seed,
         "rows": rows,
     }))
+}
+
+/// One measurement of one configuration.
+#[derive(Debug, Clone)]
+struct Sample {
+    ms_per_token: f64,
+    compute_ms_per_token: f64,
+    /// The coordinator's step round trips minus the compute the stages
+    /// report, per token: what the links and hand-offs cost.
+    chain_ms_per_token: f64,
+    /// The coordinator's mean decode step, from sending its activation to
+    /// reading the final hidden state: the chain's compute and its links.
+    decode_round_trip_ms: f64,
+    generated: u64,
+    proxies: Vec<Value>,
+}
+
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut values: Vec<f64> = values.collect();
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }
 
 /// `bench wan` for people.
@@ -228,38 +322,43 @@ pub fn render_wan(report: &Value) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "model {}  {} decode tokens, greedy; jitter {} ms, loss {:.1} %, seed {}",
+        "model {}  {} decode tokens, greedy, medians of {} rounds; jitter {} ms, loss {:.1} %, seed {}",
         report["model"].as_str().unwrap_or(""),
         report["decode_tokens"],
+        report["rounds"],
         report["jitter_ms"],
         100.0 * report["loss"].as_f64().unwrap_or(0.0),
         report["seed"],
     );
     let _ = writeln!(
         out,
-        "{:>7} {:>6} {:>8} {:>10} {:>9} {:>12} {:>10} {:>11} {:>12}",
+        "{:>7} {:>6} {:>8} {:>10} {:>9} {:>12} {:>11} {:>11} {:>8} {:>11} {:>12}",
         "RTT ms",
         "stages",
         "return",
         "ms/token",
         "compute",
         "minus comp.",
+        "round trip",
+        "delay cost",
         "floor",
-        "over floor",
+        "cost-floor",
         "Mesh-LLM"
     );
     for row in report["rows"].as_array().into_iter().flatten() {
         let _ = writeln!(
             out,
-            "{:>7.1} {:>6} {:>8} {:>10.2} {:>9.2} {:>12.2} {:>10.2} {:>11.2} {:>12.1}",
+            "{:>7.1} {:>6} {:>8} {:>10.2} {:>9.2} {:>12.2} {:>11.2} {:>11.2} {:>8.2} {:>11.2} {:>12.1}",
             row["rtt_ms"].as_f64().unwrap_or(0.0),
             row["stages"],
             row["return_mode"].as_str().unwrap_or(""),
             row["ms_per_token"].as_f64().unwrap_or(0.0),
             row["compute_ms_per_token"].as_f64().unwrap_or(0.0),
             row["overhead_ms_per_token"].as_f64().unwrap_or(0.0),
+            row["decode_round_trip_ms"].as_f64().unwrap_or(0.0),
+            row["delay_cost_ms_per_token"].as_f64().unwrap_or(0.0),
             row["floor_ms_per_token"].as_f64().unwrap_or(0.0),
-            row["over_floor_ms"].as_f64().unwrap_or(0.0),
+            row["delay_cost_over_floor_ms"].as_f64().unwrap_or(0.0),
             row["mesh_llm_ms_per_token"].as_f64().unwrap_or(0.0),
         );
     }

@@ -147,8 +147,18 @@ impl DelayProxy {
         let (toward_node, toward_node_rx) = std::sync::mpsc::sync_channel(MAX_QUEUED);
         let (toward_client, toward_client_rx) = std::sync::mpsc::sync_channel(MAX_QUEUED);
         let mut threads = vec![
-            spawn_sender(toward_node_rx, front.clone(), counters.clone()),
-            spawn_sender(toward_client_rx, front.clone(), counters.clone()),
+            spawn_sender(
+                toward_node_rx,
+                front.clone(),
+                counters.clone(),
+                stop.clone(),
+            ),
+            spawn_sender(
+                toward_client_rx,
+                front.clone(),
+                counters.clone(),
+                stop.clone(),
+            ),
         ];
         let toward_client = Arc::new(Mutex::new(DelayLine {
             queue: toward_client,
@@ -178,12 +188,14 @@ impl DelayProxy {
                             continue;
                         };
                         let Some(node) = target.get().copied() else {
+                            toward_node.counters.dropped.fetch_add(1, Ordering::Relaxed);
                             continue;
                         };
                         let upstream = match upstreams.get(&client) {
                             Some(socket) => socket.clone(),
                             None if upstreams.len() < MAX_CLIENTS => {
                                 let Ok(socket) = open_upstream(node) else {
+                                    toward_node.counters.dropped.fetch_add(1, Ordering::Relaxed);
                                     continue;
                                 };
                                 readers.push(spawn_reader(
@@ -195,7 +207,10 @@ impl DelayProxy {
                                 upstreams.insert(client, socket.clone());
                                 socket
                             }
-                            None => continue,
+                            None => {
+                                toward_node.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                                continue;
+                            }
                         };
                         toward_node.hold(buffer[..n].to_vec(), Destination::Upstream(upstream));
                     }
@@ -278,9 +293,18 @@ fn spawn_sender(
     queue: Receiver<Held>,
     front: Arc<UdpSocket>,
     counters: Arc<Counters>,
+    stop: Arc<AtomicBool>,
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
+        // The kernel may stretch a sleep by the thread's timer slack (50 µs
+        // by default): ask for none, so the delay added is the one asked for.
+        #[cfg(target_os = "linux")]
+        let _ = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1));
         while let Ok(held) = queue.recv() {
+            // Once stopped, what is still queued is dropped, not waited for.
+            if stop.load(Ordering::Relaxed) {
+                continue;
+            }
             let now = Instant::now();
             if held.due > now {
                 std::thread::sleep(held.due - now);

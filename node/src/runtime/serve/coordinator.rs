@@ -378,6 +378,8 @@ struct Driven {
     fold_time: Duration,
     own_compute: Duration,
     round_trips: Duration,
+    /// The round trips of decode steps alone (what a token waits for).
+    decode_round_trips: Duration,
     prefill_time: Duration,
     decode_time: Duration,
     started: Instant,
@@ -581,6 +583,7 @@ async fn drive(
     let mut finish_reason = "length";
     let mut own_compute = Duration::ZERO;
     let mut round_trips = Duration::ZERO;
+    let mut decode_round_trips = Duration::ZERO;
     let started = Instant::now();
     let mut prefill_time = Duration::ZERO;
     let mut sampler = Sampler::new(request.sampling.clone());
@@ -781,6 +784,9 @@ async fn drive(
                 if owed == 0 {
                     let round_trip = trip.elapsed();
                     round_trips += round_trip;
+                    if answered as usize >= prefill.len() {
+                        decode_round_trips += round_trip;
+                    }
                     inner.counters.round_trips.record(round_trip);
                 }
                 let (reply_kind, id, reply_step, payload) = msg::parse_stage(&reply)?;
@@ -980,6 +986,7 @@ async fn drive(
         fold_time: folds.spent,
         own_compute,
         round_trips,
+        decode_round_trips,
         prefill_time,
         decode_time,
         started,
@@ -1211,6 +1218,7 @@ async fn report(
         failure,
         own_compute,
         round_trips,
+        decode_round_trips,
         prefill_time,
         decode_time,
         started,
@@ -1275,6 +1283,7 @@ async fn report(
         "token_ids": tokens,
         "prefill_ms": prefill_time.as_secs_f64() * 1e3,
         "decode_tokens_per_s": (tokens.len().saturating_sub(1)) as f64 / decode_time.as_secs_f64().max(1e-9),
+        "decode_round_trip_ms": decode_round_trips.as_secs_f64() * 1e3 / (tokens.len().saturating_sub(1)).max(1) as f64,
         "stages": stages,
         "per_hop_overhead_us": overhead.as_secs_f64() * 1e6 / steps / hops.max(1.0),
         "fold_share": fold_time.as_secs_f64() / started.elapsed().as_secs_f64().max(1e-9),
