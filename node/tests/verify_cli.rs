@@ -118,6 +118,7 @@ fn own_bundles_exit_by_their_outcome() {
         ("stewards_duplicate_index", 1),
         ("stewards_first_not_coordinator", 1),
         ("stewards_unknown_index", 1),
+        ("stewards_missing_stage", 1),
         ("stewards_other_node", 1),
     ] {
         let (actual, value) = verify_json(&bundles.join(format!("{name}.json")));

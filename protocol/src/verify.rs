@@ -444,7 +444,7 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
         if let (Some(stewards), Some((sealed, _))) = (stewards, &main) {
             report.checks.push(Check {
                 subject: "stewards".into(),
-                property: "entry 0 is the coordinator; no stage twice, each as routed",
+                property: "entry 0 is the coordinator; each stage once, as routed",
                 outcome: check_stewards(stewards, receipt, &sealed.key_id())
                     .map_err(|e| e.to_string()),
             });
@@ -611,11 +611,13 @@ pub enum StewardsError {
         listed: String,
         assigned: String,
     },
+    #[error("stage {0} is routed by the receipt but missing from the list")]
+    Missing(u32),
 }
 
 /// The `stewards` list of a bundle: entry 0 is stage 0 and names the
-/// coordinator whose key signed the main record; every other entry names a
-/// stage the receipt routes, once, and the node it routed it to.
+/// coordinator whose key signed the main record; every stage the receipt
+/// routes is listed once, with the node it routed it to.
 pub fn check_stewards(
     stewards: &[(u32, String)],
     receipt: &CoordinatorReceipt,
@@ -649,6 +651,12 @@ pub fn check_stewards(
                 assigned: entry.assignment.node_id.clone(),
             });
         }
+    }
+    if let Some(missing) = (0..receipt.topology.len())
+        .filter_map(|k| u32::try_from(k).ok())
+        .find(|k| !seen.contains(k))
+    {
+        return Err(StewardsError::Missing(missing));
     }
     Ok(())
 }

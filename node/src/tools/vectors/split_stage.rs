@@ -644,7 +644,7 @@ fn hop_cases_and_bundles() -> anyhow::Result<(Value, Vec<(String, Value)>)> {
 /// Bundles derived from `base` with a `stewards` list, as a coordinator
 /// writes one: the true list verifies; a list naming a stage twice, not
 /// starting with the coordinator, naming a stage the receipt does not
-/// route, or naming another node for a stage fails.
+/// route, leaving one out, or naming another node for a stage fails.
 fn stewards_bundles(base: &Value, receipt: &Value) -> anyhow::Result<Vec<(String, Value)>> {
     let routed: Vec<Value> = receipt["topology"]
         .as_array()
@@ -675,6 +675,11 @@ fn stewards_bundles(base: &Value, receipt: &Value) -> anyhow::Result<Vec<(String
                 routed[2].clone(),
                 json!({ "stage_index": 3, "node_id": routed[2]["node_id"] }),
             ],
+            false,
+        ),
+        (
+            "stewards_missing_stage",
+            vec![routed[0].clone(), routed[2].clone()],
             false,
         ),
         (
