@@ -429,7 +429,12 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
         split.map(|(_, r)| r),
     );
     if let Some((sealed, _)) = &main {
-        verify_stage_exchange_records(&mut report, sealed, bundle.stage_exchange_records);
+        verify_stage_exchange_records(
+            &mut report,
+            sealed,
+            split.map(|(own, _)| own.manifest_sha256),
+            bundle.stage_exchange_records,
+        );
         if let Some(envelope) = &bundle.mesh1_envelope {
             verify_mesh1_link(
                 &mut report,
@@ -471,6 +476,7 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
 fn verify_stage_exchange_records(
     report: &mut VerifyReport,
     main: &SealedRecord,
+    own_manifest: Option<[u8; 32]>,
     records: &[Value],
 ) {
     let cited: Vec<[u8; 32]> = match references_of(main.value()) {
@@ -505,7 +511,16 @@ fn verify_stage_exchange_records(
                     return Err("not signed by the coordinator's key".to_string());
                 }
                 match sealed.stage_block() {
-                    Ok(b) if b.side == Side::Coordinator && b.stage_index >= 1 => {}
+                    Ok(b) if b.side == Side::Coordinator && b.stage_index >= 1 => {
+                        // A manifest is package-wide: what the coordinator
+                        // assigned any stage is what it holds itself.
+                        if own_manifest.is_some_and(|own| own != b.manifest_sha256) {
+                            return Err(format!(
+                                "stage {}'s manifest_sha256 is not the own slice's (a manifest is package-wide)",
+                                b.stage_index
+                            ));
+                        }
+                    }
                     Ok(_) => return Err("not a stage-exchange block".to_string()),
                     Err(e) => return Err(e.to_string()),
                 }
@@ -514,7 +529,7 @@ fn verify_stage_exchange_records(
             });
         report.checks.push(Check {
             subject,
-            property: "capsule_id, COSE signature by the coordinator, exchange block",
+            property: "capsule_id, COSE signature by the coordinator, exchange block, package-wide manifest",
             outcome,
         });
     }

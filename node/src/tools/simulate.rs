@@ -368,3 +368,36 @@ mod tests {
         ));
     }
 }
+
+#[cfg(test)]
+mod verify_tests {
+    use super::*;
+    use mesh_protocol::verify::verify_document;
+
+    /// A bundle whose stage-exchange record names another manifest than
+    /// the own slice's (re-signed by the coordinator, so only the manifest
+    /// is wrong with it) fails the package-wide check.
+    #[test]
+    fn an_exchange_record_with_another_manifest_fails_the_bundle() {
+        let run = simulate(&Scenario::default());
+        let mut bundle = run.sealed.bundle();
+        let record = &mut bundle["stage_exchange_records"][0];
+        let pointer = "/model_attestation/compute_attestation/x-mesh-stage-v1/manifest_sha256";
+        *record.pointer_mut(pointer).unwrap() = serde_json::json!("ab".repeat(32));
+        *record = SealedRecord::seal(record.clone(), &coordinator_key())
+            .unwrap()
+            .into_value();
+        let report = verify_document(&bundle).unwrap();
+        let failed: Vec<String> = report
+            .checks
+            .iter()
+            .filter_map(|c| c.outcome.clone().err())
+            .collect();
+        assert!(
+            failed.iter().any(|e| e.contains("not the own slice's")),
+            "{failed:?}"
+        );
+        let clean = verify_document(&run.sealed.bundle()).unwrap();
+        assert!(clean.checks_passed());
+    }
+}
