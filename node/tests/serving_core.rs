@@ -576,24 +576,29 @@ async fn control_messages_with_members_nobody_asked_for_are_refused() {
     assert_eq!(served.get("kind").and_then(Cbor::as_text), Some("done"));
 }
 
-/// Over links that delay, jitter and drop datagrams (the WAN bench's UDP
-/// proxy in front of every node), a split gives the tokens it gives over
-/// clean loopback, in both return modes, and every hand-off of its bundle
-/// agrees: QUIC's recovery is below the frames the lanes fold.
+/// Over links that delay, jitter and drop datagrams (the WAN bench's split,
+/// a UDP proxy in front of every node), a split gives the tokens it gives
+/// over clean loopback, in both return modes, and every hand-off of its
+/// bundle agrees: QUIC's recovery is below the frames the lanes fold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_over_delayed_lossy_links_gives_the_clean_tokens() {
-    use mesh_node::runtime::serve::PeerAddr;
-    use mesh_node::tools::delay_proxy::{DelayProxy, LinkShape};
+    use mesh_node::cli::node_cli::BenchSplit;
+    use mesh_node::tools::delay_proxy::LinkShape;
 
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
     let prompt = "w1 w2 w3 w4 w5 w6 w7 w8 w9";
-    let [a, _b, _c] = three_nodes_admitting(&model, dir.path(), 4).await;
-    let clean = ask(&a.peer_addr(), &request(prompt, 12, None))
+    let clean_split = BenchSplit::start(&model, 3, None, ReturnMode::Relayed)
         .await
         .unwrap();
+    let clean = ask(
+        &clean_split.requester_addr().unwrap(),
+        &request(prompt, 12, None),
+    )
+    .await
+    .unwrap();
     assert!(clean.error.is_none(), "{:?}", clean.error);
-    a.shutdown().await;
+    clean_split.shutdown().await;
 
     let shape = LinkShape {
         one_way: Duration::from_millis(3),
@@ -604,35 +609,12 @@ async fn a_split_over_delayed_lossy_links_gives_the_clean_tokens() {
         .into_iter()
         .enumerate()
     {
-        let mut proxies = Vec::new();
-        let mut peers = Vec::new();
-        let mut stages = Vec::new();
-        for (name, seed) in [("b", 2u8), ("c", 3)] {
-            let mut stage = Setup::stage(&model, dir.path(), &format!("{name}{run}"), seed);
-            stage.data = dir.path().join(format!("{name}-lossy-{run}"));
-            let stage = stage.start().await;
-            let proxy = DelayProxy::bind(shape, u64::from(seed) + 10 * run as u64).unwrap();
-            proxy.forward_to(stage.local_addr().unwrap());
-            peers.push(PeerAddr {
-                key: stage.public_key(),
-                addr: proxy.addr(),
-            });
-            proxies.push(proxy);
-            stages.push(stage);
-        }
-        let proxy = DelayProxy::bind(shape, 100 + run as u64).unwrap();
-        let mut a = Setup::coordinator(&model, dir.path(), peers);
-        a.data = dir.path().join(format!("a-lossy-{run}"));
-        a.return_mode = mode;
-        a.advertise = Some(proxy.addr());
-        let a = a.start().await;
-        proxy.forward_to(a.local_addr().unwrap());
-        proxies.push(proxy);
-        let direct = PeerAddr {
-            key: a.public_key(),
-            addr: a.local_addr().unwrap(),
-        };
-        let lossy = ask(&direct, &request(prompt, 12, None)).await.unwrap();
+        let split = BenchSplit::behind_proxies(&model, 3, mode, shape, 100 + 10 * run as u64)
+            .await
+            .unwrap();
+        let lossy = ask(&split.requester_addr().unwrap(), &request(prompt, 12, None))
+            .await
+            .unwrap();
         assert!(lossy.error.is_none(), "{mode:?}: {:?}", lossy.error);
         assert_eq!(lossy.text, clean.text, "{mode:?}");
         assert_eq!(
@@ -641,13 +623,10 @@ async fn a_split_over_delayed_lossy_links_gives_the_clean_tokens() {
         );
         let (code, report) = verify(dir.path(), lossy.bundle.as_ref().unwrap());
         assert_eq!(code, 0, "{mode:?}: {report:#}");
-        let dropped: u64 = proxies.iter().map(|p| p.counts().dropped).sum();
-        let relayed: u64 = proxies.iter().map(|p| p.counts().relayed).sum();
+        let counts = split.shutdown().await;
+        let dropped: u64 = counts.iter().map(|c| c.dropped).sum();
+        let relayed: u64 = counts.iter().map(|c| c.relayed).sum();
         assert!(relayed > 0, "nothing went through the proxies");
         eprintln!("{mode:?}: {relayed} datagrams relayed, {dropped} dropped");
-        a.shutdown().await;
-        for stage in stages {
-            stage.shutdown().await;
-        }
     }
 }

@@ -15,6 +15,7 @@ use crate::runtime::energy::{EstimatorMeter, POWERCAP_ROOT, select_meter};
 use crate::runtime::serve::{
     GenerateRequest, GenerateSummary, Node, NodeOptions, PeerAddr, generate_remote,
 };
+use crate::tools::delay_proxy::{DelayProxy, LinkShape, ProxyCounts};
 
 /// `serve`'s TOML configuration; every member is optional and flags win.
 #[derive(Debug, Default, Deserialize)]
@@ -725,11 +726,13 @@ pub(crate) fn tempfile_dir() -> anyhow::Result<PathBuf> {
 
 /// A split of `stages` nodes on 127.0.0.1 for the benches: stages 1.. start
 /// first, then node 0 coordinating them (serving the HTTP API on `http`
-/// when given), all with their data in one scratch directory.
+/// when given), all with their data in one scratch directory; for the WAN
+/// bench, every node behind its own delay proxy.
 #[derive(Debug)]
 pub struct BenchSplit {
     pub coordinator: Node,
     stages: Vec<Node>,
+    proxies: Vec<DelayProxy>,
     scratch: PathBuf,
 }
 
@@ -740,40 +743,101 @@ impl BenchSplit {
         http: Option<SocketAddr>,
         return_mode: ReturnMode,
     ) -> anyhow::Result<Self> {
+        Self::start_with(model, stages, http, return_mode, None).await
+    }
+
+    /// Every node behind its own [`DelayProxy`] shaped `shape` (seeded from
+    /// `seed`): each link between two nodes crosses one proxy.
+    pub async fn behind_proxies(
+        model: &Path,
+        stages: usize,
+        return_mode: ReturnMode,
+        shape: LinkShape,
+        seed: u64,
+    ) -> anyhow::Result<Self> {
+        Self::start_with(model, stages, None, return_mode, Some((shape, seed))).await
+    }
+
+    async fn start_with(
+        model: &Path,
+        stages: usize,
+        http: Option<SocketAddr>,
+        return_mode: ReturnMode,
+        links: Option<(LinkShape, u64)>,
+    ) -> anyhow::Result<Self> {
         let scratch = tempfile_dir()?;
         let coordinator_key =
             mesh_protocol::SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
         let mut nodes = Vec::new();
+        let mut proxies = Vec::new();
+        let mut peers = Vec::new();
         for k in 1..stages {
-            nodes.push(
-                Node::start(bench_options(
-                    model,
-                    &scratch,
-                    k,
-                    Vec::new(),
-                    &coordinator_key,
-                )?)
-                .await?,
-            );
+            let node = Node::start(bench_options(
+                model,
+                &scratch,
+                k,
+                Vec::new(),
+                &coordinator_key,
+            )?)
+            .await?;
+            let addr = match links {
+                Some((shape, seed)) => {
+                    let proxy = DelayProxy::bind(shape, seed.wrapping_add(k as u64))?;
+                    proxy.forward_to(node.local_addr()?);
+                    let addr = proxy.addr();
+                    proxies.push(proxy);
+                    addr
+                }
+                None => node.addr(),
+            };
+            peers.push(PeerAddr {
+                key: node.public_key(),
+                addr,
+            });
+            nodes.push(node);
         }
-        let peers: Vec<PeerAddr> = nodes.iter().map(Node::peer_addr).collect();
+        // The coordinator is told its proxy's address before it binds, so
+        // the final stage's direct return crosses a delayed link too.
+        let own_proxy = links
+            .map(|(shape, seed)| DelayProxy::bind(shape, seed))
+            .transpose()?;
         let mut options = bench_options(model, &scratch, 0, peers, &coordinator_key)?;
         options.http = http;
         options.return_mode = return_mode;
+        options.advertise = own_proxy.as_ref().map(DelayProxy::addr);
+        let coordinator = Node::start(options).await?;
+        if let Some(proxy) = own_proxy {
+            proxy.forward_to(coordinator.local_addr()?);
+            proxies.push(proxy);
+        }
         Ok(Self {
-            coordinator: Node::start(options).await?,
+            coordinator,
             stages: nodes,
+            proxies,
             scratch,
         })
     }
 
-    /// Stop every node and remove the scratch directory.
-    pub async fn shutdown(self) {
+    /// Where a requester reaches the coordinator: its bound address, never
+    /// through its proxy (the WAN bench is about the links inside the chain).
+    pub fn requester_addr(&self) -> anyhow::Result<PeerAddr> {
+        Ok(PeerAddr {
+            key: self.coordinator.public_key(),
+            addr: self.coordinator.local_addr()?,
+        })
+    }
+
+    /// Stop every node and remove the scratch directory; what each proxy
+    /// did, when there were proxies.
+    pub async fn shutdown(self) -> Vec<ProxyCounts> {
         self.coordinator.shutdown().await;
         for node in self.stages {
             node.shutdown().await;
         }
+        let counts = self.proxies.iter().map(DelayProxy::counts).collect();
+        drop(self.proxies);
         let _ = std::fs::remove_dir_all(&self.scratch);
+        counts
     }
 }
 

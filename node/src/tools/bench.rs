@@ -7,6 +7,17 @@ use std::time::{Duration, Instant};
 use mesh_protocol::fold::{Lane, LaneContext, LaneFold};
 use sha2::{Digest, Sha256};
 
+/// The median (the mean of the middle two for an even count; 0 for none).
+pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
+    let mut values: Vec<f64> = values.into_iter().collect();
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
 /// One measured frame size.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct FoldMeasurement {

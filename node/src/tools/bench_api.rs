@@ -4,6 +4,7 @@
 //! three-node split in this process: time to first token, decode tokens/s,
 //! and what the API layer adds per token.
 
+use crate::tools::bench::median;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
@@ -97,11 +98,6 @@ fn over_http(api: SocketAddr, model: &str, tokens: usize) -> anyhow::Result<Timi
     bail!("the stream ended without [DONE]")
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(0.0)
-}
-
 pub async fn bench_api(model: &Path, tokens: usize, rounds: usize) -> anyhow::Result<Value> {
     let split = crate::cli::node_cli::BenchSplit::start(
         model,
@@ -130,9 +126,9 @@ pub async fn bench_api(model: &Path, tokens: usize, rounds: usize) -> anyhow::Re
     split.shutdown().await;
     let summary = |runs: &[Timing]| {
         json!({
-            "first_token_ms": median(runs.iter().map(|t| t.first_token.as_secs_f64() * 1e3).collect()),
-            "total_ms": median(runs.iter().map(|t| t.total.as_secs_f64() * 1e3).collect()),
-            "decode_tokens_per_s": median(runs.iter().map(Timing::decode_rate).collect()),
+            "first_token_ms": median(runs.iter().map(|t| t.first_token.as_secs_f64() * 1e3)),
+            "total_ms": median(runs.iter().map(|t| t.total.as_secs_f64() * 1e3)),
+            "decode_tokens_per_s": median(runs.iter().map(Timing::decode_rate)),
             "tokens": runs.first().map_or(0, |t| t.tokens),
         })
     };

@@ -10,16 +10,17 @@
 //! link down once plus the final stage's link home) and Mesh-LLM's
 //! published cost of 2 x RTT + 4.9 ms per stage boundary.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
 use mesh_protocol::block::ReturnMode;
 use serde_json::{Value, json};
 
-use crate::cli::node_cli::{bench_options, bench_prompt, tempfile_dir, unsplit_generation};
-use crate::runtime::serve::{GenerateRequest, Node, PeerAddr, generate_remote};
-use crate::tools::delay_proxy::{DelayProxy, LinkShape};
+use crate::cli::node_cli::{BenchSplit, bench_prompt, unsplit_generation};
+use crate::runtime::serve::{GenerateRequest, generate_remote, one_way_hops_per_step};
+use crate::tools::bench::median;
+use crate::tools::delay_proxy::LinkShape;
 
 /// Mesh-LLM's published added time per stage boundary, beyond two round
 /// trips (GLM-4.7-Flash split over a 20 ms WAN link: +44.9 ms per token,
@@ -37,104 +38,6 @@ pub struct WanBench {
     pub tokens: usize,
     pub rounds: usize,
     pub seed: u64,
-}
-
-/// A split whose every node sits behind its own delay proxy.
-struct WanSplit {
-    coordinator: Node,
-    client: PeerAddr,
-    stages: Vec<Node>,
-    proxies: Vec<DelayProxy>,
-    scratch: PathBuf,
-}
-
-impl WanSplit {
-    async fn start(
-        model: &Path,
-        stages: usize,
-        return_mode: ReturnMode,
-        shape: LinkShape,
-        seed: u64,
-    ) -> anyhow::Result<Self> {
-        let scratch = tempfile_dir()?;
-        let coordinator_key =
-            mesh_protocol::SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
-        let mut nodes = Vec::new();
-        let mut proxies = Vec::new();
-        let mut peers = Vec::new();
-        for k in 1..stages {
-            let node = Node::start(bench_options(
-                model,
-                &scratch,
-                k,
-                Vec::new(),
-                &coordinator_key,
-            )?)
-            .await?;
-            let proxy = DelayProxy::bind(shape, seed.wrapping_add(k as u64))?;
-            proxy.forward_to(node.local_addr()?);
-            peers.push(PeerAddr {
-                key: node.public_key(),
-                addr: proxy.addr(),
-            });
-            nodes.push(node);
-            proxies.push(proxy);
-        }
-        // The coordinator is told its proxy's address before it binds, so
-        // the final stage's direct return crosses a delayed link too.
-        let proxy = DelayProxy::bind(shape, seed)?;
-        let mut options = bench_options(model, &scratch, 0, peers, &coordinator_key)?;
-        options.return_mode = return_mode;
-        options.advertise = Some(proxy.addr());
-        let coordinator = Node::start(options).await?;
-        proxy.forward_to(coordinator.local_addr()?);
-        proxies.push(proxy);
-        // The requester talks to the coordinator without a delay: the bench
-        // is about the links inside the chain.
-        let client = PeerAddr {
-            key: coordinator.public_key(),
-            addr: coordinator.local_addr()?,
-        };
-        Ok(Self {
-            coordinator,
-            client,
-            stages: nodes,
-            proxies,
-            scratch,
-        })
-    }
-
-    async fn shutdown(self) -> Vec<Value> {
-        self.coordinator.shutdown().await;
-        for node in self.stages {
-            node.shutdown().await;
-        }
-        let counts = self
-            .proxies
-            .iter()
-            .map(|p| {
-                let c = p.counts();
-                json!({
-                    "relayed": c.relayed,
-                    "dropped": c.dropped,
-                    "mean_late_us": c.mean_late_us,
-                    "max_late_us": c.max_late_us,
-                })
-            })
-            .collect();
-        drop(self.proxies);
-        let _ = std::fs::remove_dir_all(&self.scratch);
-        counts
-    }
-}
-
-/// One-way delays a decode step crosses: relayed return goes down and back
-/// up every link; direct return goes down and then straight home.
-pub fn hops_per_step(stages: usize, return_mode: ReturnMode) -> usize {
-    match return_mode {
-        ReturnMode::Relayed => 2 * (stages - 1),
-        ReturnMode::Direct => stages,
-    }
 }
 
 pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
@@ -193,12 +96,13 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                 }
             };
             let seed = bench.seed.wrapping_add(round as u64);
-            let split = WanSplit::start(&bench.model, stages, return_mode, shape, seed)
+            let split = BenchSplit::behind_proxies(&bench.model, stages, return_mode, shape, seed)
                 .await
                 .context("starting the split behind its proxies")?;
+            let requester = split.requester_addr()?;
             // Warm up (handshakes, assignment, slice loads), then measure.
             let warm = generate_remote(
-                &split.client,
+                &requester,
                 &GenerateRequest {
                     max_tokens: 2,
                     ..request.clone()
@@ -207,10 +111,22 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
             )
             .await;
             let measured = match warm {
-                Ok(_) => generate_remote(&split.client, &request, &mut |_| {}).await,
+                Ok(_) => generate_remote(&requester, &request, &mut |_| {}).await,
                 Err(e) => Err(e),
             };
-            let proxies = split.shutdown().await;
+            let proxies = split
+                .shutdown()
+                .await
+                .into_iter()
+                .map(|c| {
+                    json!({
+                        "relayed": c.relayed,
+                        "dropped": c.dropped,
+                        "mean_late_us": c.mean_late_us,
+                        "max_late_us": c.max_late_us,
+                    })
+                })
+                .collect();
             let summary = measured.with_context(|| {
                 format!(
                     "{stages} stages, {} return, {rtt} ms RTT",
@@ -218,7 +134,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                 )
             })?;
             let d = &summary.details;
-            let hops = hops_per_step(stages, return_mode);
+            let hops = one_way_hops_per_step(stages, return_mode);
             samples[i].push(Sample {
                 ms_per_token: 1e3 / d["decode_tokens_per_s"].as_f64().unwrap_or(0.0).max(1e-9),
                 compute_ms_per_token: compute_ms,
@@ -232,7 +148,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
     }
     let mut rows = Vec::new();
     for (&(rtt, stages, return_mode), samples_of) in configurations.iter().zip(&samples) {
-        let hops = hops_per_step(stages, return_mode);
+        let hops = one_way_hops_per_step(stages, return_mode);
         // Jitter's mean is a lower bound of what it adds: datagrams keep
         // their order, so a late one holds back those behind it.
         let jitter_ms = if rtt == 0.0 { 0.0 } else { bench.jitter_ms };
@@ -304,16 +220,6 @@ struct Sample {
     decode_round_trip_ms: f64,
     generated: u64,
     proxies: Vec<Value>,
-}
-
-fn median(values: impl Iterator<Item = f64>) -> f64 {
-    let mut values: Vec<f64> = values.collect();
-    values.sort_by(f64::total_cmp);
-    match values.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => values[n / 2],
-        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
-    }
 }
 
 /// `bench wan` for people.

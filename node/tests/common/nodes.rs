@@ -44,8 +44,6 @@ pub struct Setup<'a> {
     pub step_timeout: Duration,
     pub return_mode: ReturnMode,
     pub prefill_chunk_tokens: usize,
-    /// The address other nodes are told (default: the bound one).
-    pub advertise: Option<std::net::SocketAddr>,
     /// The estimator's power: what this node's steward bills per second.
     pub milliwatts: u64,
     /// Serve the HTTP API (on an ephemeral loopback port).
@@ -65,7 +63,6 @@ impl<'a> Setup<'a> {
             slice_idle: Duration::from_secs(600),
             return_mode: ReturnMode::Relayed,
             prefill_chunk_tokens: mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
-            advertise: None,
             milliwatts: mesh_node::runtime::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
             step_timeout: Duration::from_secs(20),
             http: false,
@@ -94,7 +91,7 @@ impl<'a> Setup<'a> {
         Node::start(NodeOptions {
             key: self.key,
             listen: "127.0.0.1:0".parse().unwrap(),
-            advertise: self.advertise,
+            advertise: None,
             model: self.model.to_path_buf(),
             data: self.data,
             peers: self.peers,

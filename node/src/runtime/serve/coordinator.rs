@@ -1267,11 +1267,7 @@ async fn report(
         stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
     }
     let steps = tokens.len().max(1) as f64;
-    let hops = if return_mode == ReturnMode::Direct {
-        n as f64
-    } else {
-        2.0 * (n as f64 - 1.0)
-    };
+    let hops = one_way_hops_per_step(n as usize, return_mode) as f64;
     let overhead = round_trips.saturating_sub(remote_compute);
     let details = json!({
         "request_id": request_id.to_string(),
@@ -1340,6 +1336,16 @@ async fn wait_direct(
     match waiter {
         Some(waiter) => Ok(waiter.await?),
         None => std::future::pending().await,
+    }
+}
+
+/// One-way hops a decode step crosses in a chain of `stages`: relayed
+/// return goes down and back up every link; direct return goes down and
+/// then straight home.
+pub fn one_way_hops_per_step(stages: usize, return_mode: ReturnMode) -> usize {
+    match return_mode {
+        ReturnMode::Relayed => 2 * stages.saturating_sub(1),
+        ReturnMode::Direct => stages,
     }
 }
 

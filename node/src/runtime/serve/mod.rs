@@ -45,7 +45,8 @@ mod coordinator;
 mod stats;
 pub use coordinator::{
     DEFAULT_PREFILL_CHUNK_TOKENS, GenerateRequest, GenerateSummary, GrantedServe,
-    MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, generate_remote, plan_remote,
+    MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, generate_remote, one_way_hops_per_step,
+    plan_remote,
 };
 pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
 
