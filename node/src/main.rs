@@ -36,8 +36,22 @@ enum Command {
     /// 127.0.0.1, serve one request split over them, and check its bundle.
     Demo(mesh_node::cli::node_cli::DemoArgs),
     /// Run a node: a stage for any coordinator, and with --peer a
-    /// coordinator over its peers.
-    Serve(mesh_node::cli::node_cli::ServeArgs),
+    /// coordinator over its peers; with neither --peer nor --coordinator
+    /// (or with --bootstrap) it joins a mesh and plans over its members.
+    Serve(Box<mesh_node::cli::node_cli::ServeArgs>),
+    /// Join a mesh as a stage node with one command: creates the node's key
+    /// in its data directory if there is none, measures its decode speed,
+    /// advertises itself and serves the mesh's coordinators.
+    Join(Box<mesh_node::cli::node_cli::JoinArgs>),
+    /// The mesh as an observer sees it.
+    Mesh {
+        #[command(subcommand)]
+        action: MeshAction,
+    },
+    /// The plan a coordinator would use over the mesh (or over members
+    /// described in a file): node, layers, weight and KV bytes per stage,
+    /// projected time per token, and why a member was left out.
+    Plan(mesh_node::cli::mesh_cli::PlanArgs),
     /// Generate text: in this process (--model), or through a coordinator
     /// (--coordinator), which streams it and returns a verifiable bundle.
     Generate {
@@ -179,6 +193,18 @@ enum JournalAction {
     Inspect {
         /// The steward's data directory.
         dir: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum MeshAction {
+    /// Members, their adverts, round trip and age.
+    Status {
+        #[command(flatten)]
+        observe: mesh_node::cli::mesh_cli::ObserveArgs,
+        /// Print one JSON array.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -388,8 +414,38 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             })
         }
         Command::Serve(args) => {
-            let options = mesh_node::cli::node_cli::node_options(args)?;
+            let options = mesh_node::cli::node_cli::node_options(*args)?;
             runtime()?.block_on(mesh_node::cli::node_cli::serve(options))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Join(args) => {
+            let options = mesh_node::cli::node_cli::join_options(*args)?;
+            runtime()?.block_on(mesh_node::cli::node_cli::serve(options))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Mesh {
+            action: MeshAction::Status { observe, json },
+        } => {
+            let members = runtime()?.block_on(mesh_node::cli::mesh_cli::observe(&observe))?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&mesh_node::runtime::planner::members_json(
+                        &members
+                    ))?
+                );
+            } else {
+                print!("{}", mesh_node::runtime::planner::render_members(&members));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plan(args) => {
+            let (report, text) = runtime()?.block_on(mesh_node::cli::mesh_cli::plan(&args))?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{text}");
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Generate {
@@ -821,7 +877,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// command only what went wrong (warn), so the demo's answer stays in view.
 fn init_logging(command: &Command) {
     let default = match command {
-        Command::Serve(_) => "mesh_node=info",
+        Command::Serve(_) | Command::Join(_) => "mesh_node=info",
         _ => "mesh_node=warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

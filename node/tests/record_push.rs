@@ -87,6 +87,8 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),
         http: None,
+        mesh: None,
+        stages: None,
     })
     .await
     .unwrap();

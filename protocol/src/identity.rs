@@ -74,6 +74,31 @@ pub fn parse_did_key(did: &str) -> Option<[u8; 32]> {
     Some(key)
 }
 
+/// The libp2p identity prefix of an Ed25519 key: an identity multihash
+/// (0x00, length 36) of the protobuf `PublicKey { Type: Ed25519 (1), Data:
+/// 32 bytes }` (0x08 0x01 0x12 0x20). The node's PeerId and its did:key name
+/// the same 32 bytes under these two prefixes.
+const PEER_ID_PREFIX: [u8; 6] = [0x00, 0x24, 0x08, 0x01, 0x12, 0x20];
+
+/// The libp2p PeerId (`12D3KooW…`) of an Ed25519 public key.
+pub fn peer_id(public_key: &[u8; 32]) -> String {
+    let mut raw = Vec::with_capacity(38);
+    raw.extend_from_slice(&PEER_ID_PREFIX);
+    raw.extend_from_slice(public_key);
+    base58_encode(&raw)
+}
+
+/// The Ed25519 public key a PeerId names, when it names one inline.
+pub fn parse_peer_id(text: &str) -> Option<[u8; 32]> {
+    if text.len() > 64 {
+        return None;
+    }
+    let raw = base58_decode(text)?;
+    let key: [u8; 32] = raw.strip_prefix(&PEER_ID_PREFIX)?.try_into().ok()?;
+    VerifyingKey::from_bytes(&key).ok()?;
+    Some(key)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,12 +117,15 @@ mod tests {
         fn round_trips(seed in any::<[u8; 32]>()) {
             let key = ed25519_dalek::SigningKey::from_bytes(&seed).verifying_key().to_bytes();
             prop_assert_eq!(parse_did_key(&did_key(&key)), Some(key));
+            prop_assert_eq!(parse_peer_id(&peer_id(&key)), Some(key));
+            prop_assert!(peer_id(&key).starts_with("12D3KooW"));
         }
 
         #[test]
         fn never_panics(text in ".{0,80}") {
             let _ = parse_did_key(&text);
             let _ = parse_did_key(&format!("did:key:z{text}"));
+            let _ = parse_peer_id(&text);
         }
     }
 }

@@ -5,6 +5,7 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+pub mod advert;
 pub mod block;
 pub mod bundle;
 pub mod capsule;
@@ -18,6 +19,7 @@ pub mod identity;
 pub mod json;
 pub mod mesh1;
 pub mod package;
+pub mod plan;
 pub mod receipt;
 pub mod session;
 pub mod split;

@@ -1,9 +1,10 @@
 //! The commands' logic: serve, generate, demo and grants (`node_cli`), the
 //! in-process engine commands (`engine_cli`), the real model's download
-//! (`models`), offline verification (`verify`) and human-readable output
-//! (`render`).
+//! (`models`), offline verification (`verify`), human-readable output
+//! (`render`), and the mesh as an observer sees it (`mesh_cli`).
 
 pub mod engine_cli;
+pub mod mesh_cli;
 pub mod models;
 pub mod node_cli;
 pub mod render;

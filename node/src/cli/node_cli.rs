@@ -130,6 +130,53 @@ pub struct ServeArgs {
     /// chain (default 256, at most 4096).
     #[arg(long)]
     pub prefill_chunk_tokens: Option<usize>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+}
+
+/// How a node joins a mesh (`serve`, `join`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct MeshArgs {
+    /// A member's mesh address (`/ip4/HOST/tcp/PORT/p2p/PEERID`, printed by
+    /// every node on start); repeat for more. Joins the mesh through it.
+    #[arg(long = "bootstrap")]
+    pub bootstrap: Vec<libp2p::Multiaddr>,
+    /// Where the mesh's libp2p transport listens (default
+    /// /ip4/0.0.0.0/tcp/0: any free port).
+    #[arg(long)]
+    pub mesh_listen: Option<libp2p::Multiaddr>,
+    /// Do not look for members on the local network by mDNS.
+    #[arg(long)]
+    pub no_mdns: bool,
+    /// Memory this node offers for weights and KV caches, MiB (default:
+    /// what is free at start).
+    #[arg(long)]
+    pub memory_mib: Option<u64>,
+    /// Pin the number of stages a coordinator plans over the mesh
+    /// (default: the planner decides, at least 2).
+    #[arg(long)]
+    pub stages: Option<usize>,
+    /// Advertise this decode time per layer and token, microseconds,
+    /// instead of measuring it (a node whose measurement is not
+    /// representative; tests that need a fixed plan).
+    #[arg(long)]
+    pub decode_us_per_layer: Option<u64>,
+}
+
+impl MeshArgs {
+    fn settings(&self) -> crate::runtime::serve::MeshSettings {
+        crate::runtime::serve::MeshSettings {
+            listen: vec![
+                self.mesh_listen
+                    .clone()
+                    .unwrap_or_else(crate::runtime::mesh::default_listen),
+            ],
+            bootstrap: self.bootstrap.clone(),
+            mdns: !self.no_mdns,
+            memory_bytes: self.memory_mib.map(|m| m * 1024 * 1024),
+            decode_us_per_layer: self.decode_us_per_layer,
+        }
+    }
 }
 
 pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
@@ -175,6 +222,10 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
                 .with_context(|| format!("coordinator `{c}` is not an Ed25519 did:key node id"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    // A node told of no peers and no coordinator has nothing to do but join
+    // a mesh; one given --bootstrap joins it whatever else it is told.
+    let mesh = (!args.mesh.bootstrap.is_empty() || (peers.is_empty() && coordinators.is_empty()))
+        .then(|| args.mesh.settings());
     let wire = args.wire.or(file.wire).unwrap_or_else(|| "f32".into());
     let (meter, why) = select_meter(
         Path::new(POWERCAP_ROOT),
@@ -232,7 +283,87 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             .with_context(|| format!("wire `{wire}` is not f32, f16 or bf16"))?,
         meter,
         http: args.http.or(file.http),
+        mesh,
+        stages: args.mesh.stages,
     })
+}
+
+/// `mesh-node join`: become a stage node of a mesh with one command.
+#[derive(Debug, clap::Args)]
+pub struct JoinArgs {
+    /// This node's copy of the model (default: SmolLM2-135M-Instruct from
+    /// the cache, fetched once as `demo` does).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Where the node keeps its key, journal and speed measurement (default:
+    /// the user's data directory, printed on start).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// HOST:PORT of the QUIC data plane (default 0.0.0.0:0, any free port).
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// HOST:PORT other nodes reach the data plane at.
+    #[arg(long)]
+    pub advertise: Option<SocketAddr>,
+    /// Serve only these coordinators (node ids); default: any member of the
+    /// mesh.
+    #[arg(long = "coordinator")]
+    pub coordinators: Vec<String>,
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+}
+
+/// The user's data directory for mesh-node (`$XDG_DATA_HOME/mesh-node`, or
+/// `~/.local/share/mesh-node`).
+pub fn default_data_dir() -> PathBuf {
+    std::env::var_os("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share")))
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join("mesh-node")
+}
+
+pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
+    let data = args.data.unwrap_or_else(default_data_dir);
+    std::fs::create_dir_all(&data).with_context(|| format!("creating {}", data.display()))?;
+    eprintln!("data directory: {}", data.display());
+    let key_path = data.join("node.key");
+    if !key_path.exists() {
+        crate::runtime::keys::generate(&key_path)?;
+        eprintln!("created this node's key: {}", key_path.display());
+    }
+    let model = match args.model {
+        Some(model) => model,
+        None => crate::cli::models::smollm2().map_err(|why| {
+            anyhow::anyhow!("no model: give --model PATH (the default could not be had: {why})")
+        })?,
+    };
+    let mesh = args.mesh.clone();
+    let serve = ServeArgs {
+        key: Some(key_path),
+        listen: Some(
+            args.listen
+                .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
+        ),
+        advertise: args.advertise,
+        http: None,
+        model: Some(model),
+        data: Some(data),
+        peers: Vec::new(),
+        coordinators: args.coordinators,
+        config: None,
+        return_mode: None,
+        deadline_ms: None,
+        step_timeout_ms: None,
+        request_timeout_ms: None,
+        wire: None,
+        prefill_chunk_tokens: None,
+        mesh: args.mesh,
+    };
+    let mut options = node_options(serve)?;
+    options.mesh = Some(mesh.settings());
+    Ok(options)
 }
 
 pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
@@ -242,8 +373,14 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
         .iter()
         .map(mesh_protocol::identity::did_key)
         .collect();
+    let in_mesh = options.mesh.is_some();
     let node = Node::start(options).await?;
     println!("node {} listening on {}", node.did(), node.addr());
+    if in_mesh {
+        for address in node.mesh_addresses(Duration::from_secs(5)).await {
+            println!("mesh address: {address}");
+        }
+    }
     if let Some(http) = node.http_addr() {
         println!("OpenAI-compatible API: http://{http}/v1 (console: http://{http}/)");
     }
@@ -252,6 +389,10 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
         println!(
             "serving as a stage node for coordinator(s): {}",
             coordinators.join(", ")
+        );
+    } else if in_mesh && peers.is_empty() {
+        println!(
+            "serving any coordinator of the mesh as a stage, and coordinating over its members"
         );
     } else if peers.is_empty() {
         println!(
@@ -400,6 +541,8 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter::default()),
             http: if k == 0 { args.http } else { None },
+            mesh: None,
+            stages: None,
         })
     };
     let mut stage_nodes = Vec::new();
@@ -873,6 +1016,8 @@ pub(crate) fn bench_options(
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),
         http: None,
+        mesh: None,
+        stages: None,
     })
 }
 

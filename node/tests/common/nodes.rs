@@ -48,6 +48,8 @@ pub struct Setup<'a> {
     pub milliwatts: u64,
     /// Serve the HTTP API (on an ephemeral loopback port).
     pub http: bool,
+    pub mesh: Option<mesh_node::runtime::serve::MeshSettings>,
+    pub stages: Option<usize>,
 }
 
 impl<'a> Setup<'a> {
@@ -66,6 +68,8 @@ impl<'a> Setup<'a> {
             milliwatts: mesh_node::runtime::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
             step_timeout: Duration::from_secs(20),
             http: false,
+            mesh: None,
+            stages: None,
         }
     }
 
@@ -111,6 +115,8 @@ impl<'a> Setup<'a> {
             http: self
                 .http
                 .then(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+            mesh: self.mesh,
+            stages: self.stages,
         })
         .await
     }

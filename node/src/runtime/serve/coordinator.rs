@@ -496,7 +496,7 @@ async fn admit<'a>(
                 None => anyhow!("the coordinator cannot take the request: {error}"),
             })?,
     );
-    for (k, peer) in inner.peers.iter().enumerate() {
+    for (k, peer) in run.peers.iter().enumerate() {
         let Some(presentation) = presentations.get(k + 1).cloned().flatten() else {
             continue;
         };
@@ -591,7 +591,7 @@ async fn drive(
     // The prompt runs through the chain in chunks, each its own step, so no
     // step of a long prompt outlasts the step timeout.
     let prefill: Vec<&[u32]> = prompt_ids.chunks(inner.prefill_chunk_tokens).collect();
-    let first_peer = inner.peers[0].clone();
+    let first_peer = run.peers[0].clone();
 
     let outcome: anyhow::Result<TerminalState> = async {
         let (mut send, recv) = inner.open(&first_peer, ALPN_STAGE).await?;
@@ -1247,7 +1247,7 @@ async fn report(
     let mut remote_compute = Duration::ZERO;
     // Figures are best effort: asked of every stage at once, and a stage that
     // is gone costs the requester at most STATS_WAIT.
-    let asked: Vec<_> = inner
+    let asked: Vec<_> = run
         .peers
         .iter()
         .map(|peer| {
@@ -1257,7 +1257,7 @@ async fn report(
             })
         })
         .collect();
-    for (k, (peer, asked)) in inner.peers.iter().zip(asked).enumerate() {
+    for (k, (peer, asked)) in run.peers.iter().zip(asked).enumerate() {
         let stats = match asked.await {
             Ok(Ok(Ok(stats))) => stats,
             _ => StageStats::default(),

@@ -117,6 +117,24 @@ pub struct NodeOptions {
     /// Serve the OpenAI-compatible HTTP API here (a coordinator; off when
     /// `None`).
     pub http: Option<SocketAddr>,
+    /// Take part in a mesh (libp2p membership and adverts); a coordinator
+    /// without `peers` plans over its members.
+    pub mesh: Option<MeshSettings>,
+    /// Pin the number of stages a coordinator plans (default: the planner
+    /// decides, at least 2).
+    pub stages: Option<usize>,
+}
+
+/// How a node takes part in a mesh.
+#[derive(Debug, Clone)]
+pub struct MeshSettings {
+    pub listen: Vec<libp2p::Multiaddr>,
+    pub bootstrap: Vec<libp2p::Multiaddr>,
+    pub mdns: bool,
+    /// Memory offered for weights and KV (default: what is free at start).
+    pub memory_bytes: Option<u64>,
+    /// Advertise this decode speed instead of measuring it.
+    pub decode_us_per_layer: Option<u64>,
 }
 
 /// Per-request figures a stage keeps for a while (asked for by `stats`).
@@ -218,6 +236,8 @@ impl Slot {
 }
 
 struct Run {
+    /// The remote stages, in chain order.
+    peers: Vec<PeerAddr>,
     assigns: Vec<Assign>,
     topology: Vec<Assignment>,
     keys: Vec<[u8; 32]>,
@@ -302,7 +322,15 @@ struct Inner {
     /// run itself is behind an async lock held while stages load).
     own_slot: Mutex<Option<Arc<Slot>>>,
     counters: stats::Counters,
+    /// Set once at start when the node takes part in a mesh.
+    mesh: std::sync::OnceLock<crate::runtime::mesh::Mesh>,
+    stages: Option<usize>,
+    /// Members that refused an assignment, left out of plans until then.
+    refused: Mutex<HashMap<[u8; 32], Instant>>,
 }
+
+/// How long a member that refused its assignment is left out of plans.
+pub const REFUSED_MEMBER_PAUSE: Duration = Duration::from_secs(30);
 
 /// A running node.
 pub struct Node {
@@ -386,7 +414,14 @@ impl Node {
             chain_head: Mutex::new(None),
             own_slot: Mutex::new(None),
             counters: stats::Counters::default(),
+            mesh: std::sync::OnceLock::new(),
+            stages: options.stages,
+            refused: Mutex::new(HashMap::new()),
         });
+        if let Some(settings) = &options.mesh {
+            let mesh = start_mesh(&inner, &options.data, settings).await?;
+            let _ = inner.mesh.set(mesh);
+        }
         let accept = tokio::spawn(accept_loop(inner.clone()));
         tokio::spawn(release_idle_slices(Arc::downgrade(&inner)));
         let mut node = Node {
@@ -447,6 +482,18 @@ impl Node {
             key: self.public_key(),
             addr: self.addr(),
         }
+    }
+    /// This node's mesh addresses (`…/p2p/PEERID`), once it listens (waits
+    /// at most `within`); none when it is in no mesh.
+    pub async fn mesh_addresses(&self, within: Duration) -> Vec<libp2p::Multiaddr> {
+        match self.inner.mesh.get() {
+            Some(mesh) => mesh.wait_for_addresses(within).await,
+            None => Vec::new(),
+        }
+    }
+    /// The node's membership, when it is in a mesh.
+    pub fn mesh(&self) -> Option<&crate::runtime::mesh::Mesh> {
+        self.inner.mesh.get()
     }
     /// Slices held as a stage (at most one per coordinator served).
     pub fn slices_held(&self) -> usize {
@@ -556,8 +603,9 @@ async fn accept_loop(inner: Arc<Inner>) {
             // Strangers share MAX_CONNECTIONS; a configured coordinator or
             // peer is let in even when strangers hold them all.
             let permit = open.try_acquire_owned().ok();
-            let known_peer =
-                inner.coordinators.contains(&peer) || inner.peers.iter().any(|p| p.key == peer);
+            let known_peer = inner.serves_coordinator(&peer)
+                || inner.peers.iter().any(|p| p.key == peer)
+                || inner.mesh.get().is_some_and(|m| m.is_member(&peer));
             if permit.is_none() && !known_peer {
                 connection.close(2u32.into(), b"busy: too many connections");
                 return;
@@ -830,7 +878,7 @@ async fn handle_control(
                 .iter()
                 .rev()
                 .find(|(id, _)| *id == request_id)
-                .filter(|_| inner.coordinators.contains(&peer))
+                .filter(|_| inner.serves_coordinator(&peer))
                 .map(|(_, s)| *s);
             let stats = found.unwrap_or_default();
             msg::write_cbor(
@@ -908,7 +956,7 @@ fn handle_assign(
     peer: [u8; 32],
     request: &AssignRequest,
 ) -> anyhow::Result<([u8; 32], usize)> {
-    if !inner.coordinators.contains(&peer) {
+    if !inner.serves_coordinator(&peer) {
         tracing::warn!(
             "refused an assignment from {0}: not a coordinator this node serves (start it with --coordinator {0} to serve it)",
             did_key(&peer)
@@ -1973,14 +2021,160 @@ async fn handle_push(
     Ok(())
 }
 
+// ------------------------------------------------------------ mesh
+
+/// Join the mesh: measure this node's decode speed (once per model), and
+/// advertise its data address, model, memory, speed and load.
+async fn start_mesh(
+    inner: &Arc<Inner>,
+    data: &std::path::Path,
+    settings: &MeshSettings,
+) -> anyhow::Result<crate::runtime::mesh::Mesh> {
+    use crate::runtime::{mesh, planner};
+    let model = &inner.model;
+    let speed = match settings.decode_us_per_layer {
+        Some(us) => us.max(1),
+        None => tokio::task::block_in_place(|| planner::decode_speed(model, data))?,
+    };
+    let memory = settings
+        .memory_bytes
+        .or_else(planner::available_memory)
+        .context("cannot tell this machine's free memory: give --memory-mib")?;
+    let weak = Arc::downgrade(inner);
+    let base = mesh_protocol::advert::Advert {
+        node_id: inner.tls.public_key,
+        seq: 0,
+        issued_ms: 0,
+        ttl_ms: 0,
+        quic: inner.advertise.to_string(),
+        device: "cpu".into(),
+        memory_bytes: memory,
+        load: 0,
+        models: vec![mesh_protocol::advert::AdvertModel {
+            package_id: model.package_id(),
+            layers: model.config().layers,
+            decode_us_per_layer: speed,
+        }],
+    };
+    let facts: mesh::AdvertFacts = Arc::new(move || {
+        let mut advert = base.clone();
+        if let Some(inner) = weak.upgrade() {
+            let open: usize = lock(&inner.slots)
+                .values()
+                .map(|slot| slot.pool.open_requests())
+                .sum();
+            advert.load = u32::try_from(open).unwrap_or(u32::MAX);
+        }
+        advert
+    });
+    let mut options = mesh::MeshOptions::new(inner.key.clone());
+    options.listen = settings.listen.clone();
+    options.bootstrap = settings.bootstrap.clone();
+    options.mdns = settings.mdns;
+    options.facts = Some(facts);
+    mesh::Mesh::start(options).await
+}
+
+impl Inner {
+    /// Whether this node takes assignments from `peer`: a configured
+    /// coordinator, or, when none is configured and the node is in a mesh,
+    /// any current member of the mesh.
+    pub(super) fn serves_coordinator(&self, peer: &[u8; 32]) -> bool {
+        if self.coordinators.is_empty() {
+            self.mesh.get().is_some_and(|m| m.is_member(peer))
+        } else {
+            self.coordinators.contains(peer)
+        }
+    }
+
+    /// The chain the next run uses: the configured peers split by bytes, or
+    /// the planner's choice over the mesh's current members.
+    fn chain(&self) -> anyhow::Result<(Vec<PeerAddr>, Vec<std::ops::Range<u32>>)> {
+        let layers = self.model.config().layers;
+        if !self.peers.is_empty() {
+            let stages = self.peers.len() as u32 + 1;
+            if stages > layers {
+                bail!("{stages} stages for a model of {layers} layers");
+            }
+            // By bytes, not layer counts: the first slice (this node's) also
+            // holds the embedding and the output head.
+            let ranges =
+                mesh_stage::split_by_bytes(&self.model.layer_bytes().with_head_on_first(), stages);
+            return Ok((self.peers.clone(), ranges));
+        }
+        let Some(mesh) = self.mesh.get() else {
+            bail!(
+                "this node has no peers to split over; start it with --peer NODEID@HOST:PORT, \
+                 or join a mesh (--bootstrap MULTIADDR, or mDNS on a LAN)"
+            );
+        };
+        let plan = self.plan_now(mesh)?;
+        let members = mesh.members();
+        let mut peers = Vec::new();
+        for stage in &plan.stages[1..] {
+            let advert = members
+                .iter()
+                .find(|m| m.advert.node_id == stage.node_id)
+                .map(|m| &m.advert)
+                .context("a planned member left while planning")?;
+            peers.push(PeerAddr {
+                key: stage.node_id,
+                addr: advert.quic.parse().context("a member's data address")?,
+            });
+        }
+        let ranges = plan.stages.iter().map(|s| s.layers.clone()).collect();
+        Ok((peers, ranges))
+    }
+
+    /// The planner's plan over the mesh as it is now.
+    fn plan_now(
+        &self,
+        mesh: &crate::runtime::mesh::Mesh,
+    ) -> anyhow::Result<mesh_protocol::plan::Plan> {
+        use mesh_protocol::plan::{LeftOut, Stages};
+        let members = mesh.members();
+        let (own, mut others) = crate::runtime::planner::candidates(
+            &self.model.package_id(),
+            &self.tls.public_key,
+            &members,
+        )?;
+        {
+            let mut refused = lock(&self.refused);
+            refused.retain(|_, until| Instant::now() < *until);
+            for (candidate, reason) in &mut others {
+                if reason.is_none() && refused.contains_key(&candidate.node_id) {
+                    *reason = Some(LeftOut::Refused);
+                }
+            }
+        }
+        let stages = self.stages.map_or(Stages::AtLeast(2), Stages::Pinned);
+        mesh_protocol::plan::plan(
+            &crate::runtime::planner::model_shape(&self.model),
+            &own,
+            &others,
+            stages,
+        )
+        .map_err(|error| {
+            anyhow!(
+                "no plan over the mesh's {} member(s): {error}",
+                members.len()
+            )
+        })
+    }
+}
+
 // ------------------------------------------------------------ coordinator
 
 impl Inner {
     /// Send every remote stage its assignment at once and wait for all to be
     /// ready; the time after which they are to be sent again.
-    async fn assign_remote(self: &Arc<Self>, assigns: &[Assign]) -> anyhow::Result<Duration> {
+    async fn assign_remote(
+        self: &Arc<Self>,
+        peers: &[PeerAddr],
+        assigns: &[Assign],
+    ) -> anyhow::Result<Duration> {
         let mut waits = Vec::new();
-        for (peer, assign) in self.peers.iter().zip(assigns.iter().skip(1)) {
+        for (peer, assign) in peers.iter().zip(assigns.iter().skip(1)) {
             let inner = self.clone();
             let peer = peer.clone();
             let message = assign.to_cbor();
@@ -2007,23 +2201,66 @@ impl Inner {
             }));
         }
         let mut shortest = DEFAULT_SLICE_IDLE;
-        for wait in waits {
-            let idle = wait.await.map_err(|e| anyhow!("assignment task: {e}"))??;
-            shortest = shortest.min(idle);
+        let mut failed = None;
+        for (peer, wait) in peers.iter().zip(waits) {
+            match wait.await.map_err(|e| anyhow!("assignment task: {e}")) {
+                Ok(Ok(idle)) => shortest = shortest.min(idle),
+                Ok(Err(error)) | Err(error) => {
+                    if self.mesh.get().is_some() {
+                        // The next plan goes around it for a while.
+                        lock(&self.refused).insert(peer.key, Instant::now() + REFUSED_MEMBER_PAUSE);
+                    }
+                    failed.get_or_insert(error);
+                }
+            }
         }
-        Ok(shortest / 2)
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(shortest / 2),
+        }
     }
 
-    /// Plan contiguous ranges over this node (stage 0) and its peers, assign
-    /// them, and load the own slice. Done once; later requests reuse it.
+    /// The run for the next request: the current one while its chain is
+    /// still the one to use (re-sending its assignments when a stage may
+    /// have lost its slice), or a new run (a new `run_id`) over the chain
+    /// the configured peers or the mesh's members give now. Requests in
+    /// flight keep the run they started on. Over a mesh, a chain whose
+    /// assignment is refused is planned again around the refusing member.
     async fn ensure_run(self: &Arc<Self>) -> anyhow::Result<Arc<Run>> {
+        const MESH_ATTEMPTS: usize = 3;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.ensure_run_once().await {
+                Err(error) if self.mesh.get().is_some() && attempt < MESH_ATTEMPTS => {
+                    tracing::info!("planning again: {error:#}");
+                    if let Some(mesh) = self.mesh.get() {
+                        // Members may still be joining (a node just
+                        // started): wait a little for the mesh to change.
+                        mesh.changed(Duration::from_secs(2)).await;
+                    }
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    async fn ensure_run_once(self: &Arc<Self>) -> anyhow::Result<Arc<Run>> {
         let mut guard = self.run.lock().await;
-        if let Some(run) = guard.as_ref() {
+        let (peers, ranges) = self.chain()?;
+        if let Some(run) = guard.as_ref().filter(|run| {
+            run.peers == peers
+                && run
+                    .assigns
+                    .iter()
+                    .map(|a| a.layer_start..a.layer_end)
+                    .eq(ranges.iter().cloned())
+        }) {
             let stale = run.stale.swap(false, std::sync::atomic::Ordering::Relaxed);
             if stale || lock(&run.own.last_used).elapsed() >= run.refresh_after {
                 // A stage may have freed its slice as idle, or restarted:
                 // assigning again keeps the slice it holds, or loads it anew.
-                if let Err(error) = self.assign_remote(&run.assigns).await {
+                if let Err(error) = self.assign_remote(&run.peers, &run.assigns).await {
                     run.stale.store(true, std::sync::atomic::Ordering::Relaxed);
                     return Err(error);
                 }
@@ -2031,18 +2268,7 @@ impl Inner {
             }
             return Ok(run.clone());
         }
-        if self.peers.is_empty() {
-            bail!("this node has no peers to split over; start it with --peer NODEID@HOST:PORT");
-        }
-        let layers = self.model.config().layers;
-        let stages = self.peers.len() as u32 + 1;
-        if stages > layers {
-            bail!("{stages} stages for a model of {layers} layers");
-        }
-        // By bytes, not layer counts: the first slice (this node's) also
-        // holds the embedding and the output head.
-        let ranges =
-            mesh_stage::split_by_bytes(&self.model.layer_bytes().with_head_on_first(), stages);
+        let stages = ranges.len() as u32;
         let run_id = format!(
             "mesh-split-{}",
             SystemTime::now()
@@ -2050,7 +2276,7 @@ impl Inner {
                 .map_or(0, |d| d.as_nanos())
         );
         let mut keys = vec![self.tls.public_key];
-        keys.extend(self.peers.iter().map(|p| p.key));
+        keys.extend(peers.iter().map(|p| p.key));
         let topology: Vec<Assignment> = ranges
             .iter()
             .zip(&keys)
@@ -2088,7 +2314,7 @@ impl Inner {
                 coordinator: self.tls.public_key,
                 coordinator_addr: self.advertise,
                 upstream: keys[k.saturating_sub(1)],
-                downstream: self.peers.get(k).cloned(),
+                downstream: peers.get(k).cloned(),
                 topology_hash: topology_hash.clone(),
                 manifest: self.model.manifest_sha256(),
             };
@@ -2097,8 +2323,8 @@ impl Inner {
         // Remote stages load in parallel with the own slice.
         let remote = {
             let inner = self.clone();
-            let assigns = assigns.clone();
-            tokio::spawn(async move { inner.assign_remote(&assigns).await })
+            let (peers, assigns) = (peers.clone(), assigns.clone());
+            tokio::spawn(async move { inner.assign_remote(&peers, &assigns).await })
         };
         let own_range = ranges[0].clone();
         // The coordinator holds the output head: the final stage returns its
@@ -2109,7 +2335,14 @@ impl Inner {
             .await
             .map_err(|e| anyhow!("assignment task: {e}"))??;
         let own = self.slot(own_slice, assigns[0].clone());
+        tracing::info!(
+            run_id,
+            stages,
+            ranges = ?ranges,
+            "a new run: assigned every stage"
+        );
         let run = Arc::new(Run {
+            peers,
             assigns,
             topology,
             keys,

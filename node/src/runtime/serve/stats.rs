@@ -343,7 +343,7 @@ impl Inner {
     pub(super) fn may_read_stats(&self, peer: &[u8; 32]) -> bool {
         *peer == self.tls.public_key
             || self.peers.iter().any(|p| p.key == *peer)
-            || self.coordinators.contains(peer)
+            || self.serves_coordinator(peer)
     }
 }
 

@@ -1,0 +1,558 @@
+//! Membership on libp2p: who is in the mesh, what each member says about
+//! itself (signed adverts, `protocol::advert`), and how far away it is.
+//!
+//! libp2p does discovery and liveness only (Kademlia, identify, ping, mDNS,
+//! gossipsub for adverts, over TCP + Noise + Yamux); activations stay on the
+//! node's QUIC endpoint (docs/mesh.md says why). The node's Ed25519 key is
+//! its libp2p identity, so its PeerId and its did:key name the same key, and
+//! an advert is only taken from the libp2p peer that signed it.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures_util::StreamExt;
+use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::{NetworkBehaviour, SwarmEvent, behaviour::toggle::Toggle};
+use libp2p::{Multiaddr, PeerId, StreamProtocol, identify, kad, mdns, noise, ping, tcp, yamux};
+use mesh_protocol::SigningKey;
+use mesh_protocol::advert::{Advert, AdvertRefusal, MAX_ADVERT_BYTES, Members, Offered};
+use mesh_protocol::identity::{did_key, parse_peer_id};
+
+/// The gossipsub topic adverts travel on.
+pub const ADVERT_TOPIC: &str = "mesh-adverts/1";
+/// How often a node signs and publishes its advert.
+pub const DEFAULT_ADVERT_INTERVAL: Duration = Duration::from_secs(1);
+/// How long an advert is believed: a node that stops advertising is gone
+/// from every table within this, even when no connection event says so.
+pub const DEFAULT_ADVERT_TTL: Duration = Duration::from_secs(5);
+/// Ping interval and timeout: a member whose ping fails is dropped at once.
+pub const PING_INTERVAL: Duration = Duration::from_secs(1);
+pub const PING_TIMEOUT: Duration = Duration::from_secs(2);
+/// Peers this node dials on its own (beyond those that dial it): enough for
+/// every member of a small mesh to be one hop away.
+pub const MAX_DIALED_PEERS: usize = 64;
+const IDENTIFY_PROTOCOL: &str = "/mesh-node/1.0.0";
+const KAD_PROTOCOL: &str = "/mesh-node/kad/1.0.0";
+
+/// The facts a node advertises; `seq`, `issued_ms` and `ttl_ms` are filled
+/// in at each signing.
+pub type AdvertFacts = Arc<dyn Fn() -> Advert + Send + Sync>;
+
+/// How a node takes part in the mesh.
+pub struct MeshOptions {
+    pub key: SigningKey,
+    /// libp2p listen addresses (default `/ip4/0.0.0.0/tcp/0`: any free port,
+    /// so several nodes run on one machine).
+    pub listen: Vec<Multiaddr>,
+    /// Members to dial first (`/ip4/…/tcp/…/p2p/PEERID`).
+    pub bootstrap: Vec<Multiaddr>,
+    /// Find members on the local network by mDNS.
+    pub mdns: bool,
+    /// What to advertise; `None` for an observer (`mesh status`).
+    pub facts: Option<AdvertFacts>,
+    pub advert_interval: Duration,
+    pub advert_ttl: Duration,
+}
+
+impl std::fmt::Debug for MeshOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MeshOptions")
+            .field("listen", &self.listen)
+            .field("bootstrap", &self.bootstrap)
+            .field("mdns", &self.mdns)
+            .field("advertises", &self.facts.is_some())
+            .finish()
+    }
+}
+
+impl MeshOptions {
+    pub fn new(key: SigningKey) -> Self {
+        Self {
+            key,
+            listen: vec![default_listen()],
+            bootstrap: Vec::new(),
+            mdns: true,
+            facts: None,
+            advert_interval: DEFAULT_ADVERT_INTERVAL,
+            advert_ttl: DEFAULT_ADVERT_TTL,
+        }
+    }
+}
+
+pub fn default_listen() -> Multiaddr {
+    Multiaddr::empty()
+        .with(Protocol::Ip4(std::net::Ipv4Addr::UNSPECIFIED))
+        .with(Protocol::Tcp(0))
+}
+
+/// A member as this node sees it.
+#[derive(Debug, Clone)]
+pub struct MemberView {
+    pub advert: Advert,
+    /// The last ping round trip, when this node is connected to it.
+    pub rtt: Option<Duration>,
+    /// Milliseconds since its advert was taken.
+    pub age_ms: u64,
+}
+
+#[derive(Default)]
+struct State {
+    members: Members,
+    rtt: HashMap<[u8; 32], Duration>,
+    /// Refused adverts by kind.
+    refused: BTreeMap<&'static str, u64>,
+    /// (sender, kind) pairs already logged: each is logged once.
+    logged: HashSet<([u8; 32], &'static str)>,
+    addresses: Vec<Multiaddr>,
+    connected: HashSet<PeerId>,
+}
+
+/// A running membership: the swarm runs in its own task until dropped.
+pub struct Mesh {
+    state: Arc<Mutex<State>>,
+    publish: tokio::sync::mpsc::Sender<Vec<u8>>,
+    changed: Arc<tokio::sync::Notify>,
+    peer_id: PeerId,
+    key: [u8; 32],
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Mesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mesh")
+            .field("peer_id", &self.peer_id)
+            .finish()
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[derive(NetworkBehaviour)]
+struct Behaviour {
+    identify: identify::Behaviour,
+    ping: ping::Behaviour,
+    kad: kad::Behaviour<kad::store::MemoryStore>,
+    mdns: Toggle<mdns::tokio::Behaviour>,
+    gossipsub: gossipsub::Behaviour,
+}
+
+/// The libp2p keypair of a node key (the same Ed25519 key).
+pub fn libp2p_keypair(key: &SigningKey) -> libp2p::identity::Keypair {
+    let mut secret = key.to_bytes();
+    // The secret is 32 valid bytes, which `ed25519_from_bytes` always takes.
+    libp2p::identity::Keypair::ed25519_from_bytes(&mut secret)
+        .unwrap_or_else(|_| libp2p::identity::Keypair::generate_ed25519())
+}
+
+/// The node key a PeerId names, when it names an Ed25519 key inline.
+pub fn peer_key(peer: &PeerId) -> Option<[u8; 32]> {
+    parse_peer_id(&peer.to_base58())
+}
+
+impl Mesh {
+    /// Start the swarm: listen, dial the bootstrap members, advertise.
+    pub async fn start(options: MeshOptions) -> anyhow::Result<Mesh> {
+        let keypair = libp2p_keypair(&options.key);
+        let peer_id = keypair.public().to_peer_id();
+        let own_key = options.key.verifying_key().to_bytes();
+        let mdns_on = options.mdns;
+        let mut swarm = libp2p::SwarmBuilder::with_existing_identity(keypair)
+            .with_tokio()
+            .with_tcp(
+                tcp::Config::default().nodelay(true),
+                noise::Config::new,
+                yamux::Config::default,
+            )
+            .context("setting up the mesh's TCP transport")?
+            .with_behaviour(|key| {
+                let peer_id = key.public().to_peer_id();
+                let identify = identify::Behaviour::new(identify::Config::new(
+                    IDENTIFY_PROTOCOL.into(),
+                    key.public(),
+                ));
+                let ping = ping::Behaviour::new(
+                    ping::Config::new()
+                        .with_interval(PING_INTERVAL)
+                        .with_timeout(PING_TIMEOUT),
+                );
+                let mut kad = kad::Behaviour::with_config(
+                    peer_id,
+                    kad::store::MemoryStore::new(peer_id),
+                    kad::Config::new(StreamProtocol::new(KAD_PROTOCOL)),
+                );
+                // Answer queries even where no external address is confirmed
+                // (a LAN, loopback): every member is a routing peer.
+                kad.set_mode(Some(kad::Mode::Server));
+                let mdns = if mdns_on {
+                    match mdns::tokio::Behaviour::new(mdns::Config::default(), peer_id) {
+                        Ok(m) => Some(m),
+                        Err(error) => {
+                            tracing::warn!("mDNS is off: {error}");
+                            None
+                        }
+                    }
+                } else {
+                    None
+                };
+                let config = gossipsub::ConfigBuilder::default()
+                    .heartbeat_interval(Duration::from_millis(500))
+                    .validation_mode(gossipsub::ValidationMode::Strict)
+                    .validate_messages()
+                    .max_transmit_size(MAX_ADVERT_BYTES + 512)
+                    .build()
+                    .map_err(|e| anyhow::anyhow!("gossipsub configuration: {e}"))?;
+                let gossipsub = gossipsub::Behaviour::new(
+                    gossipsub::MessageAuthenticity::Signed(key.clone()),
+                    config,
+                )
+                .map_err(|e| anyhow::anyhow!("gossipsub: {e}"))?;
+                Ok(Behaviour {
+                    identify,
+                    ping,
+                    kad,
+                    mdns: mdns.into(),
+                    gossipsub,
+                })
+            })
+            .map_err(|e| anyhow::anyhow!("building the mesh behaviour: {e}"))?
+            .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+            .build();
+        let topic = IdentTopic::new(ADVERT_TOPIC);
+        swarm
+            .behaviour_mut()
+            .gossipsub
+            .subscribe(&topic)
+            .map_err(|e| anyhow::anyhow!("subscribing to adverts: {e}"))?;
+        for address in &options.listen {
+            swarm
+                .listen_on(address.clone())
+                .with_context(|| format!("listening on {address}"))?;
+        }
+        for address in &options.bootstrap {
+            let Some(Protocol::P2p(peer)) = address.iter().last() else {
+                anyhow::bail!("bootstrap address {address} must end in /p2p/PEERID");
+            };
+            swarm
+                .behaviour_mut()
+                .kad
+                .add_address(&peer, address.clone());
+            swarm
+                .dial(address.clone())
+                .with_context(|| format!("dialling {address}"))?;
+        }
+        let state = Arc::new(Mutex::new(State::default()));
+        let changed = Arc::new(tokio::sync::Notify::new());
+        let (publish, published) = tokio::sync::mpsc::channel(16);
+        let task = tokio::spawn(run(
+            swarm,
+            topic,
+            published,
+            options,
+            own_key,
+            state.clone(),
+            changed.clone(),
+        ));
+        Ok(Mesh {
+            state,
+            publish,
+            changed,
+            peer_id,
+            key: own_key,
+            task,
+        })
+    }
+
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    /// The addresses others join this node at, each ending in `/p2p/PEERID`.
+    pub fn addresses(&self) -> Vec<Multiaddr> {
+        lock(&self.state).addresses.clone()
+    }
+
+    /// Wait until the swarm listens somewhere (at most `within`).
+    pub async fn wait_for_addresses(&self, within: Duration) -> Vec<Multiaddr> {
+        let end = Instant::now() + within;
+        loop {
+            let notified = self.changed.notified();
+            let addresses = self.addresses();
+            if !addresses.is_empty() || Instant::now() >= end {
+                return addresses;
+            }
+            let _ = tokio::time::timeout_at(end.into(), notified).await;
+        }
+    }
+
+    /// The members whose adverts are current, this node's own included when
+    /// it advertises, in node-id order.
+    pub fn members(&self) -> Vec<MemberView> {
+        let now = now_ms();
+        let mut state = lock(&self.state);
+        state.members.expire(now);
+        state
+            .members
+            .iter()
+            .map(|m| MemberView {
+                advert: m.advert.clone(),
+                rtt: if m.advert.node_id == self.key {
+                    Some(Duration::ZERO)
+                } else {
+                    state.rtt.get(&m.advert.node_id).copied()
+                },
+                age_ms: now.saturating_sub(m.received_ms),
+            })
+            .collect()
+    }
+
+    /// Whether `key` is a member now.
+    pub fn is_member(&self, key: &[u8; 32]) -> bool {
+        let mut state = lock(&self.state);
+        state.members.expire(now_ms());
+        state.members.get(key).is_some()
+    }
+
+    /// Refused adverts by kind, since start.
+    pub fn refusals(&self) -> BTreeMap<&'static str, u64> {
+        lock(&self.state).refused.clone()
+    }
+
+    /// Refusals logged: one line per sender and kind, however many came.
+    pub fn refusals_logged(&self) -> usize {
+        lock(&self.state).logged.len()
+    }
+
+    /// Publish bytes on the advert topic as they are: what a peer sending
+    /// a forged or replayed advert does (the tests play that peer).
+    pub async fn publish_raw(&self, bytes: Vec<u8>) -> anyhow::Result<()> {
+        self.publish
+            .send(bytes)
+            .await
+            .map_err(|_| anyhow::anyhow!("the mesh task has stopped"))
+    }
+
+    /// Wait for the member set to change (at most `within`).
+    pub async fn changed(&self, within: Duration) {
+        let _ = tokio::time::timeout(within, self.changed.notified()).await;
+    }
+}
+
+async fn run(
+    mut swarm: libp2p::Swarm<Behaviour>,
+    topic: IdentTopic,
+    mut published: tokio::sync::mpsc::Receiver<Vec<u8>>,
+    options: MeshOptions,
+    own_key: [u8; 32],
+    state: Arc<Mutex<State>>,
+    changed: Arc<tokio::sync::Notify>,
+) {
+    let mut tick = tokio::time::interval(options.advert_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seq = 0u64;
+    let mut last_bootstrap: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                if let Some(facts) = &options.facts {
+                    let now = now_ms();
+                    // Above every earlier seq, also across restarts (the
+                    // clock moves on while a node is down).
+                    seq = (seq + 1).max(now);
+                    let mut advert = facts();
+                    advert.node_id = own_key;
+                    advert.seq = seq;
+                    advert.issued_ms = now;
+                    advert.ttl_ms = options.advert_ttl.as_millis() as u64;
+                    let bytes = advert.sign(&options.key);
+                    // The own advert goes in the own table too: a
+                    // coordinator plans over itself and its members alike.
+                    let joined = lock(&state).members.offer(&bytes, &own_key, now);
+                    if matches!(joined, Ok(Offered::Joined)) {
+                        changed.notify_waiters();
+                    }
+                    if let Err(error) = swarm.behaviour_mut().gossipsub.publish(topic.clone(), bytes) {
+                        tracing::debug!("advert not published: {error}");
+                    }
+                }
+                let expired = lock(&state).members.expire(now_ms());
+                for key in &expired {
+                    tracing::info!(member = %did_key(key), "member left: its advert expired");
+                }
+                if !expired.is_empty() {
+                    changed.notify_waiters();
+                }
+                if last_bootstrap.is_none_or(|t| t.elapsed() >= Duration::from_secs(30))
+                    && swarm.behaviour_mut().kad.bootstrap().is_ok()
+                {
+                    last_bootstrap = Some(Instant::now());
+                }
+            }
+            Some(bytes) = published.recv() => {
+                if let Err(error) = swarm.behaviour_mut().gossipsub.publish(topic.clone(), bytes) {
+                    tracing::debug!("advert not published: {error}");
+                }
+            }
+            event = swarm.select_next_some() => {
+                handle_event(&mut swarm, event, &state, &changed);
+            }
+        }
+    }
+}
+
+fn handle_event(
+    swarm: &mut libp2p::Swarm<Behaviour>,
+    event: SwarmEvent<BehaviourEvent>,
+    state: &Arc<Mutex<State>>,
+    changed: &tokio::sync::Notify,
+) {
+    let local = *swarm.local_peer_id();
+    match event {
+        SwarmEvent::NewListenAddr { address, .. } => {
+            let full = address.with(Protocol::P2p(local));
+            lock(state).addresses.push(full);
+            changed.notify_waiters();
+        }
+        SwarmEvent::ConnectionEstablished { peer_id, .. } => {
+            lock(state).connected.insert(peer_id);
+        }
+        SwarmEvent::ConnectionClosed {
+            peer_id,
+            num_established: 0,
+            ..
+        } => {
+            let mut s = lock(state);
+            s.connected.remove(&peer_id);
+            if let Some(key) = peer_key(&peer_id) {
+                s.rtt.remove(&key);
+                if s.members.remove(&key).is_some() {
+                    tracing::info!(member = %did_key(&key), "member left: its connection closed");
+                    drop(s);
+                    changed.notify_waiters();
+                }
+            }
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+            peer_id,
+            info,
+            ..
+        })) => {
+            for address in info.listen_addrs {
+                swarm.behaviour_mut().kad.add_address(&peer_id, address);
+            }
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated {
+            peer,
+            addresses,
+            ..
+        })) => {
+            let dial = {
+                let s = lock(state);
+                peer != local
+                    && !s.connected.contains(&peer)
+                    && s.connected.len() < MAX_DIALED_PEERS
+            };
+            if dial {
+                let _ = swarm.dial(
+                    libp2p::swarm::dial_opts::DialOpts::peer_id(peer)
+                        .addresses(addresses.into_vec())
+                        .build(),
+                );
+            }
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
+            for (peer, address) in found {
+                swarm
+                    .behaviour_mut()
+                    .kad
+                    .add_address(&peer, address.clone());
+                if !lock(state).connected.contains(&peer) {
+                    let _ = swarm.dial(address);
+                }
+            }
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event { peer, result, .. })) => {
+            let Some(key) = peer_key(&peer) else {
+                return;
+            };
+            match result {
+                Ok(rtt) => {
+                    lock(state).rtt.insert(key, rtt);
+                }
+                Err(error) => {
+                    let mut s = lock(state);
+                    s.rtt.remove(&key);
+                    if s.members.remove(&key).is_some() {
+                        tracing::info!(member = %did_key(&key), "member left: ping failed ({error})");
+                        drop(s);
+                        changed.notify_waiters();
+                    }
+                }
+            }
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
+            propagation_source,
+            message_id,
+            message,
+        })) => {
+            // Strict validation: `source` is the peer that signed the
+            // message, whoever forwarded it.
+            let sender = message.source.as_ref().and_then(peer_key);
+            let acceptance = match sender {
+                None => MessageAcceptance::Reject,
+                Some(sender) => {
+                    let outcome = lock(state).members.offer(&message.data, &sender, now_ms());
+                    match outcome {
+                        Ok(offered) => {
+                            if offered == Offered::Joined {
+                                tracing::info!(member = %did_key(&sender), "member joined");
+                                changed.notify_waiters();
+                            }
+                            MessageAcceptance::Accept
+                        }
+                        Err(refusal) => refuse(state, &sender, &refusal),
+                    }
+                }
+            };
+            let _ = swarm
+                .behaviour_mut()
+                .gossipsub
+                .report_message_validation_result(&message_id, &propagation_source, acceptance);
+        }
+        _ => {}
+    }
+}
+
+/// Count a refused advert, log it once per sender and kind, and tell
+/// gossipsub whether to penalise (forged or malformed) or just drop it.
+fn refuse(state: &Mutex<State>, sender: &[u8; 32], refusal: &AdvertRefusal) -> MessageAcceptance {
+    let kind = refusal.kind();
+    let mut s = lock(state);
+    *s.refused.entry(kind).or_default() += 1;
+    if s.logged.len() < 4096 && s.logged.insert((*sender, kind)) {
+        tracing::warn!(sender = %did_key(sender), kind, "advert refused: {refusal}");
+    }
+    match refusal {
+        // A replay, a burst or a full table: not the sender's forgery.
+        AdvertRefusal::Replayed { .. } | AdvertRefusal::RateLimited(_) | AdvertRefusal::Full => {
+            MessageAcceptance::Ignore
+        }
+        AdvertRefusal::Invalid(_) => MessageAcceptance::Reject,
+    }
+}

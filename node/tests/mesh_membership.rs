@@ -1,0 +1,406 @@
+//! A living mesh on 127.0.0.1: nodes join through a bootstrap address, the
+//! coordinator plans over their adverts (memory and speed), serves split,
+//! re-plans when a stage node dies and when it comes back, without
+//! restarting anything; forged and replayed adverts are refused.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::nodes::{key, public, synthetic};
+use common::processes::bin;
+use mesh_node::runtime::mesh::{Mesh, MeshOptions};
+use mesh_protocol::advert::{Advert, AdvertModel};
+use mesh_protocol::identity::did_key;
+use serde_json::Value;
+
+/// A `mesh-node serve|join` child, killed when dropped.
+struct Running {
+    child: Child,
+    peer: String,
+    mesh: String,
+    did: String,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(dir: &Path, name: &str, args: &[String]) -> Running {
+    let mut child = Command::new(bin())
+        .args(args)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--mesh-listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--no-mdns",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join(format!("{name}.log")))
+                .unwrap(),
+        )
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut mesh = None;
+    let mut did = None;
+    let peer = loop {
+        let line = lines
+            .next()
+            .expect("the node prints its addresses")
+            .unwrap();
+        if let Some(address) = line.strip_prefix("mesh address: ") {
+            mesh.get_or_insert_with(|| address.to_string());
+        }
+        if let Some(rest) = line.strip_prefix("node ") {
+            did = rest.split_whitespace().next().map(str::to_string);
+        }
+        if let Some(peer) = line.strip_prefix("peer address: ") {
+            break peer.to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    Running {
+        child,
+        peer,
+        mesh: mesh.expect("a mesh node prints its mesh address"),
+        did: did.expect("the node prints its node id"),
+    }
+}
+
+fn run_json(args: &[&str]) -> Value {
+    let out = Command::new(bin()).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "mesh-node {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The node ids `mesh status` lists.
+fn members(bootstrap: &str) -> Vec<String> {
+    run_json(&[
+        "mesh",
+        "status",
+        "--bootstrap",
+        bootstrap,
+        "--no-mdns",
+        "--wait-ms",
+        "1500",
+        "--json",
+    ])
+    .as_array()
+    .unwrap()
+    .iter()
+    .map(|m| m["node_id"].as_str().unwrap().to_string())
+    .collect()
+}
+
+fn members_until(
+    bootstrap: &str,
+    bound: Duration,
+    done: impl Fn(&[String]) -> bool,
+) -> Vec<String> {
+    let start = Instant::now();
+    loop {
+        let seen = members(bootstrap);
+        if done(&seen) {
+            return seen;
+        }
+        assert!(
+            start.elapsed() < bound,
+            "the mesh did not settle within {bound:?}: {seen:?}"
+        );
+    }
+}
+
+/// `mesh-node plan` over the live mesh: each stage's (node id, layers).
+fn plan(model: &Path, bootstrap: &str) -> Vec<(String, u64, u64)> {
+    let report = run_json(&[
+        "plan",
+        "--model",
+        model.to_str().unwrap(),
+        "--bootstrap",
+        bootstrap,
+        "--no-mdns",
+        "--stages",
+        "4",
+        "--wait-ms",
+        "1500",
+        "--json",
+    ]);
+    report["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["node_id"].as_str().unwrap().to_string(),
+                s["layer_start"].as_u64().unwrap(),
+                s["layer_end"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// One greedy request through the coordinator; its bundle must verify.
+fn served(dir: &Path, coordinator: &str, name: &str) -> String {
+    let bundle = dir.join(format!("{name}.json"));
+    let out = Command::new(bin())
+        .args([
+            "generate",
+            "--coordinator",
+            coordinator,
+            "--prompt",
+            "hello mesh",
+        ])
+        .args(["--max-tokens", "6", "--json", "--out"])
+        .arg(&bundle)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "generate: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let verified = Command::new(bin())
+        .args(["verify", "--json"])
+        .arg(&bundle)
+        .output()
+        .unwrap();
+    assert_eq!(
+        verified.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&verified.stdout)
+    );
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    summary["text"].as_str().unwrap_or_default().to_string()
+}
+
+/// MiB that hold `layers` layers (with their KV) and `extra`, but not one
+/// more layer.
+fn memory_mib(layer: u64, extra: u64, layers: u64) -> String {
+    let mib = 1024 * 1024;
+    let need = extra + layers * layer;
+    let offered = need.div_ceil(mib);
+    assert!(
+        offered * mib < need + layer,
+        "MiB steps too coarse for this model"
+    );
+    offered.to_string()
+}
+
+#[test]
+fn nodes_join_through_a_bootstrap_and_the_plan_follows_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let handle = mesh_stage::ModelHandle::open(&model).unwrap();
+    let shape = mesh_node::runtime::planner::model_shape(&handle);
+    assert_eq!(shape.layer_bytes.len(), 6);
+    assert!(shape.layer_bytes.iter().all(|b| *b == shape.layer_bytes[0]));
+    let layer = shape.layer_bytes[0] + shape.kv_bytes_per_layer;
+    let model_arg = model.to_str().unwrap().to_string();
+
+    // Advertised speeds far apart (10 ms a layer and more), so loopback
+    // round trips (under 10 ms) cannot reorder the plan.
+    let coordinator_key = common::processes::keygen(dir.path(), "coord");
+    let coordinator = start(
+        dir.path(),
+        "coord",
+        &[
+            "serve".into(),
+            "--key".into(),
+            coordinator_key.to_str().unwrap().into(),
+            "--model".into(),
+            model_arg.clone(),
+            "--data".into(),
+            dir.path().join("coord").to_str().unwrap().into(),
+            "--stages".into(),
+            "4".into(),
+            "--decode-us-per-layer".into(),
+            "50000".into(),
+            "--memory-mib".into(),
+            memory_mib(layer, shape.head_bytes, 1),
+        ],
+    );
+    let join = |name: &str, us: u64, layers: u64| {
+        start(
+            dir.path(),
+            name,
+            &[
+                "join".into(),
+                "--model".into(),
+                model_arg.clone(),
+                "--data".into(),
+                dir.path().join(name).to_str().unwrap().into(),
+                "--bootstrap".into(),
+                coordinator.mesh.clone(),
+                "--decode-us-per-layer".into(),
+                us.to_string(),
+                "--memory-mib".into(),
+                memory_mib(layer, 0, layers),
+            ],
+        )
+    };
+    // The small node is the fastest, but holds one layer: less than an
+    // even share (6 layers over 4 stages).
+    let small = join("small", 10_000, 1);
+    let mut a = join("a", 20_000, 3);
+    let b = join("b", 30_000, 3);
+    let d = join("d", 40_000, 3);
+    let everyone = [&coordinator, &small, &a, &b, &d];
+    let seen = members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 5);
+    for node in everyone {
+        assert!(
+            seen.contains(&node.did),
+            "{} missing from {seen:?}",
+            node.did
+        );
+    }
+
+    // The cheapest chain: the coordinator's one layer, the small node's
+    // one, then the faster of the rest as far as memory allows.
+    let first = plan(&model, &coordinator.mesh);
+    assert_eq!(
+        first,
+        vec![
+            (coordinator.did.clone(), 0, 1),
+            (small.did.clone(), 1, 2),
+            (a.did.clone(), 2, 5),
+            (b.did.clone(), 5, 6),
+        ]
+    );
+    served(dir.path(), &coordinator.peer, "first");
+
+    // A stage node dies: it leaves the mesh within the bound, and the next
+    // request runs on a new plan; no process is restarted.
+    let killed = Instant::now();
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    members_until(&coordinator.mesh, Duration::from_secs(10), |m| {
+        !m.contains(&a.did)
+    });
+    eprintln!("the killed node left the mesh after {:?}", killed.elapsed());
+    assert!(killed.elapsed() < Duration::from_secs(10));
+    let second = plan(&model, &coordinator.mesh);
+    assert_eq!(
+        second,
+        vec![
+            (coordinator.did.clone(), 0, 1),
+            (small.did.clone(), 1, 2),
+            (b.did.clone(), 2, 5),
+            (d.did.clone(), 5, 6),
+        ]
+    );
+    served(dir.path(), &coordinator.peer, "second");
+
+    // The same node again, with its key and data directory: it rejoins
+    // and the next plan has it back.
+    let a_again = join("a", 20_000, 3);
+    assert_eq!(
+        a_again.did, a.did,
+        "the data directory keeps the node's key"
+    );
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| {
+        m.contains(&a.did)
+    });
+    assert_eq!(plan(&model, &coordinator.mesh), first);
+    served(dir.path(), &coordinator.peer, "third");
+
+    let log = std::fs::read_to_string(dir.path().join("coord.log")).unwrap();
+    let runs = log.matches("a new run: assigned every stage").count();
+    assert_eq!(runs, 3, "one run per plan:\n{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_and_replayed_adverts_are_refused_and_logged_once() {
+    let loopback: libp2p::Multiaddr = "/ip4/127.0.0.1/tcp/0".parse().unwrap();
+    let mut honest = MeshOptions::new(key(1));
+    honest.listen = vec![loopback.clone()];
+    honest.mdns = false;
+    let honest = Mesh::start(honest).await.unwrap();
+    let address = honest.wait_for_addresses(Duration::from_secs(5)).await;
+    let rogue_key = key(2);
+    let mut rogue = MeshOptions::new(rogue_key.clone());
+    rogue.listen = vec![loopback];
+    rogue.mdns = false;
+    rogue.bootstrap = address;
+    let rogue = Mesh::start(rogue).await.unwrap();
+
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let advert = |seq: u64| Advert {
+        node_id: public(&rogue_key),
+        seq,
+        issued_ms: now,
+        ttl_ms: 30_000,
+        quic: "127.0.0.1:9".into(),
+        device: "cpu".into(),
+        memory_bytes: 1 << 30,
+        load: 0,
+        models: vec![AdvertModel {
+            package_id: [9; 32],
+            layers: 6,
+            decode_us_per_layer: 100,
+        }],
+    };
+    // Gossipsub needs a heartbeat or two to know the honest node is
+    // subscribed: publish the genuine advert until it is taken.
+    let genuine = advert(10).sign(&rogue_key);
+    let start = Instant::now();
+    while !honest.is_member(&public(&rogue_key)) {
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "no advert got through"
+        );
+        rogue.publish_raw(genuine.clone()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let refused_before = honest.refusals();
+    // The same advert again, an older one, and three signed by another key
+    // than the one they name.
+    rogue.publish_raw(genuine.clone()).await.unwrap();
+    rogue.publish_raw(advert(3).sign(&rogue_key)).await.unwrap();
+    for seq in 20..23 {
+        rogue.publish_raw(advert(seq).sign(&key(3))).await.unwrap();
+    }
+    let start = Instant::now();
+    loop {
+        let refused = honest.refusals();
+        let count = |kind: &str| {
+            refused.get(kind).copied().unwrap_or(0) - refused_before.get(kind).copied().unwrap_or(0)
+        };
+        if count("bad_signature") == 3 && count("replayed") >= 2 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "refusals seen: {refused:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Logged once per sender and kind, however many came.
+    assert_eq!(honest.refusals_logged(), 2);
+    // The member the forged adverts named still holds its genuine advert.
+    let member = honest
+        .members()
+        .into_iter()
+        .find(|m| m.advert.node_id == public(&rogue_key))
+        .unwrap();
+    assert_eq!(member.advert.seq, 10, "{}", did_key(&member.advert.node_id));
+}

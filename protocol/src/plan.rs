@@ -1,0 +1,677 @@
+//! The planner: contiguous layer ranges over the members that hold a model,
+//! chosen by a cost model of what they measured (docs/mesh.md works an
+//! example). Pure and deterministic: the same model and candidates give
+//! the same plan.
+//!
+//! Cost of one decode step, microseconds:
+//!
+//! ```text
+//! projected = sum over stages k of  layers_k * decode_us_per_layer_k
+//!           + sum over stages k >= 1 of  hop_us_k
+//!           + return_us of the final stage (when there are 2 or more)
+//! ```
+//!
+//! `hop_us_k` is the one-way trip into stage k (half the coordinator's
+//! measured round trip to it, plus a fixed per-hop cost); the final stage's
+//! answer comes straight back to the coordinator (direct return), half its
+//! round trip. A stage may hold layers `[a, b)` when their weights plus the
+//! KV cache of `b - a` layers fit the memory it offers (stage 0, the
+//! coordinator, also holds the embedding and the output head).
+//!
+//! Among the splits of the fewest-cost projection, the one whose slowest
+//! stage is fastest wins (that is what bounds throughput under load), then
+//! the first in a fixed order. A stage is added only when it lowers the
+//! projection or the model does not fit otherwise, unless the number of
+//! stages is pinned.
+
+use std::ops::Range;
+
+/// The most stages a plan has.
+pub const MAX_PLAN_STAGES: usize = 16;
+/// The most layers a model may have to be planned.
+pub const MAX_PLAN_LAYERS: usize = 1024;
+/// What each hop costs besides the wire's delay: framing, folding,
+/// wake-ups (about 0.5 ms measured on loopback, docs/BENCHMARKS.md).
+pub const PER_HOP_OVERHEAD_US: u64 = 500;
+
+/// The model as the planner sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Stored bytes of each layer's weights.
+    pub layer_bytes: Vec<u64>,
+    /// Bytes only stage 0 holds: the embedding and the output head.
+    pub head_bytes: u64,
+    /// KV cache bytes one layer needs for the configured context.
+    pub kv_bytes_per_layer: u64,
+}
+
+/// A node the plan may use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub node_id: [u8; 32],
+    /// Memory offered for weights and KV, bytes.
+    pub memory_bytes: u64,
+    /// Measured decode time of one layer for one token.
+    pub decode_us_per_layer: u64,
+    /// The coordinator's measured round trip to it (0 for itself).
+    pub rtt_us: u64,
+}
+
+impl Candidate {
+    fn hop_us(&self) -> u64 {
+        self.rtt_us / 2 + PER_HOP_OVERHEAD_US
+    }
+}
+
+/// Why a member is not in the plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeftOut {
+    /// Its advert does not name the model's package.
+    NoModel,
+    /// It cannot hold even the smallest layer with its KV cache.
+    NotEnoughMemory { offered: u64, smallest_layer: u64 },
+    /// A plan with it was no faster than one without.
+    TooSlowToHelp,
+    /// Its advert expired.
+    Stale,
+    /// It refused its last assignment (the coordinator goes around it for
+    /// a while).
+    Refused,
+}
+
+impl LeftOut {
+    pub fn describe(&self) -> String {
+        match self {
+            LeftOut::NoModel => "does not hold the model".into(),
+            LeftOut::NotEnoughMemory {
+                offered,
+                smallest_layer,
+            } => format!(
+                "not enough memory: offers {offered} B, one layer with its KV needs {smallest_layer} B"
+            ),
+            LeftOut::TooSlowToHelp => "not needed: a plan with it is no faster".into(),
+            LeftOut::Stale => "its advert expired".into(),
+            LeftOut::Refused => "refused its last assignment".into(),
+        }
+    }
+}
+
+/// One stage of a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedStage {
+    pub node_id: [u8; 32],
+    pub layers: Range<u32>,
+    pub weight_bytes: u64,
+    pub kv_bytes: u64,
+    pub compute_us: u64,
+    /// The one-way trip into this stage (0 for stage 0).
+    pub hop_us: u64,
+}
+
+/// A plan: the chain, its projected cost, and who was left out and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub stages: Vec<PlannedStage>,
+    /// The final stage's answer back to the coordinator (0 when alone).
+    pub return_us: u64,
+    pub projected_us_per_token: u64,
+    pub left_out: Vec<([u8; 32], LeftOut)>,
+}
+
+impl Plan {
+    /// Tokens per second the projection gives (one request).
+    pub fn projected_tokens_per_s(&self) -> f64 {
+        if self.projected_us_per_token == 0 {
+            0.0
+        } else {
+            1e6 / self.projected_us_per_token as f64
+        }
+    }
+}
+
+/// Why there is no plan.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("the model has no layers, or more than {MAX_PLAN_LAYERS}")]
+    Layers,
+    #[error("{asked} stages asked for, but only {available} nodes can hold a layer")]
+    TooFewNodes { asked: usize, available: usize },
+    #[error("{0} stages: between 1 and the model's layers, at most {MAX_PLAN_STAGES}")]
+    Stages(usize),
+    #[error("the model does not fit the memory of the nodes that hold it")]
+    DoesNotFit,
+}
+
+/// How many stages a plan may have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stages {
+    /// Exactly this many (tests, demos, `--stages N`).
+    Pinned(usize),
+    /// As many as lower the projection, at least this many (split serving
+    /// asks for 2).
+    AtLeast(usize),
+}
+
+/// Plan `model` over `coordinator` (always stage 0) and `members`
+/// (members with `Some` reason were left out before planning).
+///
+/// The usable members are taken fastest first (then nearer, then by node
+/// id), at most `MAX_PLAN_CANDIDATES` of them, and the chain follows that
+/// order; which of them to use and how many layers each holds is searched
+/// exactly (dynamic programming over members, stages and layers).
+pub fn plan(
+    model: &ModelShape,
+    coordinator: &Candidate,
+    members: &[(Candidate, Option<LeftOut>)],
+    stages: Stages,
+) -> Result<Plan, PlanError> {
+    let layers = model.layer_bytes.len();
+    if layers == 0 || layers > MAX_PLAN_LAYERS {
+        return Err(PlanError::Layers);
+    }
+    let smallest_layer = model
+        .layer_bytes
+        .iter()
+        .copied()
+        .min()
+        .unwrap_or(0)
+        .saturating_add(model.kv_bytes_per_layer);
+    let mut left_out: Vec<([u8; 32], LeftOut)> = Vec::new();
+    let mut usable: Vec<&Candidate> = Vec::new();
+    for (candidate, reason) in members {
+        if candidate.node_id == coordinator.node_id {
+            continue;
+        }
+        match reason {
+            Some(reason) => left_out.push((candidate.node_id, reason.clone())),
+            None if candidate.memory_bytes < smallest_layer => left_out.push((
+                candidate.node_id,
+                LeftOut::NotEnoughMemory {
+                    offered: candidate.memory_bytes,
+                    smallest_layer,
+                },
+            )),
+            None => usable.push(candidate),
+        }
+    }
+    usable.sort_by_key(|c| (c.decode_us_per_layer, c.rtt_us, c.node_id));
+    let beyond = usable.split_off(usable.len().min(MAX_PLAN_CANDIDATES));
+    let (low, high) = match stages {
+        Stages::Pinned(n) => (n, n),
+        Stages::AtLeast(n) => (n, MAX_PLAN_STAGES),
+    };
+    if low == 0 || low > layers || low > MAX_PLAN_STAGES {
+        return Err(PlanError::Stages(low));
+    }
+    if low > usable.len() + 1 {
+        return Err(PlanError::TooFewNodes {
+            asked: low,
+            available: usable.len() + 1,
+        });
+    }
+    let (cost, chain) =
+        search(model, coordinator, &usable, low, high).ok_or(PlanError::DoesNotFit)?;
+    for unused in usable.iter().chain(&beyond) {
+        if !chain.iter().any(|(k, _)| *k == Some(unused.node_id)) {
+            left_out.push((unused.node_id, LeftOut::TooSlowToHelp));
+        }
+    }
+    left_out.sort_by_key(|(id, _)| *id);
+    let node = |id: Option<[u8; 32]>| -> &Candidate {
+        id.and_then(|id| usable.iter().copied().find(|c| c.node_id == id))
+            .unwrap_or(coordinator)
+    };
+    let stages: Vec<PlannedStage> = chain
+        .iter()
+        .enumerate()
+        .map(|(k, (id, range))| {
+            let candidate = node(*id);
+            let n = u64::from(range.end - range.start);
+            PlannedStage {
+                node_id: candidate.node_id,
+                layers: range.clone(),
+                weight_bytes: weights(model, range, k == 0),
+                kv_bytes: n * model.kv_bytes_per_layer,
+                compute_us: n * candidate.decode_us_per_layer,
+                hop_us: if k == 0 { 0 } else { candidate.hop_us() },
+            }
+        })
+        .collect();
+    let return_us = match chain.last() {
+        Some((Some(id), _)) if chain.len() > 1 => node(Some(*id)).rtt_us / 2,
+        _ => 0,
+    };
+    Ok(Plan {
+        return_us,
+        projected_us_per_token: cost.total,
+        stages,
+        left_out,
+    })
+}
+
+/// The most members the search weighs (the fastest ones).
+pub const MAX_PLAN_CANDIDATES: usize = 64;
+
+/// Fewest total, then smallest slowest stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Cost {
+    total: u64,
+    slowest: u64,
+}
+
+fn weights(model: &ModelShape, range: &Range<u32>, first: bool) -> u64 {
+    let layers: u64 = model.layer_bytes[range.start as usize..range.end as usize]
+        .iter()
+        .sum();
+    layers + if first { model.head_bytes } else { 0 }
+}
+
+/// A chain as the search gives it: each stage's member (`None` for the
+/// coordinator) and layers.
+type Chain = Vec<(Option<[u8; 32]>, Range<u32>)>;
+
+/// The best chain of `low..=high` stages: the coordinator first, then
+/// members in the order of `members` (any of them skipped), each stage at
+/// least one layer and within its memory.
+// The tables are indexed by layer boundaries and stage counts, as the
+// recurrence is written; iterators would hide it.
+#[allow(clippy::needless_range_loop)]
+fn search(
+    model: &ModelShape,
+    coordinator: &Candidate,
+    members: &[&Candidate],
+    low: usize,
+    high: usize,
+) -> Option<(Cost, Chain)> {
+    let layers = model.layer_bytes.len();
+    let mut prefix = vec![0u64; layers + 1];
+    for (i, bytes) in model.layer_bytes.iter().enumerate() {
+        prefix[i + 1] = prefix[i].saturating_add(*bytes);
+    }
+    let fits = |node: &Candidate, first: bool, a: usize, b: usize| {
+        let n = (b - a) as u64;
+        let need = (prefix[b] - prefix[a])
+            .saturating_add(n.saturating_mul(model.kv_bytes_per_layer))
+            .saturating_add(if first { model.head_bytes } else { 0 });
+        need <= node.memory_bytes
+    };
+    let compute = |node: &Candidate, a: usize, b: usize| (b - a) as u64 * node.decode_us_per_layer;
+    let add = |before: Cost, node: &Candidate, a: usize, b: usize, hop: u64| {
+        let c = compute(node, a, b);
+        Cost {
+            total: before.total.saturating_add(c).saturating_add(hop),
+            slowest: before.slowest.max(c),
+        }
+    };
+    let most_members = high.saturating_sub(1).min(members.len()).min(layers - 1);
+    // open[k][a]: the best chain of the coordinator and k members (among
+    // those looked at so far) covering layers [0, a), and how it ends (the
+    // member index, or None for the coordinator alone, and where that
+    // last stage starts).
+    type Entry = Option<(Cost, Option<usize>, usize)>;
+    let mut open: Vec<Vec<Entry>> = vec![vec![None; layers + 1]; most_members + 1];
+    for b in 1..=layers {
+        if fits(coordinator, true, 0, b) {
+            let c = compute(coordinator, 0, b);
+            open[0][b] = Some((
+                Cost {
+                    total: c,
+                    slowest: c,
+                },
+                None,
+                0,
+            ));
+        }
+    }
+    // ends[i][k][b]: member i as the k-th member stage ending at b, and the
+    // entry it extended (for walking the chain back).
+    type Ending = Vec<Vec<Option<(Cost, Entry)>>>;
+    let mut ends: Vec<Ending> = Vec::with_capacity(members.len());
+    for (i, node) in members.iter().enumerate() {
+        let hop = node.hop_us();
+        let mut here: Ending = vec![vec![None; layers + 1]; most_members + 1];
+        for k in 1..=most_members {
+            for b in (k + 1)..=layers {
+                let mut best: Option<(Cost, Entry)> = None;
+                for a in k..b {
+                    let Some(before) = open[k - 1][a] else {
+                        continue;
+                    };
+                    if !fits(node, false, a, b) {
+                        continue;
+                    }
+                    let cost = add(before.0, node, a, b, hop);
+                    if best.is_none_or(|(c, _)| cost < c) {
+                        best = Some((cost, Some((before.0, before.1, a))));
+                    }
+                }
+                here[k][b] = best;
+            }
+        }
+        // Chains ending at member i join the open set for later members.
+        for k in 1..=most_members {
+            for b in 1..=layers {
+                if let Some((cost, _)) = here[k][b]
+                    && open[k][b].is_none_or(|(c, _, _)| cost < c)
+                {
+                    let start = here[k][b]
+                        .and_then(|(_, from)| from)
+                        .map_or(0, |(_, _, a)| a);
+                    open[k][b] = Some((cost, Some(i), start));
+                }
+            }
+        }
+        ends.push(here);
+    }
+    // The finished chains: all layers covered, a stage count in range, the
+    // return from the last member added.
+    let mut best: Option<(Cost, usize)> = None;
+    for k in (low - 1)..=most_members.min(high - 1) {
+        let Some((cost, last, _)) = open[k][layers] else {
+            continue;
+        };
+        let back = last.map_or(0, |i| members[i].rtt_us / 2);
+        let total = Cost {
+            total: cost.total.saturating_add(back),
+            slowest: cost.slowest,
+        };
+        if best.is_none_or(|(c, _)| total < c) {
+            best = Some((total, k));
+        }
+    }
+    let (cost, k) = best?;
+    // Walk back: the member that ends the chain, where its stage starts,
+    // and the entry it extended.
+    let mut chain: Chain = Vec::new();
+    let (_, mut last, _) = open[k][layers]?;
+    let mut end = layers;
+    let mut depth = k;
+    while let Some(i) = last {
+        let (_, from) = ends[i][depth][end]?;
+        let (_, previous, start) = from?;
+        chain.push((Some(members[i].node_id), start as u32..end as u32));
+        end = start;
+        depth -= 1;
+        last = previous;
+    }
+    chain.push((None, 0..end as u32));
+    chain.reverse();
+    Some((cost, chain))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: u8, memory: u64, us: u64, rtt: u64) -> Candidate {
+        Candidate {
+            node_id: [id; 32],
+            memory_bytes: memory,
+            decode_us_per_layer: us,
+            rtt_us: rtt,
+        }
+    }
+
+    fn shape(layers: usize) -> ModelShape {
+        ModelShape {
+            layer_bytes: vec![100; layers],
+            head_bytes: 1_000,
+            kv_bytes_per_layer: 10,
+        }
+    }
+
+    #[test]
+    fn a_node_that_holds_the_whole_model_serves_alone() {
+        let plan = plan(
+            &shape(8),
+            &node(0, 1 << 20, 100, 0),
+            &[(node(1, 1 << 20, 100, 1_000), None)],
+            Stages::AtLeast(1),
+        )
+        .unwrap();
+        assert_eq!(plan.stages.len(), 1);
+        assert_eq!(plan.stages[0].layers, 0..8);
+        assert_eq!(plan.projected_us_per_token, 800);
+        assert_eq!(plan.left_out, vec![([1; 32], LeftOut::TooSlowToHelp)]);
+    }
+
+    #[test]
+    fn a_model_that_does_not_fit_one_node_is_split_by_memory_and_speed() {
+        // The coordinator holds its head (1000) and at most 4 layers (110
+        // each); node 1 is fast but holds 3 layers at most; node 2 holds
+        // anything. Every hop: half of 2000 us plus 500.
+        let coordinator = node(0, 1_000 + 4 * 110, 200, 0);
+        let fast = node(1, 3 * 110, 100, 2_000);
+        let ranges =
+            |plan: &Plan| -> Vec<_> { plan.stages.iter().map(|s| s.layers.clone()).collect() };
+
+        // Node 2 at 1000 us a layer: the fast node is worth its hop.
+        let slow = node(2, 100 * 110, 1_000, 2_000);
+        let members = [(slow.clone(), None), (fast.clone(), None)];
+        let three = plan(&shape(8), &coordinator, &members, Stages::AtLeast(1)).unwrap();
+        assert_eq!(ranges(&three), vec![0..4, 4..7, 7..8]);
+        // 4*200 + 3*100 + 1*1000 compute, two hops of 1500, and the return
+        // of half node 2's round trip.
+        assert_eq!(
+            three.projected_us_per_token,
+            800 + 300 + 1_000 + 2 * 1_500 + 1_000
+        );
+
+        // Node 2 at 400 us: skipping the fast node saves more than its
+        // layers would (800 + 1600 + 1500 + 1000 against 800 + 300 + 400 +
+        // 3000 + 1000).
+        let slower = node(2, 100 * 110, 400, 2_000);
+        let members = [(slower, None), (fast, None)];
+        let two = plan(&shape(8), &coordinator, &members, Stages::AtLeast(1)).unwrap();
+        assert_eq!(ranges(&two), vec![0..4, 4..8]);
+        assert_eq!(two.stages[1].node_id, [2; 32]);
+        assert_eq!(two.projected_us_per_token, 800 + 1_600 + 1_500 + 1_000);
+        assert_eq!(two.left_out, vec![([1; 32], LeftOut::TooSlowToHelp)]);
+    }
+
+    #[test]
+    fn pinned_stages_balance_and_a_small_node_gets_fewer_layers() {
+        let plan = plan(
+            &shape(12),
+            &node(0, 1 << 20, 100, 0),
+            &[
+                (node(1, 1 << 20, 100, 0), None),
+                (node(2, 2 * 110, 100, 0), None),
+                (node(3, 1 << 20, 100, 0), None),
+            ],
+            Stages::Pinned(4),
+        )
+        .unwrap();
+        let counts: Vec<u32> = plan
+            .stages
+            .iter()
+            .map(|s| s.layers.end - s.layers.start)
+            .collect();
+        assert_eq!(counts.iter().sum::<u32>(), 12);
+        let small = plan.stages.iter().find(|s| s.node_id == [2; 32]).unwrap();
+        assert!(small.layers.end - small.layers.start <= 2);
+        // The rest is balanced: the slowest stage holds 4 layers.
+        assert_eq!(counts.iter().max(), Some(&4));
+    }
+
+    #[test]
+    fn members_left_out_say_why() {
+        let err = plan(
+            &shape(4),
+            &node(0, 500, 100, 0),
+            &[
+                (node(1, 1 << 20, 100, 0), Some(LeftOut::NoModel)),
+                (node(2, 5, 100, 0), None),
+            ],
+            Stages::AtLeast(1),
+        );
+        assert_eq!(err, Err(PlanError::DoesNotFit));
+        let plan = plan(
+            &shape(4),
+            &node(0, 1 << 20, 100, 0),
+            &[
+                (node(1, 1 << 20, 100, 0), Some(LeftOut::Stale)),
+                (node(2, 5, 100, 0), None),
+            ],
+            Stages::AtLeast(1),
+        )
+        .unwrap();
+        assert_eq!(
+            plan.left_out,
+            vec![
+                ([1; 32], LeftOut::Stale),
+                (
+                    [2; 32],
+                    LeftOut::NotEnoughMemory {
+                        offered: 5,
+                        smallest_layer: 110
+                    }
+                )
+            ]
+        );
+    }
+
+    #[test]
+    fn the_same_input_gives_the_same_plan_and_bad_counts_are_refused() {
+        let members: Vec<_> = (1..20u8)
+            .map(|i| (node(i, 400, 100 + u64::from(i % 3), 100), None))
+            .collect();
+        let a = plan(
+            &shape(30),
+            &node(0, 1_500, 100, 0),
+            &members,
+            Stages::AtLeast(1),
+        )
+        .unwrap();
+        let b = plan(
+            &shape(30),
+            &node(0, 1_500, 100, 0),
+            &members,
+            Stages::AtLeast(1),
+        )
+        .unwrap();
+        assert_eq!(a, b);
+        assert_eq!(
+            plan(&shape(3), &node(0, 1 << 20, 1, 0), &[], Stages::Pinned(4)),
+            Err(PlanError::Stages(4))
+        );
+        assert_eq!(
+            plan(&shape(8), &node(0, 1 << 20, 1, 0), &[], Stages::Pinned(2)),
+            Err(PlanError::TooFewNodes {
+                asked: 2,
+                available: 1
+            })
+        );
+    }
+
+    /// Every chain by enumeration: subsets of the members in planning order
+    /// and every split of the layers over them.
+    fn brute_force(
+        model: &ModelShape,
+        coordinator: &Candidate,
+        members: &[Candidate],
+        low: usize,
+        high: usize,
+    ) -> Option<Cost> {
+        let mut sorted: Vec<&Candidate> = members.iter().collect();
+        sorted.sort_by_key(|c| (c.decode_us_per_layer, c.rtt_us, c.node_id));
+        let layers = model.layer_bytes.len();
+        let mut best: Option<Cost> = None;
+        for mask in 0u32..(1 << sorted.len()) {
+            let mut chain = vec![coordinator];
+            chain.extend(
+                sorted
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| mask & (1 << i) != 0)
+                    .map(|(_, c)| *c),
+            );
+            if chain.len() < low || chain.len() > high || chain.len() > layers {
+                continue;
+            }
+            // Every composition of `layers` into chain.len() positive parts.
+            let cuts = chain.len() - 1;
+            let mut stack = vec![(0usize, Vec::<usize>::new())];
+            while let Some((at, bounds)) = stack.pop() {
+                if bounds.len() == cuts {
+                    let mut edges = vec![0];
+                    edges.extend(&bounds);
+                    edges.push(layers);
+                    let mut cost = Cost {
+                        total: 0,
+                        slowest: 0,
+                    };
+                    let mut ok = true;
+                    for (k, node) in chain.iter().enumerate() {
+                        let (a, b) = (edges[k], edges[k + 1]);
+                        let need: u64 = model.layer_bytes[a..b].iter().sum::<u64>()
+                            + (b - a) as u64 * model.kv_bytes_per_layer
+                            + if k == 0 { model.head_bytes } else { 0 };
+                        ok &= need <= node.memory_bytes;
+                        let c = (b - a) as u64 * node.decode_us_per_layer;
+                        cost.total += c + if k == 0 { 0 } else { node.hop_us() };
+                        cost.slowest = cost.slowest.max(c);
+                    }
+                    if chain.len() > 1 {
+                        cost.total += chain[chain.len() - 1].rtt_us / 2;
+                    }
+                    if ok && best.is_none_or(|b| cost < b) {
+                        best = Some(cost);
+                    }
+                    continue;
+                }
+                for next in (at + 1)..layers {
+                    if layers - next >= cuts - bounds.len() {
+                        let mut more = bounds.clone();
+                        more.push(next);
+                        stack.push((next, more));
+                    }
+                }
+            }
+        }
+        best
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_search_finds_the_cheapest_chain(
+            layer_bytes in proptest::collection::vec(1u64..50, 1..7),
+            kv in 0u64..20,
+            head in 0u64..50,
+            coordinator_memory in 0u64..300,
+            members in proptest::collection::vec((0u64..300, 1u64..200, 0u64..3_000), 0..4),
+            low in 1usize..4,
+            pinned in proptest::bool::ANY,
+        ) {
+            let model = ModelShape { layer_bytes, head_bytes: head, kv_bytes_per_layer: kv };
+            let coordinator = node(0, coordinator_memory, 100, 0);
+            let members: Vec<Candidate> = members
+                .iter()
+                .enumerate()
+                .map(|(i, (memory, us, rtt))| node(i as u8 + 1, *memory, *us, *rtt))
+                .collect();
+            let high = if pinned { low } else { MAX_PLAN_STAGES };
+            let stages = if pinned { Stages::Pinned(low) } else { Stages::AtLeast(low) };
+            let offered: Vec<_> = members.iter().map(|m| (m.clone(), None)).collect();
+            let planned = plan(&model, &coordinator, &offered, stages);
+            let expected = brute_force(&model, &coordinator, &members, low, high);
+            match (planned, expected) {
+                (Ok(p), Some(cost)) => {
+                    proptest::prop_assert_eq!(p.projected_us_per_token, cost.total);
+                    let slowest = p.stages.iter().map(|s| s.compute_us).max().unwrap_or(0);
+                    proptest::prop_assert_eq!(slowest, cost.slowest);
+                    // The chain covers every layer once, in order.
+                    let mut end = 0;
+                    for s in &p.stages {
+                        proptest::prop_assert_eq!(s.layers.start, end);
+                        proptest::prop_assert!(s.layers.end > s.layers.start);
+                        end = s.layers.end;
+                    }
+                    proptest::prop_assert_eq!(end as usize, model.layer_bytes.len());
+                }
+                (Err(_), None) => {}
+                (p, e) => proptest::prop_assert!(false, "planned {:?}, enumeration {:?}", p, e),
+            }
+        }
+    }
+}
