@@ -244,6 +244,35 @@ enum VectorsAction {
 
 #[derive(Debug, Subcommand)]
 enum BenchTarget {
+    /// Membership and planning at scale: signed adverts of simulated
+    /// members taken into a member table, then planned over.
+    Plan {
+        #[arg(long, default_value_t = 1000)]
+        members: usize,
+        /// Layers of the simulated model (80: a 70B-class model).
+        #[arg(long, default_value_t = 80)]
+        layers: usize,
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// From `join` (a node starting with a bootstrap address) to its first
+    /// served request through a coordinator on loopback.
+    Join {
+        /// A GGUF file or safetensors directory (default: SmolLM2 when
+        /// cached, else the synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Lane-fold throughput for 4 KiB and 64 KiB frames, next to plain SHA-256.
     Fold {
         /// Seconds to measure each case.
@@ -826,6 +855,49 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{report}");
             } else {
                 print!("{}", mesh_node::tools::bench_wan::render_wan(&report));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target:
+                BenchTarget::Plan {
+                    members,
+                    layers,
+                    rounds,
+                    seed,
+                    json,
+                },
+        } => {
+            let report = mesh_node::tools::bench_mesh::bench_plan(
+                &mesh_node::tools::bench_mesh::PlanBench {
+                    members,
+                    layers,
+                    rounds,
+                    seed,
+                },
+            )?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", mesh_node::tools::bench_mesh::render_plan(&report));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target:
+                BenchTarget::Join {
+                    model,
+                    rounds,
+                    json,
+                },
+        } => {
+            let model = bench_model(model)?;
+            let report =
+                runtime()?.block_on(mesh_node::tools::bench_mesh::bench_join(&model, rounds))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", mesh_node::tools::bench_mesh::render_join(&report));
             }
             Ok(ExitCode::SUCCESS)
         }

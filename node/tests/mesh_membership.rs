@@ -404,3 +404,69 @@ async fn forged_and_replayed_adverts_are_refused_and_logged_once() {
         .unwrap();
     assert_eq!(member.advert.seq, 10, "{}", did_key(&member.advert.node_id));
 }
+
+#[test]
+fn plan_json_follows_the_cost_model_for_a_hand_computed_case() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let handle = mesh_stage::ModelHandle::open(&model).unwrap();
+    let shape = mesh_node::runtime::planner::model_shape(&handle);
+    let (weights, kv, head) = (
+        shape.layer_bytes[0],
+        shape.kv_bytes_per_layer,
+        shape.head_bytes,
+    );
+    let layer = weights + kv;
+    let [c, m1, m2] = [key(11), key(12), key(13)].map(|k| did_key(&public(&k)));
+    // The coordinator holds its head and 2 layers at 300 us a layer; m1 is
+    // fast (100 us) but holds 3 layers, 200 us away; m2 holds them all but
+    // is slow (500 us), 400 us away.
+    let members = serde_json::json!({
+        "coordinator": c,
+        "members": [
+            { "node_id": c, "memory_bytes": head + 2 * layer, "decode_us_per_layer": 300, "rtt_us": 0 },
+            { "node_id": m2, "memory_bytes": 6 * layer, "decode_us_per_layer": 500, "rtt_us": 400 },
+            { "node_id": m1, "memory_bytes": 3 * layer, "decode_us_per_layer": 100, "rtt_us": 200 },
+        ],
+    });
+    let file = dir.path().join("members.json");
+    std::fs::write(&file, members.to_string()).unwrap();
+    let plan = run_json(&[
+        "plan",
+        "--model",
+        model.to_str().unwrap(),
+        "--members",
+        file.to_str().unwrap(),
+        "--json",
+    ]);
+    // By hand, with a hop costing half its round trip plus 500 us:
+    //   coordinator 0..2: 2 x 300 = 600 us
+    //   m1 2..5: 3 x 100 = 300 us, hop 100 + 500 = 600 us
+    //   m2 5..6: 1 x 500 = 500 us, hop 200 + 500 = 700 us
+    //   m2's answer back to the coordinator: 200 us
+    //   projected 600 + 300 + 500 + 600 + 700 + 200 = 2900 us.
+    // Next best: 0..1, 1..4, 4..6 costs 300 + 300 + 1000 + 1300 + 200 =
+    // 3100; two stages (0..2 and m2 2..6) 600 + 2000 + 700 + 200 = 3500.
+    assert_eq!(plan["per_hop_overhead_us"], 500);
+    let expected = [
+        (&c, 0, 2, 600, 0, weights * 2 + head, kv * 2),
+        (&m1, 2, 5, 300, 600, weights * 3, kv * 3),
+        (&m2, 5, 6, 500, 700, weights, kv),
+    ];
+    let stages = plan["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 3, "{plan:#}");
+    for (stage, (node, start, end, compute, hop, weight_bytes, kv_bytes)) in
+        stages.iter().zip(expected)
+    {
+        assert_eq!(stage["node_id"], *node);
+        assert_eq!(stage["layer_start"], start);
+        assert_eq!(stage["layer_end"], end);
+        assert_eq!(stage["compute_us"], compute);
+        assert_eq!(stage["hop_us"], hop);
+        assert_eq!(stage["weight_bytes"], weight_bytes);
+        assert_eq!(stage["kv_bytes"], kv_bytes);
+    }
+    assert_eq!(plan["return_us"], 200);
+    assert_eq!(plan["projected_us_per_token"], 2900);
+    assert_eq!(plan["left_out"], serde_json::json!([]));
+}

@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod bench_api;
 pub mod bench_concurrency;
+pub mod bench_mesh;
 pub mod bench_wan;
 pub mod delay_proxy;
 pub mod exercise;

@@ -6,6 +6,7 @@
 use anyhow::Context;
 use serde_json::Value;
 
+pub mod mesh;
 pub mod mesh1;
 pub mod split_stage;
 
@@ -22,6 +23,7 @@ fn pretty(value: &Value) -> String {
 pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     let mut files = split_stage::generate()?;
     files.extend(mesh1::generate()?);
+    files.extend(mesh::generate()?);
     Ok(files)
 }
 
