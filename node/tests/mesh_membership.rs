@@ -260,7 +260,7 @@ fn nodes_join_through_a_bootstrap_and_the_plan_follows_them() {
     let small = join("small", 10_000, 1);
     let mut a = join("a", 20_000, 3);
     let b = join("b", 30_000, 3);
-    let d = join("d", 40_000, 3);
+    let d = join("d", 60_000, 3);
     let everyone = [&coordinator, &small, &a, &b, &d];
     let seen = members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 5);
     for node in everyone {

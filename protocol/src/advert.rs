@@ -30,6 +30,9 @@ pub const MAX_ADVERT_TEXT: usize = 64;
 pub const MIN_ADVERT_INTERVAL_MS: u64 = 250;
 /// The most members a table holds; adverts of further nodes are refused.
 pub const MAX_MEMBERS: usize = 4096;
+/// The slowest decode speed an advert may claim (100 s per layer and
+/// token): bounds every product the planner forms from it.
+pub const MAX_DECODE_US_PER_LAYER: u64 = 100_000_000;
 /// Domain separation of the advert signature.
 pub const ADVERT_SIGNATURE_CONTEXT: &[u8] = b"mesh-advert/1\0";
 /// Advert format version.
@@ -95,7 +98,7 @@ pub enum AdvertError {
     TooManyModels(usize),
     #[error("a package is named twice")]
     DuplicateModel,
-    #[error("a model entry has no layers or no measured speed")]
+    #[error("a model entry has no layers, or a speed of 0 or over {MAX_DECODE_US_PER_LAYER} us")]
     EmptyModel,
 }
 
@@ -212,7 +215,10 @@ impl Advert {
                 decode_us_per_layer: m.uint("decode_us_per_layer")?,
             };
             m.finish()?;
-            if model.layers == 0 || model.decode_us_per_layer == 0 {
+            if model.layers == 0
+                || model.decode_us_per_layer == 0
+                || model.decode_us_per_layer > MAX_DECODE_US_PER_LAYER
+            {
                 return Err(AdvertError::EmptyModel);
             }
             if models.iter().any(|o| o.package_id == model.package_id) {
@@ -557,7 +563,7 @@ mod tests {
         #[test]
         fn adverts_round_trip(seq in any::<u64>(), issued in 0u64..1 << 50, memory in any::<u64>(),
                               load in any::<u32>(), ttl in 1..=MAX_ADVERT_TTL_MS,
-                              layers in 1u32..200, speed in 1u64..1_000_000) {
+                              layers in 1u32..200, speed in 1u64..=MAX_DECODE_US_PER_LAYER) {
             let k = key(3);
             let mut a = advert(&k, seq, issued);
             a.memory_bytes = memory;

@@ -59,7 +59,7 @@ pub struct Candidate {
 
 impl Candidate {
     fn hop_us(&self) -> u64 {
-        self.rtt_us / 2 + PER_HOP_OVERHEAD_US
+        (self.rtt_us / 2).saturating_add(PER_HOP_OVERHEAD_US)
     }
 }
 
@@ -74,6 +74,9 @@ pub enum LeftOut {
     TooSlowToHelp,
     /// Its advert expired.
     Stale,
+    /// The coordinator holds no connection to it, so nothing of what it
+    /// claims was seen (its round trip is unmeasured).
+    NotConnected,
     /// It refused its last assignment (the coordinator goes around it for
     /// a while).
     Refused,
@@ -91,6 +94,7 @@ impl LeftOut {
             ),
             LeftOut::TooSlowToHelp => "not needed: a plan with it is no faster".into(),
             LeftOut::Stale => "its advert expired".into(),
+            LeftOut::NotConnected => "not connected: no measured round trip".into(),
             LeftOut::Refused => "refused its last assignment".into(),
         }
     }
@@ -231,8 +235,8 @@ pub fn plan(
                 node_id: candidate.node_id,
                 layers: range.clone(),
                 weight_bytes: weights(model, range, k == 0),
-                kv_bytes: n * model.kv_bytes_per_layer,
-                compute_us: n * candidate.decode_us_per_layer,
+                kv_bytes: n.saturating_mul(model.kv_bytes_per_layer),
+                compute_us: n.saturating_mul(candidate.decode_us_per_layer),
                 hop_us: if k == 0 { 0 } else { candidate.hop_us() },
             }
         })
@@ -260,10 +264,10 @@ struct Cost {
 }
 
 fn weights(model: &ModelShape, range: &Range<u32>, first: bool) -> u64 {
-    let layers: u64 = model.layer_bytes[range.start as usize..range.end as usize]
+    let layers = model.layer_bytes[range.start as usize..range.end as usize]
         .iter()
-        .sum();
-    layers + if first { model.head_bytes } else { 0 }
+        .fold(0u64, |sum, b| sum.saturating_add(*b));
+    layers.saturating_add(if first { model.head_bytes } else { 0 })
 }
 
 /// A chain as the search gives it: each stage's member (`None` for the
@@ -295,7 +299,9 @@ fn search(
             .saturating_add(if first { model.head_bytes } else { 0 });
         need <= node.memory_bytes
     };
-    let compute = |node: &Candidate, a: usize, b: usize| (b - a) as u64 * node.decode_us_per_layer;
+    let compute = |node: &Candidate, a: usize, b: usize| {
+        ((b - a) as u64).saturating_mul(node.decode_us_per_layer)
+    };
     let add = |before: Cost, node: &Candidate, a: usize, b: usize, hop: u64| {
         let c = compute(node, a, b);
         Cost {
@@ -328,7 +334,10 @@ fn search(
     type Ending = Vec<Vec<Option<(Cost, Entry)>>>;
     let mut ends: Vec<Ending> = Vec::with_capacity(members.len());
     for (i, node) in members.iter().enumerate() {
+        // A stage that ends the chain also costs the answer's way back;
+        // counted here, not after the search, so the chains compete with it.
         let hop = node.hop_us();
+        let back = node.rtt_us / 2;
         let mut here: Ending = vec![vec![None; layers + 1]; most_members + 1];
         for k in 1..=most_members {
             for b in (k + 1)..=layers {
@@ -340,7 +349,13 @@ fn search(
                     if !fits(node, false, a, b) {
                         continue;
                     }
-                    let cost = add(before.0, node, a, b, hop);
+                    let cost = add(
+                        before.0,
+                        node,
+                        a,
+                        b,
+                        if b == layers { hop + back } else { hop },
+                    );
                     if best.is_none_or(|(c, _)| cost < c) {
                         best = Some((cost, Some((before.0, before.1, a))));
                     }
@@ -363,20 +378,14 @@ fn search(
         }
         ends.push(here);
     }
-    // The finished chains: all layers covered, a stage count in range, the
-    // return from the last member added.
+    // The finished chains: all layers covered, a stage count in range.
     let mut best: Option<(Cost, usize)> = None;
     for k in (low - 1)..=most_members.min(high - 1) {
-        let Some((cost, last, _)) = open[k][layers] else {
+        let Some((cost, _, _)) = open[k][layers] else {
             continue;
         };
-        let back = last.map_or(0, |i| members[i].rtt_us / 2);
-        let total = Cost {
-            total: cost.total.saturating_add(back),
-            slowest: cost.slowest,
-        };
-        if best.is_none_or(|(c, _)| total < c) {
-            best = Some((total, k));
+        if best.is_none_or(|(c, _)| cost < c) {
+            best = Some((cost, k));
         }
     }
     let (cost, k) = best?;
@@ -467,6 +476,29 @@ mod tests {
         assert_eq!(two.stages[1].node_id, [2; 32]);
         assert_eq!(two.projected_us_per_token, 800 + 1_600 + 1_500 + 1_000);
         assert_eq!(two.left_out, vec![([1; 32], LeftOut::TooSlowToHelp)]);
+    }
+
+    #[test]
+    fn the_way_back_counts_when_chains_compete() {
+        // B is faster but far; A slower and near. With B's answer back
+        // counted, A's chain is cheaper (750 against 897).
+        let model = ModelShape {
+            layer_bytes: vec![10, 10],
+            head_bytes: 0,
+            kv_bytes_per_layer: 0,
+        };
+        let coordinator = node(0, 10, 100, 0);
+        let b = node(1, 100, 1, 296);
+        let a = node(2, 100, 150, 0);
+        let plan = plan(
+            &model,
+            &coordinator,
+            &[(b, None), (a, None)],
+            Stages::AtLeast(2),
+        )
+        .unwrap();
+        assert_eq!(plan.projected_us_per_token, 100 + 150 + 500);
+        assert_eq!(plan.stages[1].node_id, [2; 32]);
     }
 
     #[test]

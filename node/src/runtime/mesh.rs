@@ -16,7 +16,10 @@ use futures_util::StreamExt;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent, behaviour::toggle::Toggle};
-use libp2p::{Multiaddr, PeerId, StreamProtocol, identify, kad, mdns, noise, ping, tcp, yamux};
+use libp2p::{
+    Multiaddr, PeerId, StreamProtocol, connection_limits, identify, kad, mdns, noise, ping, tcp,
+    yamux,
+};
 use mesh_protocol::SigningKey;
 use mesh_protocol::advert::{Advert, AdvertRefusal, MAX_ADVERT_BYTES, Members, Offered};
 use mesh_protocol::identity::{did_key, parse_peer_id};
@@ -34,6 +37,13 @@ pub const PING_TIMEOUT: Duration = Duration::from_secs(2);
 /// Peers this node dials on its own (beyond those that dial it): enough for
 /// every member of a small mesh to be one hop away.
 pub const MAX_DIALED_PEERS: usize = 64;
+/// Connections the swarm holds: inbound established, inbound handshaking,
+/// and per peer.
+pub const MAX_INBOUND_CONNECTIONS: u32 = 128;
+pub const MAX_PENDING_INBOUND: u32 = 32;
+pub const MAX_CONNECTIONS_PER_PEER: u32 = 2;
+/// Listen addresses taken from one peer's identify report.
+pub const MAX_ADDRESSES_PER_PEER: usize = 8;
 const IDENTIFY_PROTOCOL: &str = "/mesh-node/1.0.0";
 const KAD_PROTOCOL: &str = "/mesh-node/kad/1.0.0";
 
@@ -146,6 +156,7 @@ fn now_ms() -> u64 {
 
 #[derive(NetworkBehaviour)]
 struct Behaviour {
+    limits: connection_limits::Behaviour,
     identify: identify::Behaviour,
     ping: ping::Behaviour,
     kad: kad::Behaviour<kad::store::MemoryStore>,
@@ -192,10 +203,14 @@ impl Mesh {
                         .with_interval(PING_INTERVAL)
                         .with_timeout(PING_TIMEOUT),
                 );
+                let mut kad_config = kad::Config::new(StreamProtocol::new(KAD_PROTOCOL));
+                // Routing only: records others would store here are dropped
+                // (the mesh keeps none).
+                kad_config.set_record_filtering(kad::StoreInserts::FilterBoth);
                 let mut kad = kad::Behaviour::with_config(
                     peer_id,
                     kad::store::MemoryStore::new(peer_id),
-                    kad::Config::new(StreamProtocol::new(KAD_PROTOCOL)),
+                    kad_config,
                 );
                 // Answer queries even where no external address is confirmed
                 // (a LAN, loopback): every member is a routing peer.
@@ -223,7 +238,14 @@ impl Mesh {
                     config,
                 )
                 .map_err(|e| anyhow::anyhow!("gossipsub: {e}"))?;
+                let limits = connection_limits::Behaviour::new(
+                    connection_limits::ConnectionLimits::default()
+                        .with_max_established_incoming(Some(MAX_INBOUND_CONNECTIONS))
+                        .with_max_pending_incoming(Some(MAX_PENDING_INBOUND))
+                        .with_max_established_per_peer(Some(MAX_CONNECTIONS_PER_PEER)),
+                );
                 Ok(Behaviour {
+                    limits,
                     identify,
                     ping,
                     kad,
@@ -453,7 +475,7 @@ fn handle_event(
             info,
             ..
         })) => {
-            for address in info.listen_addrs {
+            for address in info.listen_addrs.into_iter().take(MAX_ADDRESSES_PER_PEER) {
                 swarm.behaviour_mut().kad.add_address(&peer_id, address);
             }
         }
@@ -482,7 +504,11 @@ fn handle_event(
                     .behaviour_mut()
                     .kad
                     .add_address(&peer, address.clone());
-                if !lock(state).connected.contains(&peer) {
+                let dial = {
+                    let s = lock(state);
+                    !s.connected.contains(&peer) && s.connected.len() < MAX_DIALED_PEERS
+                };
+                if dial {
                     let _ = swarm.dial(address);
                 }
             }
@@ -512,10 +538,19 @@ fn handle_event(
             message,
         })) => {
             // Strict validation: `source` is the peer that signed the
-            // message, whoever forwarded it.
-            let sender = message.source.as_ref().and_then(peer_key);
+            // message, whoever forwarded it. Only a peer this node holds a
+            // connection to may be a member: one connection cannot bring in
+            // any number of made-up identities, and every member has a
+            // measured round trip.
+            let sender = message
+                .source
+                .filter(|source| lock(state).connected.contains(source))
+                .as_ref()
+                .and_then(peer_key);
             let acceptance = match sender {
-                None => MessageAcceptance::Reject,
+                // Not connected (or not an Ed25519 peer): not taken, not
+                // forwarded.
+                None => MessageAcceptance::Ignore,
                 Some(sender) => {
                     let outcome = lock(state).members.offer(&message.data, &sender, now_ms());
                     match outcome {
@@ -540,7 +575,8 @@ fn handle_event(
 }
 
 /// Count a refused advert, log it once per sender and kind, and tell
-/// gossipsub whether to penalise (forged or malformed) or just drop it.
+/// gossipsub not to forward it (`Reject` for a forged or malformed one,
+/// `Ignore` for a replay or a burst).
 fn refuse(state: &Mutex<State>, sender: &[u8; 32], refusal: &AdvertRefusal) -> MessageAcceptance {
     let kind = refusal.kind();
     let mut s = lock(state);

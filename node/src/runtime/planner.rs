@@ -70,11 +70,13 @@ pub fn candidates(
         .iter()
         .filter(|m| m.advert.node_id != *coordinator)
         .map(|m| {
-            let reason = m
-                .advert
-                .model(package_id)
-                .is_none()
-                .then_some(LeftOut::NoModel);
+            let reason = if m.advert.model(package_id).is_none() {
+                Some(LeftOut::NoModel)
+            } else if m.rtt.is_none() {
+                Some(LeftOut::NotConnected)
+            } else {
+                None
+            };
             (candidate(m), reason)
         })
         .collect();
