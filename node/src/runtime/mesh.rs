@@ -432,20 +432,28 @@ async fn run(
                 }
             }
             event = swarm.select_next_some() => {
-                handle_event(&mut swarm, event, &state, &changed);
+                if handle_event(&mut swarm, event, &state, &changed) {
+                    // A peer just subscribed to adverts: it hears this
+                    // node's now, not at the next tick.
+                    tick.reset_immediately();
+                }
             }
         }
     }
 }
 
+/// Handle one swarm event; true when this node should advertise now.
 fn handle_event(
     swarm: &mut libp2p::Swarm<Behaviour>,
     event: SwarmEvent<BehaviourEvent>,
     state: &Arc<Mutex<State>>,
     changed: &tokio::sync::Notify,
-) {
+) -> bool {
     let local = *swarm.local_peer_id();
     match event {
+        SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Subscribed {
+            ..
+        })) => return true,
         SwarmEvent::NewListenAddr { address, .. } => {
             let full = address.with(Protocol::P2p(local));
             lock(state).addresses.push(full);
@@ -515,11 +523,17 @@ fn handle_event(
         }
         SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event { peer, result, .. })) => {
             let Some(key) = peer_key(&peer) else {
-                return;
+                return false;
             };
             match result {
                 Ok(rtt) => {
-                    lock(state).rtt.insert(key, rtt);
+                    let mut s = lock(state);
+                    let first = s.rtt.insert(key, rtt).is_none();
+                    // A member's first round trip makes it plannable.
+                    if first && s.members.get(&key).is_some() {
+                        drop(s);
+                        changed.notify_waiters();
+                    }
                 }
                 Err(error) => {
                     let mut s = lock(state);
@@ -572,6 +586,7 @@ fn handle_event(
         }
         _ => {}
     }
+    false
 }
 
 /// Count a refused advert, log it once per sender and kind, and tell

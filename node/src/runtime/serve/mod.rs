@@ -358,6 +358,15 @@ impl std::fmt::Debug for Node {
     }
 }
 
+/// The local address of the interface the default route leaves by: a UDP
+/// socket "connected" to a documentation address (no packet is sent).
+fn default_route_ip() -> Option<std::net::IpAddr> {
+    let socket = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    socket.connect("192.0.2.1:9").ok()?;
+    let ip = socket.local_addr().ok()?.ip();
+    (!ip.is_unspecified()).then_some(ip)
+}
+
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -387,7 +396,14 @@ impl Node {
         let bound = endpoint.local_addr()?;
         let advertise = options.advertise.unwrap_or_else(|| {
             if bound.ip().is_unspecified() {
-                SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), bound.port())
+                // In a mesh, others on the network must reach it: the
+                // address of the interface the default route leaves by.
+                let ip = options
+                    .mesh
+                    .as_ref()
+                    .and_then(|_| default_route_ip())
+                    .unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+                SocketAddr::new(ip, bound.port())
             } else {
                 bound
             }
@@ -2272,7 +2288,7 @@ impl Inner {
     /// flight keep the run they started on. Over a mesh, a chain whose
     /// assignment is refused is planned again around the refusing member.
     async fn ensure_run(self: &Arc<Self>) -> anyhow::Result<Arc<Run>> {
-        const MESH_ATTEMPTS: usize = 3;
+        const MESH_ATTEMPTS: usize = 4;
         let mut attempt = 0;
         loop {
             attempt += 1;
