@@ -319,6 +319,25 @@ fn nodes_join_through_a_bootstrap_and_the_plan_follows_them() {
     });
     assert_eq!(plan(&model, &coordinator.mesh), first);
     served(dir.path(), &coordinator.peer, "third");
+    // The node this plan left out was told to free its slice.
+    let start = Instant::now();
+    loop {
+        let stats = run_json(&[
+            "stats",
+            &d.peer,
+            "--key",
+            coordinator_key.to_str().unwrap(),
+            "--json",
+        ]);
+        if stats["slices"].as_array().is_some_and(Vec::is_empty) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the left-out node still holds its slice: {stats:#}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 
     let log = std::fs::read_to_string(dir.path().join("coord.log")).unwrap();
     let runs = log.matches("a new run: assigned every stage").count();

@@ -95,8 +95,16 @@ pub enum ControlRequest {
     Generate(GenerateRequestMessage),
     Plan,
     Authorise(Box<AuthoriseRequest>),
-    Release { request_id: u64 },
-    Stats { request_id: u64 },
+    Release {
+        request_id: u64,
+    },
+    /// The coordinator no longer uses the run: free its slice.
+    Unassign {
+        run_id: String,
+    },
+    Stats {
+        request_id: u64,
+    },
     NodeStats,
 }
 
@@ -108,6 +116,7 @@ impl ControlRequest {
             ControlRequest::Plan => "plan",
             ControlRequest::Authorise(_) => "authorise",
             ControlRequest::Release { .. } => "release",
+            ControlRequest::Unassign { .. } => "unassign",
             ControlRequest::Stats { .. } => "stats",
             ControlRequest::NodeStats => "node_stats",
         }
@@ -172,6 +181,7 @@ impl ControlRequest {
             ControlRequest::Release { request_id } | ControlRequest::Stats { request_id } => {
                 members.push(("request_id", Cbor::Uint(*request_id)));
             }
+            ControlRequest::Unassign { run_id } => members.push(("run_id", Cbor::text(run_id))),
             ControlRequest::Plan | ControlRequest::NodeStats => {}
         }
         Cbor::text_map(members)
@@ -205,6 +215,14 @@ impl ControlRequest {
                 f.uint("request_id")
                     .map(|request_id| ControlRequest::Release { request_id })
                     .map_err(|e| field("release", e)),
+            ),
+            "unassign" => (
+                "unassign",
+                f.text("run_id")
+                    .map(|run_id| ControlRequest::Unassign {
+                        run_id: run_id.to_string(),
+                    })
+                    .map_err(|e| field("unassign", e)),
             ),
             "stats" => (
                 "stats",
@@ -394,6 +412,9 @@ mod tests {
             }),
             ControlRequest::Plan,
             ControlRequest::Release { request_id: 9 },
+            ControlRequest::Unassign {
+                run_id: "mesh-split-1".into(),
+            },
             ControlRequest::Stats { request_id: 9 },
             ControlRequest::NodeStats,
         ]

@@ -374,6 +374,10 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
         .map(mesh_protocol::identity::did_key)
         .collect();
     let in_mesh = options.mesh.is_some();
+    eprintln!(
+        "opening {} and checking its package id...",
+        options.model.display()
+    );
     let node = Node::start(options).await?;
     println!("node {} listening on {}", node.did(), node.addr());
     if in_mesh {

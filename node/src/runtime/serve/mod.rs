@@ -871,6 +871,30 @@ async fn handle_control(
             )
             .await?;
         }
+        ControlRequest::Unassign { run_id } => {
+            let freed = {
+                let mut slots = lock(&inner.slots);
+                // Only the coordinator that assigned a slice may free it.
+                match slots.get(&run_id) {
+                    Some(slot) if slot.assign.coordinator == peer => slots.remove(&run_id),
+                    _ => None,
+                }
+            };
+            let reply = match freed {
+                Some(_) => {
+                    tracing::info!(run = %run_id, "released a slice its coordinator no longer uses");
+                    Cbor::text_map([("kind", Cbor::text("released"))])
+                }
+                None => Cbor::text_map([
+                    ("kind", Cbor::text("refused")),
+                    (
+                        "reason",
+                        Cbor::text("no slice of that run from this coordinator"),
+                    ),
+                ]),
+            };
+            msg::write_cbor(&mut send, &reply).await?;
+        }
         ControlRequest::Authorise(authorise) => {
             let reply = match handle_authorise(&inner, peer, &authorise) {
                 Ok(()) => Cbor::text_map([("kind", Cbor::text("authorised"))]),
@@ -2227,6 +2251,28 @@ impl Inner {
 // ------------------------------------------------------------ coordinator
 
 impl Inner {
+    /// Tell a stage its slice of `run_id` is no longer used (best effort,
+    /// bounded: a stage that is gone or slow frees it by its idle timer).
+    async fn unassign_remote(
+        self: &Arc<Self>,
+        peer: &PeerAddr,
+        run_id: &str,
+    ) -> anyhow::Result<()> {
+        let message = ControlRequest::Unassign {
+            run_id: run_id.to_string(),
+        }
+        .to_cbor();
+        let exchange = async {
+            let (mut send, mut recv) = self.open(peer, ALPN_CONTROL).await?;
+            msg::exchange(&mut send, &mut recv, &message, Duration::from_secs(5)).await
+        };
+        match tokio::time::timeout(Duration::from_secs(10), exchange).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(error)) => Err(error),
+            Err(_) => bail!("no answer within 10 s"),
+        }
+    }
+
     /// Send every remote stage its assignment at once and wait for all to be
     /// ready; the time after which they are to be sent again.
     async fn assign_remote(
@@ -2413,7 +2459,19 @@ impl Inner {
             stale: std::sync::atomic::AtomicBool::new(false),
         });
         *lock(&self.own_slot) = Some(run.own.clone());
-        *guard = Some(run.clone());
+        if let Some(old) = guard.replace(run.clone()) {
+            // Stages the new plan left out free their slices now rather
+            // than when their idle timer runs out.
+            for peer in old.peers.iter().filter(|p| !run.peers.contains(p)) {
+                let (inner, peer) = (self.clone(), peer.clone());
+                let run_id = old.assigns[0].run_id.clone();
+                tokio::spawn(async move {
+                    if let Err(error) = inner.unassign_remote(&peer, &run_id).await {
+                        tracing::debug!(peer = %peer.did(), "unassign: {error:#}");
+                    }
+                });
+            }
+        }
         Ok(run)
     }
 }
