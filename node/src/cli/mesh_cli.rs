@@ -38,6 +38,12 @@ pub async fn observe(args: &ObserveArgs) -> anyhow::Result<Vec<MemberView>> {
     options.mdns = !args.no_mdns;
     let mesh = Mesh::start(options).await?;
     tokio::time::sleep(Duration::from_millis(args.wait_ms)).await;
+    // Members heard but not yet pinged get up to as long again for their
+    // first round trip (a plan leaves out members without one).
+    let end = tokio::time::Instant::now() + Duration::from_millis(args.wait_ms);
+    while mesh.members().iter().any(|m| m.rtt.is_none()) && tokio::time::Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     Ok(mesh.members())
 }
 

@@ -120,11 +120,27 @@ struct State {
     connected: HashSet<PeerId>,
 }
 
+/// Changes to the member set (a join, a leave, a member's first round trip,
+/// a new listen address): counted, and waited on.
+#[derive(Debug, Default)]
+struct Changes {
+    notify: tokio::sync::Notify,
+    generation: std::sync::atomic::AtomicU64,
+}
+
+impl Changes {
+    fn bump(&self) {
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.notify.notify_waiters();
+    }
+}
+
 /// A running membership: the swarm runs in its own task until dropped.
 pub struct Mesh {
     state: Arc<Mutex<State>>,
     publish: tokio::sync::mpsc::Sender<Vec<u8>>,
-    changed: Arc<tokio::sync::Notify>,
+    changed: Arc<Changes>,
     peer_id: PeerId,
     key: [u8; 32],
     task: tokio::task::JoinHandle<()>,
@@ -280,7 +296,7 @@ impl Mesh {
                 .with_context(|| format!("dialling {address}"))?;
         }
         let state = Arc::new(Mutex::new(State::default()));
-        let changed = Arc::new(tokio::sync::Notify::new());
+        let changed = Arc::new(Changes::default());
         let (publish, published) = tokio::sync::mpsc::channel(16);
         let task = tokio::spawn(run(
             swarm,
@@ -314,7 +330,7 @@ impl Mesh {
     pub async fn wait_for_addresses(&self, within: Duration) -> Vec<Multiaddr> {
         let end = Instant::now() + within;
         loop {
-            let notified = self.changed.notified();
+            let notified = self.changed.notify.notified();
             let addresses = self.addresses();
             if !addresses.is_empty() || Instant::now() >= end {
                 return addresses;
@@ -328,7 +344,9 @@ impl Mesh {
     pub fn members(&self) -> Vec<MemberView> {
         let now = now_ms();
         let mut state = lock(&self.state);
-        state.members.expire(now);
+        if !state.members.expire(now).is_empty() {
+            self.changed.bump();
+        }
         state
             .members
             .iter()
@@ -347,7 +365,9 @@ impl Mesh {
     /// Whether `key` is a member now.
     pub fn is_member(&self, key: &[u8; 32]) -> bool {
         let mut state = lock(&self.state);
-        state.members.expire(now_ms());
+        if !state.members.expire(now_ms()).is_empty() {
+            self.changed.bump();
+        }
         state.members.get(key).is_some()
     }
 
@@ -372,7 +392,15 @@ impl Mesh {
 
     /// Wait for the member set to change (at most `within`).
     pub async fn changed(&self, within: Duration) {
-        let _ = tokio::time::timeout(within, self.changed.notified()).await;
+        let _ = tokio::time::timeout(within, self.changed.notify.notified()).await;
+    }
+
+    /// How many times the member set has changed: equal numbers, the same
+    /// members (their adverts' load and round trips may have moved).
+    pub fn generation(&self) -> u64 {
+        self.changed
+            .generation
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -383,7 +411,7 @@ async fn run(
     options: MeshOptions,
     own_key: [u8; 32],
     state: Arc<Mutex<State>>,
-    changed: Arc<tokio::sync::Notify>,
+    changed: Arc<Changes>,
 ) {
     let mut tick = tokio::time::interval(options.advert_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -407,7 +435,7 @@ async fn run(
                     // coordinator plans over itself and its members alike.
                     let joined = lock(&state).members.offer(&bytes, &own_key, now);
                     if matches!(joined, Ok(Offered::Joined)) {
-                        changed.notify_waiters();
+                        changed.bump();
                     }
                     if let Err(error) = swarm.behaviour_mut().gossipsub.publish(topic.clone(), bytes) {
                         tracing::debug!("advert not published: {error}");
@@ -418,7 +446,7 @@ async fn run(
                     tracing::info!(member = %did_key(key), "member left: its advert expired");
                 }
                 if !expired.is_empty() {
-                    changed.notify_waiters();
+                    changed.bump();
                 }
                 if last_bootstrap.is_none_or(|t| t.elapsed() >= Duration::from_secs(30))
                     && swarm.behaviour_mut().kad.bootstrap().is_ok()
@@ -447,7 +475,7 @@ fn handle_event(
     swarm: &mut libp2p::Swarm<Behaviour>,
     event: SwarmEvent<BehaviourEvent>,
     state: &Arc<Mutex<State>>,
-    changed: &tokio::sync::Notify,
+    changed: &Changes,
 ) -> bool {
     let local = *swarm.local_peer_id();
     match event {
@@ -457,7 +485,7 @@ fn handle_event(
         SwarmEvent::NewListenAddr { address, .. } => {
             let full = address.with(Protocol::P2p(local));
             lock(state).addresses.push(full);
-            changed.notify_waiters();
+            changed.bump();
         }
         SwarmEvent::ConnectionEstablished { peer_id, .. } => {
             lock(state).connected.insert(peer_id);
@@ -474,7 +502,7 @@ fn handle_event(
                 if s.members.remove(&key).is_some() {
                     tracing::info!(member = %did_key(&key), "member left: its connection closed");
                     drop(s);
-                    changed.notify_waiters();
+                    changed.bump();
                 }
             }
         }
@@ -532,7 +560,7 @@ fn handle_event(
                     // A member's first round trip makes it plannable.
                     if first && s.members.get(&key).is_some() {
                         drop(s);
-                        changed.notify_waiters();
+                        changed.bump();
                     }
                 }
                 Err(error) => {
@@ -541,7 +569,7 @@ fn handle_event(
                     if s.members.remove(&key).is_some() {
                         tracing::info!(member = %did_key(&key), "member left: ping failed ({error})");
                         drop(s);
-                        changed.notify_waiters();
+                        changed.bump();
                     }
                 }
             }
@@ -571,7 +599,7 @@ fn handle_event(
                         Ok(offered) => {
                             if offered == Offered::Joined {
                                 tracing::info!(member = %did_key(&sender), "member joined");
-                                changed.notify_waiters();
+                                changed.bump();
                             }
                             MessageAcceptance::Accept
                         }

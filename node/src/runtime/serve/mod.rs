@@ -329,6 +329,17 @@ struct Inner {
     stages: Option<usize>,
     /// Members that refused an assignment, left out of plans until then.
     refused: Mutex<HashMap<[u8; 32], Instant>>,
+    /// The last plan over the mesh, for the member set (its generation) and
+    /// the refused members it was made for.
+    plan_cache: Mutex<Option<PlanCache>>,
+}
+
+/// A plan and what it was made from.
+struct PlanCache {
+    generation: u64,
+    refused: Vec<[u8; 32]>,
+    plan: mesh_protocol::plan::Plan,
+    usable: Vec<Usable>,
 }
 
 /// A chain: the remote stages, every stage's layers, and the planner's
@@ -443,6 +454,7 @@ impl Node {
             mesh: std::sync::OnceLock::new(),
             stages: options.stages,
             refused: Mutex::new(HashMap::new()),
+            plan_cache: Mutex::new(None),
         });
         if let Some(settings) = &options.mesh {
             let mesh = start_mesh(&inner, &options.data, settings).await?;
@@ -2201,6 +2213,22 @@ impl Inner {
         mesh: &crate::runtime::mesh::Mesh,
     ) -> anyhow::Result<(mesh_protocol::plan::Plan, Vec<Usable>)> {
         use mesh_protocol::plan::{LeftOut, Stages};
+        // Planning weighs every member (milliseconds for a large model and
+        // mesh): the same member set and refusals give the plan made last.
+        let refused_now: Vec<[u8; 32]> = {
+            let mut refused = lock(&self.refused);
+            refused.retain(|_, until| Instant::now() < *until);
+            let mut keys: Vec<[u8; 32]> = refused.keys().copied().collect();
+            keys.sort_unstable();
+            keys
+        };
+        let generation = mesh.generation();
+        if let Some(cached) = lock(&self.plan_cache).as_ref()
+            && cached.generation == generation
+            && cached.refused == refused_now
+        {
+            return Ok((cached.plan.clone(), cached.usable.clone()));
+        }
         let members = mesh.members();
         let (own, mut others) = crate::runtime::planner::candidates(
             &self.model.package_id(),
@@ -2221,7 +2249,7 @@ impl Inner {
             Some(n) => Stages::Pinned(n),
             None => Stages::AtLeast(2),
         };
-        let usable = others
+        let usable: Vec<Usable> = others
             .iter()
             .filter(|(_, reason)| reason.is_none())
             .filter_map(|(candidate, _)| {
@@ -2244,6 +2272,12 @@ impl Inner {
                 members.len()
             )
         })?;
+        *lock(&self.plan_cache) = Some(PlanCache {
+            generation,
+            refused: refused_now,
+            plan: plan.clone(),
+            usable: usable.clone(),
+        });
         Ok((plan, usable))
     }
 }
