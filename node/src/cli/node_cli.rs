@@ -141,8 +141,8 @@ pub struct MeshArgs {
     /// every node on start); repeat for more. Joins the mesh through it.
     #[arg(long = "bootstrap")]
     pub bootstrap: Vec<libp2p::Multiaddr>,
-    /// Where the mesh's libp2p transport listens (default
-    /// /ip4/0.0.0.0/tcp/0: any free port).
+    /// Where the mesh's libp2p transport listens (default: TCP on the
+    /// QUIC endpoint's address and port number, so a node is one port).
     #[arg(long)]
     pub mesh_listen: Option<libp2p::Multiaddr>,
     /// Do not look for members on the local network by mDNS.
@@ -166,11 +166,8 @@ pub struct MeshArgs {
 impl MeshArgs {
     fn settings(&self) -> crate::runtime::serve::MeshSettings {
         crate::runtime::serve::MeshSettings {
-            listen: vec![
-                self.mesh_listen
-                    .clone()
-                    .unwrap_or_else(crate::runtime::mesh::default_listen),
-            ],
+            // None given: TCP on the QUIC endpoint's port number.
+            listen: self.mesh_listen.iter().cloned().collect(),
             bootstrap: self.bootstrap.clone(),
             mdns: !self.no_mdns,
             memory_bytes: self.memory_mib.map(|m| m * 1024 * 1024),
@@ -225,7 +222,16 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
     // A node told of no peers and no coordinator has nothing to do but join
     // a mesh; one given --bootstrap joins it whatever else it is told.
     let mesh = (!args.mesh.bootstrap.is_empty() || (peers.is_empty() && coordinators.is_empty()))
-        .then(|| args.mesh.settings());
+        .then(|| {
+            let mut settings = args.mesh.settings();
+            // A configured peer's mesh address, by the one-port convention.
+            settings.bootstrap.extend(
+                peers
+                    .iter()
+                    .filter_map(crate::runtime::mesh::conventional_address),
+            );
+            settings
+        });
     let wire = args.wire.or(file.wire).unwrap_or_else(|| "f32".into());
     let (meter, why) = select_meter(
         Path::new(POWERCAP_ROOT),

@@ -98,6 +98,33 @@ pub fn default_listen() -> Multiaddr {
         .with(Protocol::Tcp(0))
 }
 
+fn tcp_address(ip: std::net::IpAddr, port: u16) -> Multiaddr {
+    let ip = match ip {
+        std::net::IpAddr::V4(v4) => Protocol::Ip4(v4),
+        std::net::IpAddr::V6(v6) => Protocol::Ip6(v6),
+    };
+    Multiaddr::empty().with(ip).with(Protocol::Tcp(port))
+}
+
+/// The mesh's listen address by the one-port convention: TCP on the QUIC
+/// endpoint's address and port number (QUIC is UDP: the two do not clash),
+/// or any free TCP port there when that one is taken.
+pub fn same_port_listen(quic: std::net::SocketAddr) -> Multiaddr {
+    let port = match std::net::TcpListener::bind(quic) {
+        Ok(_) => quic.port(),
+        Err(_) => 0,
+    };
+    tcp_address(quic.ip(), port)
+}
+
+/// A configured peer's mesh address by the same convention
+/// (`/ip4/HOST/tcp/PORT/p2p/PEERID`), to dial as a bootstrap.
+pub fn conventional_address(peer: &crate::runtime::serve::PeerAddr) -> Option<Multiaddr> {
+    let public = libp2p::identity::ed25519::PublicKey::try_from_bytes(&peer.key).ok()?;
+    let peer_id = libp2p::identity::PublicKey::from(public).to_peer_id();
+    Some(tcp_address(peer.addr.ip(), peer.addr.port()).with(Protocol::P2p(peer_id)))
+}
+
 /// A member as this node sees it.
 #[derive(Debug, Clone)]
 pub struct MemberView {

@@ -128,6 +128,7 @@ pub struct NodeOptions {
 /// How a node takes part in a mesh.
 #[derive(Debug, Clone)]
 pub struct MeshSettings {
+    /// Empty: TCP on the QUIC endpoint's address and port number.
     pub listen: Vec<libp2p::Multiaddr>,
     pub bootstrap: Vec<libp2p::Multiaddr>,
     pub mdns: bool,
@@ -2130,7 +2131,16 @@ async fn start_mesh(
         advert
     });
     let mut options = mesh::MeshOptions::new(inner.key.clone());
-    options.listen = settings.listen.clone();
+    options.listen = if settings.listen.is_empty() {
+        vec![mesh::same_port_listen(
+            inner
+                .endpoint
+                .local_addr()
+                .context("the QUIC endpoint's address")?,
+        )]
+    } else {
+        settings.listen.clone()
+    };
     options.bootstrap = settings.bootstrap.clone();
     options.mdns = settings.mdns;
     options.facts = Some(facts);
