@@ -565,3 +565,201 @@ fn a_node_is_one_port_number_quic_on_udp_and_the_mesh_on_tcp() {
         "{mesh} is not on the QUIC port {port}"
     );
 }
+
+/// A seeded generator for the chaos test (SplitMix64).
+struct Chaos(u64);
+
+impl Chaos {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[test]
+fn requests_through_a_churning_mesh_complete_or_fail_clearly_and_leak_nothing() {
+    let seed = std::env::var("MESH_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("chaos seed {seed} (replay with MESH_CHAOS_SEED={seed})");
+    let mut chaos = Chaos(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let model_arg = model.to_str().unwrap().to_string();
+    let coordinator_key = common::processes::keygen(dir.path(), "coord");
+    let coordinator = start(
+        dir.path(),
+        "coord",
+        &[
+            "serve".into(),
+            "--key".into(),
+            coordinator_key.to_str().unwrap().into(),
+            "--model".into(),
+            model_arg.clone(),
+            "--data".into(),
+            dir.path().join("coord").to_str().unwrap().into(),
+            "--stages".into(),
+            "2".into(),
+            "--step-timeout-ms".into(),
+            "5000".into(),
+        ],
+    );
+    let join = |name: &str| {
+        start(
+            dir.path(),
+            name,
+            &[
+                "join".into(),
+                "--model".into(),
+                model_arg.clone(),
+                "--data".into(),
+                dir.path().join(name).to_str().unwrap().into(),
+                "--bootstrap".into(),
+                coordinator.mesh.clone(),
+                "--decode-us-per-layer".into(),
+                "1000".into(),
+            ],
+        )
+    };
+    let names = ["j0", "j1", "j2"];
+    let mut nodes: Vec<Option<Running>> = names.iter().map(|n| Some(join(n))).collect();
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+
+    let ask = |name: &str| -> (bool, Value, String, Duration) {
+        let started = Instant::now();
+        let out = Command::new(bin())
+            .args([
+                "generate",
+                "--coordinator",
+                &coordinator.peer,
+                "--prompt",
+                "hello mesh",
+            ])
+            .args([
+                "--max-tokens",
+                "24",
+                "--timeout-ms",
+                "20000",
+                "--json",
+                "--out",
+            ])
+            .arg(dir.path().join(format!("{name}.json")))
+            .output()
+            .unwrap();
+        let summary = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        (
+            out.status.success(),
+            summary,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+            started.elapsed(),
+        )
+    };
+    let (ok, reference, stderr, _) = ask("reference");
+    assert!(ok, "{stderr}");
+    assert_eq!(reference["terminal_state"], "completed");
+    let reference = reference["text"].as_str().unwrap().to_string();
+
+    let (mut completed, mut failed) = (0, 0);
+    for i in 0..30 {
+        // Between requests: kill a live stage node (keeping one) or bring
+        // a dead one back.
+        let alive: Vec<usize> = (0..nodes.len()).filter(|k| nodes[*k].is_some()).collect();
+        let dead: Vec<usize> = (0..nodes.len()).filter(|k| nodes[*k].is_none()).collect();
+        match chaos.below(4) {
+            0 if alive.len() > 1 => {
+                let k = alive[chaos.below(alive.len() as u64) as usize];
+                nodes[k] = None;
+            }
+            1 if !dead.is_empty() => {
+                let k = dead[chaos.below(dead.len() as u64) as usize];
+                nodes[k] = Some(join(names[k]));
+            }
+            _ => {}
+        }
+        // During the request, sometimes: kill a node after a random delay.
+        let victim = (chaos.below(3) == 0)
+            .then(|| {
+                let alive: Vec<usize> = (0..nodes.len()).filter(|k| nodes[*k].is_some()).collect();
+                (alive.len() > 1).then(|| alive[chaos.below(alive.len() as u64) as usize])
+            })
+            .flatten();
+        let delay = Duration::from_millis(chaos.below(400));
+        let killer = victim.map(|k| {
+            let pid = nodes[k].as_ref().unwrap().child.id();
+            std::thread::spawn(move || {
+                std::thread::sleep(delay);
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            })
+        });
+        let (ok, summary, stderr, took) = ask(&format!("request-{i}"));
+        if let Some(killer) = killer {
+            killer.join().unwrap();
+        }
+        if let Some(k) = victim {
+            nodes[k] = None;
+        }
+        // No request hangs: the request's own deadline bounds it.
+        assert!(
+            took < Duration::from_secs(30),
+            "request {i} took {took:?} (seed {seed})"
+        );
+        if ok && summary["terminal_state"] == "completed" {
+            assert_eq!(
+                summary["text"],
+                reference.as_str(),
+                "request {i} (seed {seed})"
+            );
+            completed += 1;
+        } else {
+            let said = format!("{}{}", summary["error"].as_str().unwrap_or(""), stderr);
+            assert!(
+                !said.trim().is_empty(),
+                "request {i} failed without saying why (seed {seed})"
+            );
+            eprintln!("request {i} failed after {took:?}: {}", said.trim());
+            failed += 1;
+        }
+    }
+    eprintln!("{completed} completed, {failed} failed clearly (seed {seed})");
+    assert!(completed > 0, "no request completed (seed {seed})");
+
+    // Afterwards nothing is held: every pool at the coordinator is empty.
+    let start = Instant::now();
+    loop {
+        let stats = run_json(&[
+            "stats",
+            &coordinator.peer,
+            "--key",
+            coordinator_key.to_str().unwrap(),
+            "--json",
+        ]);
+        let empty = [
+            "caches_open",
+            "records_pending",
+            "direct_waiters",
+            "grant_decisions_waiting",
+        ]
+        .iter()
+        .all(|pool| stats[*pool] == 0);
+        if empty {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "pools not empty after the chaos (seed {seed}): {stats:#}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

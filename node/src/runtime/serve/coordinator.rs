@@ -592,6 +592,7 @@ async fn drive(
     // step of a long prompt outlasts the step timeout.
     let prefill: Vec<&[u32]> = prompt_ids.chunks(inner.prefill_chunk_tokens).collect();
     let first_peer = run.peers[0].clone();
+    let final_stage = run.peers[run.peers.len() - 1].clone();
 
     let outcome: anyhow::Result<TerminalState> = async {
         let (mut send, recv) = inner.open(&first_peer, ALPN_STAGE).await?;
@@ -744,14 +745,18 @@ async fn drive(
                                         until = until.min(tokio::time::Instant::now() + DRAIN_WAIT);
                                         continue;
                                     };
-                                    let reply = arrived?;
+                                    let reply = arrived.with_context(|| {
+                                        format!("the final stage ({}) was lost", final_stage.did())
+                                    })?;
                                     if let Some(fold) = lanes.direct_received.as_mut() {
                                         folds.time(|| fold.push_frame(&reply));
                                     }
                                     break reply;
                                 }
                                 said = next_frame(&mut stage1) => {
-                                    let frame = said.context("stage 1 closed the request")??;
+                                    let frame = said
+                                        .context("stage 1 closed the request")?
+                                        .with_context(|| format!("stage 1 ({}) was lost", first_peer.did()))?;
                                     folds.time(|| lanes.down_replies_received.push_frame(&frame));
                                     // In direct mode stage 1's own stream only
                                     // says why the chain stopped.
