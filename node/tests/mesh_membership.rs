@@ -729,6 +729,19 @@ fn requests_through_a_churning_mesh_complete_or_fail_clearly_and_leak_nothing() 
                 "request {i} failed without saying why (seed {seed})"
             );
             eprintln!("request {i} failed after {took:?}: {}", said.trim());
+            // What it did serve is still evidence the verifier reads: the
+            // loss shows, nothing breaks the reading.
+            let bundle = dir.path().join(format!("request-{i}.json"));
+            if bundle.exists() {
+                let verified = Command::new(bin())
+                    .args(["verify", "--json"])
+                    .arg(&bundle)
+                    .output()
+                    .unwrap();
+                let report: Value = serde_json::from_slice(&verified.stdout).unwrap();
+                assert_eq!(verified.status.code(), Some(1), "request {i}: {report:#}");
+                assert_ne!(report["terminal_state"], "completed", "request {i}");
+            }
             failed += 1;
         }
     }

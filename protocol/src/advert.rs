@@ -292,6 +292,9 @@ pub struct Member {
     pub advert: Advert,
     /// When this node took the advert (its own clock).
     pub received_ms: u64,
+    /// When this node took the member's first advert of its current stay
+    /// (a member that left and came back has a later one).
+    pub joined_ms: u64,
 }
 
 /// What taking an advert changed.
@@ -353,6 +356,10 @@ impl Members {
             }
         }
         self.last_seq.insert(advert.node_id, advert.seq);
+        let joined_ms = self
+            .members
+            .get(&advert.node_id)
+            .map_or(now_ms, |m| m.joined_ms);
         let joined = self
             .members
             .insert(
@@ -360,6 +367,7 @@ impl Members {
                 Member {
                     advert,
                     received_ms: now_ms,
+                    joined_ms,
                 },
             )
             .is_none();

@@ -134,6 +134,7 @@ fn described(
                 },
                 rtt: Some(Duration::from_micros(m.rtt_us)),
                 age_ms: 0,
+                member_for_ms: 0,
             })
         })
         .collect()

@@ -133,6 +133,9 @@ pub struct MemberView {
     pub rtt: Option<Duration>,
     /// Milliseconds since its advert was taken.
     pub age_ms: u64,
+    /// Milliseconds since it joined (this stay: a member that left and came
+    /// back counts from its return).
+    pub member_for_ms: u64,
 }
 
 #[derive(Default)]
@@ -385,6 +388,7 @@ impl Mesh {
                     state.rtt.get(&m.advert.node_id).copied()
                 },
                 age_ms: now.saturating_sub(m.received_ms),
+                member_for_ms: now.saturating_sub(m.joined_ms),
             })
             .collect()
     }

@@ -103,6 +103,18 @@ impl Collector {
             .is_none_or(PendingSplit::complete)
     }
 
+    /// Complete but for the stages whose node `gone` says is gone.
+    pub fn is_complete_except(&self, request_id: u64, gone: impl Fn(&[u8; 32]) -> bool) -> bool {
+        self.pending.get(&request_id).is_none_or(|split| {
+            split
+                .records
+                .iter()
+                .zip(&split.assigned)
+                .skip(1)
+                .all(|(records, key)| !records.is_empty() || gone(key))
+        })
+    }
+
     /// Verify a pushed body from the peer whose key the transport proved.
     pub fn offer(&mut self, sender_key: &[u8; 32], body: &[u8]) -> Result<(), PushRefusal> {
         if body.len() > crate::runtime::net::msg::MAX_RECORD_PUSH {

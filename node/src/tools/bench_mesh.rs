@@ -115,6 +115,7 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
                 .find(|(_, node, _)| *node == m.advert.node_id)
                 .map(|(_, _, rtt)| Duration::from_micros(*rtt)),
             age_ms: 0,
+            member_for_ms: 0,
         })
         .collect();
     let coordinator = keys[0].verifying_key().to_bytes();

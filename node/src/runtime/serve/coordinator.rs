@@ -765,6 +765,12 @@ async fn drive(
                                     }
                                     break frame;
                                 }
+                                gone = stage_left(inner, &run.keys[1..]) => {
+                                    // Its connection in the mesh closed: a
+                                    // process gone is known at once, not after
+                                    // the QUIC idle timeout.
+                                    bail!("stage {} left the mesh", did_key(&gone));
+                                }
                                 () = tokio::time::sleep_until(until) => {
                                     if deadline.is_past() {
                                         return Ok(TerminalState::TimedOut);
@@ -910,7 +916,15 @@ async fn drive(
         // a stage's own deadline is a step timeout later than this one), and
         // is read and folded, so hop 0 still agrees.
         let unfinished = result.is_err() || reply_owed;
-        if unfinished && let Some(relayed) = relayed.as_mut() {
+        // A stage that left the mesh has nothing more to say: its streams
+        // are not drained (they would only end at the QUIC idle timeout).
+        let left_mesh = |key: &[u8; 32]| inner.mesh.get().is_some_and(|m| !m.is_member(key));
+        let stage1_gone = left_mesh(&run.keys[1]);
+        let final_gone = left_mesh(&run.keys[n as usize - 1]);
+        if unfinished
+            && !stage1_gone
+            && let Some(relayed) = relayed.as_mut()
+        {
             let bound = if reply_owed {
                 inner.step_timeout + DRAIN_WAIT
             } else {
@@ -925,14 +939,17 @@ async fn drive(
         } else {
             DRAIN_WAIT
         };
-        if unfinished && let Some(stage1) = stage1.as_mut() {
+        if unfinished
+            && !stage1_gone
+            && let Some(stage1) = stage1.as_mut()
+        {
             drain_for(stage1, &mut lanes.down_replies_received, drain_bound).await;
         }
         // Likewise the direct return: the final stage may have opened it (and
         // folded its opening) before the failure reached it, or before a
         // deadline that passed ahead of the first step: its opening is read
         // and folded then too, so nothing it folded as sent is left unread.
-        if return_mode == ReturnMode::Direct && (unfinished || direct.is_none()) {
+        if return_mode == ReturnMode::Direct && (unfinished || direct.is_none()) && !final_gone {
             let drain_bound = if unfinished { drain_bound } else { DRAIN_WAIT };
             if direct.is_none()
                 && let Ok(Ok((_send, stream, opening))) =
@@ -1025,17 +1042,25 @@ async fn collect(
         }
     };
 
-    // Wait for the stage records, up to the deadline.
+    // Wait for the stage records, up to the deadline; in a mesh, not for
+    // those of stages that left it (their records will not come).
     let deadline = Instant::now() + inner.deadline;
+    let left_mesh = |key: &[u8; 32]| inner.mesh.get().is_some_and(|m| !m.is_member(key));
     loop {
         let notified = inner.collected.notified();
-        if lock(&inner.collector).is_complete(request_id) {
+        if lock(&inner.collector).is_complete_except(request_id, left_mesh) {
             break;
         }
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || tokio::time::timeout(left, notified).await.is_err() {
+        if left.is_zero() {
             break;
         }
+        // A member leaving is not a record arriving: look again now and then.
+        let wait = match inner.mesh.get() {
+            Some(_) => left.min(Duration::from_millis(100)),
+            None => left,
+        };
+        let _ = tokio::time::timeout(wait, notified).await;
     }
     let pending = lock(&inner.collector).take(request_id);
     held.collector = false;
@@ -1364,6 +1389,20 @@ pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
 pub const MAX_PREFILL_CHUNK_TOKENS: usize = 4096;
 
 /// Name the wait that ran out, and the setting that bounds it.
+/// The first of `stages` that is no longer a member of the mesh (checked
+/// on every change, and every 250 ms); never, for a node in no mesh.
+async fn stage_left(inner: &Inner, stages: &[[u8; 32]]) -> [u8; 32] {
+    let Some(mesh) = inner.mesh.get() else {
+        return std::future::pending().await;
+    };
+    loop {
+        if let Some(gone) = stages.iter().find(|k| !mesh.is_member(k)) {
+            return *gone;
+        }
+        mesh.changed(Duration::from_millis(250)).await;
+    }
+}
+
 fn step_failure(error: anyhow::Error, whom: &str, timeout: Duration) -> anyhow::Error {
     if error.to_string().contains("timed out") {
         step_timed_out(whom, timeout)

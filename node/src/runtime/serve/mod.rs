@@ -2225,9 +2225,21 @@ impl Inner {
         use mesh_protocol::plan::{LeftOut, Stages};
         // Planning weighs every member (milliseconds for a large model and
         // mesh): the same member set and refusals give the plan made last.
+        let members = mesh.members();
         let refused_now: Vec<[u8; 32]> = {
             let mut refused = lock(&self.refused);
-            refused.retain(|_, until| Instant::now() < *until);
+            // A pause ends when it runs out, or when the member left and
+            // came back since (a restarted node is not the one that refused).
+            let member_for: HashMap<[u8; 32], Duration> = members
+                .iter()
+                .map(|m| (m.advert.node_id, Duration::from_millis(m.member_for_ms)))
+                .collect();
+            let now = Instant::now();
+            refused.retain(|key, until| {
+                let refused_ago =
+                    REFUSED_MEMBER_PAUSE.saturating_sub(until.saturating_duration_since(now));
+                now < *until && member_for.get(key).is_none_or(|stay| *stay >= refused_ago)
+            });
             let mut keys: Vec<[u8; 32]> = refused.keys().copied().collect();
             keys.sort_unstable();
             keys
@@ -2239,7 +2251,6 @@ impl Inner {
         {
             return Ok((cached.plan.clone(), cached.usable.clone()));
         }
-        let members = mesh.members();
         let (own, mut others) = crate::runtime::planner::candidates(
             &self.model.package_id(),
             &self.tls.public_key,
