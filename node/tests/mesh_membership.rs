@@ -776,3 +776,53 @@ fn requests_through_a_churning_mesh_complete_or_fail_clearly_and_leak_nothing() 
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+#[test]
+fn a_member_that_refuses_its_assignment_is_planned_around_within_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let model_arg = model.to_str().unwrap().to_string();
+    let coordinator_key = common::processes::keygen(dir.path(), "coord");
+    let coordinator = start(
+        dir.path(),
+        "coord",
+        &[
+            "serve".into(),
+            "--key".into(),
+            coordinator_key.to_str().unwrap().into(),
+            "--model".into(),
+            model_arg.clone(),
+            "--data".into(),
+            dir.path().join("coord").to_str().unwrap().into(),
+            "--stages".into(),
+            "2".into(),
+        ],
+    );
+    let join = |name: &str, us: u64, extra: &[String]| {
+        let mut args: Vec<String> = vec![
+            "join".into(),
+            "--model".into(),
+            model_arg.clone(),
+            "--data".into(),
+            dir.path().join(name).to_str().unwrap().into(),
+            "--bootstrap".into(),
+            coordinator.mesh.clone(),
+            "--decode-us-per-layer".into(),
+            us.to_string(),
+        ];
+        args.extend_from_slice(extra);
+        start(dir.path(), name, &args)
+    };
+    // The fastest member serves only another coordinator: it is planned in
+    // first, refuses, and the same request goes on over the other member.
+    let other = common::processes::node_id(dir.path(), "someone-else");
+    let refusing = join("refusing", 1_000, &["--coordinator".into(), other]);
+    let willing = join("willing", 50_000, &[]);
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 3);
+    let ran = served(dir.path(), &coordinator.peer, "around");
+    assert_eq!(ran.len(), 2);
+    assert_eq!(ran[1].0, willing.did, "ran on {ran:?}");
+    let log = std::fs::read_to_string(dir.path().join("coord.log")).unwrap();
+    assert!(log.contains("planning again"), "{log}");
+    assert!(log.contains(&refusing.did), "{log}");
+}

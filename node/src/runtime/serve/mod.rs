@@ -2393,12 +2393,15 @@ impl Inner {
         let mut attempt = 0;
         loop {
             attempt += 1;
+            let refused_before = lock(&self.refused).len();
             match self.ensure_run_once().await {
                 Err(error) if self.mesh.get().is_some() && attempt < MESH_ATTEMPTS => {
                     tracing::info!("planning again: {error:#}");
-                    if let Some(mesh) = self.mesh.get() {
+                    let refused_now = lock(&self.refused).len() > refused_before;
+                    if let Some(mesh) = self.mesh.get().filter(|_| !refused_now) {
                         // Members may still be joining (a node just
                         // started): wait a little for the mesh to change.
+                        // A member that refused is planned around at once.
                         mesh.changed(Duration::from_secs(2)).await;
                     }
                 }
