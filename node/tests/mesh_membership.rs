@@ -729,6 +729,14 @@ fn requests_through_a_churning_mesh_complete_or_fail_clearly_and_leak_nothing() 
                 "request {i} failed without saying why (seed {seed})"
             );
             eprintln!("request {i} failed after {took:?}: {}", said.trim());
+            if std::env::var_os("MESH_CHAOS_DEBUG").is_some() {
+                let log = std::fs::read_to_string(dir.path().join("coord.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(12).collect();
+                eprintln!(
+                    "coordinator log, last lines:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
             // What it did serve is still evidence the verifier reads: the
             // loss shows, nothing breaks the reading.
             let bundle = dir.path().join(format!("request-{i}.json"));

@@ -148,6 +148,9 @@ struct State {
     logged: HashSet<([u8; 32], &'static str)>,
     addresses: Vec<Multiaddr>,
     connected: HashSet<PeerId>,
+    /// Peers whose last connection closed, and when, until they connect
+    /// again: a process that died (bounded by MAX_MEMBERS).
+    closed: HashMap<[u8; 32], Instant>,
 }
 
 /// Changes to the member set (a join, a leave, a member's first round trip,
@@ -393,6 +396,17 @@ impl Mesh {
             .collect()
     }
 
+    /// Whether `key`'s last connection to this node closed at or after
+    /// `since` (and it has not connected again): the surest sign its
+    /// process is gone. A member dropped for a late advert or a failed ping
+    /// is not "closed".
+    pub fn closed_since(&self, key: &[u8; 32], since: Instant) -> bool {
+        lock(&self.state)
+            .closed
+            .get(key)
+            .is_some_and(|at| *at >= since)
+    }
+
     /// Whether `key` is a member now.
     pub fn is_member(&self, key: &[u8; 32]) -> bool {
         let mut state = lock(&self.state);
@@ -519,7 +533,11 @@ fn handle_event(
             changed.bump();
         }
         SwarmEvent::ConnectionEstablished { peer_id, .. } => {
-            lock(state).connected.insert(peer_id);
+            let mut s = lock(state);
+            s.connected.insert(peer_id);
+            if let Some(key) = peer_key(&peer_id) {
+                s.closed.remove(&key);
+            }
         }
         SwarmEvent::ConnectionClosed {
             peer_id,
@@ -530,6 +548,9 @@ fn handle_event(
             s.connected.remove(&peer_id);
             if let Some(key) = peer_key(&peer_id) {
                 s.rtt.remove(&key);
+                if s.closed.len() < mesh_protocol::advert::MAX_MEMBERS {
+                    s.closed.insert(key, Instant::now());
+                }
                 if s.members.remove(&key).is_some() {
                     tracing::info!(member = %did_key(&key), "member left: its connection closed");
                     drop(s);

@@ -765,7 +765,7 @@ async fn drive(
                                     }
                                     break frame;
                                 }
-                                gone = stage_left(inner, &run.keys[1..]) => {
+                                gone = stage_left(inner, run, started) => {
                                     // Its connection in the mesh closed: a
                                     // process gone is known at once, not after
                                     // the QUIC idle timeout.
@@ -918,7 +918,10 @@ async fn drive(
         let unfinished = result.is_err() || reply_owed;
         // A stage that left the mesh has nothing more to say: its streams
         // are not drained (they would only end at the QUIC idle timeout).
-        let left_mesh = |key: &[u8; 32]| inner.mesh.get().is_some_and(|m| !m.is_member(key));
+        let left_mesh = |key: &[u8; 32]| {
+            run.projected_us.is_some()
+                && inner.mesh.get().is_some_and(|m| m.closed_since(key, started))
+        };
         let stage1_gone = left_mesh(&run.keys[1]);
         let final_gone = left_mesh(&run.keys[n as usize - 1]);
         if unfinished
@@ -1045,7 +1048,12 @@ async fn collect(
     // Wait for the stage records, up to the deadline; in a mesh, not for
     // those of stages that left it (their records will not come).
     let deadline = Instant::now() + inner.deadline;
-    let left_mesh = |key: &[u8; 32]| inner.mesh.get().is_some_and(|m| !m.is_member(key));
+    let left_mesh = |key: &[u8; 32]| {
+        inner
+            .mesh
+            .get()
+            .is_some_and(|m| m.closed_since(key, driven.started))
+    };
     loop {
         let notified = inner.collected.notified();
         if lock(&inner.collector).is_complete_except(request_id, left_mesh) {
@@ -1389,14 +1397,19 @@ pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
 pub const MAX_PREFILL_CHUNK_TOKENS: usize = 4096;
 
 /// Name the wait that ran out, and the setting that bounds it.
-/// The first of `stages` that is no longer a member of the mesh (checked
-/// on every change, and every 250 ms); never, for a node in no mesh.
-async fn stage_left(inner: &Inner, stages: &[[u8; 32]]) -> [u8; 32] {
-    let Some(mesh) = inner.mesh.get() else {
+/// The first of `stages` whose mesh connection closed (checked on every
+/// change, and every 250 ms); never, for a node in no mesh. A member only
+/// late with its advert or a ping still counts as there: QUIC's own idle
+/// timeout judges it.
+async fn stage_left(inner: &Inner, run: &Run, since: Instant) -> [u8; 32] {
+    // Only a chain planned over the mesh: a configured peer's mesh
+    // connection says nothing of its QUIC one.
+    let Some(mesh) = inner.mesh.get().filter(|_| run.projected_us.is_some()) else {
         return std::future::pending().await;
     };
+    let stages = &run.keys[1..];
     loop {
-        if let Some(gone) = stages.iter().find(|k| !mesh.is_member(k)) {
+        if let Some(gone) = stages.iter().find(|k| mesh.closed_since(k, since)) {
             return *gone;
         }
         mesh.changed(Duration::from_millis(250)).await;

@@ -330,6 +330,8 @@ struct Inner {
     stages: Option<usize>,
     /// Members that refused an assignment, left out of plans until then.
     refused: Mutex<HashMap<[u8; 32], Instant>>,
+    /// Refusals recorded since start (a retry after a new one is at once).
+    refusals: std::sync::atomic::AtomicU64,
     /// The last plan over the mesh, for the member set (its generation) and
     /// the refused members it was made for.
     plan_cache: Mutex<Option<PlanCache>>,
@@ -338,6 +340,9 @@ struct Inner {
 /// A plan and what it was made from.
 struct PlanCache {
     generation: u64,
+    /// Every member's data address (an advert can move it without a
+    /// change to the member set).
+    addresses: Vec<([u8; 32], String)>,
     refused: Vec<[u8; 32]>,
     plan: mesh_protocol::plan::Plan,
     usable: Vec<Usable>,
@@ -455,6 +460,7 @@ impl Node {
             mesh: std::sync::OnceLock::new(),
             stages: options.stages,
             refused: Mutex::new(HashMap::new()),
+            refusals: std::sync::atomic::AtomicU64::new(0),
             plan_cache: Mutex::new(None),
         });
         if let Some(settings) = &options.mesh {
@@ -701,8 +707,11 @@ impl Inner {
         alpn: &'static [u8],
     ) -> anyhow::Result<quinn::Connection> {
         let mut connections = self.connections.lock().await;
+        // A node that restarted elsewhere (a new port) is the same key at
+        // another address: the old connection is not reused.
         if let Some(existing) = connections.get(&(peer.key, alpn))
             && existing.close_reason().is_none()
+            && existing.remote_address() == peer.addr
         {
             return Ok(existing.clone());
         }
@@ -2225,7 +2234,14 @@ impl Inner {
         use mesh_protocol::plan::{LeftOut, Stages};
         // Planning weighs every member (milliseconds for a large model and
         // mesh): the same member set and refusals give the plan made last.
+        // The generation first: a change after it makes the next call plan
+        // again, never a plan cached under a generation it did not see.
+        let generation = mesh.generation();
         let members = mesh.members();
+        let addresses: Vec<([u8; 32], String)> = members
+            .iter()
+            .map(|m| (m.advert.node_id, m.advert.quic.clone()))
+            .collect();
         let refused_now: Vec<[u8; 32]> = {
             let mut refused = lock(&self.refused);
             // A pause ends when it runs out, or when the member left and
@@ -2244,10 +2260,10 @@ impl Inner {
             keys.sort_unstable();
             keys
         };
-        let generation = mesh.generation();
         if let Some(cached) = lock(&self.plan_cache).as_ref()
             && cached.generation == generation
             && cached.refused == refused_now
+            && cached.addresses == addresses
         {
             return Ok((cached.plan.clone(), cached.usable.clone()));
         }
@@ -2295,6 +2311,7 @@ impl Inner {
         })?;
         *lock(&self.plan_cache) = Some(PlanCache {
             generation,
+            addresses,
             refused: refused_now,
             plan: plan.clone(),
             usable: usable.clone(),
@@ -2371,6 +2388,8 @@ impl Inner {
                     if self.mesh.get().is_some() {
                         // The next plan goes around it for a while.
                         lock(&self.refused).insert(peer.key, Instant::now() + REFUSED_MEMBER_PAUSE);
+                        self.refusals
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                     failed.get_or_insert(error);
                 }
@@ -2393,11 +2412,12 @@ impl Inner {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let refused_before = lock(&self.refused).len();
+            let refused_before = self.refusals.load(std::sync::atomic::Ordering::Relaxed);
             match self.ensure_run_once().await {
                 Err(error) if self.mesh.get().is_some() && attempt < MESH_ATTEMPTS => {
                     tracing::info!("planning again: {error:#}");
-                    let refused_now = lock(&self.refused).len() > refused_before;
+                    let refused_now =
+                        self.refusals.load(std::sync::atomic::Ordering::Relaxed) > refused_before;
                     if let Some(mesh) = self.mesh.get().filter(|_| !refused_now) {
                         // Members may still be joining (a node just
                         // started): wait a little for the mesh to change.
@@ -2519,13 +2539,28 @@ impl Inner {
         *lock(&self.own_slot) = Some(run.own.clone());
         if let Some(old) = guard.replace(run.clone()) {
             // Stages the new plan left out free their slices now rather
-            // than when their idle timer runs out.
-            for peer in old.peers.iter().filter(|p| !run.peers.contains(p)) {
-                let (inner, peer) = (self.clone(), peer.clone());
-                let run_id = old.assigns[0].run_id.clone();
+            // than when their idle timer runs out; not while a request still
+            // runs on the old run (its OPEN may not have reached them yet).
+            let dropped: Vec<PeerAddr> = old
+                .peers
+                .iter()
+                .filter(|p| !run.peers.contains(p))
+                .cloned()
+                .collect();
+            if !dropped.is_empty() {
+                let inner = self.clone();
                 tokio::spawn(async move {
-                    if let Err(error) = inner.unassign_remote(&peer, &run_id).await {
-                        tracing::debug!(peer = %peer.did(), "unassign: {error:#}");
+                    let run_id = old.assigns[0].run_id.clone();
+                    let waited = Instant::now();
+                    // This task holds the last reference but for requests.
+                    while Arc::strong_count(&old) > 1 && waited.elapsed() < inner.request_timeout {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    drop(old);
+                    for peer in dropped {
+                        if let Err(error) = inner.unassign_remote(&peer, &run_id).await {
+                            tracing::debug!(peer = %peer.did(), "unassign: {error:#}");
+                        }
                     }
                 });
             }
