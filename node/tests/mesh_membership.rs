@@ -79,6 +79,38 @@ fn start(dir: &Path, name: &str, args: &[String]) -> Running {
     }
 }
 
+/// A coordinator `serve` in a mesh (key and data `coord` under `dir`);
+/// its key file with it.
+fn mesh_coordinator(dir: &Path, model: &Path, extra: &[&str]) -> (Running, std::path::PathBuf) {
+    let key = common::processes::keygen(dir, "coord");
+    let mut args: Vec<String> = vec![
+        "serve".into(),
+        "--key".into(),
+        key.to_str().unwrap().into(),
+        "--model".into(),
+        model.to_str().unwrap().into(),
+        "--data".into(),
+        dir.join("coord").to_str().unwrap().into(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    (start(dir, "coord", &args), key)
+}
+
+/// `join` through `bootstrap`, its data under `dir/name`.
+fn mesh_join(dir: &Path, model: &Path, bootstrap: &str, name: &str, extra: &[&str]) -> Running {
+    let mut args: Vec<String> = vec![
+        "join".into(),
+        "--model".into(),
+        model.to_str().unwrap().into(),
+        "--data".into(),
+        dir.join(name).to_str().unwrap().into(),
+        "--bootstrap".into(),
+        bootstrap.into(),
+    ];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    start(dir, name, &args)
+}
+
 fn run_json(args: &[&str]) -> Value {
     let out = Command::new(bin()).args(args).output().unwrap();
     assert!(
@@ -242,46 +274,33 @@ fn nodes_join_through_a_bootstrap_and_the_plan_follows_them() {
     assert_eq!(shape.layer_bytes.len(), 6);
     assert!(shape.layer_bytes.iter().all(|b| *b == shape.layer_bytes[0]));
     let layer = shape.layer_bytes[0] + shape.kv_bytes_per_layer;
-    let model_arg = model.to_str().unwrap().to_string();
 
     // Advertised speeds far apart (10 ms a layer and more), so loopback
     // round trips (under 10 ms) cannot reorder the plan.
-    let coordinator_key = common::processes::keygen(dir.path(), "coord");
-    let coordinator = start(
+    let coordinator_memory = memory_mib(layer, shape.head_bytes, 1);
+    let (coordinator, coordinator_key) = mesh_coordinator(
         dir.path(),
-        "coord",
+        &model,
         &[
-            "serve".into(),
-            "--key".into(),
-            coordinator_key.to_str().unwrap().into(),
-            "--model".into(),
-            model_arg.clone(),
-            "--data".into(),
-            dir.path().join("coord").to_str().unwrap().into(),
-            "--stages".into(),
-            "4".into(),
-            "--decode-us-per-layer".into(),
-            "50000".into(),
-            "--memory-mib".into(),
-            memory_mib(layer, shape.head_bytes, 1),
+            "--stages",
+            "4",
+            "--decode-us-per-layer",
+            "50000",
+            "--memory-mib",
+            &coordinator_memory,
         ],
     );
     let join = |name: &str, us: u64, layers: u64| {
-        start(
+        mesh_join(
             dir.path(),
+            &model,
+            &coordinator.mesh,
             name,
             &[
-                "join".into(),
-                "--model".into(),
-                model_arg.clone(),
-                "--data".into(),
-                dir.path().join(name).to_str().unwrap().into(),
-                "--bootstrap".into(),
-                coordinator.mesh.clone(),
-                "--decode-us-per-layer".into(),
-                us.to_string(),
-                "--memory-mib".into(),
-                memory_mib(layer, 0, layers),
+                "--decode-us-per-layer",
+                &us.to_string(),
+                "--memory-mib",
+                &memory_mib(layer, 0, layers),
             ],
         )
     };
@@ -566,22 +585,6 @@ fn a_node_is_one_port_number_quic_on_udp_and_the_mesh_on_tcp() {
     );
 }
 
-/// A seeded generator for the chaos test (SplitMix64).
-struct Chaos(u64);
-
-impl Chaos {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 #[test]
 fn requests_through_a_churning_mesh_complete_or_fail_clearly_and_leak_nothing() {
     let seed = std::env::var("MESH_CHAOS_SEED")
@@ -594,43 +597,21 @@ fn requests_through_a_churning_mesh_complete_or_fail_clearly_and_leak_nothing() 
                 .as_nanos() as u64
         });
     eprintln!("chaos seed {seed} (replay with MESH_CHAOS_SEED={seed})");
-    let mut chaos = Chaos(seed);
+    let mut chaos = mesh_stage::sampling::SplitMix64::new(seed);
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let model_arg = model.to_str().unwrap().to_string();
-    let coordinator_key = common::processes::keygen(dir.path(), "coord");
-    let coordinator = start(
+    let (coordinator, coordinator_key) = mesh_coordinator(
         dir.path(),
-        "coord",
-        &[
-            "serve".into(),
-            "--key".into(),
-            coordinator_key.to_str().unwrap().into(),
-            "--model".into(),
-            model_arg.clone(),
-            "--data".into(),
-            dir.path().join("coord").to_str().unwrap().into(),
-            "--stages".into(),
-            "2".into(),
-            "--step-timeout-ms".into(),
-            "5000".into(),
-        ],
+        &model,
+        &["--stages", "2", "--step-timeout-ms", "5000"],
     );
     let join = |name: &str| {
-        start(
+        mesh_join(
             dir.path(),
+            &model,
+            &coordinator.mesh,
             name,
-            &[
-                "join".into(),
-                "--model".into(),
-                model_arg.clone(),
-                "--data".into(),
-                dir.path().join(name).to_str().unwrap().into(),
-                "--bootstrap".into(),
-                coordinator.mesh.clone(),
-                "--decode-us-per-layer".into(),
-                "1000".into(),
-            ],
+            &["--decode-us-per-layer", "1000"],
         )
     };
     let names = ["j0", "j1", "j2"];
@@ -789,43 +770,24 @@ fn requests_through_a_churning_mesh_complete_or_fail_clearly_and_leak_nothing() 
 fn a_member_that_refuses_its_assignment_is_planned_around_within_the_request() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let model_arg = model.to_str().unwrap().to_string();
-    let coordinator_key = common::processes::keygen(dir.path(), "coord");
-    let coordinator = start(
-        dir.path(),
-        "coord",
-        &[
-            "serve".into(),
-            "--key".into(),
-            coordinator_key.to_str().unwrap().into(),
-            "--model".into(),
-            model_arg.clone(),
-            "--data".into(),
-            dir.path().join("coord").to_str().unwrap().into(),
-            "--stages".into(),
-            "2".into(),
-        ],
-    );
-    let join = |name: &str, us: u64, extra: &[String]| {
-        let mut args: Vec<String> = vec![
-            "join".into(),
-            "--model".into(),
-            model_arg.clone(),
-            "--data".into(),
-            dir.path().join(name).to_str().unwrap().into(),
-            "--bootstrap".into(),
-            coordinator.mesh.clone(),
-            "--decode-us-per-layer".into(),
-            us.to_string(),
-        ];
-        args.extend_from_slice(extra);
-        start(dir.path(), name, &args)
-    };
+    let (coordinator, _) = mesh_coordinator(dir.path(), &model, &["--stages", "2"]);
     // The fastest member serves only another coordinator: it is planned in
     // first, refuses, and the same request goes on over the other member.
     let other = common::processes::node_id(dir.path(), "someone-else");
-    let refusing = join("refusing", 1_000, &["--coordinator".into(), other]);
-    let willing = join("willing", 50_000, &[]);
+    let refusing = mesh_join(
+        dir.path(),
+        &model,
+        &coordinator.mesh,
+        "refusing",
+        &["--decode-us-per-layer", "1000", "--coordinator", &other],
+    );
+    let willing = mesh_join(
+        dir.path(),
+        &model,
+        &coordinator.mesh,
+        "willing",
+        &["--decode-us-per-layer", "50000"],
+    );
     members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 3);
     let ran = served(dir.path(), &coordinator.peer, "around");
     assert_eq!(ran.len(), 2);

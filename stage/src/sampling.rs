@@ -24,17 +24,26 @@ impl SamplingParams {
     }
 }
 
-/// SplitMix64: small, seedable and reproducible across platforms.
+/// SplitMix64: small, seedable and reproducible across platforms (the
+/// sampler's stream, and the seeded simulations of benches and tests).
 #[derive(Debug, Clone)]
-struct SplitMix64(u64);
+pub struct SplitMix64(u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
+    }
+    /// Below `n` (0 when `n` is 0); the modulo bias is negligible for the
+    /// small `n` it is used with.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
     }
     /// Uniform in [0, 1) with 53 bits.
     fn next_f64(&mut self) -> f64 {
@@ -62,7 +71,7 @@ pub fn argmax(logits: &[f32]) -> Option<u32> {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        let rng = SplitMix64(params.seed);
+        let rng = SplitMix64::new(params.seed);
         Self { params, rng }
     }
 

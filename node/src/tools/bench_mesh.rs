@@ -8,28 +8,12 @@ use std::time::{Duration, Instant};
 use mesh_protocol::SigningKey;
 use mesh_protocol::advert::{Advert, AdvertModel, Members};
 use mesh_protocol::plan::{ModelShape, Stages};
+use mesh_stage::sampling::SplitMix64;
 use serde_json::{Value, json};
 
 use crate::runtime::mesh::MemberView;
 use crate::runtime::serve::{GenerateRequest, MeshSettings, Node, generate_remote};
 use crate::tools::bench::median;
-
-/// A small deterministic generator (SplitMix64): the simulated mesh is
-/// the same for the same seed.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn range(&mut self, low: u64, high: u64) -> u64 {
-        low + self.next() % (high - low).max(1)
-    }
-}
 
 /// What `bench plan` simulates.
 #[derive(Debug, Clone)]
@@ -48,7 +32,7 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
         bench.members >= 1 && bench.layers >= 2,
         "at least one member and two layers"
     );
-    let mut random = SplitMix(bench.seed);
+    let mut random = SplitMix64::new(bench.seed);
     let package_id = *blake3::hash(b"bench plan: the simulated package").as_bytes();
     // A 70B-class model at 4-5 bits: about 0.5 GB of weights per layer;
     // KV for 8,192 positions with 8 KV heads of 128, f32: 64 MiB per layer.
@@ -62,7 +46,7 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
         .map(|_| {
             let mut seed = [0u8; 32];
             for chunk in seed.chunks_mut(8) {
-                chunk.copy_from_slice(&random.next().to_le_bytes());
+                chunk.copy_from_slice(&random.next_u64().to_le_bytes());
             }
             SigningKey::from_bytes(&seed)
         })
@@ -71,7 +55,7 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
         .iter()
         .enumerate()
         .map(|(i, key)| {
-            let holds = i == 0 || random.range(0, 10) < 9;
+            let holds = i == 0 || random.below(10) < 9;
             let advert = Advert {
                 node_id: key.verifying_key().to_bytes(),
                 seq: 1,
@@ -84,20 +68,20 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
                 memory_bytes: if i == 0 {
                     8_000_000_000
                 } else {
-                    random.range(4, 64) * 1_000_000_000
+                    (4 + random.below(60)) * 1_000_000_000
                 },
                 load: 0,
                 models: if holds {
                     vec![AdvertModel {
                         package_id,
                         layers: bench.layers as u32,
-                        decode_us_per_layer: random.range(200, 5_000),
+                        decode_us_per_layer: 200 + random.below(4_800),
                     }]
                 } else {
                     Vec::new()
                 },
             };
-            (advert.sign(key), advert.node_id, random.range(200, 80_000))
+            (advert.sign(key), advert.node_id, 200 + random.below(79_800))
         })
         .collect();
     let started = Instant::now();

@@ -918,10 +918,8 @@ async fn drive(
         let unfinished = result.is_err() || reply_owed;
         // A stage that left the mesh has nothing more to say: its streams
         // are not drained (they would only end at the QUIC idle timeout).
-        let left_mesh = |key: &[u8; 32]| {
-            run.projected_us.is_some()
-                && inner.mesh.get().is_some_and(|m| m.closed_since(key, started))
-        };
+        let left_mesh =
+            |key: &[u8; 32]| run.projected_us.is_some() && inner.left_mesh_since(key, started);
         let stage1_gone = left_mesh(&run.keys[1]);
         let final_gone = left_mesh(&run.keys[n as usize - 1]);
         if unfinished
@@ -1048,12 +1046,7 @@ async fn collect(
     // Wait for the stage records, up to the deadline; in a mesh, not for
     // those of stages that left it (their records will not come).
     let deadline = Instant::now() + inner.deadline;
-    let left_mesh = |key: &[u8; 32]| {
-        inner
-            .mesh
-            .get()
-            .is_some_and(|m| m.closed_since(key, driven.started))
-    };
+    let left_mesh = |key: &[u8; 32]| inner.left_mesh_since(key, driven.started);
     loop {
         let notified = inner.collected.notified();
         if lock(&inner.collector).is_complete_except(request_id, left_mesh) {
@@ -1409,7 +1402,7 @@ async fn stage_left(inner: &Inner, run: &Run, since: Instant) -> [u8; 32] {
     };
     let stages = &run.keys[1..];
     loop {
-        if let Some(gone) = stages.iter().find(|k| mesh.closed_since(k, since)) {
+        if let Some(gone) = stages.iter().find(|k| inner.left_mesh_since(k, since)) {
             return *gone;
         }
         mesh.changed(Duration::from_millis(250)).await;

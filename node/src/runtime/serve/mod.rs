@@ -2168,6 +2168,12 @@ impl Inner {
         }
     }
 
+    /// Whether `key`'s mesh connection closed at or after `since`: its
+    /// process is gone, and nothing more will come from it.
+    pub(super) fn left_mesh_since(&self, key: &[u8; 32], since: Instant) -> bool {
+        self.mesh.get().is_some_and(|m| m.closed_since(key, since))
+    }
+
     /// The chain the next run uses: the configured peers split by bytes, or
     /// the planner's choice over the mesh's current members. Over a mesh the
     /// current run is kept while every stage of it is still a usable member
