@@ -796,3 +796,196 @@ fn a_member_that_refuses_its_assignment_is_planned_around_within_the_request() {
     assert!(log.contains("planning again"), "{log}");
     assert!(log.contains(&refusing.did), "{log}");
 }
+
+/// Issue 11's own test: a stage SIGKILLed after the 10th token of a
+/// 64-token greedy request costs a pause, not the answer. The request goes
+/// on over a new chain (the spare member takes the lost range), its tokens
+/// equal an uninterrupted run's, and its bundle verifies with both segments
+/// shown, the loss declared in the receipt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
+    use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, _) = mesh_coordinator(dir.path(), &model, &["--stages", "3"]);
+    let nodes: Vec<Running> = ["j0", "j1", "j2"]
+        .iter()
+        .map(|name| {
+            mesh_join(
+                dir.path(),
+                &model,
+                &coordinator.mesh,
+                name,
+                &["--decode-us-per-layer", "1000"],
+            )
+        })
+        .collect();
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+    let address: PeerAddr = coordinator.peer.parse().unwrap();
+    let request = GenerateRequest::greedy("hello mesh", 64);
+
+    let reference = generate_remote(&address, &request, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        reference.terminal_state, "completed",
+        "{:?}",
+        reference.error
+    );
+    let reference_tokens = reference.details["token_ids"].clone();
+    assert!(
+        reference_tokens.as_array().unwrap().len() >= 20,
+        "the reference must run well past the 10th token: {reference_tokens}"
+    );
+    let chain: Vec<String> = reference.bundle.as_ref().unwrap()["stewards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["node_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(chain.len(), 3);
+    let victim = nodes.iter().find(|n| n.did == chain[1]).unwrap();
+    let victim_pid = victim.child.id();
+
+    let mut seen = 0;
+    let mut killed_at = None;
+    let resumed = generate_remote(&address, &request, &mut |_| {
+        seen += 1;
+        if seen == 10 {
+            Command::new("kill")
+                .args(["-9", &victim_pid.to_string()])
+                .status()
+                .unwrap();
+            killed_at = Some(Instant::now());
+        }
+    })
+    .await
+    .unwrap();
+    let killed_at = killed_at.expect("the 10th token came");
+    eprintln!(
+        "resumed request ended {:?} after the kill: {}",
+        killed_at.elapsed(),
+        resumed.details["resumes"]
+    );
+    assert_eq!(
+        resumed.terminal_state,
+        "completed",
+        "{:?}\n{}",
+        resumed.error,
+        std::fs::read_to_string(dir.path().join("coord.log")).unwrap_or_default()
+    );
+    assert_eq!(resumed.details["token_ids"], reference_tokens);
+    assert_eq!(resumed.text, reference.text);
+
+    let bundle = resumed.bundle.unwrap();
+    let earlier = bundle["earlier_segments"].as_array().unwrap();
+    assert_eq!(earlier.len(), 1, "one loss, two segments");
+    let saved = dir.path().join("resumed.json");
+    std::fs::write(&saved, serde_json::to_vec(&bundle).unwrap()).unwrap();
+    let verified = Command::new(bin())
+        .args(["verify", "--json"])
+        .arg(&saved)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&verified.stdout).unwrap();
+    assert_eq!(verified.status.code(), Some(0), "{report:#}");
+    let segments = report["resumed"]["segments"].as_array().unwrap();
+    assert_eq!(segments.len(), 2);
+    assert_eq!(segments[0]["lost"], serde_json::json!([victim.did]));
+    assert_eq!(segments[0]["nodes"][1], victim.did.as_str());
+    let resumed_at = segments[1]["first_token"].as_u64().unwrap();
+    assert!(resumed_at >= 10, "resumed at token {resumed_at}");
+    assert_eq!(
+        segments[1]["prefilled"].as_u64().unwrap(),
+        segments[0]["prefilled"].as_u64().unwrap() + resumed_at,
+        "the new chain replayed the prompt and every token so far"
+    );
+    assert!(
+        !segments[1]["nodes"]
+            .as_array()
+            .unwrap()
+            .contains(&Value::from(victim.did.as_str()))
+    );
+    assert_eq!(report["earlier_segments"][0]["ok"], true, "{report:#}");
+    assert_eq!(report["terminal_state"], "completed");
+    // Shown one after the other, the loss visible.
+    let shown = Command::new(bin())
+        .arg("verify")
+        .arg(&saved)
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.contains("Segment 0 of 2"), "{shown}");
+    assert!(shown.contains("Segment 1 of 2"), "{shown}");
+    assert!(shown.contains(&format!("lost {}", victim.did)), "{shown}");
+    assert!(shown.contains("not received"), "{shown}");
+}
+
+/// A resume that cannot finish before the request's deadline ends the
+/// request `timed_out` with an error naming the loss, never a hang: here the
+/// middle stage and the spare are both killed, so no three-stage chain is
+/// left to plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_past_the_deadline_ends_timed_out_not_in_a_hang() {
+    use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, _) = mesh_coordinator(dir.path(), &model, &["--stages", "3"]);
+    let nodes: Vec<Running> = ["j0", "j1", "j2"]
+        .iter()
+        .map(|name| {
+            mesh_join(
+                dir.path(),
+                &model,
+                &coordinator.mesh,
+                name,
+                &["--decode-us-per-layer", "1000"],
+            )
+        })
+        .collect();
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+    let address: PeerAddr = coordinator.peer.parse().unwrap();
+    let warm = generate_remote(
+        &address,
+        &GenerateRequest::greedy("hello mesh", 4),
+        &mut |_| {},
+    )
+    .await
+    .unwrap();
+    let chain: Vec<String> = warm.bundle.as_ref().unwrap()["stewards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["node_id"].as_str().unwrap().to_string())
+        .collect();
+    let victims: Vec<u32> = nodes
+        .iter()
+        .filter(|n| n.did == chain[1] || !chain.contains(&n.did))
+        .map(|n| n.child.id())
+        .collect();
+    assert_eq!(victims.len(), 2);
+
+    let timeout = Duration::from_secs(4);
+    let request = GenerateRequest {
+        timeout: Some(timeout),
+        ..GenerateRequest::greedy("hello mesh", 64)
+    };
+    let started = Instant::now();
+    let mut seen = 0;
+    let summary = generate_remote(&address, &request, &mut |_| {
+        seen += 1;
+        if seen == 10 {
+            for pid in &victims {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    assert_eq!(summary.terminal_state, "timed_out", "{:?}", summary.error);
+    let error = summary.error.unwrap_or_default();
+    assert!(error.contains("could not resume"), "{error}");
+    assert!(error.contains(&chain[1]), "the lost node is named: {error}");
+    assert!(took < timeout + Duration::from_secs(8), "took {took:?}");
+}

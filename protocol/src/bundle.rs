@@ -509,6 +509,10 @@ pub struct MeshBundle<'a> {
     /// The node id (did:key) that served each stage, as the coordinator
     /// assigned (`None` when the bundle lists none; checked by the verifier).
     pub stewards: Option<Vec<(u32, String)>>,
+    /// A resumed request's earlier segments, in order, each a bundle of this
+    /// form without envelopes or segments of its own; the final segment is
+    /// this bundle. Empty when the request ran on one chain.
+    pub earlier_segments: &'a [Value],
 }
 
 impl<'a> MeshBundle<'a> {
@@ -581,6 +585,17 @@ impl<'a> MeshBundle<'a> {
                 ));
             }
         };
+        let segments_path = m.path("earlier_segments");
+        let earlier_segments: &[Value] = match m.optional("earlier_segments") {
+            None => &[],
+            Some(Value::Array(items)) if items.len() < crate::resume::MAX_SEGMENTS => items,
+            Some(_) => {
+                return Err(ShapeError::new(
+                    segments_path,
+                    Problem::WrongType("an array of fewer than 8 bundles"),
+                ));
+            }
+        };
         m.finish()?;
         Ok(Self {
             main_record,
@@ -589,6 +604,7 @@ impl<'a> MeshBundle<'a> {
             mesh1_envelope,
             mesh1_prev_envelope,
             stewards,
+            earlier_segments,
         })
     }
 

@@ -345,6 +345,10 @@ pub struct MeshReceipt {
     /// RFC 8785 bytes of the coordinator receipt block of a split serve
     /// (`x-mesh-coordinator-receipt-v1`), carried as a byte string.
     pub split: Option<Vec<u8>>,
+    /// RFC 8785 bytes of the resume block (`x-mesh-resume-v1`) of a request
+    /// that lost a stage and went on over a new chain: its segments, in
+    /// order. Absent when the request ran on one chain.
+    pub resumed: Option<Vec<u8>>,
 }
 
 impl MeshReceipt {
@@ -384,6 +388,7 @@ impl MeshReceipt {
             nonce,
             steward: String::new(),
             split: None,
+            resumed: None,
         }
     }
 
@@ -475,6 +480,9 @@ impl MeshReceipt {
         }
         if let Some(split) = &self.split {
             fields.push(("split", Cbor::bytes(split.clone())));
+        }
+        if let Some(resumed) = &self.resumed {
+            fields.push(("resumed", Cbor::bytes(resumed.clone())));
         }
         Cbor::text_map(fields)
     }
@@ -590,7 +598,27 @@ impl MeshReceipt {
                     .ok_or(Mesh1Error::Invalid("split"))
             })
             .transpose()?;
+        let resumed = f
+            .optional("resumed")
+            .map(|v| {
+                v.as_bytes()
+                    .map(<[u8]>::to_vec)
+                    .ok_or(Mesh1Error::Invalid("resumed"))
+            })
+            .transpose()?;
         f.finish()?;
+        if let Some(bytes) = &resumed {
+            let value =
+                crate::json::parse_strict(bytes).map_err(|_| Mesh1Error::Invalid("resumed"))?;
+            crate::resume::ResumeBlock::from_value(&value)
+                .map_err(|_| Mesh1Error::Invalid("resumed"))?;
+            if crate::json::canonical_bytes(&value) != *bytes {
+                return Err(Mesh1Error::Invalid("resumed (not in RFC 8785 form)"));
+            }
+            if split.is_none() {
+                return Err(Mesh1Error::Invalid("resumed (only a split serve resumes)"));
+            }
+        }
         if let Some(bytes) = &split {
             let value =
                 crate::json::parse_strict(bytes).map_err(|_| Mesh1Error::Invalid("split"))?;
@@ -639,6 +667,7 @@ impl MeshReceipt {
             nonce,
             steward,
             split,
+            resumed,
         };
         if fidelity.is_some() && receipt.fidelity_met() != fidelity_met {
             return Err(Mesh1Error::Derived("fidelity_met"));
@@ -884,6 +913,7 @@ pub(crate) mod tests {
             nonce: [5; 16],
             steward: did_key(&key.verifying_key().to_bytes()),
             split: None,
+            resumed: None,
         }
     }
 

@@ -57,6 +57,59 @@ pub struct VerifyReport {
     pub hop: Option<HopReport>,
     /// Why the hop check could not run, when it could not.
     pub hop_error: Option<String>,
+    /// A resumed request's earlier segments, in order, each checked as a
+    /// bundle of its own; this report is the final segment's.
+    pub earlier_segments: Vec<SegmentReport>,
+    /// The resume block the `mesh/1` receipt carries, when it carries one.
+    pub resume: Option<crate::resume::ResumeBlock>,
+}
+
+/// One earlier segment of a resumed request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentReport {
+    pub report: VerifyReport,
+    /// Stage indices the resume block says were lost in this segment.
+    pub lost_stages: Vec<u32>,
+}
+
+impl SegmentReport {
+    /// Every check passed, and what did not agree is explained by the loss
+    /// the receipt declares: only lost stages' cells are `not_received`,
+    /// and only hops that touch a lost stage have gaps. A disagreement
+    /// anywhere else, or a lost stage whose record arrived and disagrees,
+    /// is not excused.
+    pub fn success(&self) -> bool {
+        let Some(hop) = &self.report.hop else {
+            return false;
+        };
+        let stages = hop.cells.len() as u32;
+        let touches_lost = |hop_index: u32, lane: crate::fold::Lane| {
+            let ends = match lane {
+                crate::fold::Lane::DirectReturn => [hop_index, 0],
+                _ => [hop_index, hop_index + 1],
+            };
+            ends.iter().any(|e| self.lost_stages.contains(e))
+        };
+        self.report.checks_passed()
+            && hop.cells.iter().all(|cell| match cell.state {
+                crate::hopcheck::CellState::Ok | crate::hopcheck::CellState::CoordinatorSlice => {
+                    true
+                }
+                crate::hopcheck::CellState::NotReceived => {
+                    self.lost_stages.contains(&cell.stage_index)
+                }
+                _ => false,
+            })
+            && hop.lanes.iter().all(|lane| match lane.state {
+                crate::hopcheck::LaneState::Agree | crate::hopcheck::LaneState::NotApplicable => {
+                    true
+                }
+                crate::hopcheck::LaneState::Gap => {
+                    lane.hop_index < stages && touches_lost(lane.hop_index, lane.lane)
+                }
+                _ => false,
+            })
+    }
 }
 
 impl VerifyReport {
@@ -72,6 +125,7 @@ impl VerifyReport {
                 .hop
                 .as_ref()
                 .is_none_or(|hop| hop.handoffs_agree && hop.all_cells_ok())
+            && self.earlier_segments.iter().all(SegmentReport::success)
     }
 
     /// The report as one JSON object: the hop check's `cells`, `lanes`,
@@ -104,6 +158,25 @@ impl VerifyReport {
             }
             if let Some(hop) = &self.hop {
                 map.insert("return_mode".into(), json!(hop.return_mode.as_str()));
+            }
+            if let Some(resume) = &self.resume {
+                map.insert("resumed".into(), resume.to_value());
+            }
+            if !self.earlier_segments.is_empty() {
+                map.insert(
+                    "earlier_segments".into(),
+                    Value::Array(
+                        self.earlier_segments
+                            .iter()
+                            .map(|segment| {
+                                let mut value = segment.report.to_value();
+                                value["ok"] = json!(segment.success());
+                                value["lost_stages"] = json!(segment.lost_stages);
+                                value
+                            })
+                            .collect(),
+                    ),
+                );
             }
         }
         object
@@ -164,6 +237,8 @@ pub fn verify_hop_case(document: &Value) -> Result<VerifyReport, DocumentError> 
         checks: Vec::new(),
         hop: None,
         hop_error: None,
+        earlier_segments: Vec::new(),
+        resume: None,
     };
     let own = StageBlock::from_value_at(own_value, "/own");
     let receipt = CoordinatorReceipt::from_value_at(receipt_value, "/receipt");
@@ -365,6 +440,8 @@ pub fn verify_record_push_bundle(document: &Value) -> Result<VerifyReport, Docum
         checks: Vec::new(),
         hop: None,
         hop_error: None,
+        earlier_segments: Vec::new(),
+        resume: None,
     };
     let main = verify_main_record(&mut report, bundle.capsule);
     let checkpoint_subject = format!(
@@ -420,6 +497,8 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
         checks: Vec::new(),
         hop: None,
         hop_error: None,
+        earlier_segments: Vec::new(),
+        resume: None,
     };
     let main = verify_main_record(&mut report, bundle.main_record);
     let split = main.as_ref().and_then(|(_, split)| split.as_ref());
@@ -468,7 +547,174 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
                 Some("the main record carries no valid split (own slice and receipt)".into())
         }
     }
+    let final_segment = main
+        .as_ref()
+        .and_then(|(sealed, split)| split.as_ref().map(|(_, r)| (sealed.capsule_id(), r)));
+    verify_segments(&mut report, &bundle, final_segment);
     Ok(report)
+}
+
+/// The chain nodes a split receipt routed, stage 0 first.
+fn routed_nodes(receipt: &CoordinatorReceipt) -> Vec<String> {
+    receipt
+        .topology
+        .iter()
+        .map(|entry| entry.assignment.node_id.clone())
+        .collect()
+}
+
+/// A resumed request: the receipt's resume block lists every segment, and
+/// the bundle carries exactly those, each checked as a bundle of its own.
+fn verify_segments(
+    report: &mut VerifyReport,
+    bundle: &MeshBundle<'_>,
+    final_segment: Option<([u8; 32], &CoordinatorReceipt)>,
+) {
+    let resumed = bundle
+        .mesh1_envelope
+        .as_deref()
+        .and_then(|envelope| crate::mesh1::SealedReceipt::verify(envelope).ok())
+        .and_then(|sealed| sealed.receipt.resumed);
+    let Some(bytes) = resumed else {
+        if !bundle.earlier_segments.is_empty() {
+            report.checks.push(Check {
+                subject: "earlier segments".into(),
+                property: "listed by the receipt's resume block",
+                outcome: Err(format!(
+                    "the bundle carries {} earlier segments but the receipt lists none",
+                    bundle.earlier_segments.len()
+                )),
+            });
+        }
+        return;
+    };
+    // The receipt verified, so its resume block parses.
+    let Some(block) = crate::json::parse_strict(&bytes)
+        .ok()
+        .and_then(|value| crate::resume::ResumeBlock::from_value(&value).ok())
+    else {
+        return;
+    };
+    let subject = "resume block".to_string();
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "the bundle carries every segment it lists",
+        outcome: if block.segments.len() == bundle.earlier_segments.len() + 1 {
+            Ok(())
+        } else {
+            Err(format!(
+                "the receipt lists {} segments, the bundle carries {}",
+                block.segments.len(),
+                bundle.earlier_segments.len() + 1
+            ))
+        },
+    });
+    let segment_matches = |entry: &crate::resume::Segment,
+                           main: [u8; 32],
+                           receipt: &CoordinatorReceipt|
+     -> Result<(), String> {
+        if entry.main_record != main {
+            return Err("its main record is not the one the receipt lists".into());
+        }
+        if entry.run_id != receipt.run_id {
+            return Err(format!(
+                "it ran as {}, the receipt lists {}",
+                receipt.run_id, entry.run_id
+            ));
+        }
+        if entry.nodes != routed_nodes(receipt) {
+            return Err("its chain is not the one the receipt lists".into());
+        }
+        Ok(())
+    };
+    if let (Some(last), Some((main, receipt))) = (block.segments.last(), final_segment) {
+        report.checks.push(Check {
+            subject: format!("segment {}", block.segments.len() - 1),
+            property: "main record, run and chain are the resume block's last segment",
+            outcome: segment_matches(last, main, receipt),
+        });
+    }
+    for (k, (document, entry)) in bundle
+        .earlier_segments
+        .iter()
+        .zip(&block.segments)
+        .enumerate()
+    {
+        let subject = format!("segment {k}");
+        let nested = MeshBundle::from_value(document).map_err(|e| e.to_string());
+        let alone = nested.as_ref().map_err(Clone::clone).and_then(|b| {
+            if b.mesh1_envelope.is_some() || !b.earlier_segments.is_empty() {
+                Err("an earlier segment carries no envelope or segments of its own".to_string())
+            } else {
+                Ok(())
+            }
+        });
+        let inner = match (alone, verify_mesh_bundle(document)) {
+            (Ok(()), Ok(inner)) => inner,
+            (Err(error), _) => {
+                report.checks.push(Check {
+                    subject,
+                    property: "a bundle of its own",
+                    outcome: Err(error),
+                });
+                continue;
+            }
+            (_, Err(error)) => {
+                report.checks.push(Check {
+                    subject,
+                    property: "a bundle of its own",
+                    outcome: Err(error.to_string()),
+                });
+                continue;
+            }
+        };
+        let routed = nested.ok().and_then(|b| {
+            let sealed = SealedRecord::verify(b.main_record.clone()).ok()?;
+            let path = format!("/model_attestation/compute_attestation/{RECEIPT_BLOCK_MEMBER}");
+            let value = b.main_record.pointer(&path)?;
+            let receipt = CoordinatorReceipt::from_value_at(value, &path).ok()?;
+            Some((sealed, receipt))
+        });
+        let lost_stages: Vec<u32> = routed.as_ref().map_or_else(Vec::new, |(_, receipt)| {
+            routed_nodes(receipt)
+                .iter()
+                .enumerate()
+                .filter(|(_, node)| entry.lost.contains(node))
+                .filter_map(|(k, _)| u32::try_from(k).ok())
+                .collect()
+        });
+        report.checks.push(Check {
+            subject: subject.clone(),
+            property: "main record, run and chain are the resume block's",
+            outcome: match &routed {
+                Some((sealed, receipt)) => segment_matches(entry, sealed.capsule_id(), receipt),
+                None => Err("its main record carries no valid split".into()),
+            },
+        });
+        if let (Some((sealed, _)), Some(main_key)) = (
+            &routed,
+            final_segment.and_then(|_| {
+                SealedRecord::verify(bundle.main_record.clone())
+                    .ok()
+                    .map(|s| s.key_id())
+            }),
+        ) {
+            report.checks.push(Check {
+                subject: subject.clone(),
+                property: "sealed by the same coordinator",
+                outcome: if sealed.key_id() == main_key {
+                    Ok(())
+                } else {
+                    Err("another key signed this segment's main record".into())
+                },
+            });
+        }
+        report.earlier_segments.push(SegmentReport {
+            report: inner,
+            lost_stages,
+        });
+    }
+    report.resume = Some(block);
 }
 
 /// The coordinator's stage-exchange records must be exactly the ones the main

@@ -59,6 +59,9 @@ pub struct ServeConfig {
     pub max_requests: Option<usize>,
     /// Prompt positions per prefill step (default 256, at most 4096).
     pub prefill_chunk_tokens: Option<usize>,
+    /// Times one request may go on over a new chain after losing a stage
+    /// (default 2, at most 7; a chain planned over a mesh only).
+    pub max_resumes: Option<usize>,
     /// Activation encoding between stages: f32 (default), f16, bf16.
     pub wire: Option<String>,
     /// Estimator power when no hardware meter is live (default 35000 mW).
@@ -130,6 +133,11 @@ pub struct ServeArgs {
     /// chain (default 256, at most 4096).
     #[arg(long)]
     pub prefill_chunk_tokens: Option<usize>,
+    /// Times one request may go on over a new chain after losing a stage
+    /// (default 2, at most 7): the new chain replays the prompt and the
+    /// tokens so far, and the request continues. Mesh-planned chains only.
+    #[arg(long)]
+    pub max_resumes: Option<usize>,
     #[command(flatten)]
     pub mesh: MeshArgs,
 }
@@ -189,6 +197,15 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         (1..=crate::runtime::serve::MAX_PREFILL_CHUNK_TOKENS).contains(&prefill_chunk_tokens),
         "prefill chunk of {prefill_chunk_tokens} tokens: give 1 to {}",
         crate::runtime::serve::MAX_PREFILL_CHUNK_TOKENS
+    );
+    let max_resumes = args
+        .max_resumes
+        .or(file.max_resumes)
+        .unwrap_or(crate::runtime::serve::DEFAULT_MAX_RESUMES);
+    anyhow::ensure!(
+        max_resumes <= crate::runtime::serve::MAX_RESUMES,
+        "--max-resumes {max_resumes}: give 0 to {}",
+        crate::runtime::serve::MAX_RESUMES
     );
     let key_path = args
         .key
@@ -279,6 +296,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         ),
         max_requests: file.max_requests.unwrap_or(8),
         prefill_chunk_tokens,
+        max_resumes,
         return_mode: parse_return_mode(
             &args
                 .return_mode
@@ -365,6 +383,7 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         request_timeout_ms: None,
         wire: None,
         prefill_chunk_tokens: None,
+        max_resumes: None,
         mesh: args.mesh,
     };
     let mut options = node_options(serve)?;
@@ -547,6 +566,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
             max_requests: 4,
             prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
+            max_resumes: crate::runtime::serve::DEFAULT_MAX_RESUMES,
             return_mode: args.return_mode,
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter::default()),
@@ -1022,6 +1042,7 @@ pub(crate) fn bench_options(
         request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
         prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
+        max_resumes: crate::runtime::serve::DEFAULT_MAX_RESUMES,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),

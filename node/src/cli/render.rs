@@ -91,6 +91,23 @@ fn hop_table(out: &mut String, hop: &HopReport) {
     let _ = writeln!(out, "{AGREEMENT_CAVEAT}");
 }
 
+/// One line on a segment of a resumed request: where it started, what it
+/// replayed, and whom it lost.
+fn segment_line(segment: &mesh_protocol::resume::Segment) -> String {
+    let mut line = format!(
+        "run {}, tokens {}..{}, {} positions prefilled, {}",
+        segment.run_id,
+        segment.first_token,
+        segment.first_token + segment.tokens,
+        segment.prefilled,
+        segment.terminal_state
+    );
+    if !segment.lost.is_empty() {
+        let _ = write!(line, ", lost {}", segment.lost.join(", "));
+    }
+    line
+}
+
 /// The whole report as text.
 pub fn render(file: &str, report: &VerifyReport) -> String {
     let mut out = String::new();
@@ -113,6 +130,48 @@ pub fn render(file: &str, report: &VerifyReport) -> String {
         }
     }
     let _ = writeln!(out);
+    // A resumed request: each earlier segment, then the final one below.
+    let segments = report.resume.as_ref().map(|r| r.segments.as_slice());
+    for (k, segment) in report.earlier_segments.iter().enumerate() {
+        let entry = segments.and_then(|s| s.get(k));
+        let _ = writeln!(
+            out,
+            "Segment {k} of {}: {}",
+            segments.map_or(0, <[_]>::len),
+            entry.map_or(String::new(), segment_line)
+        );
+        let failed = segment.report.checks.iter().filter(|c| c.outcome.is_err());
+        for check in failed {
+            if let Err(why) = &check.outcome {
+                let _ = writeln!(out, "  ✕ {:<36} {}: {why}", check.subject, check.property);
+            }
+        }
+        match &segment.report.hop {
+            Some(hop) => hop_table(&mut out, hop),
+            None => {
+                let _ = writeln!(out, "  its hop check could not run");
+            }
+        }
+        let _ = writeln!(
+            out,
+            "Segment {k}: {}",
+            if segment.success() {
+                "every record checks; what is missing is the declared loss"
+            } else {
+                "FAILED"
+            }
+        );
+        let _ = writeln!(out);
+    }
+    if let Some(last) = segments.and_then(<[_]>::last) {
+        let _ = writeln!(
+            out,
+            "Segment {} of {}: {}",
+            segments.map_or(0, <[_]>::len) - 1,
+            segments.map_or(0, <[_]>::len),
+            segment_line(last)
+        );
+    }
     match (&report.hop, &report.hop_error) {
         (Some(hop), _) => hop_table(&mut out, hop),
         (None, Some(error)) => {

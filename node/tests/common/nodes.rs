@@ -108,6 +108,7 @@ impl<'a> Setup<'a> {
             max_requests: self.max_requests,
             return_mode: self.return_mode,
             prefill_chunk_tokens: self.prefill_chunk_tokens,
+            max_resumes: mesh_node::runtime::serve::DEFAULT_MAX_RESUMES,
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter {
                 milliwatts: self.milliwatts,

@@ -349,10 +349,153 @@ async fn serve_request(
     requester: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
     let mut admitted = admit(inner, run, request).await?;
-    let driven = drive(inner, run, request, deadline, &mut admitted, requester).await?;
+    // A requester that closes its connection or stops reading (QUIC
+    // STOP_SENDING: how a client cancels) ends the request at the next step
+    // as `client_cancelled`, on every stage.
+    let requester_gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    admitted.held.watcher = Some({
+        let gone = requester_gone.clone();
+        let stopped = requester.stopped();
+        tokio::spawn(async move {
+            let _ = stopped.await;
+            gone.store(true, std::sync::atomic::Ordering::Relaxed);
+        })
+    });
+    if let Some(ticket) = admitted.held.ticket.as_mut() {
+        lock(&inner.steward).begin_engine(ticket);
+    }
+    let mut progress = Progress {
+        tokens: Vec::new(),
+        printed: String::new(),
+        finish_reason: "length",
+        sampler: Sampler::new(request.sampling.clone()),
+        own_compute: Duration::ZERO,
+        round_trips: Duration::ZERO,
+        decode_round_trips: Duration::ZERO,
+        prefill_time: None,
+        started: Instant::now(),
+        requester_gone,
+        resumes: Vec::new(),
+    };
+    let mut run = run.clone();
+    let mut interrupted: Vec<Interrupted<'_>> = Vec::new();
+    let driven = loop {
+        let mut driven = drive(
+            inner,
+            &run,
+            request,
+            deadline,
+            &mut admitted,
+            &mut progress,
+            requester,
+        )
+        .await?;
+        if !driven.resumable {
+            break driven;
+        }
+        let lost: Vec<String> = interrupted
+            .iter()
+            .flat_map(|i| &i.driven.lost)
+            .chain(&driven.lost)
+            .map(did_key)
+            .collect();
+        if interrupted.len() >= inner.max_resumes {
+            driven.failure = Some(format!(
+                "{}; not resumed: {} resumes already (--max-resumes), lost {}",
+                driven.failure.unwrap_or_default(),
+                interrupted.len(),
+                if lost.is_empty() {
+                    "no node".to_string()
+                } else {
+                    lost.join(", ")
+                }
+            ));
+            break driven;
+        }
+        // Re-plan over the members left, then go on from the next token.
+        let noticed = Instant::now();
+        let noticed_unix_ms = now_ms();
+        tracing::info!(
+            request_id = admitted.request_id,
+            tokens = progress.tokens.len(),
+            "resuming on a new chain: {}",
+            driven.failure.as_deref().unwrap_or("")
+        );
+        let planned = {
+            let inner = inner.clone();
+            let planning = tokio::spawn(async move { inner.ensure_run().await });
+            match tokio::time::timeout_at(deadline.at(), planning).await {
+                Ok(Ok(Ok(next))) => Ok(next),
+                Ok(Ok(Err(error))) => Err(format!("{error:#}")),
+                Ok(Err(error)) => Err(error.to_string()),
+                Err(_) => {
+                    driven.terminal = TerminalState::TimedOut;
+                    Err(deadline.passed("a new chain to resume on"))
+                }
+            }
+        };
+        let next = match planned {
+            Ok(next) => next,
+            Err(why) => {
+                driven.failure = Some(format!(
+                    "{}; could not resume (lost {}): {why}",
+                    driven.failure.unwrap_or_default(),
+                    if lost.is_empty() {
+                        "no node".to_string()
+                    } else {
+                        lost.join(", ")
+                    }
+                ));
+                break driven;
+            }
+        };
+        let resumed = match admitted.resume(inner, &next).await {
+            Ok(resumed) => resumed,
+            Err(error) => {
+                driven.failure = Some(format!(
+                    "{}; could not resume: {error:#}",
+                    driven.failure.unwrap_or_default()
+                ));
+                break driven;
+            }
+        };
+        progress.resumes.push(json!({
+            "at_token": progress.tokens.len(),
+            "lost": driven.lost.iter().map(did_key).collect::<Vec<_>>(),
+            "replan_ms": noticed.elapsed().as_secs_f64() * 1e3,
+            "noticed_unix_ms": noticed_unix_ms,
+        }));
+        let tokens = progress.tokens.len() - driven.first_token;
+        // The lost chain's cache at this node is not needed again.
+        admitted.held.release_cache();
+        interrupted.push(Interrupted {
+            run: std::mem::replace(&mut run, next),
+            admitted: std::mem::replace(&mut admitted, resumed),
+            driven,
+            tokens,
+        });
+    };
+    // The replay's own time, now that the last segment's is known.
+    if let (Some(last), Some(replayed)) = (progress.resumes.last_mut(), driven.replayed_in) {
+        last["replay_ms"] = json!(replayed.as_secs_f64() * 1e3);
+    }
+    let earlier = seal_interrupted(inner, interrupted).await?;
     let collected = collect(inner, &mut admitted, &driven).await?;
-    let sealed = seal(inner, run, &admitted, &driven, collected)?;
-    report(inner, run, &admitted, &driven, sealed, requester).await
+    let mut driven = driven;
+    let sealed = seal(
+        inner,
+        &run,
+        &admitted,
+        &mut driven,
+        &progress,
+        collected,
+        earlier,
+    )
+    .await?;
+    report(
+        inner, &run, &admitted, &driven, &progress, sealed, requester,
+    )
+    .await
 }
 
 /// A request the coordinator took: what the chain runs, and what it holds.
@@ -365,24 +508,117 @@ struct Admitted<'a> {
     max_new: usize,
     /// The `mesh/1` request: the requester's own on grants.
     serve: ServeRequest,
+    /// The requester's grant presentations, one per stage of the first
+    /// chain, and the nodes of that chain: a resumed chain presents each
+    /// node the shard made out for it.
+    presentations: Vec<Option<mesh_protocol::grant::Presentation>>,
+    granted_nodes: Vec<[u8; 32]>,
 }
 
-/// What driving the chain gave.
-struct Driven {
+impl<'a> Admitted<'a> {
+    /// The same request on a new chain: a new split key (its own lanes and
+    /// records), a cache on the new own slice, a record slot, and the grant
+    /// decisions of the new chain's nodes that hold a shard. The
+    /// coordinator's own grant decision and the requester watch move over.
+    async fn resume(&mut self, inner: &'a Arc<Inner>, run: &Arc<Run>) -> anyhow::Result<Self> {
+        let request_id = u64::from_le_bytes(crate::runtime::keys::random_bytes()?);
+        let run_id = run.assigns[0].run_id.clone();
+        let split_key = SplitKey {
+            coordinator_node_id: inner.tls.did.clone(),
+            run_id: run_id.clone(),
+            request_id,
+        };
+        let mut held = Held::new(inner, request_id);
+        let capacity = self.prompt_ids.len() + self.max_new;
+        held.cache = Some(run.own.pool.open(&run.own.slice, request_id, capacity)?);
+        if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
+            return Err(anyhow::Error::new(mesh_stage::EngineError::Busy(
+                crate::runtime::records::MAX_PENDING_SPLITS,
+            ))
+            .context("too many requests waiting to be sealed"));
+        }
+        held.collector = true;
+        for peer in &run.peers {
+            let Some(presentation) = self
+                .granted_nodes
+                .iter()
+                .position(|node| *node == peer.key)
+                .and_then(|k| self.presentations.get(k).cloned().flatten())
+            else {
+                continue;
+            };
+            authorise_remote(inner, peer, &run_id, request_id, &self.serve, &presentation)
+                .await
+                .map_err(|error| anyhow!("grant refused at {}: {error:#}", peer.did()))?;
+            held.authorised.push(peer.clone());
+        }
+        held.ticket = self.held.ticket.take();
+        held.watcher = self.held.watcher.take();
+        Ok(Self {
+            held,
+            request_id,
+            scope: RequestScope {
+                split: split_key,
+                stage_count: run.assigns.len() as u32,
+                return_mode: inner.return_mode,
+            },
+            prompt_ids: self.prompt_ids.clone(),
+            max_new: self.max_new,
+            serve: self.serve.clone(),
+            presentations: self.presentations.clone(),
+            granted_nodes: self.granted_nodes.clone(),
+        })
+    }
+}
+
+/// What a request carries from one segment to the next: what it generated
+/// and what it measured, over every chain it ran on.
+struct Progress {
     tokens: Vec<u32>,
     printed: String,
+    /// Why a completed generation ended, in OpenAI's words: `stop` for an
+    /// end-of-sequence token or a stop sequence, `length` for max_tokens.
     finish_reason: &'static str,
-    terminal: TerminalState,
-    failure: Option<String>,
-    lanes: OwnLanes,
-    fold_time: Duration,
+    sampler: Sampler,
     own_compute: Duration,
     round_trips: Duration,
     /// The round trips of decode steps alone (what a token waits for).
     decode_round_trips: Duration,
-    prefill_time: Duration,
-    decode_time: Duration,
+    /// The prompt's prefill, on the first chain.
+    prefill_time: Option<Duration>,
     started: Instant,
+    /// Set when the requester closes its connection or stops reading.
+    requester_gone: Arc<std::sync::atomic::AtomicBool>,
+    /// Each resume's figures, for the details.
+    resumes: Vec<serde_json::Value>,
+}
+
+/// What driving one chain (one segment of the request) gave.
+struct Driven {
+    terminal: TerminalState,
+    failure: Option<String>,
+    lanes: Lanes,
+    fold_time: Duration,
+    started: Instant,
+    /// The chain failed in a way a new chain may get past: a stage lost,
+    /// a transport error, a step that timed out, with time left.
+    resumable: bool,
+    /// Stages that left the mesh during the segment.
+    lost: Vec<[u8; 32]>,
+    /// Tokens generated before this segment.
+    first_token: usize,
+    /// Positions prefilled at its start (the prompt, and any replay).
+    prefilled: usize,
+    /// How long a resumed segment's replay took to its first token.
+    replayed_in: Option<Duration>,
+}
+
+/// A segment that lost its chain, kept to be sealed with the rest.
+struct Interrupted<'a> {
+    run: Arc<Run>,
+    admitted: Admitted<'a>,
+    driven: Driven,
+    tokens: usize,
 }
 
 /// The request's bill and the stage records that came in.
@@ -516,6 +752,8 @@ async fn admit<'a>(
         prompt_ids,
         max_new,
         serve,
+        presentations,
+        granted_nodes: run.keys.clone(),
     })
 }
 
@@ -528,14 +766,23 @@ async fn drive(
     request: &GenerateRequest,
     deadline: Deadline,
     admitted: &mut Admitted<'_>,
+    progress: &mut Progress,
     requester: &mut quinn::SendStream,
 ) -> anyhow::Result<Driven> {
     let codec = inner.model.text();
     let held = &mut admitted.held;
     let request_id = admitted.request_id;
-    let prompt_ids = &admitted.prompt_ids;
     let max_new = admitted.max_new;
-    let capacity = prompt_ids.len() + max_new;
+    let capacity = admitted.prompt_ids.len() + max_new;
+    // A segment after a loss starts from the prompt and every token so far:
+    // replayed as a prefill, it rebuilds the new chain's caches.
+    let first_token = progress.tokens.len();
+    let prefix: Vec<u32> = admitted
+        .prompt_ids
+        .iter()
+        .chain(&progress.tokens)
+        .copied()
+        .collect();
     let n = run.assigns.len() as u32;
     let run_id = run.assigns[0].run_id.clone();
     let coordinator = inner.tls.did.clone();
@@ -557,44 +804,28 @@ async fn drive(
     } else {
         None
     };
-    // A requester that closes its connection or stops reading (QUIC
-    // STOP_SENDING: how a client cancels) ends the request at the next step
-    // as `client_cancelled`, on every stage.
-    let requester_gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    held.watcher = Some({
-        let gone = requester_gone.clone();
-        let stopped = requester.stopped();
-        tokio::spawn(async move {
-            let _ = stopped.await;
-            gone.store(true, std::sync::atomic::Ordering::Relaxed);
-        })
-    });
-    let mut ticket = held
-        .ticket
-        .take()
-        .context("the coordinator's grant decision")?;
-    lock(&inner.steward).begin_engine(&mut ticket);
-    held.ticket = Some(ticket);
-
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut printed = String::new();
-    // Why a completed generation ended, in OpenAI's words: `stop` for an
-    // end-of-sequence token or a stop sequence, `length` for max_tokens.
-    let mut finish_reason = "length";
-    let mut own_compute = Duration::ZERO;
-    let mut round_trips = Duration::ZERO;
-    let mut decode_round_trips = Duration::ZERO;
+    let Progress {
+        tokens,
+        printed,
+        finish_reason,
+        sampler,
+        own_compute,
+        round_trips,
+        decode_round_trips,
+        prefill_time,
+        requester_gone,
+        ..
+    } = progress;
     let started = Instant::now();
-    let mut prefill_time = Duration::ZERO;
-    let mut sampler = Sampler::new(request.sampling.clone());
+    let mut replayed_in: Option<Duration> = None;
     let mut budget_stop: Option<String> = None;
     // The prompt runs through the chain in chunks, each its own step, so no
     // step of a long prompt outlasts the step timeout.
-    let prefill: Vec<&[u32]> = prompt_ids.chunks(inner.prefill_chunk_tokens).collect();
+    let prefill: Vec<&[u32]> = prefix.chunks(inner.prefill_chunk_tokens).collect();
     let first_peer = run.peers[0].clone();
     let final_stage = run.peers[run.peers.len() - 1].clone();
 
-    let outcome: anyhow::Result<TerminalState> = async {
+    let outcome: anyhow::Result<(anyhow::Result<TerminalState>, Tail)> = async {
         let (mut send, recv) = inner.open(&first_peer, ALPN_STAGE).await?;
         let open = Cbor::text_map([
             ("run_id", Cbor::text(&run_id)),
@@ -661,7 +892,7 @@ async fn drive(
                         .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease)
                         .await?;
                     held.cache = Some(lease);
-                    own_compute += compute_start.elapsed();
+                    *own_compute += compute_start.elapsed();
                     if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
                         budget_stop = Some(stop);
                         return Ok(TerminalState::PolicyDenied);
@@ -794,9 +1025,9 @@ async fn drive(
                 // and are not counted apart.
                 if owed == 0 {
                     let round_trip = trip.elapsed();
-                    round_trips += round_trip;
+                    *round_trips += round_trip;
                     if answered as usize >= prefill.len() {
-                        decode_round_trips += round_trip;
+                        *decode_round_trips += round_trip;
                     }
                     inner.counters.round_trips.record(round_trip);
                 }
@@ -845,13 +1076,19 @@ async fn drive(
                 }
                 let head_start = Instant::now();
                 let logits = run.own.batcher.logits(hidden).await?;
-                own_compute += head_start.elapsed();
+                *own_compute += head_start.elapsed();
                 if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
                     budget_stop = Some(stop);
                     return Ok(TerminalState::PolicyDenied);
                 }
                 if step as usize + 1 == prefill.len() {
-                    prefill_time = started.elapsed();
+                    // The first segment's prefill is the prompt's; a later
+                    // one's is the replay that rebuilt a new chain.
+                    if prefill_time.is_none() {
+                        *prefill_time = Some(started.elapsed());
+                    } else {
+                        replayed_in.get_or_insert(started.elapsed());
+                    }
                 }
                 let next = sampler.sample(&logits).context("no logits")?;
                 tokens.push(next);
@@ -869,7 +1106,7 @@ async fn drive(
                     .strip_prefix(printed.as_str())
                     .unwrap_or("")
                     .to_string();
-                printed = shown.to_string();
+                *printed = shown.to_string();
                 // Every token but an end-of-sequence one is announced; an
                 // end-of-sequence one only when it releases held-back text.
                 if !eos || !piece.is_empty() {
@@ -884,7 +1121,7 @@ async fn drive(
                 }
                 step += 1;
                 if eos || stopped {
-                    finish_reason = "stop";
+                    *finish_reason = "stop";
                 }
                 if last || stopped {
                     return Ok(TerminalState::Completed);
@@ -911,63 +1148,58 @@ async fn drive(
             .await?;
         }
         let _ = send.finish();
-        // A deadline that passed while a reply was owed: the reply still
-        // comes (stage 1 finishes its step, reads STOP and ends its stream;
-        // a stage's own deadline is a step timeout later than this one), and
-        // is read and folded, so hop 0 still agrees.
-        let unfinished = result.is_err() || reply_owed;
         // A stage that left the mesh has nothing more to say: its streams
         // are not drained (they would only end at the QUIC idle timeout).
         let left_mesh =
             |key: &[u8; 32]| run.projected_us.is_some() && inner.left_mesh_since(key, started);
-        let stage1_gone = left_mesh(&run.keys[1]);
-        let final_gone = left_mesh(&run.keys[n as usize - 1]);
-        if unfinished
-            && !stage1_gone
-            && let Some(relayed) = relayed.as_mut()
-        {
-            let bound = if reply_owed {
-                inner.step_timeout + DRAIN_WAIT
-            } else {
-                DRAIN_WAIT
-            };
-            drain_for(relayed, &mut lanes.down_replies_received, bound).await;
-        }
-        // Stage 1 may have said more after the step that failed (a stage
-        // further on closing): read and fold it, so hop 0 still agrees.
-        let drain_bound = if reply_owed {
-            inner.step_timeout + DRAIN_WAIT
-        } else {
-            DRAIN_WAIT
+        let tail = Tail {
+            // A deadline that passed while a reply was owed: the reply still
+            // comes (stage 1 finishes its step, reads STOP and ends its
+            // stream; a stage's own deadline is a step timeout later than
+            // this one), and is read and folded, so hop 0 still agrees.
+            unfinished: result.is_err() || reply_owed,
+            reply_owed,
+            stage1_gone: left_mesh(&run.keys[1]),
+            final_gone: left_mesh(&run.keys[n as usize - 1]),
+            direct_mode: return_mode == ReturnMode::Direct,
+            step_timeout: inner.step_timeout,
+            reply_limit,
+            relayed,
+            stage1,
+            direct,
+            direct_waiter: direct_waiter.take(),
         };
-        if unfinished
-            && !stage1_gone
-            && let Some(stage1) = stage1.as_mut()
-        {
-            drain_for(stage1, &mut lanes.down_replies_received, drain_bound).await;
-        }
-        // Likewise the direct return: the final stage may have opened it (and
-        // folded its opening) before the failure reached it, or before a
-        // deadline that passed ahead of the first step: its opening is read
-        // and folded then too, so nothing it folded as sent is left unread.
-        if return_mode == ReturnMode::Direct && (unfinished || direct.is_none()) && !final_gone {
-            let drain_bound = if unfinished { drain_bound } else { DRAIN_WAIT };
-            if direct.is_none()
-                && let Ok(Ok((_send, stream, opening))) =
-                    tokio::time::timeout(drain_bound, wait_direct(&mut direct_waiter)).await
-            {
-                if let Some(fold) = lanes.direct_received.as_mut() {
-                    fold.push_frame(&opening);
-                }
-                direct = Some(spawn_frames(stream, reply_limit));
-            }
-            if let (Some(frames), Some(fold)) = (direct.as_mut(), lanes.direct_received.as_mut()) {
-                drain_for(frames, fold, drain_bound).await;
-            }
-        }
-        result
+        Ok((result, tail))
     }
     .await;
+    let (outcome, tail) = match outcome {
+        Ok((result, tail)) => (result, Some(tail)),
+        Err(error) => (Err(error), None),
+    };
+    // The stages that left the mesh during this segment: lost, for a chain
+    // planned over the mesh.
+    let lost: Vec<[u8; 32]> = run.keys[1..]
+        .iter()
+        .filter(|key| run.projected_us.is_some() && inner.left_mesh_since(key, started))
+        .copied()
+        .collect();
+    let chain_failed = outcome.is_err() && budget_stop.is_none();
+    // A failed chain that will be resumed is drained in the background: the
+    // survivors' last frames complete this segment's lanes by the time it is
+    // sealed, and the request goes on at once.
+    let resumable =
+        chain_failed && run.projected_us.is_some() && !deadline.is_past() && tokens.len() < max_new;
+    let lanes = match tail {
+        Some(tail) if resumable => Lanes::Draining(tokio::spawn(async move {
+            tail.drain(&mut lanes).await;
+            lanes
+        })),
+        Some(tail) => {
+            tail.drain(&mut lanes).await;
+            Lanes::Ready(Box::new(lanes))
+        }
+        None => Lanes::Ready(Box::new(lanes)),
+    };
     let chain_failed = outcome.is_err() && budget_stop.is_none();
     let (terminal, failure) = match outcome {
         Ok(TerminalState::TimedOut) => (
@@ -992,7 +1224,6 @@ async fn drive(
             (state, Some(format!("{error:#}")))
         }
     };
-    let decode_time = started.elapsed().saturating_sub(prefill_time);
     run.own.touch();
     // A chain that failed (not one a requester's deadline or cancel ended)
     // may have lost a stage's slice: assign again before the next request.
@@ -1000,20 +1231,105 @@ async fn drive(
         run.stale.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     Ok(Driven {
-        tokens,
-        printed,
-        finish_reason,
         terminal,
         failure,
         lanes,
         fold_time: folds.spent,
-        own_compute,
-        round_trips,
-        decode_round_trips,
-        prefill_time,
-        decode_time,
         started,
+        resumable,
+        lost,
+        first_token,
+        prefilled: prefix.len(),
+        replayed_in,
     })
+}
+
+/// What a failed segment still has to read from its survivors, after the
+/// drive loop: owned, so it can finish in the background while the request
+/// goes on over a new chain.
+struct Tail {
+    unfinished: bool,
+    reply_owed: bool,
+    stage1_gone: bool,
+    final_gone: bool,
+    direct_mode: bool,
+    step_timeout: Duration,
+    reply_limit: usize,
+    relayed: Option<Frames>,
+    stage1: Option<Frames>,
+    direct: Option<Frames>,
+    direct_waiter: Option<oneshot::Receiver<DirectStream>>,
+}
+
+impl Tail {
+    /// Read and fold what the neighbours still send, each wait bounded, so
+    /// every lane of a healthy hop is whole.
+    async fn drain(mut self, lanes: &mut OwnLanes) {
+        let drain_bound = if self.reply_owed {
+            self.step_timeout + DRAIN_WAIT
+        } else {
+            DRAIN_WAIT
+        };
+        if self.unfinished
+            && !self.stage1_gone
+            && let Some(relayed) = self.relayed.as_mut()
+        {
+            drain_for(relayed, &mut lanes.down_replies_received, drain_bound).await;
+        }
+        // Stage 1 may have said more after the step that failed (a stage
+        // further on closing): read and fold it, so hop 0 still agrees.
+        if self.unfinished
+            && !self.stage1_gone
+            && let Some(stage1) = self.stage1.as_mut()
+        {
+            drain_for(stage1, &mut lanes.down_replies_received, drain_bound).await;
+        }
+        // Likewise the direct return: the final stage may have opened it (and
+        // folded its opening) before the failure reached it, or before a
+        // deadline that passed ahead of the first step: its opening is read
+        // and folded then too, so nothing it folded as sent is left unread.
+        if self.direct_mode && (self.unfinished || self.direct.is_none()) && !self.final_gone {
+            let drain_bound = if self.unfinished {
+                drain_bound
+            } else {
+                DRAIN_WAIT
+            };
+            if self.direct.is_none()
+                && let Ok(Ok((_send, stream, opening))) =
+                    tokio::time::timeout(drain_bound, wait_direct(&mut self.direct_waiter)).await
+            {
+                if let Some(fold) = lanes.direct_received.as_mut() {
+                    fold.push_frame(&opening);
+                }
+                self.direct = Some(spawn_frames(stream, self.reply_limit));
+            }
+            if let (Some(frames), Some(fold)) =
+                (self.direct.as_mut(), lanes.direct_received.as_mut())
+            {
+                drain_for(frames, fold, drain_bound).await;
+            }
+        }
+    }
+}
+
+/// A segment's own lanes: whole, or still being drained from survivors.
+enum Lanes {
+    Ready(Box<OwnLanes>),
+    Draining(tokio::task::JoinHandle<OwnLanes>),
+}
+
+impl Lanes {
+    /// The lanes, once whole (waiting for a drain still running).
+    async fn settle(&mut self) -> anyhow::Result<&OwnLanes> {
+        if let Lanes::Draining(task) = self {
+            let lanes = task.await?;
+            *self = Lanes::Ready(Box::new(lanes));
+        }
+        match self {
+            Lanes::Ready(lanes) => Ok(lanes),
+            Lanes::Draining(_) => bail!("a segment's lanes are still being read"),
+        }
+    }
 }
 
 /// Collect: close the request's bill at its steward (nothing billed for
@@ -1025,7 +1341,6 @@ async fn collect(
     driven: &Driven,
 ) -> anyhow::Result<Collected> {
     let held = &mut admitted.held;
-    let request_id = admitted.request_id;
     let terminal = driven.terminal;
     held.release_cache();
     let ticket = held
@@ -1042,17 +1357,28 @@ async fn collect(
             steward.end_engine_at_mark(ticket, weights)?
         }
     };
+    let until = Instant::now() + inner.deadline;
+    let records = await_records(inner, admitted, driven.started, until).await;
+    Ok(Collected { metered, records })
+}
 
-    // Wait for the stage records, up to the deadline; in a mesh, not for
-    // those of stages that left it (their records will not come).
-    let deadline = Instant::now() + inner.deadline;
-    let left_mesh = |key: &[u8; 32]| inner.left_mesh_since(key, driven.started);
+/// Wait, until `until`, for every stage record of one segment; in a mesh,
+/// not for those of stages that left it since `since` (their records will
+/// not come). Takes the segment's record slot.
+async fn await_records(
+    inner: &Arc<Inner>,
+    admitted: &mut Admitted<'_>,
+    since: Instant,
+    until: Instant,
+) -> Vec<Vec<SealedRecord>> {
+    let request_id = admitted.request_id;
+    let left_mesh = |key: &[u8; 32]| inner.left_mesh_since(key, since);
     loop {
         let notified = inner.collected.notified();
         if lock(&inner.collector).is_complete_except(request_id, left_mesh) {
             break;
         }
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
             break;
         }
@@ -1064,27 +1390,25 @@ async fn collect(
         let _ = tokio::time::timeout(wait, notified).await;
     }
     let pending = lock(&inner.collector).take(request_id);
-    held.collector = false;
-    let records: Vec<Vec<SealedRecord>> = pending.map(|p| p.records).unwrap_or_default();
-    Ok(Collected { metered, records })
+    admitted.held.collector = false;
+    pending.map(|p| p.records).unwrap_or_default()
 }
 
-/// Seal: the split's records (own block, stage exchanges, chained), then the
-/// `mesh/1` receipt through the steward, and the bundle a requester checks.
-fn seal(
+/// Seal one segment's split: the own block (its lanes, what it prefilled
+/// and decoded), the stage-exchange records and the main record, chained
+/// after the coordinator's last.
+#[allow(clippy::too_many_arguments)]
+fn seal_segment(
     inner: &Arc<Inner>,
-    run: &Arc<Run>,
+    run: &Run,
     admitted: &Admitted<'_>,
-    driven: &Driven,
-    collected: Collected,
-) -> anyhow::Result<Sealed> {
-    let codec = inner.model.text();
-    let prompt_ids = &admitted.prompt_ids;
-    let serve = &admitted.serve;
-    let (tokens, terminal, lanes) = (&driven.tokens, driven.terminal, &driven.lanes);
-    let Collected { metered, records } = collected;
+    lanes: &OwnLanes,
+    terminal: TerminalState,
+    prefilled: usize,
+    tokens: usize,
+    records: &[Vec<SealedRecord>],
+) -> anyhow::Result<mesh_protocol::split::SealedSplit> {
     let n = run.assigns.len() as u32;
-
     let own_block = admitted.scope.block(
         &SliceFacts {
             topology_hash: run.assigns[0].topology_hash.clone(),
@@ -1107,40 +1431,151 @@ fn seal(
                 .map(|f| DirectReturn::Received(f.digest())),
         },
         Tokens {
-            prefill_received: prompt_ids.len() as u64,
-            decode: tokens.len().saturating_sub(1) as u64,
+            prefill_received: prefilled as u64,
+            decode: tokens.saturating_sub(1) as u64,
         },
         terminal,
     );
     let nonces = (0..n)
         .map(|_| crate::runtime::keys::random_bytes())
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let chain_head = *lock(&inner.chain_head);
-    let model_id = inner
-        .model
-        .path()
-        .file_name()
-        .map_or("model".to_string(), |f| f.to_string_lossy().into_owned());
+    // Read and advanced under one lock: two requests sealing at once each
+    // chain after the other.
+    let mut chain_head = lock(&inner.chain_head);
     let sealed = seal_split(
         &SplitSealInput {
             own: &own_block,
             topology: &run.topology,
             manifests: &run.assigns.iter().map(|a| a.manifest).collect::<Vec<_>>(),
-            held: &records,
+            held: records,
             not_requested: &[],
             coordinator_term: inner.coordinator_term,
             stage_seal_deadline_ms: inner.deadline.as_millis() as u64,
-            model_id: &model_id,
+            model_id: &model_id(inner),
         },
         &SealEnvironment {
             producer: Producer::mesh_node(),
             timestamp: format_timestamp(now_ms()),
             nonces,
-            chain_head,
+            chain_head: *chain_head,
         },
         &inner.key,
     )?;
-    *lock(&inner.chain_head) = Some(sealed.chain_head());
+    *chain_head = Some(sealed.chain_head());
+    Ok(sealed)
+}
+
+fn model_id(inner: &Inner) -> String {
+    inner
+        .model
+        .path()
+        .file_name()
+        .map_or("model".to_string(), |f| f.to_string_lossy().into_owned())
+}
+
+/// A segment's bundle: its records, and the node behind each stage.
+fn segment_bundle(sealed: &mesh_protocol::split::SealedSplit, run: &Run) -> serde_json::Value {
+    let mut bundle = sealed.bundle();
+    if let serde_json::Value::Object(map) = &mut bundle {
+        map.insert(
+            "stewards".into(),
+            json!(
+                run.keys
+                    .iter()
+                    .enumerate()
+                    .map(|(k, key)| json!({ "stage_index": k, "node_id": did_key(key) }))
+                    .collect::<Vec<_>>()
+            ),
+        );
+    }
+    bundle
+}
+
+/// The resume block's entry for one segment.
+fn segment_entry(
+    sealed: &mesh_protocol::split::SealedSplit,
+    run: &Run,
+    driven: &Driven,
+    tokens: usize,
+) -> mesh_protocol::resume::Segment {
+    mesh_protocol::resume::Segment {
+        run_id: run.assigns[0].run_id.clone(),
+        main_record: sealed.main_record.capsule_id(),
+        nodes: run.keys.iter().map(did_key).collect(),
+        first_token: driven.first_token as u64,
+        prefilled: driven.prefilled as u64,
+        tokens: tokens as u64,
+        terminal_state: driven.terminal.as_str().to_string(),
+        lost: driven.lost.iter().map(did_key).collect(),
+    }
+}
+
+/// The segments that lost their chain, sealed after the request ends: by
+/// then their survivors' records and last frames have come in.
+async fn seal_interrupted(
+    inner: &Arc<Inner>,
+    interrupted: Vec<Interrupted<'_>>,
+) -> anyhow::Result<Vec<(serde_json::Value, mesh_protocol::resume::Segment)>> {
+    let until = Instant::now() + inner.deadline;
+    let mut sealed_segments = Vec::new();
+    for mut segment in interrupted {
+        let lanes = segment.driven.lanes.settle().await?;
+        let records =
+            await_records(inner, &mut segment.admitted, segment.driven.started, until).await;
+        let sealed = seal_segment(
+            inner,
+            &segment.run,
+            &segment.admitted,
+            lanes,
+            segment.driven.terminal,
+            segment.driven.prefilled,
+            segment.tokens,
+            &records,
+        )?;
+        sealed_segments.push((
+            segment_bundle(&sealed, &segment.run),
+            segment_entry(&sealed, &segment.run, &segment.driven, segment.tokens),
+        ));
+    }
+    Ok(sealed_segments)
+}
+
+/// Seal: the final segment's split, then the `mesh/1` receipt through the
+/// steward (with the resume block of a resumed request), and the bundle a
+/// requester checks (with the earlier segments).
+async fn seal(
+    inner: &Arc<Inner>,
+    run: &Arc<Run>,
+    admitted: &Admitted<'_>,
+    driven: &mut Driven,
+    progress: &Progress,
+    collected: Collected,
+    earlier: Vec<(serde_json::Value, mesh_protocol::resume::Segment)>,
+) -> anyhow::Result<Sealed> {
+    let codec = inner.model.text();
+    let prompt_ids = &admitted.prompt_ids;
+    let serve = &admitted.serve;
+    let tokens = &progress.tokens;
+    let segment_tokens = tokens.len() - driven.first_token;
+    let Collected { metered, records } = collected;
+    let lanes = driven.lanes.settle().await?;
+    let sealed = seal_segment(
+        inner,
+        run,
+        admitted,
+        lanes,
+        driven.terminal,
+        driven.prefilled,
+        segment_tokens,
+        &records,
+    )?;
+    let n = run.assigns.len() as u32;
+    let model_id = model_id(inner);
+    let resumed = (!earlier.is_empty()).then(|| {
+        let mut segments: Vec<_> = earlier.iter().map(|(_, entry)| entry.clone()).collect();
+        segments.push(segment_entry(&sealed, run, driven, segment_tokens));
+        canonical_bytes(&mesh_protocol::resume::ResumeBlock { segments }.to_value())
+    });
 
     let visible: Vec<u32> = tokens
         .iter()
@@ -1158,7 +1593,12 @@ fn seal(
             precision: "q8_0/f32".into(),
         }),
         route: format!(
-            "static split over {n} nodes: {}",
+            "{} over {n} nodes: {}",
+            if resumed.is_some() {
+                "resumed split"
+            } else {
+                "static split"
+            },
             run.topology
                 .iter()
                 .map(|a| format!("{}..{}", a.layer_start, a.layer_end))
@@ -1192,6 +1632,7 @@ fn seal(
         nonce: crate::runtime::keys::random_bytes()?,
         steward: String::new(),
         split: Some(canonical_bytes(&sealed.receipt.to_value())),
+        resumed,
     };
     // The previous envelope is the steward's (kept in its journal, so the
     // chain link survives a restart), read under the same lock as the seal.
@@ -1201,7 +1642,7 @@ fn seal(
         (previous, steward.seal(receipt)?)
     };
 
-    let mut bundle = sealed.bundle();
+    let mut bundle = segment_bundle(&sealed, run);
     if let serde_json::Value::Object(map) = &mut bundle {
         map.insert(
             "mesh1_envelope".into(),
@@ -1213,16 +1654,12 @@ fn seal(
                 json!(mesh_protocol::hex::encode(&prev)),
             );
         }
-        map.insert(
-            "stewards".into(),
-            json!(
-                run.keys
-                    .iter()
-                    .enumerate()
-                    .map(|(k, key)| json!({ "stage_index": k, "node_id": did_key(key) }))
-                    .collect::<Vec<_>>()
-            ),
-        );
+        if !earlier.is_empty() {
+            map.insert(
+                "earlier_segments".into(),
+                serde_json::Value::Array(earlier.into_iter().map(|(b, _)| b).collect()),
+            );
+        }
     }
 
     Ok(Sealed { bundle, envelope })
@@ -1236,26 +1673,31 @@ async fn report(
     run: &Arc<Run>,
     admitted: &Admitted<'_>,
     driven: &Driven,
+    progress: &Progress,
     sealed: Sealed,
     requester: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
     let request_id = admitted.request_id;
     let prompt_ids = &admitted.prompt_ids;
     let Driven {
-        tokens,
-        printed,
-        finish_reason,
         terminal,
         failure,
-        own_compute,
-        round_trips,
-        decode_round_trips,
-        prefill_time,
-        decode_time,
-        started,
         fold_time,
         ..
     } = driven;
+    let Progress {
+        tokens,
+        printed,
+        finish_reason,
+        own_compute,
+        round_trips,
+        decode_round_trips,
+        started,
+        resumes,
+        ..
+    } = progress;
+    let prefill_time = progress.prefill_time.unwrap_or_default();
+    let decode_time = started.elapsed().saturating_sub(prefill_time);
     let terminal = *terminal;
     let Sealed { bundle, envelope } = sealed;
     let counters = &inner.counters;
@@ -1312,6 +1754,7 @@ async fn report(
         "decode_tokens_per_s": (tokens.len().saturating_sub(1)) as f64 / decode_time.as_secs_f64().max(1e-9),
         "decode_round_trip_ms": decode_round_trips.as_secs_f64() * 1e3 / (tokens.len().saturating_sub(1)).max(1) as f64,
         "stages": stages,
+        "resumes": resumes,
         "per_hop_overhead_us": overhead.as_secs_f64() * 1e6 / steps / hops.max(1.0),
         "fold_share": fold_time.as_secs_f64() / started.elapsed().as_secs_f64().max(1e-9),
         "receipt": {

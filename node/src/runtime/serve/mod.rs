@@ -112,6 +112,9 @@ pub struct NodeOptions {
     pub return_mode: ReturnMode,
     /// Prompt positions per prefill step (1..=MAX_PREFILL_CHUNK_TOKENS).
     pub prefill_chunk_tokens: usize,
+    /// How many times one request may go on over a new chain after losing
+    /// a stage (a chain planned over a mesh only).
+    pub max_resumes: usize,
     pub wire: WireDType,
     pub meter: Box<dyn EnergyMeter>,
     /// Serve the OpenAI-compatible HTTP API here (a coordinator; off when
@@ -275,6 +278,10 @@ pub const MAX_STAGE_OPEN: usize = 4096;
 /// How long a frame reader waits for its stream's next frame: the consumer
 /// applies the step timeout, so this one never ends first.
 const WATCH_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
+/// Resumes of one request, unless configured.
+pub const DEFAULT_MAX_RESUMES: usize = 2;
+/// The most resumes one request may have: its receipt lists every segment.
+pub const MAX_RESUMES: usize = mesh_protocol::resume::MAX_SEGMENTS - 1;
 /// How long a node keeps reading a peer's stream after a request failed.
 pub const DRAIN_WAIT: Duration = Duration::from_secs(1);
 /// How a FAILED reply starts when a steward stopped its part of a serve at
@@ -307,6 +314,7 @@ struct Inner {
     max_requests: usize,
     return_mode: ReturnMode,
     prefill_chunk_tokens: usize,
+    max_resumes: usize,
     wire: WireDType,
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     run: tokio::sync::Mutex<Option<Arc<Run>>>,
@@ -443,6 +451,7 @@ impl Node {
             prefill_chunk_tokens: options
                 .prefill_chunk_tokens
                 .clamp(1, MAX_PREFILL_CHUNK_TOKENS),
+            max_resumes: options.max_resumes.min(MAX_RESUMES),
             wire: options.wire,
             slots: Mutex::new(HashMap::new()),
             run: tokio::sync::Mutex::new(None),

@@ -108,6 +108,7 @@ fn reference_receipts(
         nonce: deterministic_32("mesh-node vectors: receipt nonce 0")[..16].try_into()?,
         steward: did(steward),
         split: Some(mesh_protocol::json::canonical_bytes(&split)),
+        resumed: None,
     }
     .seal(steward)?;
     let second = MeshReceipt {
@@ -119,6 +120,7 @@ fn reference_receipts(
             delivered: Fidelity::F2,
         }),
         split: None,
+        resumed: None,
         grant_breach: Some("caveat-unsatisfied".into()),
         nonce: deterministic_32("mesh-node vectors: receipt nonce 1")[..16].try_into()?,
         ..first.receipt.clone()
@@ -141,6 +143,43 @@ fn core_with(core: &Cbor, member: &str, value: Option<Cbor>) -> Cbor {
         entries.push((Cbor::text(member), value));
     }
     Cbor::map(entries)
+}
+
+/// A resume block of two segments: the middle stage lost after 10 tokens,
+/// a spare node in its place.
+fn resume_block() -> Value {
+    let node = |label: &str| did(&key(label));
+    let coordinator = node("mesh-node vectors: steward");
+    let (a, b, spare) = (
+        node("mesh-node vectors: stage a"),
+        node("mesh-node vectors: stage b"),
+        node("mesh-node vectors: spare"),
+    );
+    mesh_protocol::resume::ResumeBlock {
+        segments: vec![
+            mesh_protocol::resume::Segment {
+                run_id: "mesh-split-1".into(),
+                main_record: [0x11; 32],
+                nodes: vec![coordinator.clone(), a.clone(), b.clone()],
+                first_token: 0,
+                prefilled: 5,
+                tokens: 10,
+                terminal_state: "transport_error".into(),
+                lost: vec![a],
+            },
+            mesh_protocol::resume::Segment {
+                run_id: "mesh-split-2".into(),
+                main_record: [0x22; 32],
+                nodes: vec![coordinator, spare, b],
+                first_token: 10,
+                prefilled: 15,
+                tokens: 54,
+                terminal_state: "completed".into(),
+                lost: vec![],
+            },
+        ],
+    }
+    .to_value()
 }
 
 fn receipt_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<Value> {
@@ -256,6 +295,73 @@ fn receipt_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<
             &core,
             "split",
             Some(Cbor::bytes(b"{ \"v\": 1 }".to_vec())),
+        )),
+    );
+    // A resumed serve's block, and blocks that break its rules.
+    let block = |edit: &dyn Fn(&mut Value)| {
+        let mut value = resume_block();
+        edit(&mut value);
+        Cbor::bytes(mesh_protocol::json::canonical_bytes(&value))
+    };
+    push(
+        "resumed_two_segments".into(),
+        true,
+        signed(core_with(&core, "resumed", Some(block(&|_| {})))),
+    );
+    push(
+        "resumed_not_canonical_json".into(),
+        false,
+        signed(core_with(
+            &core,
+            "resumed",
+            Some(Cbor::bytes(
+                mesh_protocol::json::canonical_bytes(&resume_block())
+                    .into_iter()
+                    .chain(*b" ")
+                    .collect::<Vec<u8>>(),
+            )),
+        )),
+    );
+    push(
+        "resumed_one_segment".into(),
+        false,
+        signed(core_with(
+            &core,
+            "resumed",
+            Some(block(&|v| {
+                if let Some(segments) = v["segments"].as_array_mut() {
+                    segments.truncate(1);
+                }
+            })),
+        )),
+    );
+    push(
+        "resumed_segments_not_contiguous".into(),
+        false,
+        signed(core_with(
+            &core,
+            "resumed",
+            Some(block(&|v| v["segments"][1]["first_token"] = json!(11))),
+        )),
+    );
+    push(
+        "resumed_lost_node_not_in_chain".into(),
+        false,
+        signed(core_with(
+            &core,
+            "resumed",
+            Some(block(&|v| {
+                v["segments"][0]["lost"] = json!([did(&key("mesh-node vectors: a stranger"))])
+            })),
+        )),
+    );
+    push(
+        "resumed_without_split".into(),
+        false,
+        signed(core_with(
+            &core_with(&core, "split", None),
+            "resumed",
+            Some(block(&|_| {})),
         )),
     );
     // Members reordered: not canonical CBOR, though it decodes loosely.
