@@ -273,6 +273,22 @@ enum BenchTarget {
         #[arg(long)]
         json: bool,
     },
+    /// A stage SIGKILLed mid-request with a long context: time from the kill
+    /// to the next token, split into detection, re-plan and prefix replay.
+    Resume {
+        /// A GGUF file or safetensors directory (default: SmolLM2 when
+        /// cached, else the synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Context at the kill, in tokens (prompt plus tokens generated).
+        #[arg(long, default_value_t = 512)]
+        context: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Lane-fold throughput for 4 KiB and 64 KiB frames, next to plain SHA-256.
     Fold {
         /// Seconds to measure each case.
@@ -898,6 +914,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
                 print!("{}", mesh_node::tools::bench_mesh::render_join(&report));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target:
+                BenchTarget::Resume {
+                    model,
+                    rounds,
+                    context,
+                    json,
+                },
+        } => {
+            let model = bench_model(model)?;
+            let report = runtime()?.block_on(mesh_node::tools::bench_mesh::bench_resume(
+                &model, rounds, context,
+            ))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", mesh_node::tools::bench_mesh::render_resume(&report));
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -5,6 +5,8 @@
 
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
+
 use mesh_protocol::SigningKey;
 use mesh_protocol::advert::{Advert, AdvertModel, Members};
 use mesh_protocol::plan::{ModelShape, Stages};
@@ -246,6 +248,207 @@ pub async fn bench_join(model: &std::path::Path, rounds: usize) -> anyhow::Resul
         "rejoin_ms": rejoin,
         "rejoin_ms_median": median(rejoin.iter().copied()),
     }))
+}
+
+/// A `mesh-node join` child process, so that it can be SIGKILLed.
+struct Joiner {
+    child: std::process::Child,
+    did: String,
+}
+
+impl Drop for Joiner {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_joiner(
+    model: &std::path::Path,
+    data: &std::path::Path,
+    bootstrap: &str,
+) -> anyhow::Result<Joiner> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["join", "--model"])
+        .arg(model)
+        .arg("--data")
+        .arg(data)
+        .args(["--bootstrap", bootstrap, "--listen", "127.0.0.1:0"])
+        .args(["--mesh-listen", "/ip4/127.0.0.1/tcp/0", "--no-mdns"])
+        .args(["--decode-us-per-layer", "1000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().context("the joiner's output")?;
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let mut did = None;
+    for line in lines.by_ref() {
+        let line = line?;
+        if let Some(rest) = line.strip_prefix("node ") {
+            did = rest.split_whitespace().next().map(str::to_string);
+        }
+        if line.starts_with("peer address: ") {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    Ok(Joiner {
+        child,
+        did: did.context("the joiner printed no node id")?,
+    })
+}
+
+/// Three joiners as processes and a coordinator pinned to three stages; a
+/// request whose context reaches `context` tokens; the middle stage
+/// SIGKILLed after its 4th token. Detection is from the kill to the moment
+/// the coordinator noticed (both wall clocks of this machine), re-plan and
+/// replay as the coordinator measured them.
+pub async fn bench_resume(
+    model: &std::path::Path,
+    rounds: usize,
+    context: usize,
+) -> anyhow::Result<Value> {
+    const KILL_AT: usize = 4;
+    let scratch = tempfile_dir()?;
+    let coordinator_key = SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
+    let mut options =
+        crate::cli::node_cli::bench_options(model, &scratch, 0, Vec::new(), &coordinator_key)?;
+    options.mesh = Some(MeshSettings {
+        listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
+        bootstrap: Vec::new(),
+        mdns: false,
+        memory_bytes: Some(8 << 30),
+        decode_us_per_layer: Some(1000),
+    });
+    options.stages = Some(3);
+    options.step_timeout = Duration::from_secs(60);
+    // `serve`'s default: a direct-return wait also watches the mesh, so a
+    // killed stage is noticed when its mesh connection closes.
+    options.return_mode = mesh_protocol::block::ReturnMode::Direct;
+    let coordinator = Node::start(options).await?;
+    let bootstrap = coordinator
+        .mesh_addresses(Duration::from_secs(5))
+        .await
+        .first()
+        .map(ToString::to_string)
+        .context("the coordinator's mesh does not listen")?;
+    let mut joiners = (0..3)
+        .map(|k| spawn_joiner(model, &scratch.join(format!("joiner-{k}")), &bootstrap))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // A prompt that, with the tokens before the kill, fills the context.
+    let handle = crate::runtime::open_model(model)?;
+    let codec = handle.text();
+    let mut prompt = String::new();
+    while codec.encode(&prompt)?.len() + KILL_AT < context {
+        prompt.push_str("The quick brown fox jumps over the lazy dog. ");
+    }
+    let mut rows = Vec::new();
+    for _ in 0..rounds.max(1) {
+        // Every member back, and a three-stage chain served.
+        let waited = Instant::now();
+        let chain = loop {
+            let members = coordinator.mesh().map_or(0, |m| m.members().len());
+            let warm = generate_remote(
+                &coordinator.peer_addr(),
+                &GenerateRequest::greedy("hello mesh", 2),
+                &mut |_| {},
+            )
+            .await;
+            if let Ok(summary) = warm
+                && members >= 3
+                && let Some(stewards) = summary
+                    .bundle
+                    .as_ref()
+                    .and_then(|b| b["stewards"].as_array())
+                && stewards.len() == 3
+            {
+                break stewards
+                    .iter()
+                    .filter_map(|s| s["node_id"].as_str().map(str::to_string))
+                    .collect::<Vec<_>>();
+            }
+            anyhow::ensure!(
+                waited.elapsed() < Duration::from_secs(120),
+                "the mesh never served a three-stage chain"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let victim = joiners
+            .iter()
+            .position(|j| j.did == chain[1])
+            .context("the middle stage is not one of the joiners")?;
+        let mut seen = 0;
+        let mut arrivals: Vec<Instant> = Vec::new();
+        let mut killed: Option<(Instant, u64)> = None;
+        let request = GenerateRequest::greedy(prompt.clone(), KILL_AT + 4);
+        let child = &mut joiners[victim].child;
+        let summary = generate_remote(&coordinator.peer_addr(), &request, &mut |_| {
+            seen += 1;
+            arrivals.push(Instant::now());
+            if seen == KILL_AT {
+                let _ = child.kill();
+                killed = Some((Instant::now(), crate::runtime::serve::now_ms()));
+            }
+        })
+        .await?;
+        let (killed_at, killed_unix_ms) = killed.context("the request ended before the kill")?;
+        anyhow::ensure!(
+            summary.terminal_state == "completed",
+            "the request did not complete: {:?}",
+            summary.error
+        );
+        let resume = summary.details["resumes"]
+            .get(0)
+            .cloned()
+            .context("the request was not resumed")?;
+        let next_token_ms = arrivals
+            .iter()
+            .find(|t| **t > killed_at)
+            .map(|t| (*t - killed_at).as_secs_f64() * 1e3)
+            .context("no token after the kill")?;
+        let noticed = resume["noticed_unix_ms"].as_u64().unwrap_or(killed_unix_ms);
+        rows.push(json!({
+            "context_tokens": summary.details["prompt_tokens"].as_u64().unwrap_or(0) + KILL_AT as u64,
+            "kill_to_next_token_ms": next_token_ms,
+            "detection_ms": noticed.saturating_sub(killed_unix_ms),
+            "replan_ms": resume["replan_ms"],
+            "replay_ms": resume["replay_ms"],
+            "prompt_prefill_ms": summary.details["prefill_ms"],
+        }));
+        // The killed node comes back (same key, same data) for the next round.
+        let data = scratch.join(format!("joiner-{victim}"));
+        joiners[victim] = spawn_joiner(model, &data, &bootstrap)?;
+    }
+    drop(joiners);
+    coordinator.shutdown().await;
+    let _ = std::fs::remove_dir_all(&scratch);
+    let column = |key: &str| median(rows.iter().filter_map(|r| r[key].as_f64()));
+    Ok(json!({
+        "model": model.display().to_string(),
+        "rounds": rows.len(),
+        "runs": rows,
+        "kill_to_next_token_ms_median": column("kill_to_next_token_ms"),
+        "detection_ms_median": column("detection_ms"),
+        "replan_ms_median": column("replan_ms"),
+        "replay_ms_median": column("replay_ms"),
+        "prompt_prefill_ms_median": column("prompt_prefill_ms"),
+    }))
+}
+
+pub fn render_resume(report: &Value) -> String {
+    let ms = |key: &str| report[key].as_f64().unwrap_or(f64::NAN);
+    format!(
+        "a stage SIGKILLed mid-request, {} rounds, context {} tokens ({}):\n  kill to next token: median {:.0} ms\n    detection {:.0} ms, re-plan {:.0} ms, prefix replay {:.0} ms (the prompt's own prefill: {:.0} ms)\n",
+        report["rounds"],
+        report["runs"][0]["context_tokens"],
+        report["model"].as_str().unwrap_or(""),
+        ms("kill_to_next_token_ms_median"),
+        ms("detection_ms_median"),
+        ms("replan_ms_median"),
+        ms("replay_ms_median"),
+        ms("prompt_prefill_ms_median"),
+    )
 }
 
 fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {

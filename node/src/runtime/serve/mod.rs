@@ -392,7 +392,7 @@ fn default_route_ip() -> Option<std::net::IpAddr> {
     (!ip.is_unspecified()).then_some(ip)
 }
 
-fn now_ms() -> u64 {
+pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
