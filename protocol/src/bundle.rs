@@ -122,23 +122,12 @@ pub struct InclusionProof {
 }
 
 fn hex_list(m: &mut Members<'_>, key: &'static str) -> Result<Vec<[u8; 32]>, ShapeError> {
-    let path = m.path(key);
-    let items = m.array(key)?;
-    if items.len() > MAX_PROOF_PATH {
-        return Err(ShapeError::invalid(
-            path,
-            format!("more than {MAX_PROOF_PATH} entries"),
-        ));
-    }
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, item)| {
-            item.as_str().and_then(hex::decode_array).ok_or_else(|| {
-                ShapeError::invalid(format!("{path}/{i}"), "must be 64 lowercase hex digits")
-            })
-        })
-        .collect()
+    m.list(
+        key,
+        MAX_PROOF_PATH,
+        "must be 64 lowercase hex digits",
+        |item| item.as_str().and_then(hex::decode_array),
+    )
 }
 
 impl InclusionProof {

@@ -274,6 +274,11 @@ impl<'a> Fields<'a> {
             .as_bytes()
             .ok_or(FieldError::Invalid(key))
     }
+    pub fn opt_bytes(&mut self, key: &'static str) -> Result<Option<&'a [u8]>, FieldError> {
+        self.optional(key)
+            .map(|v| v.as_bytes().ok_or(FieldError::Invalid(key)))
+            .transpose()
+    }
     /// A byte string of exactly `N` bytes.
     pub fn fixed<const N: usize>(&mut self, key: &'static str) -> Result<[u8; N], FieldError> {
         self.bytes(key)?

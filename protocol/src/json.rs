@@ -252,6 +252,32 @@ impl<'a> Members<'a> {
             .ok_or_else(|| ShapeError::new(path, Problem::WrongType("an array")))
     }
 
+    /// An array of at most `max` items, each read by `item`; an item it
+    /// refuses is invalid, and `must` says what it must be.
+    pub(crate) fn list<T>(
+        &mut self,
+        key: &'static str,
+        max: usize,
+        must: &str,
+        item: impl Fn(&Value) -> Option<T>,
+    ) -> Result<Vec<T>, ShapeError> {
+        let path = self.path(key);
+        let items = self.array(key)?;
+        if items.len() > max {
+            return Err(ShapeError::invalid(
+                path,
+                format!("more than {max} entries"),
+            ));
+        }
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, value)| {
+                item(value).ok_or_else(|| ShapeError::invalid(format!("{path}/{i}"), must))
+            })
+            .collect()
+    }
+
     /// Refuse any member not read through this reader.
     pub(crate) fn finish(self) -> Result<(), ShapeError> {
         match self

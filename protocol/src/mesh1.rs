@@ -590,22 +590,8 @@ impl MeshReceipt {
         if parse_did_key(&steward).is_none() {
             return Err(Mesh1Error::Invalid("steward"));
         }
-        let split = f
-            .optional("split")
-            .map(|v| {
-                v.as_bytes()
-                    .map(<[u8]>::to_vec)
-                    .ok_or(Mesh1Error::Invalid("split"))
-            })
-            .transpose()?;
-        let resumed = f
-            .optional("resumed")
-            .map(|v| {
-                v.as_bytes()
-                    .map(<[u8]>::to_vec)
-                    .ok_or(Mesh1Error::Invalid("resumed"))
-            })
-            .transpose()?;
+        let split = f.opt_bytes("split")?.map(<[u8]>::to_vec);
+        let resumed = f.opt_bytes("resumed")?.map(<[u8]>::to_vec);
         f.finish()?;
         if let Some(bytes) = &resumed {
             let value =

@@ -131,24 +131,11 @@ impl ResumeBlock {
 }
 
 fn did_keys(m: &mut Members<'_>, key: &'static str) -> Result<Vec<String>, ShapeError> {
-    let path = m.path(key);
-    let listed = m.array(key)?;
-    if listed.len() > MAX_SEGMENT_NODES {
-        return Err(ShapeError::invalid(
-            path,
-            format!("at most {MAX_SEGMENT_NODES} nodes"),
-        ));
-    }
-    listed
-        .iter()
-        .enumerate()
-        .map(|(k, v)| {
-            v.as_str()
-                .filter(|s| parse_did_key(s).is_some())
-                .map(str::to_string)
-                .ok_or_else(|| ShapeError::invalid(format!("{path}/{k}"), "a did:key"))
-        })
-        .collect()
+    m.list(key, MAX_SEGMENT_NODES, "a did:key", |item| {
+        item.as_str()
+            .filter(|s| parse_did_key(s).is_some())
+            .map(str::to_string)
+    })
 }
 
 #[cfg(test)]
