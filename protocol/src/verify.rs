@@ -491,6 +491,23 @@ pub fn verify_record_push_bundle(document: &Value) -> Result<VerifyReport, Docum
 
 /// Form (c): this project's `mesh_bundle`.
 pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentError> {
+    check_mesh_bundle(document).map(|checked| checked.report)
+}
+
+/// A verified main record, with its own slice and split receipt when it
+/// carries a valid split.
+type MainRecord = (SealedRecord, Option<(StageBlock, CoordinatorReceipt)>);
+
+/// A `mesh_bundle` checked: the report, what its main record gave, and
+/// whether it stands alone (no envelope, no segments of its own), as an
+/// earlier segment of a resumed request must.
+struct CheckedBundle {
+    report: VerifyReport,
+    main: Option<MainRecord>,
+    standalone: bool,
+}
+
+fn check_mesh_bundle(document: &Value) -> Result<CheckedBundle, DocumentError> {
     let bundle = MeshBundle::from_value(document)?;
     let mut report = VerifyReport {
         form: DocumentForm::MeshBundle,
@@ -507,6 +524,7 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
         bundle.split_stage_records,
         split.map(|(_, r)| r),
     );
+    let mut resumed = None;
     if let Some((sealed, _)) = &main {
         verify_stage_exchange_records(
             &mut report,
@@ -515,12 +533,13 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
             bundle.stage_exchange_records,
         );
         if let Some(envelope) = &bundle.mesh1_envelope {
-            verify_mesh1_link(
+            resumed = verify_mesh1_link(
                 &mut report,
                 sealed,
                 envelope,
                 bundle.mesh1_prev_envelope.as_deref(),
-            );
+            )
+            .and_then(|receipt| receipt.receipt.resumed);
         }
     }
     if let Some((_, receipt)) = split {
@@ -547,11 +566,12 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
                 Some("the main record carries no valid split (own slice and receipt)".into())
         }
     }
-    let final_segment = main
-        .as_ref()
-        .and_then(|(sealed, split)| split.as_ref().map(|(_, r)| (sealed.capsule_id(), r)));
-    verify_segments(&mut report, &bundle, final_segment);
-    Ok(report)
+    verify_segments(&mut report, &bundle, resumed.as_deref(), main.as_ref());
+    Ok(CheckedBundle {
+        report,
+        standalone: bundle.mesh1_envelope.is_none() && bundle.earlier_segments.is_empty(),
+        main,
+    })
 }
 
 /// The chain nodes a split receipt routed, stage 0 first.
@@ -563,18 +583,21 @@ fn routed_nodes(receipt: &CoordinatorReceipt) -> Vec<String> {
         .collect()
 }
 
-/// A resumed request: the receipt's resume block lists every segment, and
-/// the bundle carries exactly those, each checked as a bundle of its own.
+/// A main record and its split receipt, when it carries a valid split.
+fn routed(main: &MainRecord) -> Option<(&SealedRecord, &CoordinatorReceipt)> {
+    let (sealed, split) = main;
+    split.as_ref().map(|(_, receipt)| (sealed, receipt))
+}
+
+/// A resumed request: the receipt's resume block (`resumed`, from the
+/// verified envelope) lists every segment, and the bundle carries exactly
+/// those, each checked as a bundle of its own.
 fn verify_segments(
     report: &mut VerifyReport,
     bundle: &MeshBundle<'_>,
-    final_segment: Option<([u8; 32], &CoordinatorReceipt)>,
+    resumed: Option<&[u8]>,
+    main: Option<&MainRecord>,
 ) {
-    let resumed = bundle
-        .mesh1_envelope
-        .as_deref()
-        .and_then(|envelope| crate::mesh1::SealedReceipt::verify(envelope).ok())
-        .and_then(|sealed| sealed.receipt.resumed);
     let Some(bytes) = resumed else {
         if !bundle.earlier_segments.is_empty() {
             report.checks.push(Check {
@@ -589,15 +612,14 @@ fn verify_segments(
         return;
     };
     // The receipt verified, so its resume block parses.
-    let Some(block) = crate::json::parse_strict(&bytes)
+    let Some(block) = crate::json::parse_strict(bytes)
         .ok()
         .and_then(|value| crate::resume::ResumeBlock::from_value(&value).ok())
     else {
         return;
     };
-    let subject = "resume block".to_string();
     report.checks.push(Check {
-        subject: subject.clone(),
+        subject: "resume block".into(),
         property: "the bundle carries every segment it lists",
         outcome: if block.segments.len() == bundle.earlier_segments.len() + 1 {
             Ok(())
@@ -610,10 +632,10 @@ fn verify_segments(
         },
     });
     let segment_matches = |entry: &crate::resume::Segment,
-                           main: [u8; 32],
+                           sealed: &SealedRecord,
                            receipt: &CoordinatorReceipt|
      -> Result<(), String> {
-        if entry.main_record != main {
+        if entry.main_record != sealed.capsule_id() {
             return Err("its main record is not the one the receipt lists".into());
         }
         if entry.run_id != receipt.run_id {
@@ -627,11 +649,12 @@ fn verify_segments(
         }
         Ok(())
     };
-    if let (Some(last), Some((main, receipt))) = (block.segments.last(), final_segment) {
+    let final_segment = main.and_then(routed);
+    if let (Some(last), Some((sealed, receipt))) = (block.segments.last(), final_segment) {
         report.checks.push(Check {
             subject: format!("segment {}", block.segments.len() - 1),
             property: "main record, run and chain are the resume block's last segment",
-            outcome: segment_matches(last, main, receipt),
+            outcome: segment_matches(last, sealed, receipt),
         });
     }
     for (k, (document, entry)) in bundle
@@ -641,41 +664,23 @@ fn verify_segments(
         .enumerate()
     {
         let subject = format!("segment {k}");
-        let nested = MeshBundle::from_value(document).map_err(|e| e.to_string());
-        let alone = nested.as_ref().map_err(Clone::clone).and_then(|b| {
-            if b.mesh1_envelope.is_some() || !b.earlier_segments.is_empty() {
-                Err("an earlier segment carries no envelope or segments of its own".to_string())
-            } else {
-                Ok(())
-            }
-        });
-        let inner = match (alone, verify_mesh_bundle(document)) {
-            (Ok(()), Ok(inner)) => inner,
-            (Err(error), _) => {
+        let checked = match check_mesh_bundle(document) {
+            Ok(checked) if checked.standalone => checked,
+            outcome => {
                 report.checks.push(Check {
                     subject,
                     property: "a bundle of its own",
-                    outcome: Err(error),
-                });
-                continue;
-            }
-            (_, Err(error)) => {
-                report.checks.push(Check {
-                    subject,
-                    property: "a bundle of its own",
-                    outcome: Err(error.to_string()),
+                    outcome: Err(match outcome {
+                        Ok(_) => "an earlier segment carries no envelope or segments of its own"
+                            .to_string(),
+                        Err(error) => error.to_string(),
+                    }),
                 });
                 continue;
             }
         };
-        let routed = nested.ok().and_then(|b| {
-            let sealed = SealedRecord::verify(b.main_record.clone()).ok()?;
-            let path = format!("/model_attestation/compute_attestation/{RECEIPT_BLOCK_MEMBER}");
-            let value = b.main_record.pointer(&path)?;
-            let receipt = CoordinatorReceipt::from_value_at(value, &path).ok()?;
-            Some((sealed, receipt))
-        });
-        let lost_stages: Vec<u32> = routed.as_ref().map_or_else(Vec::new, |(_, receipt)| {
+        let segment = checked.main.as_ref().and_then(routed);
+        let lost_stages: Vec<u32> = segment.map_or_else(Vec::new, |(_, receipt)| {
             routed_nodes(receipt)
                 .iter()
                 .enumerate()
@@ -686,23 +691,16 @@ fn verify_segments(
         report.checks.push(Check {
             subject: subject.clone(),
             property: "main record, run and chain are the resume block's",
-            outcome: match &routed {
-                Some((sealed, receipt)) => segment_matches(entry, sealed.capsule_id(), receipt),
+            outcome: match segment {
+                Some((sealed, receipt)) => segment_matches(entry, sealed, receipt),
                 None => Err("its main record carries no valid split".into()),
             },
         });
-        if let (Some((sealed, _)), Some(main_key)) = (
-            &routed,
-            final_segment.and_then(|_| {
-                SealedRecord::verify(bundle.main_record.clone())
-                    .ok()
-                    .map(|s| s.key_id())
-            }),
-        ) {
+        if let (Some((sealed, _)), Some((final_sealed, _))) = (segment, final_segment) {
             report.checks.push(Check {
-                subject: subject.clone(),
+                subject,
                 property: "sealed by the same coordinator",
-                outcome: if sealed.key_id() == main_key {
+                outcome: if sealed.key_id() == final_sealed.key_id() {
                     Ok(())
                 } else {
                     Err("another key signed this segment's main record".into())
@@ -710,7 +708,7 @@ fn verify_segments(
             });
         }
         report.earlier_segments.push(SegmentReport {
-            report: inner,
+            report: checked.report,
             lost_stages,
         });
     }
@@ -802,7 +800,7 @@ fn verify_mesh1_link(
     main: &SealedRecord,
     envelope: &[u8],
     previous: Option<&[u8]>,
-) {
+) -> Option<crate::mesh1::SealedReceipt> {
     let sealed = match crate::mesh1::SealedReceipt::verify(envelope) {
         Ok(sealed) => sealed,
         Err(error) => {
@@ -811,7 +809,7 @@ fn verify_mesh1_link(
                 property: "COSE signature and receipt rules",
                 outcome: Err(error.to_string()),
             });
-            return;
+            return None;
         }
     };
     let subject = format!("mesh/1 receipt #{}", sealed.receipt.sequence);
@@ -851,6 +849,7 @@ fn verify_mesh1_link(
                 .and_then(|p| sealed.check_follows(&p).map_err(|e| e.to_string())),
         });
     }
+    Some(sealed)
 }
 
 /// A bundle's `stewards` list that cannot be believed.
