@@ -2287,13 +2287,10 @@ impl Inner {
             &self.tls.public_key,
             &members,
         )?;
-        {
-            let mut refused = lock(&self.refused);
-            refused.retain(|_, until| Instant::now() < *until);
-            for (candidate, reason) in &mut others {
-                if reason.is_none() && refused.contains_key(&candidate.node_id) {
-                    *reason = Some(LeftOut::Refused);
-                }
+        // The refusals the plan is cached under are the ones it weighs.
+        for (candidate, reason) in &mut others {
+            if reason.is_none() && refused_now.binary_search(&candidate.node_id).is_ok() {
+                *reason = Some(LeftOut::Refused);
             }
         }
         let stages = match self.stages {
