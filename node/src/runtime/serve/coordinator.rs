@@ -230,23 +230,13 @@ pub(super) async fn handle_generate(
         .timeout
         .map_or(inner.request_timeout, |t| t.min(inner.request_timeout));
     let deadline = Deadline::after(timeout);
-    // Loading runs on to the end in its own task even when this request's
-    // deadline passes first, so the next request finds the split ready.
-    let loading = {
-        let inner = inner.clone();
-        tokio::spawn(async move { inner.ensure_run().await })
-    };
-    let run = match tokio::time::timeout_at(deadline.at(), loading).await {
-        Ok(Ok(Ok(run))) => run,
-        Ok(Ok(Err(error))) => {
+    let run = match run_by(&inner, deadline).await {
+        Some(Ok(run)) => run,
+        Some(Err(error)) => {
             refused_other();
             return send_error(send, &format!("cannot set up the split: {error:#}")).await;
         }
-        Ok(Err(error)) => {
-            refused_other();
-            return send_error(send, &format!("setting up the split failed: {error}")).await;
-        }
-        Err(_) => {
+        None => {
             refused_other();
             return send_error(send, &deadline.passed("the split to load")).await;
         }
@@ -261,6 +251,21 @@ pub(super) async fn handle_generate(
             }
             send_error(send, &format!("{error:#}")).await
         }
+    }
+}
+
+/// The run a request goes on, planned and assigned within `deadline`
+/// (`None` when the deadline passed first). Loading runs on to the end in
+/// its own task even then, so the next request finds the split ready.
+async fn run_by(inner: &Arc<Inner>, deadline: Deadline) -> Option<anyhow::Result<Arc<Run>>> {
+    let loading = {
+        let inner = inner.clone();
+        tokio::spawn(async move { inner.ensure_run().await })
+    };
+    match tokio::time::timeout_at(deadline.at(), loading).await {
+        Ok(Ok(outcome)) => Some(outcome),
+        Ok(Err(error)) => Some(Err(anyhow!("its task ended: {error}"))),
+        Err(_) => None,
     }
 }
 
@@ -379,7 +384,7 @@ async fn serve_request(
     };
     let mut run = run.clone();
     let mut interrupted: Vec<Interrupted<'_>> = Vec::new();
-    let driven = loop {
+    let mut driven = loop {
         let mut driven = drive(
             inner,
             &run,
@@ -390,6 +395,9 @@ async fn serve_request(
             requester,
         )
         .await?;
+        if let (Some(last), Some(replayed)) = (progress.resumes.last_mut(), driven.replayed_in) {
+            last["replay_ms"] = json!(replayed.as_secs_f64() * 1e3);
+        }
         if !driven.resumable {
             break driven;
         }
@@ -399,16 +407,16 @@ async fn serve_request(
             .chain(&driven.lost)
             .map(did_key)
             .collect();
+        let lost = if lost.is_empty() {
+            "no node".to_string()
+        } else {
+            lost.join(", ")
+        };
+        let failure = driven.failure.take().unwrap_or_default();
         if interrupted.len() >= inner.max_resumes {
             driven.failure = Some(format!(
-                "{}; not resumed: {} resumes already (--max-resumes), lost {}",
-                driven.failure.unwrap_or_default(),
+                "{failure}; not resumed: {} resumes already (--max-resumes), lost {lost}",
                 interrupted.len(),
-                if lost.is_empty() {
-                    "no node".to_string()
-                } else {
-                    lost.join(", ")
-                }
             ));
             break driven;
         }
@@ -418,33 +426,21 @@ async fn serve_request(
         tracing::info!(
             request_id = admitted.request_id,
             tokens = progress.tokens.len(),
-            "resuming on a new chain: {}",
-            driven.failure.as_deref().unwrap_or("")
+            "resuming on a new chain: {failure}"
         );
-        let planned = {
-            let inner = inner.clone();
-            let planning = tokio::spawn(async move { inner.ensure_run().await });
-            match tokio::time::timeout_at(deadline.at(), planning).await {
-                Ok(Ok(Ok(next))) => Ok(next),
-                Ok(Ok(Err(error))) => Err(format!("{error:#}")),
-                Ok(Err(error)) => Err(error.to_string()),
-                Err(_) => {
-                    driven.terminal = TerminalState::TimedOut;
-                    Err(deadline.passed("a new chain to resume on"))
-                }
-            }
-        };
-        let next = match planned {
-            Ok(next) => next,
-            Err(why) => {
+        let next = match run_by(inner, deadline).await {
+            Some(Ok(next)) => next,
+            Some(Err(error)) => {
                 driven.failure = Some(format!(
-                    "{}; could not resume (lost {}): {why}",
-                    driven.failure.unwrap_or_default(),
-                    if lost.is_empty() {
-                        "no node".to_string()
-                    } else {
-                        lost.join(", ")
-                    }
+                    "{failure}; could not resume (lost {lost}): {error:#}"
+                ));
+                break driven;
+            }
+            None => {
+                driven.terminal = TerminalState::TimedOut;
+                driven.failure = Some(format!(
+                    "{failure}; could not resume (lost {lost}): {}",
+                    deadline.passed("a new chain to resume on")
                 ));
                 break driven;
             }
@@ -452,46 +448,30 @@ async fn serve_request(
         let resumed = match admitted.resume(inner, &next).await {
             Ok(resumed) => resumed,
             Err(error) => {
-                driven.failure = Some(format!(
-                    "{}; could not resume: {error:#}",
-                    driven.failure.unwrap_or_default()
-                ));
+                driven.failure = Some(format!("{failure}; could not resume: {error:#}"));
                 break driven;
             }
         };
+        driven.failure = Some(failure);
         progress.resumes.push(json!({
             "at_token": progress.tokens.len(),
             "lost": driven.lost.iter().map(did_key).collect::<Vec<_>>(),
             "replan_ms": noticed.elapsed().as_secs_f64() * 1e3,
             "noticed_unix_ms": noticed_unix_ms,
         }));
-        let tokens = progress.tokens.len() - driven.first_token;
         // The lost chain's cache at this node is not needed again.
         admitted.held.release_cache();
         interrupted.push(Interrupted {
             run: std::mem::replace(&mut run, next),
             admitted: std::mem::replace(&mut admitted, resumed),
             driven,
-            tokens,
         });
     };
-    // The replay's own time, now that the last segment's is known.
-    if let (Some(last), Some(replayed)) = (progress.resumes.last_mut(), driven.replayed_in) {
-        last["replay_ms"] = json!(replayed.as_secs_f64() * 1e3);
-    }
     let earlier = seal_interrupted(inner, interrupted).await?;
-    let collected = collect(inner, &mut admitted, &driven).await?;
-    let mut driven = driven;
+    let collected = collect(inner, &mut admitted, &mut driven).await?;
     let sealed = seal(
-        inner,
-        &run,
-        &admitted,
-        &mut driven,
-        &progress,
-        collected,
-        earlier,
-    )
-    .await?;
+        inner, &run, &admitted, &driven, &progress, collected, earlier,
+    )?;
     report(
         inner, &run, &admitted, &driven, &progress, sealed, requester,
     )
@@ -508,11 +488,89 @@ struct Admitted<'a> {
     max_new: usize,
     /// The `mesh/1` request: the requester's own on grants.
     serve: ServeRequest,
-    /// The requester's grant presentations, one per stage of the first
-    /// chain, and the nodes of that chain: a resumed chain presents each
-    /// node the shard made out for it.
+    /// The requester's grant shards, by node.
+    shards: GrantShards,
+}
+
+/// The requester's grant presentations, one per stage of the first chain,
+/// and the nodes of that chain: any chain the request runs on presents
+/// each node the shard made out for it.
+#[derive(Clone)]
+struct GrantShards {
     presentations: Vec<Option<mesh_protocol::grant::Presentation>>,
-    granted_nodes: Vec<[u8; 32]>,
+    nodes: Vec<[u8; 32]>,
+}
+
+impl GrantShards {
+    fn for_node(&self, key: &[u8; 32]) -> Option<mesh_protocol::grant::Presentation> {
+        let k = self.nodes.iter().position(|node| node == key)?;
+        self.presentations.get(k).cloned().flatten()
+    }
+}
+
+impl<'a> Held<'a> {
+    /// A request's places on one chain, under a new split key: a cache on
+    /// the own slice and a record slot, taken before any grant is decided so
+    /// a busy coordinator refuses without deciding anything.
+    fn take_places(
+        inner: &'a Arc<Inner>,
+        run: &Run,
+        capacity: usize,
+    ) -> anyhow::Result<(Self, SplitKey)> {
+        let split_key = SplitKey {
+            coordinator_node_id: inner.tls.did.clone(),
+            run_id: run.assigns[0].run_id.clone(),
+            request_id: u64::from_le_bytes(crate::runtime::keys::random_bytes()?),
+        };
+        let mut held = Held::new(inner, split_key.request_id);
+        held.cache = Some(
+            run.own
+                .pool
+                .open(&run.own.slice, split_key.request_id, capacity)?,
+        );
+        if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
+            return Err(anyhow::Error::new(mesh_stage::EngineError::Busy(
+                crate::runtime::records::MAX_PENDING_SPLITS,
+            ))
+            .context("too many requests waiting to be sealed"));
+        }
+        held.collector = true;
+        Ok((held, split_key))
+    }
+
+    /// Each remote stage of `run` that holds a shard decides it before any
+    /// work runs; each that did is told to release it at the end.
+    async fn authorise_stages(
+        &mut self,
+        run: &Run,
+        split_key: &SplitKey,
+        serve: &ServeRequest,
+        shards: &GrantShards,
+    ) -> anyhow::Result<()> {
+        for (k, peer) in run.peers.iter().enumerate() {
+            let Some(presentation) = shards.for_node(&peer.key) else {
+                continue;
+            };
+            authorise_remote(
+                self.inner,
+                peer,
+                &split_key.run_id,
+                split_key.request_id,
+                serve,
+                &presentation,
+            )
+            .await
+            .map_err(|error| {
+                anyhow!(
+                    "grant refused at stage {} ({}): {error:#}",
+                    k + 1,
+                    peer.did()
+                )
+            })?;
+            self.authorised.push(peer.clone());
+        }
+        Ok(())
+    }
 }
 
 impl<'a> Admitted<'a> {
@@ -521,42 +579,15 @@ impl<'a> Admitted<'a> {
     /// decisions of the new chain's nodes that hold a shard. The
     /// coordinator's own grant decision and the requester watch move over.
     async fn resume(&mut self, inner: &'a Arc<Inner>, run: &Arc<Run>) -> anyhow::Result<Self> {
-        let request_id = u64::from_le_bytes(crate::runtime::keys::random_bytes()?);
-        let run_id = run.assigns[0].run_id.clone();
-        let split_key = SplitKey {
-            coordinator_node_id: inner.tls.did.clone(),
-            run_id: run_id.clone(),
-            request_id,
-        };
-        let mut held = Held::new(inner, request_id);
         let capacity = self.prompt_ids.len() + self.max_new;
-        held.cache = Some(run.own.pool.open(&run.own.slice, request_id, capacity)?);
-        if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
-            return Err(anyhow::Error::new(mesh_stage::EngineError::Busy(
-                crate::runtime::records::MAX_PENDING_SPLITS,
-            ))
-            .context("too many requests waiting to be sealed"));
-        }
-        held.collector = true;
-        for peer in &run.peers {
-            let Some(presentation) = self
-                .granted_nodes
-                .iter()
-                .position(|node| *node == peer.key)
-                .and_then(|k| self.presentations.get(k).cloned().flatten())
-            else {
-                continue;
-            };
-            authorise_remote(inner, peer, &run_id, request_id, &self.serve, &presentation)
-                .await
-                .map_err(|error| anyhow!("grant refused at {}: {error:#}", peer.did()))?;
-            held.authorised.push(peer.clone());
-        }
+        let (mut held, split_key) = Held::take_places(inner, run, capacity)?;
+        held.authorise_stages(run, &split_key, &self.serve, &self.shards)
+            .await?;
         held.ticket = self.held.ticket.take();
         held.watcher = self.held.watcher.take();
         Ok(Self {
+            request_id: split_key.request_id,
             held,
-            request_id,
             scope: RequestScope {
                 split: split_key,
                 stage_count: run.assigns.len() as u32,
@@ -565,8 +596,7 @@ impl<'a> Admitted<'a> {
             prompt_ids: self.prompt_ids.clone(),
             max_new: self.max_new,
             serve: self.serve.clone(),
-            presentations: self.presentations.clone(),
-            granted_nodes: self.granted_nodes.clone(),
+            shards: self.shards.clone(),
         })
     }
 }
@@ -607,6 +637,8 @@ struct Driven {
     lost: Vec<[u8; 32]>,
     /// Tokens generated before this segment.
     first_token: usize,
+    /// Tokens this segment generated.
+    tokens: usize,
     /// Positions prefilled at its start (the prompt, and any replay).
     prefilled: usize,
     /// How long a resumed segment's replay took to its first token.
@@ -618,7 +650,6 @@ struct Interrupted<'a> {
     run: Arc<Run>,
     admitted: Admitted<'a>,
     driven: Driven,
-    tokens: usize,
 }
 
 /// The request's bill and the stage records that came in.
@@ -665,13 +696,6 @@ async fn admit<'a>(
         );
     }
     let max_new = request.max_tokens.clamp(1, context - prompt_ids.len());
-    let request_id = u64::from_le_bytes(crate::runtime::keys::random_bytes()?);
-    let run_id = run.assigns[0].run_id.clone();
-    let split_key = SplitKey {
-        coordinator_node_id: inner.tls.did.clone(),
-        run_id: run_id.clone(),
-        request_id,
-    };
     let serve = ServeRequest {
         prompt_hash: prompt_hash(request.prompt.as_bytes()),
         prompt_tokens: u32::try_from(prompt_ids.len()).unwrap_or(u32::MAX),
@@ -705,19 +729,13 @@ async fn admit<'a>(
     let capacity = prompt_ids.len() + max_new;
 
     // Everything this request holds is released by `held` on every path.
-    let mut held = Held::new(inner, request_id);
-    // Admission first: a cache and a collector slot, before any grant is
-    // decided, so a busy coordinator refuses without deciding anything.
-    held.cache = Some(run.own.pool.open(&run.own.slice, request_id, capacity)?);
-    if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
-        return Err(anyhow::Error::new(mesh_stage::EngineError::Busy(
-            crate::runtime::records::MAX_PENDING_SPLITS,
-        ))
-        .context("too many requests waiting to be sealed"));
-    }
-    held.collector = true;
+    let (mut held, split_key) = Held::take_places(inner, run, capacity)?;
+    let shards = GrantShards {
+        presentations,
+        nodes: run.keys.clone(),
+    };
     // Every steward decides its own grant shard before any work runs.
-    let own_presentation = presentations.first().cloned().flatten();
+    let own_presentation = shards.for_node(&inner.tls.public_key);
     held.ticket = Some(
         lock(&inner.steward)
             .authorise(
@@ -732,18 +750,11 @@ async fn admit<'a>(
                 None => anyhow!("the coordinator cannot take the request: {error}"),
             })?,
     );
-    for (k, peer) in run.peers.iter().enumerate() {
-        let Some(presentation) = presentations.get(k + 1).cloned().flatten() else {
-            continue;
-        };
-        authorise_remote(inner, peer, &run_id, request_id, &serve, &presentation)
-            .await
-            .map_err(|error| anyhow!("grant refused at stage {}: {error:#}", k + 1))?;
-        held.authorised.push(peer.clone());
-    }
+    held.authorise_stages(run, &split_key, &serve, &shards)
+        .await?;
     Ok(Admitted {
+        request_id: split_key.request_id,
         held,
-        request_id,
         scope: RequestScope {
             split: split_key,
             stage_count: run.assigns.len() as u32,
@@ -752,8 +763,7 @@ async fn admit<'a>(
         prompt_ids,
         max_new,
         serve,
-        presentations,
-        granted_nodes: run.keys.clone(),
+        shards,
     })
 }
 
@@ -1148,10 +1158,6 @@ async fn drive(
             .await?;
         }
         let _ = send.finish();
-        // A stage that left the mesh has nothing more to say: its streams
-        // are not drained (they would only end at the QUIC idle timeout).
-        let left_mesh =
-            |key: &[u8; 32]| run.projected_us.is_some() && inner.left_mesh_since(key, started);
         let tail = Tail {
             // A deadline that passed while a reply was owed: the reply still
             // comes (stage 1 finishes its step, reads STOP and ends its
@@ -1159,8 +1165,6 @@ async fn drive(
             // this one), and is read and folded, so hop 0 still agrees.
             unfinished: result.is_err() || reply_owed,
             reply_owed,
-            stage1_gone: left_mesh(&run.keys[1]),
-            final_gone: left_mesh(&run.keys[n as usize - 1]),
             direct_mode: return_mode == ReturnMode::Direct,
             step_timeout: inner.step_timeout,
             reply_limit,
@@ -1172,10 +1176,6 @@ async fn drive(
         Ok((result, tail))
     }
     .await;
-    let (outcome, tail) = match outcome {
-        Ok((result, tail)) => (result, Some(tail)),
-        Err(error) => (Err(error), None),
-    };
     // The stages that left the mesh during this segment: lost, for a chain
     // planned over the mesh.
     let lost: Vec<[u8; 32]> = run.keys[1..]
@@ -1183,6 +1183,16 @@ async fn drive(
         .filter(|key| run.projected_us.is_some() && inner.left_mesh_since(key, started))
         .copied()
         .collect();
+    let (outcome, tail) = match outcome {
+        Ok((result, tail)) => (result, Some(tail)),
+        Err(error) => (Err(error), None),
+    };
+    // A stage that left the mesh has nothing more to say: its streams are
+    // not drained (they would end only at the QUIC idle timeout).
+    let gone = Gone {
+        stage1: lost.contains(&run.keys[1]),
+        final_stage: lost.contains(&run.keys[n as usize - 1]),
+    };
     let chain_failed = outcome.is_err() && budget_stop.is_none();
     // A failed chain that will be resumed is drained in the background: the
     // survivors' last frames complete this segment's lanes by the time it is
@@ -1191,16 +1201,15 @@ async fn drive(
         chain_failed && run.projected_us.is_some() && !deadline.is_past() && tokens.len() < max_new;
     let lanes = match tail {
         Some(tail) if resumable => Lanes::Draining(tokio::spawn(async move {
-            tail.drain(&mut lanes).await;
+            tail.drain(&mut lanes, gone).await;
             lanes
         })),
         Some(tail) => {
-            tail.drain(&mut lanes).await;
+            tail.drain(&mut lanes, gone).await;
             Lanes::Ready(Box::new(lanes))
         }
         None => Lanes::Ready(Box::new(lanes)),
     };
-    let chain_failed = outcome.is_err() && budget_stop.is_none();
     let (terminal, failure) = match outcome {
         Ok(TerminalState::TimedOut) => (
             TerminalState::TimedOut,
@@ -1239,6 +1248,7 @@ async fn drive(
         resumable,
         lost,
         first_token,
+        tokens: tokens.len() - first_token,
         prefilled: prefix.len(),
         replayed_in,
     })
@@ -1250,8 +1260,6 @@ async fn drive(
 struct Tail {
     unfinished: bool,
     reply_owed: bool,
-    stage1_gone: bool,
-    final_gone: bool,
     direct_mode: bool,
     step_timeout: Duration,
     reply_limit: usize,
@@ -1261,17 +1269,24 @@ struct Tail {
     direct_waiter: Option<oneshot::Receiver<DirectStream>>,
 }
 
+/// Which ends of the chain's own streams left the mesh.
+#[derive(Clone, Copy)]
+struct Gone {
+    stage1: bool,
+    final_stage: bool,
+}
+
 impl Tail {
     /// Read and fold what the neighbours still send, each wait bounded, so
-    /// every lane of a healthy hop is whole.
-    async fn drain(mut self, lanes: &mut OwnLanes) {
+    /// every lane of a healthy hop is whole; nothing from a stage gone.
+    async fn drain(mut self, lanes: &mut OwnLanes, gone: Gone) {
         let drain_bound = if self.reply_owed {
             self.step_timeout + DRAIN_WAIT
         } else {
             DRAIN_WAIT
         };
         if self.unfinished
-            && !self.stage1_gone
+            && !gone.stage1
             && let Some(relayed) = self.relayed.as_mut()
         {
             drain_for(relayed, &mut lanes.down_replies_received, drain_bound).await;
@@ -1279,7 +1294,7 @@ impl Tail {
         // Stage 1 may have said more after the step that failed (a stage
         // further on closing): read and fold it, so hop 0 still agrees.
         if self.unfinished
-            && !self.stage1_gone
+            && !gone.stage1
             && let Some(stage1) = self.stage1.as_mut()
         {
             drain_for(stage1, &mut lanes.down_replies_received, drain_bound).await;
@@ -1288,7 +1303,7 @@ impl Tail {
         // folded its opening) before the failure reached it, or before a
         // deadline that passed ahead of the first step: its opening is read
         // and folded then too, so nothing it folded as sent is left unread.
-        if self.direct_mode && (self.unfinished || self.direct.is_none()) && !self.final_gone {
+        if self.direct_mode && (self.unfinished || self.direct.is_none()) && !gone.final_stage {
             let drain_bound = if self.unfinished {
                 drain_bound
             } else {
@@ -1319,12 +1334,17 @@ enum Lanes {
 }
 
 impl Lanes {
-    /// The lanes, once whole (waiting for a drain still running).
-    async fn settle(&mut self) -> anyhow::Result<&OwnLanes> {
+    /// Wait for a drain still running.
+    async fn settle(&mut self) -> anyhow::Result<()> {
         if let Lanes::Draining(task) = self {
             let lanes = task.await?;
             *self = Lanes::Ready(Box::new(lanes));
         }
+        Ok(())
+    }
+
+    /// The lanes, once settled.
+    fn whole(&self) -> anyhow::Result<&OwnLanes> {
         match self {
             Lanes::Ready(lanes) => Ok(lanes),
             Lanes::Draining(_) => bail!("a segment's lanes are still being read"),
@@ -1338,7 +1358,7 @@ impl Lanes {
 async fn collect(
     inner: &Arc<Inner>,
     admitted: &mut Admitted<'_>,
-    driven: &Driven,
+    driven: &mut Driven,
 ) -> anyhow::Result<Collected> {
     let held = &mut admitted.held;
     let terminal = driven.terminal;
@@ -1358,21 +1378,24 @@ async fn collect(
         }
     };
     let until = Instant::now() + inner.deadline;
-    let records = await_records(inner, admitted, driven.started, until).await;
+    let records = await_records(inner, admitted, driven, until).await?;
     Ok(Collected { metered, records })
 }
 
-/// Wait, until `until`, for every stage record of one segment; in a mesh,
-/// not for those of stages that left it since `since` (their records will
-/// not come). Takes the segment's record slot.
+/// Wait for the segment's survivors to finish (its lanes whole: a stage
+/// seals its record when its part ends), then, until `until`, for every
+/// stage record of the segment; in a mesh, not for those of stages that
+/// left it during the segment (their records will not come). Takes the
+/// segment's record slot.
 async fn await_records(
     inner: &Arc<Inner>,
     admitted: &mut Admitted<'_>,
-    since: Instant,
+    driven: &mut Driven,
     until: Instant,
-) -> Vec<Vec<SealedRecord>> {
+) -> anyhow::Result<Vec<Vec<SealedRecord>>> {
+    driven.lanes.settle().await?;
     let request_id = admitted.request_id;
-    let left_mesh = |key: &[u8; 32]| inner.left_mesh_since(key, since);
+    let left_mesh = |key: &[u8; 32]| inner.left_mesh_since(key, driven.started);
     loop {
         let notified = inner.collected.notified();
         if lock(&inner.collector).is_complete_except(request_id, left_mesh) {
@@ -1391,23 +1414,21 @@ async fn await_records(
     }
     let pending = lock(&inner.collector).take(request_id);
     admitted.held.collector = false;
-    pending.map(|p| p.records).unwrap_or_default()
+    Ok(pending.map(|p| p.records).unwrap_or_default())
 }
 
-/// Seal one segment's split: the own block (its lanes, what it prefilled
-/// and decoded), the stage-exchange records and the main record, chained
-/// after the coordinator's last.
-#[allow(clippy::too_many_arguments)]
+/// Seal one segment's split: the own block (its lanes and what it
+/// prefilled and decoded), the stage-exchange records and the main record,
+/// chained after the coordinator's last.
 fn seal_segment(
     inner: &Arc<Inner>,
     run: &Run,
     admitted: &Admitted<'_>,
-    lanes: &OwnLanes,
-    terminal: TerminalState,
-    prefilled: usize,
-    tokens: usize,
+    driven: &Driven,
     records: &[Vec<SealedRecord>],
 ) -> anyhow::Result<mesh_protocol::split::SealedSplit> {
+    let (terminal, prefilled, tokens) = (driven.terminal, driven.prefilled, driven.tokens);
+    let lanes = driven.lanes.whole()?;
     let n = run.assigns.len() as u32;
     let own_block = admitted.scope.block(
         &SliceFacts {
@@ -1496,7 +1517,6 @@ fn segment_entry(
     sealed: &mesh_protocol::split::SealedSplit,
     run: &Run,
     driven: &Driven,
-    tokens: usize,
 ) -> mesh_protocol::resume::Segment {
     mesh_protocol::resume::Segment {
         run_id: run.assigns[0].run_id.clone(),
@@ -1504,7 +1524,7 @@ fn segment_entry(
         nodes: run.keys.iter().map(did_key).collect(),
         first_token: driven.first_token as u64,
         prefilled: driven.prefilled as u64,
-        tokens: tokens as u64,
+        tokens: driven.tokens as u64,
         terminal_state: driven.terminal.as_str().to_string(),
         lost: driven.lost.iter().map(did_key).collect(),
     }
@@ -1519,22 +1539,18 @@ async fn seal_interrupted(
     let until = Instant::now() + inner.deadline;
     let mut sealed_segments = Vec::new();
     for mut segment in interrupted {
-        let lanes = segment.driven.lanes.settle().await?;
         let records =
-            await_records(inner, &mut segment.admitted, segment.driven.started, until).await;
+            await_records(inner, &mut segment.admitted, &mut segment.driven, until).await?;
         let sealed = seal_segment(
             inner,
             &segment.run,
             &segment.admitted,
-            lanes,
-            segment.driven.terminal,
-            segment.driven.prefilled,
-            segment.tokens,
+            &segment.driven,
             &records,
         )?;
         sealed_segments.push((
             segment_bundle(&sealed, &segment.run),
-            segment_entry(&sealed, &segment.run, &segment.driven, segment.tokens),
+            segment_entry(&sealed, &segment.run, &segment.driven),
         ));
     }
     Ok(sealed_segments)
@@ -1543,11 +1559,11 @@ async fn seal_interrupted(
 /// Seal: the final segment's split, then the `mesh/1` receipt through the
 /// steward (with the resume block of a resumed request), and the bundle a
 /// requester checks (with the earlier segments).
-async fn seal(
+fn seal(
     inner: &Arc<Inner>,
     run: &Arc<Run>,
     admitted: &Admitted<'_>,
-    driven: &mut Driven,
+    driven: &Driven,
     progress: &Progress,
     collected: Collected,
     earlier: Vec<(serde_json::Value, mesh_protocol::resume::Segment)>,
@@ -1556,24 +1572,13 @@ async fn seal(
     let prompt_ids = &admitted.prompt_ids;
     let serve = &admitted.serve;
     let tokens = &progress.tokens;
-    let segment_tokens = tokens.len() - driven.first_token;
     let Collected { metered, records } = collected;
-    let lanes = driven.lanes.settle().await?;
-    let sealed = seal_segment(
-        inner,
-        run,
-        admitted,
-        lanes,
-        driven.terminal,
-        driven.prefilled,
-        segment_tokens,
-        &records,
-    )?;
+    let sealed = seal_segment(inner, run, admitted, driven, &records)?;
     let n = run.assigns.len() as u32;
     let model_id = model_id(inner);
     let resumed = (!earlier.is_empty()).then(|| {
         let mut segments: Vec<_> = earlier.iter().map(|(_, entry)| entry.clone()).collect();
-        segments.push(segment_entry(&sealed, run, driven, segment_tokens));
+        segments.push(segment_entry(&sealed, run, driven));
         canonical_bytes(&mesh_protocol::resume::ResumeBlock { segments }.to_value())
     });
 
@@ -1832,7 +1837,6 @@ pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
 /// and its attention scores grow with it.
 pub const MAX_PREFILL_CHUNK_TOKENS: usize = 4096;
 
-/// Name the wait that ran out, and the setting that bounds it.
 /// The first of `stages` whose mesh connection closed (checked on every
 /// change, and every 250 ms); never, for a node in no mesh. A member only
 /// late with its advert or a ping still counts as there: QUIC's own idle
@@ -1852,6 +1856,7 @@ async fn stage_left(inner: &Inner, run: &Run, since: Instant) -> [u8; 32] {
     }
 }
 
+/// Name the wait that ran out, and the setting that bounds it.
 fn step_failure(error: anyhow::Error, whom: &str, timeout: Duration) -> anyhow::Error {
     if error.to_string().contains("timed out") {
         step_timed_out(whom, timeout)
