@@ -797,6 +797,37 @@ fn a_member_that_refuses_its_assignment_is_planned_around_within_the_request() {
     assert!(log.contains(&refusing.did), "{log}");
 }
 
+/// A coordinator pinned to three stages over a mesh of three joiners (one
+/// spare once a chain is planned), every member seen.
+fn three_stages_and_a_spare(dir: &Path) -> (Running, Vec<Running>) {
+    let model = synthetic(dir);
+    let (coordinator, _) = mesh_coordinator(dir, &model, &["--stages", "3"]);
+    let nodes: Vec<Running> = ["j0", "j1", "j2"]
+        .iter()
+        .map(|name| {
+            mesh_join(
+                dir,
+                &model,
+                &coordinator.mesh,
+                name,
+                &["--decode-us-per-layer", "1000"],
+            )
+        })
+        .collect();
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+    (coordinator, nodes)
+}
+
+/// The chain a request ran on, stage 0 first, from its bundle's stewards.
+fn chain_of(summary: &mesh_node::runtime::serve::GenerateSummary) -> Vec<String> {
+    summary.bundle.as_ref().unwrap()["stewards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["node_id"].as_str().unwrap().to_string())
+        .collect()
+}
+
 /// Issue 11's own test: a stage SIGKILLed after the 10th token of a
 /// 64-token greedy request costs a pause, not the answer. The request goes
 /// on over a new chain (the spare member takes the lost range), its tokens
@@ -806,21 +837,7 @@ fn a_member_that_refuses_its_assignment_is_planned_around_within_the_request() {
 async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
-    let model = synthetic(dir.path());
-    let (coordinator, _) = mesh_coordinator(dir.path(), &model, &["--stages", "3"]);
-    let nodes: Vec<Running> = ["j0", "j1", "j2"]
-        .iter()
-        .map(|name| {
-            mesh_join(
-                dir.path(),
-                &model,
-                &coordinator.mesh,
-                name,
-                &["--decode-us-per-layer", "1000"],
-            )
-        })
-        .collect();
-    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+    let (coordinator, nodes) = three_stages_and_a_spare(dir.path());
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let request = GenerateRequest::greedy("hello mesh", 64);
 
@@ -837,12 +854,7 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
         reference_tokens.as_array().unwrap().len() >= 20,
         "the reference must run well past the 10th token: {reference_tokens}"
     );
-    let chain: Vec<String> = reference.bundle.as_ref().unwrap()["stewards"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["node_id"].as_str().unwrap().to_string())
-        .collect();
+    let chain = chain_of(&reference);
     assert_eq!(chain.len(), 3);
     let victim = nodes.iter().find(|n| n.did == chain[1]).unwrap();
     let victim_pid = victim.child.id();
@@ -929,21 +941,7 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
 async fn a_resume_past_the_deadline_ends_timed_out_not_in_a_hang() {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
-    let model = synthetic(dir.path());
-    let (coordinator, _) = mesh_coordinator(dir.path(), &model, &["--stages", "3"]);
-    let nodes: Vec<Running> = ["j0", "j1", "j2"]
-        .iter()
-        .map(|name| {
-            mesh_join(
-                dir.path(),
-                &model,
-                &coordinator.mesh,
-                name,
-                &["--decode-us-per-layer", "1000"],
-            )
-        })
-        .collect();
-    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+    let (coordinator, nodes) = three_stages_and_a_spare(dir.path());
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let warm = generate_remote(
         &address,
@@ -952,12 +950,7 @@ async fn a_resume_past_the_deadline_ends_timed_out_not_in_a_hang() {
     )
     .await
     .unwrap();
-    let chain: Vec<String> = warm.bundle.as_ref().unwrap()["stewards"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["node_id"].as_str().unwrap().to_string())
-        .collect();
+    let chain = chain_of(&warm);
     let victims: Vec<u32> = nodes
         .iter()
         .filter(|n| n.did == chain[1] || !chain.contains(&n.did))
