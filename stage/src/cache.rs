@@ -99,6 +99,28 @@ impl CacheLease {
     pub fn cache(&mut self) -> &mut SliceCache {
         &mut self.cache
     }
+
+    /// Positions the cache holds.
+    pub fn positions(&self) -> usize {
+        self.cache.position()
+    }
+
+    /// Hand the cache to another request of the same pool (a resumed
+    /// request carries on from the positions its earlier segment built):
+    /// the pool counts it once, under the new id. An id already open is
+    /// refused and the lease is left as it was.
+    pub fn rekey(&mut self, request: u64) -> Result<()> {
+        let mut open = lock(&self.open);
+        if request != self.request {
+            if open.contains(&request) {
+                return Err(EngineError::AlreadyOpen(request));
+            }
+            open.remove(&self.request);
+            open.insert(request);
+            self.request = request;
+        }
+        Ok(())
+    }
 }
 
 impl Drop for CacheLease {

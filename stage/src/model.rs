@@ -380,6 +380,34 @@ impl SliceCache {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
+
+    /// Keep the first `positions` positions and forget the rest: a kept
+    /// cache is cut back to the positions every stage of a resumed chain
+    /// holds. Asking for more than it holds is refused and changes nothing.
+    pub fn truncate(&mut self, positions: usize) -> Result<()> {
+        if positions > self.position {
+            return Err(EngineError::WrongInput(
+                "a cache cannot keep more positions than it holds",
+            ));
+        }
+        if positions == self.position {
+            return Ok(());
+        }
+        let mut kept = Vec::with_capacity(self.layers.len());
+        for kv in &self.layers {
+            let mut fresh = KvCache::new(2, self.capacity.max(1));
+            if let (Some(k), Some(v), true) = (kv.k()?, kv.v()?, positions > 0) {
+                fresh.append(
+                    &k.narrow(2, 0, positions)?.contiguous()?,
+                    &v.narrow(2, 0, positions)?.contiguous()?,
+                )?;
+            }
+            kept.push(fresh);
+        }
+        self.layers = kept;
+        self.position = positions;
+        Ok(())
+    }
 }
 
 /// A loaded slice.

@@ -568,3 +568,48 @@ fn the_manifest_of_a_gguf_is_its_bytes_not_its_name() {
     let other = ModelHandle::open(model.gguf(GgmlDType::Q8_0).unwrap()).unwrap();
     assert_ne!(other.manifest_sha256(), a.manifest_sha256());
 }
+
+#[test]
+fn a_kept_cache_cut_back_and_handed_to_a_new_request_goes_on_as_if_never_past_the_cut() {
+    use mesh_stage::cache::CachePool;
+    let (_dir, model) = model(&[GgmlDType::F32]);
+    let handle = ModelHandle::open(model.gguf(GgmlDType::F32).unwrap()).unwrap();
+    let slice = handle.load_slice(0..6).unwrap();
+    let pool = CachePool::new(2, 64);
+    let logits = |lease: &mut mesh_stage::cache::CacheLease, ids: &[u32]| match slice
+        .forward(SliceInput::Tokens(ids), lease.cache())
+        .unwrap()
+    {
+        SliceOutput::Logits(l) => bits(&l),
+        _ => panic!("a whole model returns logits"),
+    };
+    // Never past position 5: the prompt, then token 9 at position 5.
+    let mut straight = pool.open(&slice, 1, 32).unwrap();
+    logits(&mut straight, &[1, 2, 3, 4, 5]);
+    let expected = logits(&mut straight, &[9]);
+    drop(straight);
+    // Past it (positions 5 and 6 written), cut back to 5, then on.
+    let mut kept = pool.open(&slice, 2, 32).unwrap();
+    logits(&mut kept, &[1, 2, 3, 4, 5]);
+    logits(&mut kept, &[7, 8]);
+    assert_eq!(kept.positions(), 7);
+    assert!(kept.cache().truncate(8).is_err());
+    assert_eq!(kept.positions(), 7);
+    kept.cache().truncate(5).unwrap();
+    // The new request's id takes the old one's place in the pool.
+    let other = pool.open(&slice, 3, 32).unwrap();
+    assert!(matches!(kept.rekey(3), Err(EngineError::AlreadyOpen(3))));
+    drop(other);
+    kept.rekey(3).unwrap();
+    assert_eq!(kept.request(), 3);
+    assert_eq!(pool.open_requests(), 1);
+    assert!(matches!(
+        pool.open(&slice, 3, 32),
+        Err(EngineError::AlreadyOpen(3))
+    ));
+    assert_eq!(logits(&mut kept, &[9]), expected);
+    kept.cache().truncate(0).unwrap();
+    assert_eq!(kept.positions(), 0);
+    drop(kept);
+    assert_eq!(pool.open_requests(), 0);
+}
