@@ -253,6 +253,106 @@ pub fn plan(
     })
 }
 
+/// After a loss: the `interrupted` chain (the coordinator first, each
+/// stage's node and layers) with every stage whose node is no longer usable
+/// handed to the fastest usable member not already in it that can hold
+/// those layers, when that chain's projection is within `gain` of `best`'s
+/// (kept when `kept * gain.0 <= best * gain.1`). The survivors keep their
+/// loaded layers and, mid-request, the caches they built; `None` when some
+/// stage finds no member, the chain is not whole, or it costs too much.
+pub fn keep_in_place(
+    model: &ModelShape,
+    coordinator: &Candidate,
+    members: &[(Candidate, Option<LeftOut>)],
+    interrupted: &[([u8; 32], Range<u32>)],
+    best: &Plan,
+    gain: (u64, u64),
+) -> Option<Plan> {
+    let layers = model.layer_bytes.len() as u32;
+    let whole = interrupted
+        .first()
+        .is_some_and(|(id, r)| *id == coordinator.node_id && r.start == 0)
+        && interrupted.windows(2).all(|w| w[0].1.end == w[1].1.start)
+        && interrupted.iter().all(|(_, r)| r.start < r.end)
+        && interrupted.last().is_some_and(|(_, r)| r.end == layers);
+    if !whole || interrupted.len() > MAX_PLAN_STAGES {
+        return None;
+    }
+    let fits = |node: &Candidate, range: &Range<u32>, first: bool| {
+        let n = u64::from(range.end - range.start);
+        weights(model, range, first).saturating_add(n.saturating_mul(model.kv_bytes_per_layer))
+            <= node.memory_bytes
+    };
+    let mut usable: Vec<&Candidate> = members
+        .iter()
+        .filter(|(c, reason)| reason.is_none() && c.node_id != coordinator.node_id)
+        .map(|(c, _)| c)
+        .collect();
+    usable.sort_by_key(|c| (c.decode_us_per_layer, c.rtt_us, c.node_id));
+    if !fits(coordinator, &interrupted[0].1, true) {
+        return None;
+    }
+    let mut chain: Vec<(&Candidate, Range<u32>)> = vec![(coordinator, interrupted[0].1.clone())];
+    for (k, (id, range)) in interrupted.iter().enumerate().skip(1) {
+        let survivor = usable
+            .iter()
+            .copied()
+            .find(|c| c.node_id == *id)
+            .filter(|c| fits(c, range, false));
+        let node = match survivor {
+            Some(node) => node,
+            None => usable.iter().copied().find(|c| {
+                // Not a node of the chain: neither one placed before this
+                // stage nor a survivor of a later one.
+                !chain.iter().any(|(placed, _)| placed.node_id == c.node_id)
+                    && !interrupted[k + 1..]
+                        .iter()
+                        .any(|(later, _)| *later == c.node_id)
+                    && fits(c, range, false)
+            })?,
+        };
+        chain.push((node, range.clone()));
+    }
+    let stages: Vec<PlannedStage> = chain
+        .iter()
+        .enumerate()
+        .map(|(k, (node, range))| {
+            let n = u64::from(range.end - range.start);
+            PlannedStage {
+                node_id: node.node_id,
+                layers: range.clone(),
+                weight_bytes: weights(model, range, k == 0),
+                kv_bytes: n.saturating_mul(model.kv_bytes_per_layer),
+                compute_us: n.saturating_mul(node.decode_us_per_layer),
+                hop_us: if k == 0 { 0 } else { node.hop_us() },
+            }
+        })
+        .collect();
+    let return_us = match chain.last() {
+        Some((node, _)) if chain.len() > 1 => node.rtt_us / 2,
+        _ => 0,
+    };
+    let projected = stages.iter().fold(return_us, |sum, s| {
+        sum.saturating_add(s.compute_us).saturating_add(s.hop_us)
+    });
+    if projected.saturating_mul(gain.0) > best.projected_us_per_token.saturating_mul(gain.1) {
+        return None;
+    }
+    let mut left_out: Vec<([u8; 32], LeftOut)> = members
+        .iter()
+        .filter(|(c, _)| c.node_id != coordinator.node_id)
+        .filter(|(c, _)| !chain.iter().any(|(node, _)| node.node_id == c.node_id))
+        .map(|(c, reason)| (c.node_id, reason.clone().unwrap_or(LeftOut::TooSlowToHelp)))
+        .collect();
+    left_out.sort_by_key(|(id, _)| *id);
+    Some(Plan {
+        stages,
+        return_us,
+        projected_us_per_token: projected,
+        left_out,
+    })
+}
+
 /// The most members the search weighs (the fastest ones).
 pub const MAX_PLAN_CANDIDATES: usize = 64;
 
@@ -427,6 +527,67 @@ mod tests {
             head_bytes: 1_000,
             kv_bytes_per_layer: 10,
         }
+    }
+
+    #[test]
+    fn after_a_loss_the_survivors_keep_their_places_when_it_costs_little() {
+        let coordinator = node(0, 1 << 20, 100, 0);
+        let (a, b, spare) = (
+            node(1, 1 << 20, 100, 1_000),
+            node(2, 1 << 20, 100, 1_000),
+            node(3, 1 << 20, 100, 900),
+        );
+        let interrupted = [([0; 32], 0..3), ([1; 32], 3..6), ([2; 32], 6..8)];
+        // Node 1 is gone: the spare, nearer than node 2, leads the search's
+        // order, so the best chain puts node 2 after it on other layers.
+        let members = [(b.clone(), None), (spare.clone(), None)];
+        let best = plan(&shape(8), &coordinator, &members, Stages::Pinned(3)).unwrap();
+        let kept = keep_in_place(
+            &shape(8),
+            &coordinator,
+            &members,
+            &interrupted,
+            &best,
+            (4, 5),
+        )
+        .unwrap();
+        let chain: Vec<_> = kept
+            .stages
+            .iter()
+            .map(|s| (s.node_id[0], s.layers.clone()))
+            .collect();
+        assert_eq!(chain, vec![(0, 0..3), (3, 3..6), (2, 6..8)]);
+        assert_eq!(
+            kept.projected_us_per_token,
+            800 + (450 + 500) + (500 + 500) + 500
+        );
+        assert!(kept.left_out.is_empty());
+        // A member that left is no replacement, and a chain much slower
+        // than the best is not kept.
+        let gone = [
+            (b.clone(), None),
+            (spare.clone(), Some(LeftOut::NotConnected)),
+        ];
+        assert!(
+            keep_in_place(&shape(8), &coordinator, &gone, &interrupted, &best, (4, 5)).is_none()
+        );
+        let slow = node(3, 1 << 20, 10_000, 900);
+        let members = [(b.clone(), None), (slow, None)];
+        assert!(
+            keep_in_place(
+                &shape(8),
+                &coordinator,
+                &members,
+                &interrupted,
+                &best,
+                (4, 5)
+            )
+            .is_none()
+        );
+        // A chain that does not cover the model is not one to keep.
+        let broken = [([0; 32], 0..3), ([1; 32], 4..8)];
+        let members = [(a, None), (b, None), (spare, None)];
+        assert!(keep_in_place(&shape(8), &coordinator, &members, &broken, &best, (4, 5)).is_none());
     }
 
     #[test]
