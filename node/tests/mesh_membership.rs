@@ -6,7 +6,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -33,11 +33,16 @@ impl Drop for Running {
 }
 
 fn start(dir: &Path, name: &str, args: &[String]) -> Running {
+    start_at(dir, name, args, "127.0.0.1:0")
+}
+
+/// `start`, its data plane (QUIC) on `listen`.
+fn start_at(dir: &Path, name: &str, args: &[String], listen: &str) -> Running {
     let mut child = Command::new(bin())
         .args(args)
         .args([
             "--listen",
-            "127.0.0.1:0",
+            listen,
             "--mesh-listen",
             "/ip4/127.0.0.1/tcp/0",
             "--no-mdns",
@@ -81,7 +86,7 @@ fn start(dir: &Path, name: &str, args: &[String]) -> Running {
 
 /// A coordinator `serve` in a mesh (key and data `coord` under `dir`);
 /// its key file with it.
-fn mesh_coordinator(dir: &Path, model: &Path, extra: &[&str]) -> (Running, std::path::PathBuf) {
+fn mesh_coordinator(dir: &Path, model: &Path, extra: &[&str]) -> (Running, PathBuf) {
     let key = common::processes::keygen(dir, "coord");
     let mut args: Vec<String> = vec![
         "serve".into(),
@@ -98,6 +103,10 @@ fn mesh_coordinator(dir: &Path, model: &Path, extra: &[&str]) -> (Running, std::
 
 /// `join` through `bootstrap`, its data under `dir/name`.
 fn mesh_join(dir: &Path, model: &Path, bootstrap: &str, name: &str, extra: &[&str]) -> Running {
+    start(dir, name, &join_args(dir, model, bootstrap, name, extra))
+}
+
+fn join_args(dir: &Path, model: &Path, bootstrap: &str, name: &str, extra: &[&str]) -> Vec<String> {
     let mut args: Vec<String> = vec![
         "join".into(),
         "--model".into(),
@@ -108,7 +117,7 @@ fn mesh_join(dir: &Path, model: &Path, bootstrap: &str, name: &str, extra: &[&st
         bootstrap.into(),
     ];
     args.extend(extra.iter().map(|a| a.to_string()));
-    start(dir, name, &args)
+    args
 }
 
 fn run_json(args: &[&str]) -> Value {
@@ -309,7 +318,10 @@ fn nodes_join_through_a_bootstrap_and_the_plan_follows_them() {
     let small = join("small", 10_000, 1);
     let mut a = join("a", 20_000, 3);
     let b = join("b", 30_000, 3);
-    let d = join("d", 60_000, 3);
+    // Far slower than b: the chain that would keep b in place after a
+    // loss (d on a's three layers) is not within the re-plan margin of
+    // the best one, whatever the loopback round trips under load.
+    let d = join("d", 200_000, 3);
     let everyone = [&coordinator, &small, &a, &b, &d];
     let seen = members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 5);
     for node in everyone {
@@ -799,7 +811,7 @@ fn a_member_that_refuses_its_assignment_is_planned_around_within_the_request() {
 
 /// A coordinator pinned to three stages over a mesh of three joiners (one
 /// spare once a chain is planned), every member seen.
-fn three_stages_and_a_spare(dir: &Path) -> (Running, Vec<Running>) {
+fn three_stages_and_a_spare(dir: &Path) -> (Running, Vec<Running>, PathBuf) {
     let model = synthetic(dir);
     let (coordinator, _) = mesh_coordinator(dir, &model, &["--stages", "3"]);
     let nodes: Vec<Running> = ["j0", "j1", "j2"]
@@ -815,7 +827,7 @@ fn three_stages_and_a_spare(dir: &Path) -> (Running, Vec<Running>) {
         })
         .collect();
     members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
-    (coordinator, nodes)
+    (coordinator, nodes, model)
 }
 
 /// The chain a request ran on, stage 0 first, from its bundle's stewards.
@@ -837,7 +849,7 @@ fn chain_of(summary: &mesh_node::runtime::serve::GenerateSummary) -> Vec<String>
 async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
-    let (coordinator, nodes) = three_stages_and_a_spare(dir.path());
+    let (coordinator, nodes, _) = three_stages_and_a_spare(dir.path());
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let request = GenerateRequest::greedy("hello mesh", 64);
 
@@ -907,10 +919,18 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
     assert_eq!(segments[0]["nodes"][1], victim.did.as_str());
     let resumed_at = segments[1]["first_token"].as_u64().unwrap();
     assert!(resumed_at >= 10, "resumed at token {resumed_at}");
+    // The coordinator and the final stage kept the layers and caches they
+    // had: only the spare rebuilt its cache, from the prompt and every
+    // token but the last (which ran as a decode step through the chain).
+    assert_eq!(
+        segments[1]["kept"],
+        serde_json::json!([chain[0], chain[2]]),
+        "{report:#}"
+    );
     assert_eq!(
         segments[1]["prefilled"].as_u64().unwrap(),
-        segments[0]["prefilled"].as_u64().unwrap() + resumed_at,
-        "the new chain replayed the prompt and every token so far"
+        segments[0]["prefilled"].as_u64().unwrap() + resumed_at - 1,
+        "the spare replayed the prompt and every token but the last"
     );
     assert!(
         !segments[1]["nodes"]
@@ -931,6 +951,10 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
     assert!(shown.contains("Segment 1 of 2"), "{shown}");
     assert!(shown.contains(&format!("lost {}", victim.did)), "{shown}");
     assert!(shown.contains("not received"), "{shown}");
+    assert!(
+        shown.contains(&format!("caches kept by {}, {}", chain[0], chain[2])),
+        "{shown}"
+    );
 }
 
 /// A resume that cannot finish before the request's deadline ends the
@@ -941,7 +965,7 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
 async fn a_resume_past_the_deadline_ends_timed_out_not_in_a_hang() {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
-    let (coordinator, nodes) = three_stages_and_a_spare(dir.path());
+    let (coordinator, nodes, _) = three_stages_and_a_spare(dir.path());
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let warm = generate_remote(
         &address,
@@ -981,4 +1005,75 @@ async fn a_resume_past_the_deadline_ends_timed_out_not_in_a_hang() {
     assert!(error.contains("could not resume"), "{error}");
     assert!(error.contains(&chain[1]), "the lost node is named: {error}");
     assert!(took < timeout + Duration::from_secs(8), "took {took:?}");
+}
+
+/// A stage that comes back at its old address under another key is a new
+/// member, never the old one: the old node id at that address is refused
+/// by the TLS pin, the next request's chain does not name the old id, and
+/// the records of whoever served verify under their own keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_back_at_its_address_with_another_key_is_not_trusted_as_the_old_one() {
+    use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
+    let dir = tempfile::tempdir().unwrap();
+    let (coordinator, mut nodes, model) = three_stages_and_a_spare(dir.path());
+    let address: PeerAddr = coordinator.peer.parse().unwrap();
+    let request = GenerateRequest::greedy("hello mesh", 4);
+    let warm = generate_remote(&address, &request, &mut |_| {})
+        .await
+        .unwrap();
+    let chain = chain_of(&warm);
+    let old = nodes.remove(nodes.iter().position(|n| n.did == chain[1]).unwrap());
+    let (old_did, old_peer) = (old.did.clone(), old.peer.clone());
+    let old_addr = old_peer.parse::<PeerAddr>().unwrap().addr.to_string();
+    drop(old);
+    let impostor = start_at(
+        dir.path(),
+        "impostor",
+        &join_args(
+            dir.path(),
+            &model,
+            &coordinator.mesh,
+            "impostor",
+            &["--decode-us-per-layer", "1000"],
+        ),
+        &old_addr,
+    );
+    assert_ne!(impostor.did, old_did);
+    assert!(impostor.peer.ends_with(&old_addr), "{}", impostor.peer);
+
+    // Asked for by the old id, the node at that address cannot prove it.
+    let key = common::processes::keygen(dir.path(), "asker");
+    let asked = Command::new(bin())
+        .args(["stats", &old_peer, "--key", key.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&asked.stderr);
+    assert!(
+        !asked.status.success(),
+        "the old id answered at its address"
+    );
+    assert!(said.contains(&format!("peer is not {old_did}")), "{said}");
+
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| {
+        m.contains(&impostor.did) && !m.contains(&old_did)
+    });
+    let after = generate_remote(&address, &request, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(after.terminal_state, "completed", "{:?}", after.error);
+    let chain = chain_of(&after);
+    assert!(!chain.contains(&old_did), "{chain:?}");
+    let saved = dir.path().join("after.json");
+    std::fs::write(&saved, serde_json::to_vec(&after.bundle.unwrap()).unwrap()).unwrap();
+    let verified = Command::new(bin())
+        .args(["verify", "--json"])
+        .arg(&saved)
+        .output()
+        .unwrap();
+    assert_eq!(
+        verified.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&verified.stdout)
+    );
 }

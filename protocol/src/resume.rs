@@ -43,6 +43,10 @@ pub struct Segment {
     pub terminal_state: String,
     /// Stages the coordinator saw leave during the segment, as did:keys.
     pub lost: Vec<String>,
+    /// Nodes of this segment that kept the cache they built in the segment
+    /// before (the same layers, not lost) instead of rebuilding it by the
+    /// replay, as did:keys; omitted when none did.
+    pub kept: Vec<String>,
 }
 
 /// The whole block.
@@ -54,16 +58,22 @@ pub struct ResumeBlock {
 impl ResumeBlock {
     pub fn to_value(&self) -> Value {
         json!({
-            "segments": self.segments.iter().map(|s| json!({
-                "run_id": s.run_id,
-                "main_record": hex::encode(&s.main_record),
-                "nodes": s.nodes,
-                "first_token": s.first_token,
-                "prefilled": s.prefilled,
-                "tokens": s.tokens,
-                "terminal_state": s.terminal_state,
-                "lost": s.lost,
-            })).collect::<Vec<_>>(),
+            "segments": self.segments.iter().map(|s| {
+                let mut entry = json!({
+                    "run_id": s.run_id,
+                    "main_record": hex::encode(&s.main_record),
+                    "nodes": s.nodes,
+                    "first_token": s.first_token,
+                    "prefilled": s.prefilled,
+                    "tokens": s.tokens,
+                    "terminal_state": s.terminal_state,
+                    "lost": s.lost,
+                });
+                if !s.kept.is_empty() {
+                    entry["kept"] = json!(s.kept);
+                }
+                entry
+            }).collect::<Vec<_>>(),
         })
     }
 
@@ -102,6 +112,28 @@ impl ResumeBlock {
                     format!("{stranger} is not a stage of the segment"),
                 ));
             }
+            let kept = if s.present("kept") {
+                did_keys(&mut s, "kept")?
+            } else {
+                Vec::new()
+            };
+            if s.present("kept") && kept.is_empty() {
+                return Err(ShapeError::invalid(
+                    s.path("kept"),
+                    "omitted when no node kept its cache",
+                ));
+            }
+            // A kept cache is one this node built in the segment before.
+            let before = segments.last().map_or(&[][..], |p| p.nodes.as_slice());
+            if let Some(stranger) = kept
+                .iter()
+                .find(|node| !nodes.contains(node) || !before.contains(node))
+            {
+                return Err(ShapeError::invalid(
+                    s.path("kept"),
+                    format!("{stranger} is not a node of this segment and the one before"),
+                ));
+            }
             let segment = Segment {
                 run_id,
                 main_record,
@@ -111,6 +143,7 @@ impl ResumeBlock {
                 tokens: s.u64("tokens")?,
                 terminal_state: s.non_empty_string("terminal_state")?.to_string(),
                 lost,
+                kept,
             };
             s.finish()?;
             if let Some(previous) = segments.last() {
@@ -164,6 +197,7 @@ mod tests {
                     tokens: 10,
                     terminal_state: "transport_error".into(),
                     lost: vec![node(2)],
+                    kept: vec![],
                 },
                 Segment {
                     run_id: "run-b".into(),
@@ -174,6 +208,7 @@ mod tests {
                     tokens: 54,
                     terminal_state: "completed".into(),
                     lost: vec![],
+                    kept: vec![node(1), node(3)],
                 },
             ],
         }
@@ -206,6 +241,18 @@ mod tests {
         let mut coordinator_lost = block();
         coordinator_lost.segments[0].lost = vec![node(1)];
         assert!(ResumeBlock::from_value(&coordinator_lost.to_value()).is_err());
+
+        let mut kept_first = block();
+        kept_first.segments[0].kept = vec![node(1)];
+        assert!(ResumeBlock::from_value(&kept_first.to_value()).is_err());
+
+        let mut kept_new = block();
+        kept_new.segments[1].kept = vec![node(4)];
+        assert!(ResumeBlock::from_value(&kept_new.to_value()).is_err());
+
+        let mut kept_empty = block().to_value();
+        kept_empty["segments"][0]["kept"] = json!([]);
+        assert!(ResumeBlock::from_value(&kept_empty).is_err());
 
         let mut extra = block().to_value();
         extra["segments"][0]["hidden"] = json!(1);

@@ -102,6 +102,9 @@ fn segment_line(segment: &mesh_protocol::resume::Segment) -> String {
         segment.prefilled,
         segment.terminal_state
     );
+    if !segment.kept.is_empty() {
+        let _ = write!(line, ", caches kept by {}", segment.kept.join(", "));
+    }
     if !segment.lost.is_empty() {
         let _ = write!(line, ", lost {}", segment.lost.join(", "));
     }
@@ -229,6 +232,7 @@ pub fn node_stats(
     );
     for (name, value) in [
         ("request caches open", stats.caches_open),
+        ("  of them kept for a resume", stats.caches_kept),
         ("records awaiting a seal", stats.records_pending),
         ("direct-return waiters", stats.direct_waiters),
         ("grant decisions held", stats.grant_decisions_waiting),
@@ -285,6 +289,11 @@ pub fn node_stats_prometheus(stats: &crate::runtime::serve::NodeStats) -> String
             "caches_open",
             "Request caches open over all slices.",
             stats.caches_open,
+        ),
+        (
+            "caches_kept",
+            "Of those, failed requests' caches held for a resume.",
+            stats.caches_kept,
         ),
         (
             "records_pending",

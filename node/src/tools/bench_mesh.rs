@@ -414,6 +414,8 @@ pub async fn bench_resume(
             "detection_ms": noticed.saturating_sub(killed_unix_ms),
             "replan_ms": resume["replan_ms"],
             "replay_ms": resume["replay_ms"],
+            "replayed_positions": resume["replayed_positions"],
+            "caches_kept_by": resume["kept"],
             "prompt_prefill_ms": summary.details["prefill_ms"],
         }));
         // The killed node comes back (same key, same data) for the next round.
@@ -439,7 +441,7 @@ pub async fn bench_resume(
 pub fn render_resume(report: &Value) -> String {
     let ms = |key: &str| report[key].as_f64().unwrap_or(f64::NAN);
     format!(
-        "a stage SIGKILLed mid-request, {} rounds, context {} tokens ({}):\n  kill to next token: median {:.0} ms\n    detection {:.0} ms, re-plan {:.0} ms, prefix replay {:.0} ms (the prompt's own prefill: {:.0} ms)\n",
+        "a stage SIGKILLed mid-request, {} rounds, context {} tokens ({}):\n  kill to next token: median {:.0} ms\n    detection {:.0} ms, re-plan {:.0} ms, prefix replay {:.0} ms of {} positions, caches kept by {} node(s) (the prompt's own prefill: {:.0} ms)\n",
         report["rounds"],
         report["runs"][0]["context_tokens"],
         report["model"].as_str().unwrap_or(""),
@@ -447,6 +449,10 @@ pub fn render_resume(report: &Value) -> String {
         ms("detection_ms_median"),
         ms("replan_ms_median"),
         ms("replay_ms_median"),
+        report["runs"][0]["replayed_positions"],
+        report["runs"][0]["caches_kept_by"]
+            .as_array()
+            .map_or(0, Vec::len),
         ms("prompt_prefill_ms_median"),
     )
 }

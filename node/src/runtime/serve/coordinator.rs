@@ -381,6 +381,8 @@ async fn serve_request(
         started: Instant::now(),
         requester_gone,
         resumes: Vec::new(),
+        own_outputs: Some(Vec::new()),
+        keep_failed: false,
     };
     let mut run = run.clone();
     let mut interrupted: Vec<Interrupted<'_>> = Vec::new();
@@ -397,6 +399,9 @@ async fn serve_request(
         .await?;
         if let (Some(last), Some(replayed)) = (progress.resumes.last_mut(), driven.replayed_in) {
             last["replay_ms"] = json!(replayed.as_secs_f64() * 1e3);
+        }
+        if admitted.keep.is_some() && driven.tokens == 0 {
+            progress.keep_failed = true;
         }
         if !driven.resumable {
             break driven;
@@ -445,7 +450,8 @@ async fn serve_request(
                 break driven;
             }
         };
-        let resumed = match admitted.resume(inner, &next).await {
+        let keep = keep_plan(inner, &run, &next, &admitted, &driven, &progress);
+        let resumed = match admitted.resume(inner, &next, keep).await {
             Ok(resumed) => resumed,
             Err(error) => {
                 driven.failure = Some(format!("{failure}; could not resume: {error:#}"));
@@ -456,6 +462,11 @@ async fn serve_request(
         progress.resumes.push(json!({
             "at_token": progress.tokens.len(),
             "lost": driven.lost.iter().map(did_key).collect::<Vec<_>>(),
+            "kept": resumed.keep.as_ref().map_or(Vec::new(), |keep| keep.nodes.iter().map(did_key).collect()),
+            "replayed_positions": resumed.keep.as_ref().map_or(
+                admitted.prompt_ids.len() + progress.tokens.len(),
+                |keep| keep.positions,
+            ),
             "replan_ms": noticed.elapsed().as_secs_f64() * 1e3,
             "noticed_unix_ms": noticed_unix_ms,
         }));
@@ -490,6 +501,81 @@ struct Admitted<'a> {
     serve: ServeRequest,
     /// The requester's grant shards, by node.
     shards: GrantShards,
+    /// A resumed segment's caches kept from the interrupted one.
+    keep: Option<KeepPlan>,
+    /// A resumed segment: the interrupted segment's request id, which its
+    /// stages end at once where it still runs.
+    resumes: Option<u64>,
+}
+
+/// Which caches a resumed segment keeps from the segment it carries on:
+/// the remote stages from `from` on (the same node on the same layers, not
+/// lost), and the coordinator's own when its layers stayed. Each holds
+/// `positions` (the prompt and every token but the last); the stages
+/// before `from` rebuild theirs by a replay of those positions, which the
+/// last of them sends no further, and the last token runs as a decode step.
+#[derive(Debug, Clone)]
+struct KeepPlan {
+    from: u32,
+    own: bool,
+    positions: usize,
+    /// The nodes that keep their cache, for the records.
+    nodes: Vec<[u8; 32]>,
+}
+
+/// Most bytes of its own slice's outputs the coordinator keeps per request,
+/// to replay them to a new stage after a loss instead of recomputing its
+/// own layers; a longer request recomputes.
+pub const MAX_KEPT_OUTPUT_BYTES: usize = 64 << 20;
+
+/// The caches a resume onto `next` can keep, if any: only with the direct
+/// return (a relayed chain carries every step's reply back through every
+/// stage), after at least one token (the interrupted chain built every
+/// position but the last), and not right after a segment that kept caches
+/// and failed before its first token.
+fn keep_plan(
+    inner: &Inner,
+    interrupted: &Run,
+    next: &Run,
+    admitted: &Admitted<'_>,
+    driven: &Driven,
+    progress: &Progress,
+) -> Option<KeepPlan> {
+    if inner.return_mode != ReturnMode::Direct || progress.tokens.is_empty() || progress.keep_failed
+    {
+        return None;
+    }
+    let positions = admitted.prompt_ids.len() + progress.tokens.len() - 1;
+    let range = |run: &Run, k: usize| run.assigns.get(k).map(|a| (a.layer_start, a.layer_end));
+    let n = next.keys.len();
+    let same_stage = |k: usize| {
+        interrupted.keys.len() == n
+            && interrupted.keys[k] == next.keys[k]
+            && range(interrupted, k) == range(next, k)
+            && !driven.lost.contains(&next.keys[k])
+    };
+    // Stages after the last one that must rebuild keep their caches.
+    let from = (1..n).rev().find(|&k| !same_stage(k)).map_or(1, |k| k + 1) as u32;
+    let own = range(interrupted, 0) == range(next, 0)
+        && Arc::ptr_eq(&interrupted.own.slice, &next.own.slice)
+        && progress
+            .own_outputs
+            .as_ref()
+            .is_some_and(|out| out.len() >= positions * next.own.slice.config().hidden);
+    if from as usize == n && !own {
+        return None;
+    }
+    let nodes = own
+        .then_some(next.keys[0])
+        .into_iter()
+        .chain(next.keys[from as usize..].iter().copied())
+        .collect();
+    Some(KeepPlan {
+        from,
+        own,
+        positions,
+        nodes,
+    })
 }
 
 /// The requester's grant presentations, one per stage of the first chain,
@@ -516,6 +602,7 @@ impl<'a> Held<'a> {
         inner: &'a Arc<Inner>,
         run: &Run,
         capacity: usize,
+        kept: Option<CacheLease>,
     ) -> anyhow::Result<(Self, SplitKey)> {
         let split_key = SplitKey {
             coordinator_node_id: inner.tls.did.clone(),
@@ -523,11 +610,16 @@ impl<'a> Held<'a> {
             request_id: u64::from_le_bytes(crate::runtime::keys::random_bytes()?),
         };
         let mut held = Held::new(inner, split_key.request_id);
-        held.cache = Some(
-            run.own
+        held.cache = Some(match kept {
+            Some(mut lease) => {
+                lease.rekey(split_key.request_id)?;
+                lease
+            }
+            None => run
+                .own
                 .pool
                 .open(&run.own.slice, split_key.request_id, capacity)?,
-        );
+        });
         if !lock(&inner.collector).open(split_key.clone(), run.keys.clone()) {
             return Err(anyhow::Error::new(mesh_stage::EngineError::Busy(
                 crate::runtime::records::MAX_PENDING_SPLITS,
@@ -578,9 +670,24 @@ impl<'a> Admitted<'a> {
     /// records), a cache on the new own slice, a record slot, and the grant
     /// decisions of the new chain's nodes that hold a shard. The
     /// coordinator's own grant decision and the requester watch move over.
-    async fn resume(&mut self, inner: &'a Arc<Inner>, run: &Arc<Run>) -> anyhow::Result<Self> {
+    async fn resume(
+        &mut self,
+        inner: &'a Arc<Inner>,
+        run: &Arc<Run>,
+        keep: Option<KeepPlan>,
+    ) -> anyhow::Result<Self> {
         let capacity = self.prompt_ids.len() + self.max_new;
-        let (mut held, split_key) = Held::take_places(inner, run, capacity)?;
+        // The own cache goes on under the new request, cut back to the
+        // positions every kept stage holds.
+        let kept = match keep.as_ref().filter(|keep| keep.own) {
+            Some(keep) => {
+                let mut lease = self.held.cache.take().context("the request's cache")?;
+                lease.cache().truncate(keep.positions)?;
+                Some(lease)
+            }
+            None => None,
+        };
+        let (mut held, split_key) = Held::take_places(inner, run, capacity, kept)?;
         held.authorise_stages(run, &split_key, &self.serve, &self.shards)
             .await?;
         held.ticket = self.held.ticket.take();
@@ -597,6 +704,8 @@ impl<'a> Admitted<'a> {
             max_new: self.max_new,
             serve: self.serve.clone(),
             shards: self.shards.clone(),
+            keep,
+            resumes: Some(self.request_id),
         })
     }
 }
@@ -621,6 +730,13 @@ struct Progress {
     requester_gone: Arc<std::sync::atomic::AtomicBool>,
     /// Each resume's figures, for the details.
     resumes: Vec<serde_json::Value>,
+    /// The own slice's outputs so far (one row per position, in f32), while
+    /// they fit in `MAX_KEPT_OUTPUT_BYTES`: what a new stage after it is
+    /// replayed from.
+    own_outputs: Option<Vec<f32>>,
+    /// A segment that kept caches failed before its first token: the next
+    /// resume rebuilds everything.
+    keep_failed: bool,
 }
 
 /// What driving one chain (one segment of the request) gave.
@@ -643,6 +759,11 @@ struct Driven {
     prefilled: usize,
     /// How long a resumed segment's replay took to its first token.
     replayed_in: Option<Duration>,
+    /// Nodes that kept their caches from the segment before.
+    kept: Vec<[u8; 32]>,
+    /// Whether its first token came from a decode step (caches kept), not
+    /// from the end of a prefill.
+    first_by_decode: bool,
 }
 
 /// A segment that lost its chain, kept to be sealed with the rest.
@@ -729,7 +850,7 @@ async fn admit<'a>(
     let capacity = prompt_ids.len() + max_new;
 
     // Everything this request holds is released by `held` on every path.
-    let (mut held, split_key) = Held::take_places(inner, run, capacity)?;
+    let (mut held, split_key) = Held::take_places(inner, run, capacity, None)?;
     let shards = GrantShards {
         presentations,
         nodes: run.keys.clone(),
@@ -764,6 +885,8 @@ async fn admit<'a>(
         max_new,
         serve,
         shards,
+        keep: None,
+        resumes: None,
     })
 }
 
@@ -824,28 +947,68 @@ async fn drive(
         decode_round_trips,
         prefill_time,
         requester_gone,
+        own_outputs,
         ..
     } = progress;
     let started = Instant::now();
     let mut replayed_in: Option<Duration> = None;
     let mut budget_stop: Option<String> = None;
+    let keep = admitted.keep.clone();
+    let hidden_size = run.own.slice.config().hidden;
     // The prompt runs through the chain in chunks, each its own step, so no
-    // step of a long prompt outlasts the step timeout.
-    let prefill: Vec<&[u32]> = prefix.chunks(inner.prefill_chunk_tokens).collect();
+    // step of a long prompt outlasts the step timeout. A segment that keeps
+    // caches replays every position but the last to the stages that rebuild
+    // theirs ("silent" steps: no reply comes back), then runs the last token
+    // as a decode step through the whole chain.
+    let (prefill, silent): (Vec<&[u32]>, usize) = match &keep {
+        Some(keep) => {
+            let mut steps: Vec<&[u32]> = prefix[..keep.positions]
+                .chunks(inner.prefill_chunk_tokens)
+                .collect();
+            let silent = steps.len();
+            steps.push(&prefix[keep.positions..]);
+            (steps, silent)
+        }
+        None => (prefix.chunks(inner.prefill_chunk_tokens).collect(), 0),
+    };
+    let replay_own = keep.as_ref().is_some_and(|keep| keep.own);
+    match &keep {
+        // The own cache was kept: so are its outputs, up to the positions kept.
+        Some(keep) if keep.own => {
+            if let Some(outputs) = own_outputs.as_mut() {
+                outputs.truncate(keep.positions * hidden_size);
+            }
+        }
+        // A fresh own cache: its outputs are computed again.
+        _ => *own_outputs = Some(Vec::new()),
+    }
     let first_peer = run.peers[0].clone();
     let final_stage = run.peers[run.peers.len() - 1].clone();
 
     let outcome: anyhow::Result<(anyhow::Result<TerminalState>, Tail)> = async {
         let (mut send, recv) = inner.open(&first_peer, ALPN_STAGE).await?;
-        let open = Cbor::text_map([
+        let mut open = vec![
             ("run_id", Cbor::text(&run_id)),
             ("coordinator", Cbor::text(&coordinator)),
             ("stage_count", Cbor::Uint(n.into())),
             ("capacity", Cbor::Uint(capacity as u64)),
             ("return_mode", Cbor::text(return_mode.as_str())),
-            ("prefill_steps", Cbor::Uint(prefill.len() as u64)),
+            (
+                "prefill_steps",
+                Cbor::Uint(if keep.is_some() { silent } else { prefill.len() } as u64),
+            ),
             ("deadline_ms", Cbor::Uint(deadline.left().as_millis() as u64)),
-        ]);
+        ];
+        if let Some(interrupted) = admitted.resumes {
+            open.push(("resume_of", Cbor::Uint(interrupted)));
+        }
+        if let Some(keep) = &keep {
+            open.extend([
+                ("kept_from", Cbor::Uint(keep.from.into())),
+                ("keep_positions", Cbor::Uint(keep.positions as u64)),
+            ]);
+        }
+        let open = Cbor::text_map(open);
         write_forward(
             &mut send,
             &msg::stage_body(kind::OPEN, request_id, 0, &open.encode()),
@@ -894,23 +1057,44 @@ async fn drive(
                     return Ok(TerminalState::ClientCancelled);
                 }
                 if to_send {
-                    let compute_start = Instant::now();
-                    let lease = held.cache.take().context("the request's cache")?;
-                    let (output, lease) = run
-                        .own
-                        .batcher
-                        .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease)
-                        .await?;
-                    held.cache = Some(lease);
-                    *own_compute += compute_start.elapsed();
-                    if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
-                        budget_stop = Some(stop);
-                        return Ok(TerminalState::PolicyDenied);
-                    }
-                    let SliceOutput::Hidden(hidden) = output else {
-                        bail!("the coordinator's slice returned logits")
+                    let frame = if replay_own && (step as usize) < silent {
+                        // The replay of a kept own cache: the outputs it
+                        // sent before, not computed again.
+                        let chunk = inner.prefill_chunk_tokens;
+                        let rows = (step as usize * chunk)..(keep.as_ref().map_or(0, |k| k.positions)).min((step as usize + 1) * chunk);
+                        let kept = own_outputs
+                            .as_ref()
+                            .and_then(|out| out.get(rows.start * hidden_size..rows.end * hidden_size))
+                            .context("the own slice's kept outputs")?;
+                        encode_frame(kept, rows.len(), hidden_size, inner.wire)?
+                    } else {
+                        let compute_start = Instant::now();
+                        let lease = held.cache.take().context("the request's cache")?;
+                        let (output, lease) = run
+                            .own
+                            .batcher
+                            .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease)
+                            .await?;
+                        held.cache = Some(lease);
+                        *own_compute += compute_start.elapsed();
+                        if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
+                            budget_stop = Some(stop);
+                            return Ok(TerminalState::PolicyDenied);
+                        }
+                        let SliceOutput::Hidden(hidden) = output else {
+                            bail!("the coordinator's slice returned logits")
+                        };
+                        // Kept while they fit, for a replay after a loss.
+                        if own_outputs.as_ref().is_some_and(|out| {
+                            (out.len() + hidden.values.len()) * 4 > MAX_KEPT_OUTPUT_BYTES
+                        }) {
+                            *own_outputs = None;
+                        }
+                        if let Some(out) = own_outputs.as_mut() {
+                            out.extend_from_slice(&hidden.values);
+                        }
+                        encode_frame(&hidden.values, hidden.rows, hidden.cols, inner.wire)?
                     };
-                    let frame = encode_frame(&hidden.values, hidden.rows, hidden.cols, inner.wire)?;
                     trip = Instant::now();
                     if let Err(error) = write_forward(
                         &mut send,
@@ -927,6 +1111,12 @@ async fn drive(
                             Some(recv) => refusal_behind(recv, error, "stage 1", received).await,
                             None => error,
                         });
+                    }
+                    if (step as usize) < silent {
+                        // A replay step: no reply comes back for it.
+                        step += 1;
+                        input = prefill[step as usize].to_vec();
+                        continue;
                     }
                     reply_owed = true;
                     owed += 1;
@@ -1249,8 +1439,10 @@ async fn drive(
         lost,
         first_token,
         tokens: tokens.len() - first_token,
-        prefilled: prefix.len(),
+        prefilled: keep.as_ref().map_or(prefix.len(), |keep| keep.positions),
         replayed_in,
+        kept: keep.as_ref().map_or(Vec::new(), |keep| keep.nodes.clone()),
+        first_by_decode: keep.is_some(),
     })
 }
 
@@ -1453,7 +1645,11 @@ fn seal_segment(
         },
         Tokens {
             prefill_received: prefilled as u64,
-            decode: tokens.saturating_sub(1) as u64,
+            decode: if driven.first_by_decode {
+                tokens
+            } else {
+                tokens.saturating_sub(1)
+            } as u64,
         },
         terminal,
     );
@@ -1527,6 +1723,7 @@ fn segment_entry(
         tokens: driven.tokens as u64,
         terminal_state: driven.terminal.as_str().to_string(),
         lost: driven.lost.iter().map(did_key).collect(),
+        kept: driven.kept.iter().map(did_key).collect(),
     }
 }
 

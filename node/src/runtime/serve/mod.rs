@@ -42,6 +42,7 @@ use crate::runtime::steward::Steward;
 
 mod batch;
 mod coordinator;
+mod kept;
 mod stats;
 pub use coordinator::{
     DEFAULT_PREFILL_CHUNK_TOKENS, GenerateRequest, GenerateSummary, GrantedServe,
@@ -214,9 +215,11 @@ impl Assign {
 
 struct Slot {
     slice: Arc<LayerSlice>,
-    pool: CachePool,
+    /// Shared with the slot of a later run on the same layers, so a cache
+    /// kept across a resume stays counted once, in one pool.
+    pool: Arc<CachePool>,
     /// Runs every step on this slice, batching concurrent requests.
-    batcher: batch::Batcher,
+    batcher: Arc<batch::Batcher>,
     assign: Assign,
     /// When a request last opened or ended on this slice.
     last_used: Mutex<Instant>,
@@ -226,12 +229,34 @@ impl Slot {
     fn new(slice: LayerSlice, max_requests: usize, context: usize, assign: Assign) -> Self {
         let slice = Arc::new(slice);
         Self {
-            batcher: batch::Batcher::start(slice.clone(), max_requests),
+            batcher: Arc::new(batch::Batcher::start(slice.clone(), max_requests)),
             slice,
-            pool: CachePool::new(max_requests, context),
+            pool: Arc::new(CachePool::new(max_requests, context)),
             assign,
             last_used: Mutex::new(Instant::now()),
         }
+    }
+
+    /// The same loaded layers under a new run's assignment: nothing is
+    /// loaded again, and the caches of requests on the old run (a kept
+    /// cache among them) stay valid on the new one.
+    fn reassigned(&self, assign: Assign) -> Self {
+        Self {
+            slice: self.slice.clone(),
+            pool: self.pool.clone(),
+            batcher: self.batcher.clone(),
+            assign,
+            last_used: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// Whether this slot holds the layers `assign` names, of the same
+    /// coordinator: a new run may take it over.
+    fn holds_layers_of(&self, assign: &Assign) -> bool {
+        self.assign.coordinator == assign.coordinator
+            && self.assign.package_id == assign.package_id
+            && self.assign.layer_start == assign.layer_start
+            && self.assign.layer_end == assign.layer_end
     }
 
     fn touch(&self) {
@@ -343,6 +368,8 @@ struct Inner {
     /// The last plan over the mesh, for the member set (its generation) and
     /// the refused members it was made for.
     plan_cache: Mutex<Option<PlanCache>>,
+    /// Caches of requests a resume may take over.
+    kept: kept::KeptCaches,
 }
 
 /// A plan and what it was made from.
@@ -354,7 +381,16 @@ struct PlanCache {
     refused: Vec<[u8; 32]>,
     plan: mesh_protocol::plan::Plan,
     usable: Vec<Usable>,
+    /// The coordinator and the members as the planner weighed them.
+    candidates: Candidates,
 }
+
+/// The coordinator as a candidate, and every other member with why it is
+/// left out, if it is.
+type Candidates = (
+    mesh_protocol::plan::Candidate,
+    Vec<crate::runtime::planner::Weighed>,
+);
 
 /// A chain: the remote stages, every stage's layers, and the planner's
 /// projection when it came from a plan over a mesh.
@@ -471,6 +507,7 @@ impl Node {
             refused: Mutex::new(HashMap::new()),
             refusals: std::sync::atomic::AtomicU64::new(0),
             plan_cache: Mutex::new(None),
+            kept: kept::KeptCaches::default(),
         });
         if let Some(settings) = &options.mesh {
             let mesh = start_mesh(&inner, &options.data, settings).await?;
@@ -1070,13 +1107,27 @@ fn handle_assign(
         );
     }
     {
-        let slots = lock(&inner.slots);
+        let mut slots = lock(&inner.slots);
         if let Some(slot) = slots.get(&assign.run_id) {
             if slot.assign.coordinator != peer {
                 bail!("run {} belongs to another coordinator", assign.run_id);
             }
             slot.touch();
             return Ok((slot.slice.weights_digest(), slot.slice.weight_bytes()));
+        }
+        // The coordinator's new run keeps these layers here (a re-plan
+        // around another node): the loaded slice, and the caches on it,
+        // carry over.
+        let same_layers = slots
+            .values()
+            .find(|held| held.holds_layers_of(&assign))
+            .cloned();
+        if let Some(held) = same_layers {
+            let slot = Arc::new(held.reassigned(assign.clone()));
+            let answer = (slot.slice.weights_digest(), slot.slice.weight_bytes());
+            slots.retain(|_, held| held.assign.coordinator != peer);
+            slots.insert(assign.run_id.clone(), slot);
+            return Ok(answer);
         }
         inner.check_slice_room(&slots, peer)?;
     }
@@ -1337,13 +1388,30 @@ struct StageOpen {
     prefill_steps: u64,
     deadline: Deadline,
     return_mode: ReturnMode,
+    /// A resumed request names the interrupted one: a stage where that
+    /// one still runs (its upstream lost, its stream not yet timed out)
+    /// ends it now.
+    resumes: Option<u64>,
+    keep: Option<StageResume>,
+}
+
+/// OPEN of a resumed request whose chain keeps caches: the stages from
+/// `kept_from` on take over the caches the interrupted request built, cut
+/// back to `positions`; the stages before them rebuild theirs from the
+/// prefill steps (the replay), and the last of those sends the replay no
+/// further.
+#[derive(Debug, Clone, Copy)]
+struct StageResume {
+    of: u64,
+    kept_from: u32,
+    positions: u64,
 }
 
 impl StageOpen {
     fn parse(payload: &[u8], inner: &Inner) -> anyhow::Result<Self> {
         let open = Cbor::decode(payload).context("malformed OPEN")?;
         let mut f = Fields::of(&open)?.text_limit(MAX_CONTROL_TEXT);
-        let parsed = Self {
+        let mut parsed = Self {
             run_id: f.text("run_id")?.to_string(),
             capacity: f.uint("capacity")? as usize,
             prefill_steps: f.opt_uint("prefill_steps")?.unwrap_or(1).max(1),
@@ -1362,7 +1430,28 @@ impl StageOpen {
                 Some("direct") => ReturnMode::Direct,
                 _ => ReturnMode::Relayed,
             },
+            resumes: f.opt_uint("resume_of")?,
+            keep: None,
         };
+        parsed.keep = match (
+            parsed.resumes,
+            f.opt_uint("kept_from")?,
+            f.opt_uint("keep_positions")?,
+        ) {
+            (_, None, None) => None,
+            (Some(_), Some(0), Some(_)) => bail!("OPEN: kept_from names a remote stage"),
+            (Some(of), Some(kept_from), Some(positions)) => Some(StageResume {
+                of,
+                kept_from: u32::try_from(kept_from).context("OPEN: kept_from")?,
+                positions,
+            }),
+            _ => bail!("OPEN: kept_from and keep_positions come together, with resume_of"),
+        };
+        // Only a direct return lets a stage leave the replay's replies out:
+        // relayed, every step's reply comes back through every stage.
+        if parsed.keep.is_some() && parsed.return_mode != ReturnMode::Direct {
+            bail!("OPEN: a resume that keeps caches needs the direct return");
+        }
         // Carried down the chain as they are; the assignment is what counts.
         f.opt_text("coordinator")?;
         f.opt_uint("stage_count")?;
@@ -1403,6 +1492,14 @@ struct StageAdmitted {
     ticket: crate::runtime::steward::ServeTicket,
     served: ServeRequest,
     cache: Option<CacheLease>,
+    /// Its entry among the caches a resume may keep.
+    keep: kept::KeepHandle,
+    /// Positions its cache came with (taken over from an interrupted
+    /// request), counted as prefilled.
+    kept_positions: u64,
+    /// Prefill steps it runs but sends no further: the next stage kept its
+    /// cache.
+    silent_steps: u64,
     up_send: quinn::SendStream,
     up_recv: quinn::RecvStream,
 }
@@ -1470,6 +1567,8 @@ async fn admit_stage(
         prefill_steps,
         deadline,
         return_mode,
+        resumes,
+        keep: resume,
     } = open;
     let slot = lock(&inner.slots).get(&run_id).cloned();
     let Some(slot) = slot else {
@@ -1501,6 +1600,7 @@ async fn admit_stage(
     // Decide (or take the decision already made for) the grant first, then
     // the cache: a refusal at either releases what the other holds.
     inner.expire_pre_decided();
+    inner.kept.expire();
     let pre_decided = {
         let mut tickets = lock(&inner.tickets);
         match tickets.get(&request_id) {
@@ -1532,32 +1632,106 @@ async fn admit_stage(
         }
     };
     // The request's cache: freed when `cache` is dropped, on every path.
-    let cache = match slot.pool.open(&slot.slice, request_id, capacity) {
+    // A resumed request takes over the cache its interrupted segment built
+    // here when its chain keeps this stage's layers.
+    let k = assign.stage_index;
+    let kept_here = resume.filter(|r| k >= r.kept_from);
+    if let (Some(interrupted), None) = (resumes, kept_here) {
+        inner.kept.end(assign.coordinator, interrupted);
+    }
+    let opened = match kept_here {
+        Some(r) => take_kept(inner, &slot, r, request_id, capacity).await,
+        None => open_cache(inner, &slot, request_id, capacity),
+    };
+    let cache = match opened {
         Ok(cache) => {
             stats::Counters::bump(&inner.counters.stage_requests);
             Some(cache)
         }
         Err(error) => {
             inner.release_ticket(ticket);
-            return refuse_stage(inner, &mut up_send, request_id, format!("{error}"))
+            return refuse_stage(inner, &mut up_send, request_id, format!("{error:#}"))
                 .await
                 .map(|()| None);
         }
     };
+    let keep = inner
+        .kept
+        .register(slot.assign.coordinator, request_id, &slot.slice);
     Ok(Some(StageAdmitted {
+        kept_positions: kept_here.map_or(0, |r| r.positions),
+        // A stage that kept its cache gets no replay: its first step decodes.
+        prefill_steps: if kept_here.is_some() {
+            0
+        } else {
+            prefill_steps
+        },
+        silent_steps: match resume {
+            Some(r) if k + 1 == r.kept_from => prefill_steps,
+            _ => 0,
+        },
         slot,
         request_id,
         first,
         run_id,
-        prefill_steps,
         deadline,
         return_mode,
         ticket,
         served,
         cache,
+        keep,
         up_send,
         up_recv,
     }))
+}
+
+/// A new cache for a request, giving back parked caches on the slice when
+/// they are what stands in the way.
+fn open_cache(
+    inner: &Inner,
+    slot: &Slot,
+    request_id: u64,
+    capacity: usize,
+) -> anyhow::Result<CacheLease> {
+    match slot.pool.open(&slot.slice, request_id, capacity) {
+        Err(mesh_stage::EngineError::Busy(_)) if inner.kept.evict_parked_on(&slot.slice) > 0 => {
+            Ok(slot.pool.open(&slot.slice, request_id, capacity)?)
+        }
+        opened => Ok(opened?),
+    }
+}
+
+/// The cache an interrupted request built on this slice, for the resumed
+/// request that carries it on: cut back to the positions every kept stage
+/// holds, counted in the pool under the new request's id.
+async fn take_kept(
+    inner: &Inner,
+    slot: &Slot,
+    resume: StageResume,
+    request_id: u64,
+    capacity: usize,
+) -> anyhow::Result<CacheLease> {
+    let wait = inner.step_timeout.min(DRAIN_WAIT * 2);
+    let mut lease = inner
+        .kept
+        .take(slot.assign.coordinator, resume.of, &slot.slice, wait)
+        .await?;
+    let positions = usize::try_from(resume.positions).context("keep_positions")?;
+    if lease.cache().capacity() < capacity {
+        bail!(
+            "the kept cache holds {} positions, the request asks for {capacity}",
+            lease.cache().capacity()
+        );
+    }
+    lease.cache().truncate(positions).with_context(|| {
+        format!(
+            "the kept cache of request {} holds {} positions, not {positions}",
+            resume.of,
+            lease.positions()
+        )
+    })?;
+    lease.rekey(request_id)?;
+    Ok(lease)
 }
 
 /// Run: open the next hop, then every step (forward it, or return logits),
@@ -1575,6 +1749,9 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         mut ticket,
         served,
         mut cache,
+        keep,
+        kept_positions,
+        silent_steps,
         mut up_send,
         up_recv,
     } = admitted;
@@ -1610,7 +1787,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
     let mut upstream = spawn_frames(up_recv, msg::MAX_STAGE_MESSAGE);
     let mut terminal = TerminalState::TransportError;
     let mut tokens = Tokens {
-        prefill_received: 0,
+        prefill_received: kept_positions,
         decode: 0,
     };
     let mut stats = StageStats::default();
@@ -1653,6 +1830,14 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
             // to it only to say why it stopped: watch for that (or for the
             // stream closing) while waiting for upstream.
             let read = tokio::select! {
+                biased;
+                () = keep.superseded.notified() => {
+                    // Its coordinator resumed it on a new chain that keeps
+                    // this cache: the old chain's upstream is gone, even
+                    // if its stream still looks open.
+                    upstream_gone = true;
+                    bail!("superseded: its coordinator resumed it on a new chain");
+                }
                 read = tokio::time::timeout(deadline.bound(inner.step_timeout), upstream.recv()) => read,
                 said = next_frame(&mut down_watch) => {
                     let frame = said
@@ -1693,6 +1878,9 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
             match message_kind {
                 kind::ACTIVATIONS => {
                     let (activations, wire) = decode_frame(payload, slot.slice.config().hidden)?;
+                    // A replay step whose output the next stage, which kept
+                    // its cache, does not need.
+                    let silent = u64::from(stats.steps) < silent_steps;
                     if u64::from(stats.steps) < prefill_steps {
                         tokens.prefill_received += activations.rows as u64;
                     } else {
@@ -1717,6 +1905,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                         );
                     }
                     match output {
+                        SliceOutput::Hidden(_) if silent => {}
                         SliceOutput::Hidden(a) if down.is_some() => {
                             let frame = encode_frame(&a.values, a.rows, a.cols, wire)?;
                             let (send, down_recv) = down
@@ -1826,6 +2015,16 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         }
     }
     .await;
+    // A failed request's cache waits a while for a resume to keep it: let
+    // go of it now, before the neighbours' last frames are read.
+    keep.release(
+        cache.take(),
+        outcome.is_err()
+            && matches!(
+                terminal,
+                TerminalState::TransportError | TerminalState::TimedOut
+            ),
+    );
     if let Err(error) = &outcome {
         tracing::warn!(stage = k, request_id, "{error:#}");
         // Upstream is still waiting for this step's reply: say why there is
@@ -1871,7 +2070,6 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         }
     }
     slot.touch();
-    drop(cache);
     if let Some((mut send, _)) = down.take() {
         let _ = send.finish();
     }
@@ -2207,7 +2405,31 @@ impl Inner {
                  or join a mesh (--bootstrap MULTIADDR, or mDNS on a LAN)"
             );
         };
-        let (plan, usable) = self.plan_now(mesh)?;
+        let (mut plan, usable, (own, others)) = self.plan_now(mesh)?;
+        // A chain that lost a stage keeps its survivors where they were
+        // (their loaded layers, and the caches a resumed request keeps)
+        // when that costs little more than the best plan.
+        if let Some(run) = current
+            && run.projected_us.is_some()
+            && !run.peers.iter().all(|p| usable.contains(&(p.key, p.addr)))
+        {
+            let interrupted: Vec<([u8; 32], std::ops::Range<u32>)> = run
+                .keys
+                .iter()
+                .zip(&run.assigns)
+                .map(|(key, a)| (*key, a.layer_start..a.layer_end))
+                .collect();
+            if let Some(kept) = mesh_protocol::plan::keep_in_place(
+                &crate::runtime::planner::model_shape(&self.model),
+                &own,
+                &others,
+                &interrupted,
+                &plan,
+                MIN_REPLAN_GAIN,
+            ) {
+                plan = kept;
+            }
+        }
         if let Some(run) = current
             && let Some(before) = run.projected_us
             && run.peers.iter().all(|p| usable.contains(&(p.key, p.addr)))
@@ -2245,7 +2467,7 @@ impl Inner {
     fn plan_now(
         &self,
         mesh: &crate::runtime::mesh::Mesh,
-    ) -> anyhow::Result<(mesh_protocol::plan::Plan, Vec<Usable>)> {
+    ) -> anyhow::Result<(mesh_protocol::plan::Plan, Vec<Usable>, Candidates)> {
         use mesh_protocol::plan::{LeftOut, Stages};
         // Planning weighs every member (milliseconds for a large model and
         // mesh): the same member set and refusals give the plan made last.
@@ -2280,7 +2502,11 @@ impl Inner {
             && cached.refused == refused_now
             && cached.addresses == addresses
         {
-            return Ok((cached.plan.clone(), cached.usable.clone()));
+            return Ok((
+                cached.plan.clone(),
+                cached.usable.clone(),
+                cached.candidates.clone(),
+            ));
         }
         let (own, mut others) = crate::runtime::planner::candidates(
             &self.model.package_id(),
@@ -2327,8 +2553,9 @@ impl Inner {
             refused: refused_now,
             plan: plan.clone(),
             usable: usable.clone(),
+            candidates: (own.clone(), others.clone()),
         });
-        Ok((plan, usable))
+        Ok((plan, usable, (own, others)))
     }
 }
 
@@ -2525,13 +2752,24 @@ impl Inner {
         };
         let own_range = ranges[0].clone();
         // The coordinator holds the output head: the final stage returns its
-        // hidden state, and the logits are computed (and sampled) here.
-        let own_slice =
-            tokio::task::block_in_place(|| self.model.load_chain_slice(own_range, true))?;
+        // hidden state, and the logits are computed (and sampled) here. A
+        // new run on the same own layers keeps the loaded slice (and the
+        // caches of requests resumed onto it).
+        let kept_own = guard
+            .as_ref()
+            .filter(|old| old.own.holds_layers_of(&assigns[0]))
+            .map(|old| Arc::new(old.own.reassigned(assigns[0].clone())));
+        let own = match kept_own {
+            Some(own) => own,
+            None => {
+                let own_slice =
+                    tokio::task::block_in_place(|| self.model.load_chain_slice(own_range, true))?;
+                self.slot(own_slice, assigns[0].clone())
+            }
+        };
         let refresh_after = remote
             .await
             .map_err(|e| anyhow!("assignment task: {e}"))??;
-        let own = self.slot(own_slice, assigns[0].clone());
         tracing::info!(
             run_id,
             stages,

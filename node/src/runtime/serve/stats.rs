@@ -106,6 +106,9 @@ pub struct NodeStats {
     pub slices: Vec<SliceStats>,
     /// Request caches open over all slices.
     pub caches_open: u64,
+    /// Of those, caches of failed requests waiting (a bounded while) for a
+    /// resume to keep them.
+    pub caches_kept: u64,
     /// Requests whose stage records the coordinator still collects.
     pub records_pending: u64,
     /// Requests waiting for their final stage's direct-return stream.
@@ -130,8 +133,9 @@ pub struct NodeStats {
 }
 
 /// Stats fields that are plain counts, in the order they are written.
-const COUNTS: [&str; 14] = [
+const COUNTS: [&str; 15] = [
     "caches_open",
+    "caches_kept",
     "records_pending",
     "direct_waiters",
     "grant_decisions_waiting",
@@ -150,9 +154,10 @@ const COUNTS: [&str; 14] = [
 const MAX_STATS_SLICES: usize = 64;
 
 impl NodeStats {
-    fn counts(&self) -> [u64; 14] {
+    fn counts(&self) -> [u64; 15] {
         [
             self.caches_open,
+            self.caches_kept,
             self.records_pending,
             self.direct_waiters,
             self.grant_decisions_waiting,
@@ -169,9 +174,10 @@ impl NodeStats {
         ]
     }
 
-    fn counts_mut(&mut self) -> [&mut u64; 14] {
+    fn counts_mut(&mut self) -> [&mut u64; 15] {
         [
             &mut self.caches_open,
+            &mut self.caches_kept,
             &mut self.records_pending,
             &mut self.direct_waiters,
             &mut self.grant_decisions_waiting,
@@ -188,9 +194,10 @@ impl NodeStats {
         ]
     }
 
-    /// Every pool a request takes a place in is empty.
+    /// Every pool a request takes a place in is empty: no request holds
+    /// anything (a kept cache is held for a resume, until its time is up).
     pub fn pools_empty(&self) -> bool {
-        self.caches_open == 0
+        self.caches_open == self.caches_kept
             && self.records_pending == 0
             && self.direct_waiters == 0
             && self.grant_decisions_waiting == 0
@@ -296,6 +303,7 @@ impl Inner {
         let c = &self.counters;
         NodeStats {
             caches_open: slices.iter().map(|s| s.caches_open).sum(),
+            caches_kept: self.kept.parked() as u64,
             slices,
             records_pending: lock(&self.collector).pending() as u64,
             direct_waiters: lock(&self.directs).len() as u64,

@@ -166,16 +166,20 @@ fn resume_block() -> Value {
                 tokens: 10,
                 terminal_state: "transport_error".into(),
                 lost: vec![a],
+                kept: vec![],
             },
             mesh_protocol::resume::Segment {
                 run_id: "mesh-split-2".into(),
                 main_record: [0x22; 32],
-                nodes: vec![coordinator, spare, b],
+                nodes: vec![coordinator.clone(), spare, b.clone()],
                 first_token: 10,
-                prefilled: 15,
+                // The spare rebuilt its cache from 14 positions (the prompt
+                // and 9 tokens); the coordinator and stage b kept theirs.
+                prefilled: 14,
                 tokens: 54,
                 terminal_state: "completed".into(),
                 lost: vec![],
+                kept: vec![coordinator, b],
             },
         ],
     }
@@ -352,6 +356,17 @@ fn receipt_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<
             "resumed",
             Some(block(&|v| {
                 v["segments"][0]["lost"] = json!([did(&key("mesh-node vectors: a stranger"))])
+            })),
+        )),
+    );
+    push(
+        "resumed_kept_node_new_to_the_segment".into(),
+        false,
+        signed(core_with(
+            &core,
+            "resumed",
+            Some(block(&|v| {
+                v["segments"][1]["kept"] = json!([did(&key("mesh-node vectors: spare"))])
             })),
         )),
     );
