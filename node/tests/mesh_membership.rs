@@ -811,9 +811,10 @@ fn a_member_that_refuses_its_assignment_is_planned_around_within_the_request() {
 
 /// A coordinator pinned to three stages over a mesh of three joiners (one
 /// spare once a chain is planned), every member seen.
-fn three_stages_and_a_spare(dir: &Path) -> (Running, Vec<Running>, PathBuf) {
+fn three_stages_and_a_spare(dir: &Path, extra: &[&str]) -> (Running, Vec<Running>, PathBuf) {
     let model = synthetic(dir);
-    let (coordinator, _) = mesh_coordinator(dir, &model, &["--stages", "3"]);
+    let args: Vec<&str> = ["--stages", "3"].iter().chain(extra).copied().collect();
+    let (coordinator, _) = mesh_coordinator(dir, &model, &args);
     let nodes: Vec<Running> = ["j0", "j1", "j2"]
         .iter()
         .map(|name| {
@@ -849,7 +850,7 @@ fn chain_of(summary: &mesh_node::runtime::serve::GenerateSummary) -> Vec<String>
 async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
-    let (coordinator, nodes, _) = three_stages_and_a_spare(dir.path());
+    let (coordinator, nodes, _) = three_stages_and_a_spare(dir.path(), &[]);
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let request = GenerateRequest::greedy("hello mesh", 64);
 
@@ -965,7 +966,7 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
 async fn a_resume_past_the_deadline_ends_timed_out_not_in_a_hang() {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
-    let (coordinator, nodes, _) = three_stages_and_a_spare(dir.path());
+    let (coordinator, nodes, _) = three_stages_and_a_spare(dir.path(), &[]);
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let warm = generate_remote(
         &address,
@@ -1015,7 +1016,7 @@ async fn a_resume_past_the_deadline_ends_timed_out_not_in_a_hang() {
 async fn a_stage_back_at_its_address_with_another_key_is_not_trusted_as_the_old_one() {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
-    let (coordinator, mut nodes, model) = three_stages_and_a_spare(dir.path());
+    let (coordinator, mut nodes, model) = three_stages_and_a_spare(dir.path(), &[]);
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let request = GenerateRequest::greedy("hello mesh", 4);
     let warm = generate_remote(&address, &request, &mut |_| {})
@@ -1076,4 +1077,48 @@ async fn a_stage_back_at_its_address_with_another_key_is_not_trusted_as_the_old_
         "{}",
         String::from_utf8_lossy(&verified.stdout)
     );
+}
+
+/// With the relayed return a killed stage is noticed through the mesh too
+/// (not at QUIC's idle timeout), and the request resumes with the tokens of
+/// an uninterrupted run; every stage rebuilds its cache, since each step's
+/// reply comes back through every stage and none can leave the replay out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_chain_resumes_too_and_rebuilds_every_cache() {
+    use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
+    let dir = tempfile::tempdir().unwrap();
+    let (coordinator, nodes, _) =
+        three_stages_and_a_spare(dir.path(), &["--return-mode", "relayed"]);
+    let address: PeerAddr = coordinator.peer.parse().unwrap();
+    let request = GenerateRequest::greedy("hello mesh", 24);
+    let reference = generate_remote(&address, &request, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        reference.terminal_state, "completed",
+        "{:?}",
+        reference.error
+    );
+    assert!(reference.details["token_ids"].as_array().unwrap().len() >= 12);
+    let chain = chain_of(&reference);
+    let victim = nodes.iter().find(|n| n.did == chain[1]).unwrap();
+    let victim_pid = victim.child.id();
+    let mut seen = 0;
+    let resumed = generate_remote(&address, &request, &mut |_| {
+        seen += 1;
+        if seen == 6 {
+            Command::new("kill")
+                .args(["-9", &victim_pid.to_string()])
+                .status()
+                .unwrap();
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(resumed.terminal_state, "completed", "{:?}", resumed.error);
+    assert_eq!(resumed.details["token_ids"], reference.details["token_ids"]);
+    let resumes = resumed.details["resumes"].as_array().unwrap();
+    assert_eq!(resumes.len(), 1, "{resumes:?}");
+    assert_eq!(resumes[0]["lost"], serde_json::json!([victim.did]));
+    assert_eq!(resumes[0]["kept"], serde_json::json!([]));
 }

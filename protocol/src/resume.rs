@@ -163,6 +163,64 @@ impl ResumeBlock {
     }
 }
 
+/// A resumed request's claim on the interrupted one, carried in its OPEN
+/// through the chain and signed by the coordinator, so a stage ends or
+/// hands over a request of its coordinator only on that coordinator's word,
+/// never on an upstream stage's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumeClaim {
+    pub run_id: String,
+    /// The resumed request.
+    pub request_id: u64,
+    /// The interrupted request it carries on.
+    pub resume_of: u64,
+    /// `kept_from` and `keep_positions`, when caches are kept.
+    pub keep: Option<(u64, u64)>,
+}
+
+/// What the coordinator signs for a claim:
+/// `"mesh-node resume claim v1\0" ‖ len(run_id) u32 LE ‖ run_id ‖
+/// request_id u64 LE ‖ resume_of u64 LE ‖ 0x00` or
+/// `… ‖ 0x01 ‖ kept_from u64 LE ‖ keep_positions u64 LE`.
+pub fn claim_message(claim: &ResumeClaim) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + claim.run_id.len());
+    out.extend_from_slice(b"mesh-node resume claim v1\0");
+    out.extend_from_slice(&(claim.run_id.len() as u32).to_le_bytes());
+    out.extend_from_slice(claim.run_id.as_bytes());
+    out.extend_from_slice(&claim.request_id.to_le_bytes());
+    out.extend_from_slice(&claim.resume_of.to_le_bytes());
+    match claim.keep {
+        None => out.push(0),
+        Some((kept_from, positions)) => {
+            out.push(1);
+            out.extend_from_slice(&kept_from.to_le_bytes());
+            out.extend_from_slice(&positions.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// The coordinator's signature over a claim.
+pub fn sign_claim(claim: &ResumeClaim, key: &crate::SigningKey) -> [u8; 64] {
+    use ed25519_dalek::Signer;
+    key.sign(&claim_message(claim)).to_bytes()
+}
+
+/// Whether `signature` is `coordinator`'s over `claim`.
+pub fn claim_signed_by(claim: &ResumeClaim, signature: &[u8], coordinator: &[u8; 32]) -> bool {
+    let (Ok(key), Ok(signature)) = (
+        crate::VerifyingKey::from_bytes(coordinator),
+        <[u8; 64]>::try_from(signature),
+    ) else {
+        return false;
+    };
+    key.verify_strict(
+        &claim_message(claim),
+        &ed25519_dalek::Signature::from_bytes(&signature),
+    )
+    .is_ok()
+}
+
 fn did_keys(m: &mut Members<'_>, key: &'static str) -> Result<Vec<String>, ShapeError> {
     m.list(key, MAX_SEGMENT_NODES, "a did:key", |item| {
         item.as_str()
@@ -266,6 +324,42 @@ mod tests {
             many.segments.insert(many.segments.len() - 1, next);
         }
         assert!(ResumeBlock::from_value(&many.to_value()).is_err());
+    }
+
+    #[test]
+    fn a_claim_holds_only_under_its_coordinators_key_and_as_signed() {
+        let coordinator = crate::SigningKey::from_bytes(&[3; 32]);
+        let public = coordinator.verifying_key().to_bytes();
+        let claim = ResumeClaim {
+            run_id: "mesh-split-2".into(),
+            request_id: 9,
+            resume_of: 7,
+            keep: Some((2, 14)),
+        };
+        let signature = sign_claim(&claim, &coordinator);
+        assert!(claim_signed_by(&claim, &signature, &public));
+        let other = crate::SigningKey::from_bytes(&[4; 32]);
+        assert!(!claim_signed_by(
+            &claim,
+            &signature,
+            &other.verifying_key().to_bytes()
+        ));
+        assert!(!claim_signed_by(&claim, &signature[..63], &public));
+        let edits: [&dyn Fn(&mut ResumeClaim); 5] = [
+            &|c| c.run_id.push('x'),
+            &|c| c.request_id += 1,
+            &|c| c.resume_of += 1,
+            &|c| c.keep = None,
+            &|c| c.keep = Some((2, 15)),
+        ];
+        for edit in edits {
+            let mut changed = claim.clone();
+            edit(&mut changed);
+            assert!(
+                !claim_signed_by(&changed, &signature, &public),
+                "{changed:?}"
+            );
+        }
     }
 
     proptest! {

@@ -382,7 +382,6 @@ async fn serve_request(
         requester_gone,
         resumes: Vec::new(),
         own_outputs: Some(Vec::new()),
-        keep_failed: false,
     };
     let mut run = run.clone();
     let mut interrupted: Vec<Interrupted<'_>> = Vec::new();
@@ -399,9 +398,6 @@ async fn serve_request(
         .await?;
         if let (Some(last), Some(replayed)) = (progress.resumes.last_mut(), driven.replayed_in) {
             last["replay_ms"] = json!(replayed.as_secs_f64() * 1e3);
-        }
-        if admitted.keep.is_some() && driven.tokens == 0 {
-            progress.keep_failed = true;
         }
         if !driven.resumable {
             break driven;
@@ -465,7 +461,7 @@ async fn serve_request(
             "kept": resumed.keep.as_ref().map_or(Vec::new(), |keep| keep.nodes.iter().map(did_key).collect()),
             "replayed_positions": resumed.keep.as_ref().map_or(
                 admitted.prompt_ids.len() + progress.tokens.len(),
-                |keep| keep.positions,
+                |keep| if keep.from == 1 { 0 } else { keep.positions },
             ),
             "replan_ms": noticed.elapsed().as_secs_f64() * 1e3,
             "noticed_unix_ms": noticed_unix_ms,
@@ -530,9 +526,9 @@ pub const MAX_KEPT_OUTPUT_BYTES: usize = 64 << 20;
 
 /// The caches a resume onto `next` can keep, if any: only with the direct
 /// return (a relayed chain carries every step's reply back through every
-/// stage), after at least one token (the interrupted chain built every
-/// position but the last), and not right after a segment that kept caches
-/// and failed before its first token.
+/// stage), and only after a segment that produced a token (its stages then
+/// built every position but the last: a segment that failed in its replay,
+/// or before its first token, left them short).
 fn keep_plan(
     inner: &Inner,
     interrupted: &Run,
@@ -541,28 +537,32 @@ fn keep_plan(
     driven: &Driven,
     progress: &Progress,
 ) -> Option<KeepPlan> {
-    if inner.return_mode != ReturnMode::Direct || progress.tokens.is_empty() || progress.keep_failed
-    {
+    if inner.return_mode != ReturnMode::Direct || driven.tokens == 0 {
         return None;
     }
     let positions = admitted.prompt_ids.len() + progress.tokens.len() - 1;
-    let range = |run: &Run, k: usize| run.assigns.get(k).map(|a| (a.layer_start, a.layer_end));
-    let n = next.keys.len();
-    let same_stage = |k: usize| {
-        interrupted.keys.len() == n
-            && interrupted.keys[k] == next.keys[k]
-            && range(interrupted, k) == range(next, k)
-            && !driven.lost.contains(&next.keys[k])
+    let chain = |run: &Run| -> Vec<([u8; 32], (u32, u32))> {
+        run.keys
+            .iter()
+            .zip(&run.assigns)
+            .map(|(key, a)| (*key, (a.layer_start, a.layer_end)))
+            .collect()
     };
-    // Stages after the last one that must rebuild keep their caches.
-    let from = (1..n).rev().find(|&k| !same_stage(k)).map_or(1, |k| k + 1) as u32;
-    let own = range(interrupted, 0) == range(next, 0)
+    let from = kept_from(&chain(interrupted), &chain(next), &driven.lost);
+    let own = chain(interrupted).first() == chain(next).first()
         && Arc::ptr_eq(&interrupted.own.slice, &next.own.slice)
+        && admitted
+            .held
+            .cache
+            .as_ref()
+            .is_some_and(|cache| cache.positions() >= positions)
         && progress
             .own_outputs
             .as_ref()
             .is_some_and(|out| out.len() >= positions * next.own.slice.config().hidden);
-    if from as usize == n && !own {
+    // Every remote stage kept, the coordinator's own not: it would have to
+    // rebuild its cache without sending anything. Rebuild everything.
+    if (from as usize == next.keys.len() || from == 1) && !own {
         return None;
     }
     let nodes = own
@@ -576,6 +576,21 @@ fn keep_plan(
         positions,
         nodes,
     })
+}
+
+/// The first remote stage of `next` from which on every stage is the same
+/// node on the same layers as in `interrupted` and was not lost: those keep
+/// their caches. `next.len()` when the final stage changed.
+fn kept_from(
+    interrupted: &[([u8; 32], (u32, u32))],
+    next: &[([u8; 32], (u32, u32))],
+    lost: &[[u8; 32]],
+) -> u32 {
+    let n = next.len();
+    let same = |k: usize| {
+        interrupted.len() == n && interrupted[k] == next[k] && !lost.contains(&next[k].0)
+    };
+    (1..n).rev().find(|&k| !same(k)).map_or(1, |k| k + 1) as u32
 }
 
 /// The requester's grant presentations, one per stage of the first chain,
@@ -682,10 +697,21 @@ impl<'a> Admitted<'a> {
         let kept = match keep.as_ref().filter(|keep| keep.own) {
             Some(keep) => {
                 let mut lease = self.held.cache.take().context("the request's cache")?;
-                lease.cache().truncate(keep.positions)?;
+                let positions = keep.positions;
+                // Cutting it back copies the cache: not on the runtime's threads.
+                let lease = tokio::task::spawn_blocking(move || {
+                    lease.cache().truncate(positions).map(|()| lease)
+                })
+                .await
+                .context("cutting back the kept cache")??;
                 Some(lease)
             }
-            None => None,
+            None => {
+                // Its place in the pool (shared with the new run's when the
+                // own layers stayed) is given back before a new one is taken.
+                self.held.release_cache();
+                None
+            }
         };
         let (mut held, split_key) = Held::take_places(inner, run, capacity, kept)?;
         held.authorise_stages(run, &split_key, &self.serve, &self.shards)
@@ -734,9 +760,6 @@ struct Progress {
     /// they fit in `MAX_KEPT_OUTPUT_BYTES`: what a new stage after it is
     /// replayed from.
     own_outputs: Option<Vec<f32>>,
-    /// A segment that kept caches failed before its first token: the next
-    /// resume rebuilds everything.
-    keep_failed: bool,
 }
 
 /// What driving one chain (one segment of the request) gave.
@@ -962,7 +985,10 @@ async fn drive(
     // as a decode step through the whole chain.
     let (prefill, silent): (Vec<&[u32]>, usize) = match &keep {
         Some(keep) => {
-            let mut steps: Vec<&[u32]> = prefix[..keep.positions]
+            // No replay when every remote stage kept its cache (then the
+            // coordinator kept its own too).
+            let replayed = if keep.from == 1 { 0 } else { keep.positions };
+            let mut steps: Vec<&[u32]> = prefix[..replayed]
                 .chunks(inner.prefill_chunk_tokens)
                 .collect();
             let silent = steps.len();
@@ -1000,7 +1026,23 @@ async fn drive(
             ("deadline_ms", Cbor::Uint(deadline.left().as_millis() as u64)),
         ];
         if let Some(interrupted) = admitted.resumes {
-            open.push(("resume_of", Cbor::Uint(interrupted)));
+            // Signed: a stage ends or hands over a request of this
+            // coordinator only on its word, not on an upstream stage's.
+            let claim = mesh_protocol::resume::ResumeClaim {
+                run_id: run_id.clone(),
+                request_id,
+                resume_of: interrupted,
+                keep: keep
+                    .as_ref()
+                    .map(|keep| (u64::from(keep.from), keep.positions as u64)),
+            };
+            open.extend([
+                ("resume_of", Cbor::Uint(interrupted)),
+                (
+                    "resume_sig",
+                    Cbor::bytes(mesh_protocol::resume::sign_claim(&claim, &inner.key).to_vec()),
+                ),
+            ]);
         }
         if let Some(keep) = &keep {
             open.extend([
@@ -1129,7 +1171,7 @@ async fn drive(
                 }
                 let wait = deadline.bound(inner.step_timeout);
                 let reply = match recv.as_mut() {
-                    Some(recv) if wait == inner.step_timeout => {
+                    Some(recv) if wait == inner.step_timeout && run.projected_us.is_none() => {
                         let reply =
                             msg::read_checked(recv, reply_limit, inner.step_timeout, None)
                                 .await
@@ -1139,15 +1181,26 @@ async fn drive(
                         reply
                     }
                     _ if return_mode == ReturnMode::Relayed => {
-                        // The deadline is nearer than a step timeout: read
-                        // through a task from here on, so the wait can end
-                        // without losing part of a frame.
+                        // Read through a task, so the wait can end without
+                        // losing part of a frame: over a mesh, where it also
+                        // watches the members (a stage whose process died is
+                        // noticed when its mesh connection closes, not at
+                        // QUIC's idle timeout), and once the deadline is
+                        // nearer than a step timeout.
                         if relayed.is_none() {
                             relayed = recv.take().map(|recv| spawn_frames(recv, reply_limit));
                         }
-                        let Ok(arrived) = tokio::time::timeout(wait, next_frame(&mut relayed)).await
-                        else {
-                            return Ok(TerminalState::TimedOut);
+                        let arrived = tokio::select! {
+                            arrived = tokio::time::timeout(wait, next_frame(&mut relayed)) => arrived,
+                            gone = stage_left(inner, run, started) => {
+                                bail!("stage {} left the mesh", did_key(&gone));
+                            }
+                        };
+                        let Ok(arrived) = arrived else {
+                            if deadline.is_past() {
+                                return Ok(TerminalState::TimedOut);
+                            }
+                            return Err(step_timed_out("stage 1", inner.step_timeout));
                         };
                         let reply = arrived.context("stage 1 closed the request")??;
                         folds.time(|| lanes.down_replies_received.push_frame(&reply));
@@ -1441,7 +1494,12 @@ async fn drive(
         tokens: tokens.len() - first_token,
         prefilled: keep.as_ref().map_or(prefix.len(), |keep| keep.positions),
         replayed_in,
-        kept: keep.as_ref().map_or(Vec::new(), |keep| keep.nodes.clone()),
+        // Claimed only once the chain answered: a kept stage that could
+        // not take its cache refuses the request.
+        kept: keep
+            .as_ref()
+            .filter(|_| tokens.len() > first_token)
+            .map_or(Vec::new(), |keep| keep.nodes.clone()),
         first_by_decode: keep.is_some(),
     })
 }
@@ -2228,7 +2286,31 @@ pub(super) async fn connect_as(
 
 #[cfg(test)]
 mod tests {
-    use super::shown_end;
+    use super::{kept_from, shown_end};
+
+    #[test]
+    fn stages_after_the_last_that_changed_keep_their_caches() {
+        let (c, a, b, spare) = ([0; 32], [1; 32], [2; 32], [3; 32]);
+        let old = [(c, (0, 2)), (a, (2, 4)), (b, (4, 6))];
+        // The middle lost, the spare on its layers: the final stage keeps.
+        let next = [(c, (0, 2)), (spare, (2, 4)), (b, (4, 6))];
+        assert_eq!(kept_from(&old, &next, &[a]), 2);
+        // The final stage lost: nothing remote keeps.
+        let next = [(c, (0, 2)), (a, (2, 4)), (spare, (4, 6))];
+        assert_eq!(kept_from(&old, &next, &[b]), 3);
+        // The same chain after a failure without a loss: every stage keeps.
+        assert_eq!(kept_from(&old, &old, &[]), 1);
+        // The same node on other layers rebuilds, and so does every stage
+        // before it.
+        let next = [(c, (0, 2)), (spare, (2, 5)), (b, (5, 6))];
+        assert_eq!(kept_from(&old, &next, &[a]), 3);
+        // A node that left and came back under its key is not trusted with
+        // the cache it had.
+        assert_eq!(kept_from(&old, &old, &[b]), 3);
+        // Another stage count: nothing remote keeps.
+        let next = [(c, (0, 4)), (b, (4, 6))];
+        assert_eq!(kept_from(&old, &next, &[a]), 2);
+    }
 
     #[test]
     fn a_stop_sequence_ends_the_text_before_it_and_is_never_shown_in_part() {

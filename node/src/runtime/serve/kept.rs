@@ -8,11 +8,13 @@
 //! even while its dead upstream still looks open) and takes the cache.
 //!
 //! Bounds: one entry per request the stage's pools admit; a parked cache
-//! keeps its place in its pool, so it is given back at the TTL, when a new
-//! request would otherwise be refused as busy, or when taken.
+//! keeps its place in its pool, and is given back at the TTL (swept with
+//! the node's idle-slice check), when a new request would otherwise be
+//! refused as busy (the oldest first), when its slice is released or
+//! replaced, or when taken. An entry does not keep its slice loaded.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -48,7 +50,10 @@ impl KeepHandle {
             // there, or freed when the entry goes.
             let _ = park.send(cache);
         }
-        if let Some(entry) = entries.get_mut(&self.key) {
+        if let Some(entry) = entries
+            .get_mut(&self.key)
+            .filter(|entry| Arc::ptr_eq(&entry.superseded, &self.superseded))
+        {
             entry.expires = Some(Instant::now() + PARK_TTL);
         }
     }
@@ -58,10 +63,11 @@ impl Drop for KeepHandle {
     fn drop(&mut self) {
         if self.park.is_some() {
             let mut entries = lock(&self.entries);
-            if entries
-                .get(&self.key)
-                .is_some_and(|entry| entry.expires.is_none())
-            {
+            // Only this request's own entry, not one registered since
+            // under the same id.
+            if entries.get(&self.key).is_some_and(|entry| {
+                entry.expires.is_none() && Arc::ptr_eq(&entry.superseded, &self.superseded)
+            }) {
                 entries.remove(&self.key);
             }
         }
@@ -72,7 +78,8 @@ impl Drop for KeepHandle {
 type Entries = Arc<Mutex<HashMap<([u8; 32], u64), Entry>>>;
 
 struct Entry {
-    slice: Arc<LayerSlice>,
+    /// The slice the cache is on: compared, never kept loaded.
+    slice: Weak<LayerSlice>,
     superseded: Arc<Notify>,
     /// Where the cache arrives once the request lets it go; taken by the
     /// resume that claims it.
@@ -107,7 +114,7 @@ impl KeptCaches {
         lock(&self.entries).insert(
             key,
             Entry {
-                slice: slice.clone(),
+                slice: Arc::downgrade(slice),
                 superseded: superseded.clone(),
                 parked: Some(parked),
                 expires: None,
@@ -137,7 +144,7 @@ impl KeptCaches {
             let Some(entry) = entries.get_mut(&key) else {
                 bail!("no cache of request {request_id} is kept here");
             };
-            if !Arc::ptr_eq(&entry.slice, slice) {
+            if !std::ptr::eq(entry.slice.as_ptr(), Arc::as_ptr(slice)) {
                 bail!("the cache of request {request_id} is on other layers");
             }
             let parked = entry
@@ -159,12 +166,21 @@ impl KeptCaches {
     }
 
     /// End `coordinator`'s request `request_id` if it still runs here, and
-    /// free its cache: a resumed request that does not keep it says the
-    /// interrupted one is over.
-    pub fn end(&self, coordinator: [u8; 32], request_id: u64) {
-        let gone = lock(&self.entries).remove(&(coordinator, request_id));
-        if let Some(entry) = &gone {
+    /// free its cache, waiting up to `wait` for the request to let it go
+    /// (so its place in the pool is free when this returns): a resumed
+    /// request that does not keep it says the interrupted one is over.
+    pub async fn end(&self, coordinator: [u8; 32], request_id: u64, wait: Duration) {
+        let parked = {
+            let mut entries = lock(&self.entries);
+            let Some(mut entry) = entries.remove(&(coordinator, request_id)) else {
+                return;
+            };
             entry.superseded.notify_one();
+            entry.parked.take()
+        };
+        if let Some(parked) = parked {
+            // The cache, if it comes, is dropped here: freed.
+            let _ = tokio::time::timeout(wait, parked).await;
         }
     }
 
@@ -183,19 +199,39 @@ impl KeptCaches {
         drop(gone);
     }
 
-    /// Give back every parked cache on `slice`, so a new request is not
-    /// refused for room a resume may never claim. How many went.
+    /// Give back every parked cache on `slice` (released or replaced).
+    /// How many went.
     pub fn evict_parked_on(&self, slice: &Arc<LayerSlice>) -> usize {
         let gone: Vec<Entry> = {
             let mut entries = lock(&self.entries);
             let keys: Vec<_> = entries
                 .iter()
-                .filter(|(_, entry)| entry.expires.is_some() && Arc::ptr_eq(&entry.slice, slice))
+                .filter(|(_, entry)| {
+                    entry.expires.is_some()
+                        && std::ptr::eq(entry.slice.as_ptr(), Arc::as_ptr(slice))
+                })
                 .map(|(key, _)| *key)
                 .collect();
             keys.iter().filter_map(|key| entries.remove(key)).collect()
         };
         gone.len()
+    }
+
+    /// Give back the parked cache on `slice` that has waited longest, so a
+    /// new request is not refused for room a resume may never claim.
+    /// Whether there was one.
+    pub fn evict_oldest_on(&self, slice: &Arc<LayerSlice>) -> bool {
+        let gone = {
+            let mut entries = lock(&self.entries);
+            let oldest = entries
+                .iter()
+                .filter(|(_, entry)| std::ptr::eq(entry.slice.as_ptr(), Arc::as_ptr(slice)))
+                .filter_map(|(key, entry)| Some((entry.expires?, *key)))
+                .min()
+                .map(|(_, key)| key);
+            oldest.and_then(|key| entries.remove(&key))
+        };
+        gone.is_some()
     }
 
     /// Caches parked now, waiting for a resume.
@@ -276,7 +312,11 @@ mod tests {
                 .release(Some(lease(&pool, &slice, request, 2)), true);
         }
         assert_eq!(kept.evict_parked_on(&other_slice), 0);
-        assert_eq!(kept.evict_parked_on(&slice), 2);
+        assert!(kept.evict_oldest_on(&slice));
+        assert_eq!(kept.parked(), 1);
+        assert_eq!(pool.open_requests(), 1);
+        assert_eq!(kept.evict_parked_on(&slice), 1);
+        assert!(!kept.evict_oldest_on(&slice));
         assert_eq!(pool.open_requests(), 0);
         assert_eq!(kept.parked(), 0);
     }
@@ -306,11 +346,14 @@ mod tests {
         // Ended by a resume that keeps nothing: the cache is freed.
         let handle = kept.register(COORDINATOR, 2, &slice);
         let cache = lease(&pool, &slice, 2, 4);
-        kept.end(COORDINATOR, 2);
-        tokio::time::timeout(Duration::from_secs(5), handle.superseded.notified())
-            .await
-            .unwrap();
-        handle.release(Some(cache), true);
+        let running = tokio::spawn(async move {
+            handle.superseded.notified().await;
+            handle.release(Some(cache), true);
+        });
+        kept.end(COORDINATOR, 2, Duration::from_secs(5)).await;
+        // Its place is free once `end` returns.
+        assert_eq!(pool.open_requests(), 1);
+        running.await.unwrap();
         assert_eq!(kept.parked(), 0);
         drop(taken);
         assert_eq!(pool.open_requests(), 0);

@@ -641,6 +641,7 @@ async fn release_idle_slices(inner: std::sync::Weak<Inner>) {
             return;
         };
         inner.expire_pre_decided();
+        inner.kept.expire();
         let released: Vec<String> = {
             let mut slots = lock(&inner.slots);
             let idle: Vec<String> = slots
@@ -653,7 +654,9 @@ async fn release_idle_slices(inner: std::sync::Weak<Inner>) {
                 .map(|(run, _)| run.clone())
                 .collect();
             for run in &idle {
-                slots.remove(run);
+                if let Some(slot) = slots.remove(run) {
+                    inner.kept.evict_parked_on(&slot.slice);
+                }
             }
             idle
         };
@@ -948,6 +951,9 @@ async fn handle_control(
                     _ => None,
                 }
             };
+            if let Some(slot) = &freed {
+                inner.kept.evict_parked_on(&slot.slice);
+            }
             let reply = match freed {
                 Some(_) => {
                     tracing::info!(run = %run_id, "released a slice its coordinator no longer uses");
@@ -1149,8 +1155,15 @@ fn handle_assign(
     let mut slots = lock(&inner.slots);
     inner.check_slice_room(&slots, peer)?;
     // A coordinator holds one run here: its newer run replaces the older, whose
-    // slice is freed once its last request ends.
-    slots.retain(|_, held| held.assign.coordinator != peer);
+    // slice is freed once its last request ends (the caches kept on it
+    // cannot serve the new slice: given back now).
+    slots.retain(|_, held| {
+        let other = held.assign.coordinator != peer;
+        if !other {
+            inner.kept.evict_parked_on(&held.slice);
+        }
+        other
+    });
     slots.insert(assign.run_id.clone(), slot);
     Ok(answer)
 }
@@ -1393,6 +1406,9 @@ struct StageOpen {
     /// ends it now.
     resumes: Option<u64>,
     keep: Option<StageResume>,
+    /// The coordinator's signature over the resume claim
+    /// (`resume::claim_message`): checked before anything is ended or kept.
+    resume_sig: Option<Vec<u8>>,
 }
 
 /// OPEN of a resumed request whose chain keeps caches: the stages from
@@ -1432,6 +1448,7 @@ impl StageOpen {
             },
             resumes: f.opt_uint("resume_of")?,
             keep: None,
+            resume_sig: f.opt_bytes("resume_sig")?.map(<[u8]>::to_vec),
         };
         parsed.keep = match (
             parsed.resumes,
@@ -1451,6 +1468,14 @@ impl StageOpen {
         // relayed, every step's reply comes back through every stage.
         if parsed.keep.is_some() && parsed.return_mode != ReturnMode::Direct {
             bail!("OPEN: a resume that keeps caches needs the direct return");
+        }
+        if parsed.resumes.is_some() != parsed.resume_sig.is_some() {
+            bail!("OPEN: resume_of and resume_sig come together");
+        }
+        if let Some(keep) = parsed.keep
+            && keep.positions >= parsed.capacity as u64
+        {
+            bail!("OPEN: keep_positions leaves no room in the request's capacity");
         }
         // Carried down the chain as they are; the assignment is what counts.
         f.opt_text("coordinator")?;
@@ -1514,6 +1539,8 @@ struct StageRan {
     scope: RequestScope,
     lanes: StageLanes,
     tokens: Tokens,
+    /// Of `tokens.prefill_received`, the positions its cache came with.
+    kept_positions: u64,
     terminal: TerminalState,
 }
 
@@ -1569,6 +1596,7 @@ async fn admit_stage(
         return_mode,
         resumes,
         keep: resume,
+        resume_sig,
     } = open;
     let slot = lock(&inner.slots).get(&run_id).cloned();
     let Some(slot) = slot else {
@@ -1633,11 +1661,46 @@ async fn admit_stage(
     };
     // The request's cache: freed when `cache` is dropped, on every path.
     // A resumed request takes over the cache its interrupted segment built
-    // here when its chain keeps this stage's layers.
+    // here when its chain keeps this stage's layers; on its coordinator's
+    // signed word only, never on an upstream stage's.
     let k = assign.stage_index;
+    if let Some(interrupted) = resumes {
+        let claim = mesh_protocol::resume::ResumeClaim {
+            run_id: run_id.clone(),
+            request_id,
+            resume_of: interrupted,
+            keep: resume.map(|r| (u64::from(r.kept_from), r.positions)),
+        };
+        let refusal = if interrupted == request_id {
+            Some("a request cannot resume itself".to_string())
+        } else if resume.is_some_and(|r| r.kept_from >= assign.stage_count) {
+            Some(format!(
+                "kept_from is past the {} stages",
+                assign.stage_count
+            ))
+        } else if !mesh_protocol::resume::claim_signed_by(
+            &claim,
+            resume_sig.as_deref().unwrap_or_default(),
+            &assign.coordinator,
+        ) {
+            Some("the resume is not signed by this run's coordinator".to_string())
+        } else {
+            None
+        };
+        if let Some(reason) = refusal {
+            inner.release_ticket(ticket);
+            return refuse_stage(inner, &mut up_send, request_id, format!("OPEN: {reason}"))
+                .await
+                .map(|()| None);
+        }
+    }
     let kept_here = resume.filter(|r| k >= r.kept_from);
     if let (Some(interrupted), None) = (resumes, kept_here) {
-        inner.kept.end(assign.coordinator, interrupted);
+        // Its place in the pool is given back before this request takes one.
+        inner
+            .kept
+            .end(assign.coordinator, interrupted, DRAIN_WAIT * 2)
+            .await;
     }
     let opened = match kept_here {
         Some(r) => take_kept(inner, &slot, r, request_id, capacity).await,
@@ -1693,11 +1756,11 @@ fn open_cache(
     request_id: u64,
     capacity: usize,
 ) -> anyhow::Result<CacheLease> {
-    match slot.pool.open(&slot.slice, request_id, capacity) {
-        Err(mesh_stage::EngineError::Busy(_)) if inner.kept.evict_parked_on(&slot.slice) > 0 => {
-            Ok(slot.pool.open(&slot.slice, request_id, capacity)?)
+    loop {
+        match slot.pool.open(&slot.slice, request_id, capacity) {
+            Err(mesh_stage::EngineError::Busy(_)) if inner.kept.evict_oldest_on(&slot.slice) => {}
+            opened => return Ok(opened?),
         }
-        opened => Ok(opened?),
     }
 }
 
@@ -1723,13 +1786,18 @@ async fn take_kept(
             lease.cache().capacity()
         );
     }
-    lease.cache().truncate(positions).with_context(|| {
-        format!(
+    if lease.positions() < positions {
+        bail!(
             "the kept cache of request {} holds {} positions, not {positions}",
             resume.of,
             lease.positions()
-        )
-    })?;
+        );
+    }
+    // Cutting it back copies the cache: not on the runtime's threads.
+    let mut lease =
+        tokio::task::spawn_blocking(move || lease.cache().truncate(positions).map(|()| lease))
+            .await
+            .context("cutting back the kept cache")??;
     lease.rekey(request_id)?;
     Ok(lease)
 }
@@ -2089,6 +2157,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         scope,
         lanes,
         tokens,
+        kept_positions,
         terminal,
     }
 }
@@ -2106,6 +2175,7 @@ async fn seal_stage(inner: &Arc<Inner>, ran: StageRan) -> anyhow::Result<()> {
         scope,
         lanes,
         tokens,
+        kept_positions,
         terminal,
         ..
     } = ran;
@@ -2125,7 +2195,15 @@ async fn seal_stage(inner: &Arc<Inner>, ran: StageRan) -> anyhow::Result<()> {
         }
     };
     if let Ok(metered) = metered {
-        let receipt = stage_receipt(inner, request_id, &run_id, k, &tokens, &served, &metered);
+        let receipt = stage_receipt(
+            inner,
+            request_id,
+            &run_id,
+            k,
+            (&tokens, kept_positions),
+            &served,
+            &metered,
+        );
         if let Err(error) = lock(&inner.steward).seal(receipt) {
             tracing::error!(request_id, "stage receipt not sealed: {error}");
         }
@@ -2185,7 +2263,7 @@ fn stage_receipt(
     request_id: u64,
     run_id: &str,
     stage: u32,
-    tokens: &Tokens,
+    (tokens, kept): (&Tokens, u64),
     served: &ServeRequest,
     metered: &crate::runtime::steward::Metered,
 ) -> MeshReceipt {
@@ -2198,7 +2276,10 @@ fn stage_receipt(
             weights_digest: inner.model.weights_digest(),
             precision: "q8_0/f32".into(),
         }),
-        tokens_in: tokens.prefill_received + tokens.decode,
+        // Positions a kept cache came with were read before, by the
+        // interrupted request's own receipt: restored here, not read again.
+        tokens_in: (tokens.prefill_received + tokens.decode).saturating_sub(kept),
+        cache_hit_tokens: kept,
         grant_breach: metered
             .debit
             .as_ref()
