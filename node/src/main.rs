@@ -32,6 +32,31 @@ enum Command {
         #[arg(long)]
         prev: Option<PathBuf>,
     },
+    /// Re-execute a serve against its receipt (SPEC §6.4): prints
+    /// `verified`, `diverged at token K` or `not replayable` with its reason.
+    /// Exit 0 verified, 1 diverged, 3 not replayable, 2 unreadable input.
+    Replay {
+        /// The requester's bundle (`generate --out`), or the receipt envelope.
+        bundle: PathBuf,
+        /// The model file the serve ran (its weights digest must match).
+        #[arg(long)]
+        model: PathBuf,
+        /// The prompt as it was sent.
+        #[arg(long)]
+        prompt_file: PathBuf,
+        /// The prompt was sent with the chat template (`generate --chat`).
+        #[arg(long)]
+        chat: bool,
+        /// The receipt's opening, hex (`mesh-node steward open`).
+        #[arg(long)]
+        opening: Option<String>,
+        /// The output the serve disclosed: token ids as a JSON array, or
+        /// `generate --json` output.
+        #[arg(long)]
+        output_file: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Start N nodes in this process, each with its own QUIC endpoint on
     /// 127.0.0.1, serve one request split over them, and check its bundle.
     Demo(mesh_node::cli::node_cli::DemoArgs),
@@ -210,6 +235,18 @@ enum MeshAction {
 
 #[derive(Debug, Subcommand)]
 enum StewardAction {
+    /// Disclose the opening of one receipt's output commitment (SPEC §6.4),
+    /// as its steward: refused for a receipt another key sealed. The
+    /// opening binds the receipt's request id, so it opens no other.
+    Open {
+        /// The receipt: a bundle, or the envelope (raw or hex).
+        receipt: PathBuf,
+        /// The steward's key file (the node's).
+        #[arg(long)]
+        key: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Serve N requests on a CPU workload under a fixed grant, journalling
     /// and sealing each (a harness for the journal and receipt chain).
     Exercise {
@@ -428,6 +465,37 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Verify { json, file, prev } => {
             Ok(mesh_node::cli::verify::verify(&file, prev.as_deref(), json))
+        }
+        Command::Replay {
+            bundle,
+            model,
+            prompt_file,
+            chat,
+            opening,
+            output_file,
+            json,
+        } => {
+            let replayed = mesh_node::cli::replay::replay(&mesh_node::cli::replay::ReplayArgs {
+                bundle: &bundle,
+                model: &model,
+                prompt_file: &prompt_file,
+                chat,
+                opening: opening.as_deref(),
+                output_file: output_file.as_deref(),
+                json,
+            });
+            // Exit 1 means diverged: input that cannot be read is 2.
+            Ok(replayed.unwrap_or_else(|error| {
+                eprintln!("mesh-node replay: {error:#}");
+                ExitCode::from(2)
+            }))
+        }
+        Command::Steward {
+            action: StewardAction::Open { receipt, key, json },
+        } => {
+            let key = mesh_node::runtime::keys::load(&key)?;
+            mesh_node::cli::replay::open(&receipt, &key, json)?;
+            Ok(ExitCode::SUCCESS)
         }
         Command::Bench {
             target:

@@ -21,6 +21,7 @@ pub mod mesh1;
 pub mod package;
 pub mod plan;
 pub mod receipt;
+pub mod replay;
 pub mod resume;
 pub mod session;
 pub mod split;

@@ -8,4 +8,5 @@ pub mod mesh_cli;
 pub mod models;
 pub mod node_cli;
 pub mod render;
+pub mod replay;
 pub mod verify;

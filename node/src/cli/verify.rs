@@ -41,6 +41,27 @@ fn as_envelope(bytes: &[u8]) -> Option<Vec<u8>> {
     mesh_protocol::hex::decode(text).filter(|raw| raw.first() == Some(&0xd2))
 }
 
+/// The `mesh/1` receipt of a file: an envelope (raw or hex), or a bundle
+/// that carries one; its signature checked.
+pub fn read_receipt(path: &Path) -> Result<mesh_protocol::mesh1::SealedReceipt, String> {
+    let shown = path.display();
+    let bytes = read_bounded(path)?;
+    let envelope = match as_envelope(&bytes) {
+        Some(envelope) => envelope,
+        None => {
+            let document =
+                parse_strict(&bytes).map_err(|e| format!("{shown}: not valid JSON: {e}"))?;
+            let bundle = mesh_protocol::bundle::MeshBundle::from_value(&document)
+                .map_err(|e| format!("{shown}: not a mesh bundle: at {e}"))?;
+            bundle
+                .mesh1_envelope
+                .ok_or_else(|| format!("{shown}: the bundle carries no mesh/1 receipt"))?
+        }
+    };
+    mesh_protocol::mesh1::SealedReceipt::verify(&envelope)
+        .map_err(|e| format!("{shown}: the mesh/1 receipt does not verify: {e}"))
+}
+
 fn verify_envelope(shown: &str, envelope: &[u8], prev: Option<&Path>, as_json: bool) -> ExitCode {
     let sealed = match mesh_protocol::mesh1::SealedReceipt::verify(envelope) {
         Ok(sealed) => sealed,

@@ -382,6 +382,13 @@ async fn serve_request(
         requester_gone,
         resumes: Vec::new(),
         own_outputs: Some(Vec::new()),
+        // Its tokens are a function of the request and the prompt payload
+        // alone (SPEC §5): greedy, on the f32 wire (bit-identical to the
+        // unsplit run), the prompt in one prefill step; a resume, which
+        // rebuilds caches in other steps, takes it back.
+        deterministic: request.sampling.temperature <= 0.0
+            && inner.wire == WireDType::F32
+            && admitted.prompt_ids.len() <= inner.prefill_chunk_tokens,
     };
     let mut run = run.clone();
     let mut interrupted: Vec<Interrupted<'_>> = Vec::new();
@@ -760,6 +767,8 @@ struct Progress {
     /// they fit in `MAX_KEPT_OUTPUT_BYTES`: what a new stage after it is
     /// replayed from.
     own_outputs: Option<Vec<f32>>,
+    /// Whether the serve, as far as it went, repeats bit for bit.
+    deterministic: bool,
 }
 
 /// What driving one chain (one segment of the request) gave.
@@ -1846,8 +1855,16 @@ fn seal(
     let receipt = MeshReceipt {
         request_id: serve.request_id(),
         grant_id: metered.grant_id,
-        backend: "mesh-node/split".into(),
-        recipe: model_id.clone(),
+        backend: mesh_protocol::replay::SPLIT_BACKEND.into(),
+        // The engine's declaration (SPEC §5), under the steward's signature.
+        recipe: format!(
+            "{model_id}{}",
+            if progress.deterministic && earlier.is_empty() {
+                mesh_protocol::replay::DETERMINISTIC
+            } else {
+                mesh_protocol::replay::NOT_DETERMINISTIC
+            }
+        ),
         weights: Some(WeightsBinding {
             weights_digest: inner.model.weights_digest(),
             precision: "q8_0/f32".into(),

@@ -702,5 +702,196 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             pretty(&receipt_cases(&steward, &first)?),
         ),
         ("mesh1/grants.json".into(), pretty(&grant_cases(&setup)?)),
+        (
+            "mesh1/replay.json".into(),
+            pretty(&replay_cases(&steward, &first)?),
+        ),
     ])
+}
+
+/// Replay (SPEC §6.4): a serve declared deterministic, re-runs and
+/// disclosed outputs, and the verdict each must give; then the same with
+/// one thing changed at a time, each refusal named.
+fn replay_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<Value> {
+    use mesh_protocol::replay::{DETERMINISTIC, judge};
+    let declared = MeshReceipt {
+        recipe: format!("synthetic-llama{DETERMINISTIC}"),
+        ..first.receipt.clone()
+    };
+    let request_id = declared.request_id;
+    let open = opening(&opening_key(&steward.to_bytes()), &request_id);
+    let weights = weights_digest(&weights_files());
+    let mut parted = OUTPUT_TOKENS.to_vec();
+    parted[2] ^= 1;
+    let shorter_prompt = &PROMPT_TOKENS[..PROMPT_TOKENS.len() - 1];
+    let sealed =
+        |receipt: MeshReceipt| -> anyhow::Result<SealedReceipt> { Ok(receipt.seal(steward)?) };
+    let deterministic = sealed(declared.clone())?;
+    let other_backend = sealed(MeshReceipt {
+        backend: "mesh-node/stage".into(),
+        ..declared.clone()
+    })?;
+    let no_commitment = sealed(MeshReceipt {
+        output_commitment: None,
+        ..declared.clone()
+    })?;
+    // (name, receipt, weights, opening, prompt, re-run, disclosed)
+    type Case<'a> = (
+        &'a str,
+        &'a SealedReceipt,
+        [u8; 32],
+        Option<[u8; 32]>,
+        &'a [u32],
+        &'a [u32],
+        Option<&'a [u32]>,
+    );
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "verified",
+            &deterministic,
+            weights,
+            Some(open),
+            &PROMPT_TOKENS,
+            &OUTPUT_TOKENS,
+            None,
+        ),
+        (
+            "verified_with_the_output_disclosed",
+            &deterministic,
+            weights,
+            Some(open),
+            &PROMPT_TOKENS,
+            &OUTPUT_TOKENS,
+            Some(&OUTPUT_TOKENS),
+        ),
+        (
+            "diverged_at_token_2",
+            &deterministic,
+            weights,
+            Some(open),
+            &PROMPT_TOKENS,
+            &parted,
+            Some(&OUTPUT_TOKENS),
+        ),
+        (
+            "rerun_differs_and_nothing_disclosed",
+            &deterministic,
+            weights,
+            Some(open),
+            &PROMPT_TOKENS,
+            &parted,
+            None,
+        ),
+        (
+            "rerun_differs_and_the_disclosed_output_opens_nothing",
+            &deterministic,
+            weights,
+            Some(open),
+            &PROMPT_TOKENS,
+            &parted,
+            Some(&parted),
+        ),
+        (
+            "another_prompt_payload",
+            &deterministic,
+            weights,
+            Some(open),
+            shorter_prompt,
+            &parted,
+            Some(&OUTPUT_TOKENS),
+        ),
+        (
+            "another_receipts_opening",
+            &deterministic,
+            weights,
+            Some(opening(&opening_key(&steward.to_bytes()), &[0; 32])),
+            &PROMPT_TOKENS,
+            &OUTPUT_TOKENS,
+            Some(&OUTPUT_TOKENS),
+        ),
+        (
+            "no_opening",
+            &deterministic,
+            weights,
+            None,
+            &PROMPT_TOKENS,
+            &OUTPUT_TOKENS,
+            None,
+        ),
+        (
+            "other_weights",
+            &deterministic,
+            [0; 32],
+            Some(open),
+            &PROMPT_TOKENS,
+            &OUTPUT_TOKENS,
+            None,
+        ),
+        (
+            "not_declared_deterministic",
+            first,
+            weights,
+            Some(open),
+            &PROMPT_TOKENS,
+            &OUTPUT_TOKENS,
+            None,
+        ),
+        (
+            "other_backend",
+            &other_backend,
+            weights,
+            Some(open),
+            &PROMPT_TOKENS,
+            &OUTPUT_TOKENS,
+            None,
+        ),
+        (
+            "no_commitment",
+            &no_commitment,
+            weights,
+            Some(open),
+            &PROMPT_TOKENS,
+            &OUTPUT_TOKENS,
+            None,
+        ),
+    ];
+    let cases: Vec<Value> = cases
+        .into_iter()
+        .map(
+            |(name, receipt, weights, opening, prompt, rerun, disclosed)| {
+                let verdict = judge(
+                    &receipt.receipt,
+                    &weights,
+                    opening.as_ref(),
+                    &prompt_payload(prompt),
+                    rerun,
+                    disclosed,
+                );
+                let (verdict, at, reason) = match verdict {
+                    mesh_protocol::replay::Verdict::Verified => ("verified", None, None),
+                    mesh_protocol::replay::Verdict::Diverged { at } => ("diverged", Some(at), None),
+                    mesh_protocol::replay::Verdict::NotReplayable(r) => {
+                        ("not_replayable", None, Some(r.kind()))
+                    }
+                };
+                json!({
+                    "name": name,
+                    "envelope_hex": hex::encode(&receipt.envelope),
+                    "weights_digest_hex": hex::encode(&weights),
+                    "opening_hex": opening.map(|o| hex::encode(&o)),
+                    "prompt_token_ids": prompt,
+                    "rerun_token_ids": rerun,
+                    "disclosed_token_ids": disclosed,
+                    "verdict": verdict,
+                    "diverged_at": at,
+                    "reason": reason,
+                })
+            },
+        )
+        .collect();
+    Ok(json!({
+        "generator": "mesh-node vectors write (node/src/tools/vectors/mesh1.rs)",
+        "description": "Replay verdicts (SPEC §6.4, docs/mesh1.md): each case is a mesh/1 envelope, the weights digest and opening the replay holds, the prompt token ids it ran, its re-run's tokens and the disclosed output (if any), and the verdict: verified, diverged (with the first token where the re-run parts from the disclosed output) or not_replayable (with the reason's kind). Diverged only where the disclosed output opens the commitment on the replay's payload.",
+        "cases": cases,
+    }))
 }

@@ -1,0 +1,189 @@
+//! `mesh-node replay` (re-execute a serve against its receipt, SPEC §6.4)
+//! and `mesh-node steward open` (a steward discloses one receipt's opening).
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use mesh_protocol::mesh1::{SealedReceipt, opening, opening_key, prompt_payload};
+use mesh_protocol::replay::{NotReplayable, Verdict, check_replayable, judge};
+use serde_json::json;
+
+use super::verify::read_receipt;
+
+/// Exit status of a replay the verdict says is not replayable.
+const EXIT_NOT_REPLAYABLE: u8 = 3;
+
+/// What `replay` is given besides the bundle.
+#[derive(Debug)]
+pub struct ReplayArgs<'a> {
+    pub bundle: &'a Path,
+    pub model: &'a Path,
+    pub prompt_file: &'a Path,
+    /// The prompt was sent with the model's chat template applied.
+    pub chat: bool,
+    pub opening: Option<&'a str>,
+    pub output_file: Option<&'a Path>,
+    pub json: bool,
+}
+
+/// The disclosed output: a JSON array of token ids, or an object with a
+/// `token_ids` array (what `generate --json` prints, under `details`).
+fn read_output(path: &Path) -> anyhow::Result<Vec<u32>> {
+    let text = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let value = mesh_protocol::json::parse_strict(&text)
+        .map_err(|e| anyhow::anyhow!("{}: not JSON: {e}", path.display()))?;
+    let ids = value
+        .as_array()
+        .or_else(|| value["token_ids"].as_array())
+        .or_else(|| value["details"]["token_ids"].as_array())
+        .with_context(|| format!("{}: no token ids", path.display()))?;
+    ids.iter()
+        .map(|id| {
+            id.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .context("a token id is not a u32")
+        })
+        .collect()
+}
+
+/// `mesh-node replay`: exit 0 verified, 1 diverged, 3 not replayable.
+pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
+    let sealed = read_receipt(args.bundle).map_err(anyhow::Error::msg)?;
+    let receipt = &sealed.receipt;
+    let opening = args
+        .opening
+        .map(|hex| {
+            mesh_protocol::hex::decode_array::<32>(hex.trim())
+                .context("--opening is 32 bytes of hex")
+        })
+        .transpose()?;
+    let disclosed = args.output_file.map(read_output).transpose()?;
+    let handle = mesh_stage::ModelHandle::open(args.model)?;
+    let prompt = std::fs::read_to_string(args.prompt_file)
+        .with_context(|| format!("reading {}", args.prompt_file.display()))?;
+    let text = if args.chat {
+        handle.text().chat_prompt(&prompt)?
+    } else {
+        prompt
+    };
+    let ids = handle.text().encode(&text)?;
+    let payload = prompt_payload(&ids);
+    let weights = handle.weights_digest();
+    // Nothing is run for a serve that cannot be replayed.
+    let rerun = match check_replayable(receipt, &weights, opening.as_ref()) {
+        Err(_) => Vec::new(),
+        Ok(()) => {
+            let layers = handle.config().layers;
+            let pipeline = mesh_stage::pipeline::Pipeline::new(
+                vec![handle.load_slice(0..layers)?],
+                mesh_stage::frame::WireDType::F32,
+            )?;
+            let mut sampler =
+                mesh_stage::sampling::Sampler::new(mesh_stage::sampling::SamplingParams::greedy());
+            let codec = handle.text();
+            pipeline
+                .generate(
+                    &ids,
+                    receipt.tokens_out as usize,
+                    &mut sampler,
+                    &|t| codec.is_eos(t),
+                    &mut |_| {},
+                )?
+                .tokens
+        }
+    };
+    let verdict = judge(
+        receipt,
+        &weights,
+        opening.as_ref(),
+        &payload,
+        &rerun,
+        disclosed.as_deref(),
+    );
+    let (name, detail, code) = match &verdict {
+        Verdict::Verified => (
+            "verified".to_string(),
+            format!("the re-run's {} tokens open the commitment", rerun.len()),
+            ExitCode::SUCCESS,
+        ),
+        Verdict::Diverged { at } => (
+            format!("diverged at token {at}"),
+            format!(
+                "the disclosed output opens the commitment on this payload; the re-run gives {:?} there, the serve {:?}",
+                rerun.get(*at),
+                disclosed.as_ref().and_then(|d| d.get(*at))
+            ),
+            ExitCode::from(1),
+        ),
+        Verdict::NotReplayable(reason) => (
+            "not replayable".to_string(),
+            reason.reason(),
+            ExitCode::from(EXIT_NOT_REPLAYABLE),
+        ),
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "verdict": match verdict {
+                    Verdict::Verified => "verified",
+                    Verdict::Diverged { .. } => "diverged",
+                    Verdict::NotReplayable(_) => "not_replayable",
+                },
+                "diverged_at": match verdict { Verdict::Diverged { at } => Some(at), _ => None },
+                "reason": match &verdict { Verdict::NotReplayable(r) => Some(r.reason()), _ => None },
+                "reason_kind": match &verdict { Verdict::NotReplayable(r) => Some(r.kind()), _ => None },
+                "request_id": mesh_protocol::hex::encode(&receipt.request_id),
+                "steward": receipt.steward,
+                "prompt_tokens": ids.len(),
+                "rerun_tokens": rerun,
+            }))?
+        );
+    } else {
+        println!(
+            "{}: receipt of request {} sealed by {}\n{name}: {detail}",
+            args.bundle.display(),
+            mesh_protocol::hex::encode(&receipt.request_id),
+            receipt.steward
+        );
+    }
+    Ok(code)
+}
+
+/// Why `open` refuses a receipt: not this steward's, so its opening is not
+/// this key's to give.
+pub fn not_ours(sealed: &SealedReceipt, key: &mesh_protocol::SigningKey) -> Option<String> {
+    let ours = mesh_protocol::identity::did_key(&key.verifying_key().to_bytes());
+    (sealed.receipt.steward != ours).then(|| {
+        format!(
+            "the receipt was sealed by {}, not by this key ({ours}): only its steward can open it",
+            sealed.receipt.steward
+        )
+    })
+}
+
+/// `mesh-node steward open RECEIPT --key K`: the opening of that receipt's
+/// output commitment, and of no other (it binds the receipt's request id).
+pub fn open(receipt: &Path, key: &mesh_protocol::SigningKey, json: bool) -> anyhow::Result<()> {
+    let sealed = read_receipt(receipt).map_err(anyhow::Error::msg)?;
+    if let Some(refusal) = not_ours(&sealed, key) {
+        bail!("{refusal}");
+    }
+    if sealed.receipt.output_commitment.is_none() {
+        bail!("{}", NotReplayable::NoCommitment.reason());
+    }
+    let value = opening(&opening_key(&key.to_bytes()), &sealed.receipt.request_id);
+    if json {
+        println!(
+            "{}",
+            json!({
+                "request_id": mesh_protocol::hex::encode(&sealed.receipt.request_id),
+                "opening": mesh_protocol::hex::encode(&value),
+            })
+        );
+    } else {
+        println!("{}", mesh_protocol::hex::encode(&value));
+    }
+    Ok(())
+}
