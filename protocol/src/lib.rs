@@ -10,6 +10,7 @@ pub mod block;
 pub mod bundle;
 pub mod capsule;
 pub mod cbor;
+pub mod change;
 pub mod control;
 pub mod fold;
 pub mod grant;

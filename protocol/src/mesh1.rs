@@ -349,6 +349,11 @@ pub struct MeshReceipt {
     /// that lost a stage and went on over a new chain: its segments, in
     /// order. Absent when the request ran on one chain.
     pub resumed: Option<Vec<u8>>,
+    /// The engine's declaration (§5): whether serving the same request and
+    /// prompt payload again yields the same tokens, so the serve can be
+    /// replayed (§6.4). `deterministic` on the wire, `0|1`; absent: not
+    /// declared, which is the same as 0.
+    pub deterministic: Option<bool>,
 }
 
 impl MeshReceipt {
@@ -389,6 +394,7 @@ impl MeshReceipt {
             steward: String::new(),
             split: None,
             resumed: None,
+            deterministic: None,
         }
     }
 
@@ -480,6 +486,9 @@ impl MeshReceipt {
         }
         if let Some(split) = &self.split {
             fields.push(("split", Cbor::bytes(split.clone())));
+        }
+        if let Some(deterministic) = self.deterministic {
+            fields.push(("deterministic", Cbor::Uint(u64::from(deterministic))));
         }
         if let Some(resumed) = &self.resumed {
             fields.push(("resumed", Cbor::bytes(resumed.clone())));
@@ -592,6 +601,12 @@ impl MeshReceipt {
         }
         let split = f.opt_bytes("split")?.map(<[u8]>::to_vec);
         let resumed = f.opt_bytes("resumed")?.map(<[u8]>::to_vec);
+        let deterministic = match f.opt_uint("deterministic")? {
+            None => None,
+            Some(0) => Some(false),
+            Some(1) => Some(true),
+            Some(_) => return Err(Mesh1Error::Invalid("deterministic")),
+        };
         f.finish()?;
         if let Some(bytes) = &resumed {
             let value =
@@ -654,6 +669,7 @@ impl MeshReceipt {
             steward,
             split,
             resumed,
+            deterministic,
         };
         if fidelity.is_some() && receipt.fidelity_met() != fidelity_met {
             return Err(Mesh1Error::Derived("fidelity_met"));
@@ -688,17 +704,7 @@ impl MeshReceipt {
         // Never sign what a verifier would refuse (a delivered fidelity above
         // the advertised one, a broken chain position, over-long text, ...).
         MeshReceipt::from_core(&Cbor::decode(&core)?)?;
-        let protected = HeaderBuilder::new()
-            .algorithm(iana::Algorithm::EdDSA)
-            .key_id(key.verifying_key().to_bytes().to_vec())
-            .build();
-        let envelope = CoseSign1Builder::new()
-            .protected(protected)
-            .payload(core.clone())
-            .create_signature(b"", |tbs| key.sign(tbs).to_bytes().to_vec())
-            .build()
-            .to_tagged_vec()
-            .map_err(|e| Mesh1Error::Envelope(e.to_string()))?;
+        let envelope = sign1(core.clone(), key)?;
         Ok(SealedReceipt {
             receipt: self.clone(),
             core,
@@ -707,11 +713,11 @@ impl MeshReceipt {
     }
 }
 
-/// Sign arbitrary core bytes as a receipt envelope, without checking them.
-/// Only for building negative conformance vectors (a validly signed core
-/// that breaks a receipt rule); stewards use [`MeshReceipt::seal`].
-#[doc(hidden)]
-pub fn sign_core_unchecked(core: Vec<u8>, key: &SigningKey) -> Vec<u8> {
+/// Sign core bytes as a JCR-1 envelope: a tagged COSE_Sign1, protected
+/// header exactly {alg: EdDSA, kid: the raw Ed25519 public key}, the core
+/// attached. Every JCR-1 envelope of this crate (receipts, change-record
+/// entries) is made here.
+pub(crate) fn sign1(core: Vec<u8>, key: &SigningKey) -> Result<Vec<u8>, Mesh1Error> {
     let protected = HeaderBuilder::new()
         .algorithm(iana::Algorithm::EdDSA)
         .key_id(key.verifying_key().to_bytes().to_vec())
@@ -722,7 +728,46 @@ pub fn sign_core_unchecked(core: Vec<u8>, key: &SigningKey) -> Vec<u8> {
         .create_signature(b"", |tbs| key.sign(tbs).to_bytes().to_vec())
         .build()
         .to_tagged_vec()
-        .unwrap_or_default()
+        .map_err(|e| Mesh1Error::Envelope(e.to_string()))
+}
+
+/// Open a JCR-1 envelope made by [`sign1`]: its size, structure, exact
+/// header and signature checked; the signer's key and the attached core.
+pub(crate) fn open_sign1(envelope: &[u8]) -> Result<([u8; 32], Vec<u8>), Mesh1Error> {
+    if envelope.len() > MAX_ENVELOPE_BYTES {
+        return Err(Mesh1Error::TooLarge(envelope.len()));
+    }
+    let sign1 =
+        CoseSign1::from_tagged_slice(envelope).map_err(|e| Mesh1Error::Envelope(e.to_string()))?;
+    let header = &sign1.protected.header;
+    let kid: [u8; 32] = header
+        .key_id
+        .as_slice()
+        .try_into()
+        .map_err(|_| Mesh1Error::Header)?;
+    let expected = HeaderBuilder::new()
+        .algorithm(iana::Algorithm::EdDSA)
+        .key_id(kid.to_vec())
+        .build();
+    if *header != expected || !sign1.unprotected.is_empty() {
+        return Err(Mesh1Error::Header);
+    }
+    let key = VerifyingKey::from_bytes(&kid).map_err(|_| Mesh1Error::Header)?;
+    sign1.verify_signature(b"", |signature, signed| {
+        let signature: [u8; 64] = signature.try_into().map_err(|_| Mesh1Error::BadSignature)?;
+        key.verify_strict(signed, &Signature::from_bytes(&signature))
+            .map_err(|_| Mesh1Error::BadSignature)
+    })?;
+    let core = sign1.payload.ok_or(Mesh1Error::NoPayload)?;
+    Ok((kid, core))
+}
+
+/// Sign arbitrary core bytes as a receipt envelope, without checking them.
+/// Only for building negative conformance vectors (a validly signed core
+/// that breaks a receipt rule); stewards use [`MeshReceipt::seal`].
+#[doc(hidden)]
+pub fn sign_core_unchecked(core: Vec<u8>, key: &SigningKey) -> Vec<u8> {
+    sign1(core, key).unwrap_or_default()
 }
 
 /// A receipt with its exact signed core and envelope bytes.
@@ -742,31 +787,7 @@ impl SealedReceipt {
     /// Verify an envelope: COSE structure, the steward named by the core is
     /// the kid, the Ed25519 signature, canonical CBOR, and every receipt rule.
     pub fn verify(envelope: &[u8]) -> Result<Self, Mesh1Error> {
-        if envelope.len() > MAX_ENVELOPE_BYTES {
-            return Err(Mesh1Error::TooLarge(envelope.len()));
-        }
-        let sign1 = CoseSign1::from_tagged_slice(envelope)
-            .map_err(|e| Mesh1Error::Envelope(e.to_string()))?;
-        let header = &sign1.protected.header;
-        let kid: [u8; 32] = header
-            .key_id
-            .as_slice()
-            .try_into()
-            .map_err(|_| Mesh1Error::Header)?;
-        let expected = HeaderBuilder::new()
-            .algorithm(iana::Algorithm::EdDSA)
-            .key_id(kid.to_vec())
-            .build();
-        if *header != expected || !sign1.unprotected.is_empty() {
-            return Err(Mesh1Error::Header);
-        }
-        let key = VerifyingKey::from_bytes(&kid).map_err(|_| Mesh1Error::Header)?;
-        sign1.verify_signature(b"", |signature, signed| {
-            let signature: [u8; 64] = signature.try_into().map_err(|_| Mesh1Error::BadSignature)?;
-            key.verify_strict(signed, &Signature::from_bytes(&signature))
-                .map_err(|_| Mesh1Error::BadSignature)
-        })?;
-        let core = sign1.payload.ok_or(Mesh1Error::NoPayload)?;
+        let (kid, core) = open_sign1(envelope)?;
         let receipt = MeshReceipt::from_core(&Cbor::decode(&core)?)?;
         if receipt.steward != did_key(&kid) {
             return Err(Mesh1Error::StewardMismatch);
@@ -900,6 +921,7 @@ pub(crate) mod tests {
             steward: did_key(&key.verifying_key().to_bytes()),
             split: None,
             resumed: None,
+            deterministic: None,
         }
     }
 

@@ -3,12 +3,11 @@
 //! passes what it produced.
 //!
 //! A serve is replayable only where its engine declared itself
-//! deterministic (§5). This project's coordinator declares it in the
-//! receipt's `recipe`, which the steward's signature covers: the model's
-//! name followed by [`DETERMINISTIC`] for a serve whose tokens are a
-//! function of the request and the prompt payload alone (greedy decoding,
-//! the f32 wire, the prompt in one prefill step, never resumed), or by
-//! [`NOT_DETERMINISTIC`] otherwise.
+//! deterministic (§5): the receipt's `deterministic` member, under the
+//! steward's signature. This project's coordinator sets it to 1 for a
+//! serve whose tokens are a function of the request and the prompt payload
+//! alone (greedy decoding, the f32 wire, the prompt in one prefill step,
+//! never resumed), and to 0 otherwise.
 //!
 //! The verdict never blames the serve for what may be the replayer's own
 //! input: it is *diverged* only when a disclosed output opens the
@@ -16,11 +15,6 @@
 
 use crate::mesh1::{ContentId, MeshReceipt, output_commitment};
 
-/// The `recipe` suffix of a serve that repeats bit for bit.
-pub const DETERMINISTIC: &str = "; deterministic: greedy, f32 wire";
-/// The `recipe` suffix of a serve that does not (it sampled, crossed a
-/// rounding wire, ran its prompt in several steps, or was resumed).
-pub const NOT_DETERMINISTIC: &str = "; not deterministic";
 /// The backend whose serves this replay knows how to re-execute.
 pub const SPLIT_BACKEND: &str = "mesh-node/split";
 
@@ -100,7 +94,7 @@ pub fn check_replayable(
     if receipt.backend != SPLIT_BACKEND {
         return Err(NotReplayable::OtherBackend(receipt.backend.clone()));
     }
-    if !receipt.recipe.ends_with(DETERMINISTIC) {
+    if receipt.deterministic != Some(true) {
         return Err(NotReplayable::NotDeterministic);
     }
     if receipt
@@ -164,11 +158,12 @@ mod tests {
         let mut receipt = MeshReceipt::blank(
             [4; 32],
             SPLIT_BACKEND,
-            &format!("model.gguf{DETERMINISTIC}"),
+            "model.gguf",
             "static split",
             crate::mesh1::Energy::estimator(1),
             [0; 16],
         );
+        receipt.deterministic = Some(true);
         receipt.weights = Some(WeightsBinding {
             weights_digest: WEIGHTS,
             precision: "q8_0/f32".into(),
@@ -285,12 +280,14 @@ mod tests {
             judge(&receipt, &[8; 32], Some(&opening), &payload, &SERVED, None),
             Verdict::NotReplayable(NotReplayable::OtherWeights)
         );
-        let mut sampled = receipt.clone();
-        sampled.recipe = format!("model.gguf{NOT_DETERMINISTIC}");
-        assert_eq!(
-            judged(&sampled, Some(&opening), &payload, &SERVED, Some(&SERVED)),
-            Verdict::NotReplayable(NotReplayable::NotDeterministic)
-        );
+        for declared in [Some(false), None] {
+            let mut sampled = receipt.clone();
+            sampled.deterministic = declared;
+            assert_eq!(
+                judged(&sampled, Some(&opening), &payload, &SERVED, Some(&SERVED)),
+                Verdict::NotReplayable(NotReplayable::NotDeterministic)
+            );
+        }
         let mut other_backend = receipt.clone();
         other_backend.backend = "mesh-node/stage".into();
         assert!(matches!(

@@ -421,7 +421,20 @@ async fn serve_request(
             lost.join(", ")
         };
         let failure = driven.failure.take().unwrap_or_default();
-        if interrupted.len() >= inner.max_resumes {
+        // A segment that was to keep caches and failed before its first
+        // token (a kept stage could not take its cache) is redone without
+        // keeping, and that redo is not counted against --max-resumes; the
+        // resume block's bound holds all the same.
+        let failed_keep = |admitted: &Admitted<'_>, driven: &Driven| {
+            admitted.keep.is_some() && driven.tokens == 0
+        };
+        let counted = interrupted
+            .iter()
+            .filter(|i| !failed_keep(&i.admitted, &i.driven))
+            .count();
+        if (!failed_keep(&admitted, &driven) && counted >= inner.max_resumes)
+            || interrupted.len() >= MAX_RESUMES
+        {
             driven.failure = Some(format!(
                 "{failure}; not resumed: {} resumes already (--max-resumes), lost {lost}",
                 interrupted.len(),
@@ -1856,15 +1869,7 @@ fn seal(
         request_id: serve.request_id(),
         grant_id: metered.grant_id,
         backend: mesh_protocol::replay::SPLIT_BACKEND.into(),
-        // The engine's declaration (SPEC §5), under the steward's signature.
-        recipe: format!(
-            "{model_id}{}",
-            if progress.deterministic && earlier.is_empty() {
-                mesh_protocol::replay::DETERMINISTIC
-            } else {
-                mesh_protocol::replay::NOT_DETERMINISTIC
-            }
-        ),
+        recipe: model_id.clone(),
         weights: Some(WeightsBinding {
             weights_digest: inner.model.weights_digest(),
             precision: "q8_0/f32".into(),
@@ -1910,6 +1915,8 @@ fn seal(
         steward: String::new(),
         split: Some(canonical_bytes(&sealed.receipt.to_value())),
         resumed,
+        // The engine's declaration (SPEC §5), under the steward's signature.
+        deterministic: Some(progress.deterministic && earlier.is_empty()),
     };
     // The previous envelope is the steward's (kept in its journal, so the
     // chain link survives a restart), read under the same lock as the seal.

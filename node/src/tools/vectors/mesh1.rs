@@ -109,6 +109,7 @@ fn reference_receipts(
         steward: did(steward),
         split: Some(mesh_protocol::json::canonical_bytes(&split)),
         resumed: None,
+        deterministic: None,
     }
     .seal(steward)?;
     let second = MeshReceipt {
@@ -268,6 +269,11 @@ fn receipt_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<
         "boolean_met_as_2".into(),
         false,
         signed(core_with(&core, "fidelity_met", Some(Cbor::Uint(2)))),
+    );
+    push(
+        "deterministic_not_0_or_1".into(),
+        false,
+        signed(core_with(&core, "deterministic", Some(Cbor::Uint(2)))),
     );
     push(
         "delivered_above_advertised".into(),
@@ -706,16 +712,261 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             "mesh1/replay.json".into(),
             pretty(&replay_cases(&steward, &first)?),
         ),
+        (
+            "mesh1/changes.json".into(),
+            pretty(&change_cases(&steward, &first)?),
+        ),
     ])
+}
+
+/// The weights change record (SPEC §6.5): a valid record (a plan, the first
+/// weights, a change under the plan), one case per refusal rule (the record
+/// and one more entry, which must be refused with the named kind), and the
+/// coverage of receipts at positions on either side of the change.
+fn change_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<Value> {
+    use mesh_protocol::change::{
+        ChangeEntry, ChangeKind, ChangeRecord, Coverage, Plan, SealedChange, WeightsChange,
+    };
+    let backend = first.receipt.backend.clone();
+    let recipe = first.receipt.recipe.clone();
+    let precision = first
+        .receipt
+        .weights
+        .as_ref()
+        .map(|w| w.precision.clone())
+        .context("the reference receipt names its weights")?;
+    let old_weights = *blake3::hash(b"mesh-node vectors: weights before").as_bytes();
+    let new_weights = weights_digest(&weights_files());
+    let steward_key = steward.verifying_key().to_bytes();
+    let mut record = ChangeRecord::new(&backend, steward_key);
+    let entry = |seq: u64, prev, made_at, kind| ChangeEntry {
+        backend: backend.clone(),
+        recipe: recipe.clone(),
+        seq,
+        prev,
+        made_at,
+        kind,
+    };
+    let plan = entry(
+        0,
+        None,
+        1_790_000_000,
+        ChangeKind::Plan(Plan {
+            precisions: vec![precision.clone()],
+            fidelity_floor: Fidelity::F1,
+            validation: "greedy agreement on the 64 reference prompts".into(),
+            foresees: "a requantized build of the same model".into(),
+            risk_assessment: Some("low: same architecture and tokenizer".into()),
+        }),
+    )
+    .seal(steward)?;
+    let plan_id = plan.id();
+    record.append(plan)?;
+    let (seq, prev) = record.next_position();
+    record.append(
+        entry(
+            seq,
+            prev,
+            1_790_000_100,
+            ChangeKind::Weights(WeightsChange {
+                from: None,
+                to: old_weights,
+                precision: Some(precision.clone()),
+                fidelity: Fidelity::F2,
+                plan: None,
+                validation_result: None,
+                // Receipts 0 and 1 were sealed before the record existed.
+                effective_from: 2,
+                reason: "first weights".into(),
+            }),
+        )
+        .seal(steward)?,
+    )?;
+    let (seq, prev) = record.next_position();
+    let change = WeightsChange {
+        from: Some(old_weights),
+        to: new_weights,
+        precision: Some(precision.clone()),
+        fidelity: Fidelity::F2,
+        plan: Some(plan_id),
+        validation_result: Some("64 of 64 agree".into()),
+        effective_from: 5,
+        reason: "requantized".into(),
+    };
+    let base = record.clone();
+    record.append(
+        entry(
+            seq,
+            prev,
+            1_790_000_200,
+            ChangeKind::Weights(change.clone()),
+        )
+        .seal(steward)?,
+    )?;
+    let envelopes = |r: &ChangeRecord| -> Vec<String> {
+        r.entries()
+            .iter()
+            .map(|e| hex::encode(&e.envelope))
+            .collect()
+    };
+    // One edit at a time to the change under the plan, appended to `base`.
+    type Edit<'a> = Box<dyn Fn(&mut ChangeEntry) + 'a>;
+    let weights_edit = |edit: fn(&mut WeightsChange)| -> Edit<'_> {
+        Box::new(move |e: &mut ChangeEntry| {
+            if let ChangeKind::Weights(w) = &mut e.kind {
+                edit(w);
+            }
+        })
+    };
+    let another = SigningKey::from_bytes(&deterministic_32("mesh-node vectors: another steward"));
+    let refusals: Vec<(&str, Edit<'_>, &SigningKey)> = vec![
+        (
+            "another_backend",
+            Box::new(|e| e.backend = "mesh-node/stage".into()),
+            steward,
+        ),
+        ("seq_not_next", Box::new(|e| e.seq += 1), steward),
+        (
+            "prev_not_the_envelope_before",
+            Box::new(|e| e.prev = Some([0; 32])),
+            steward,
+        ),
+        (
+            "made_at_earlier_than_before",
+            Box::new(|e| e.made_at = 1_790_000_000),
+            steward,
+        ),
+        (
+            "from_not_the_last_to",
+            weights_edit(|w| w.from = Some([9; 32])),
+            steward,
+        ),
+        (
+            "from_absent_after_a_first_change",
+            weights_edit(|w| w.from = None),
+            steward,
+        ),
+        (
+            "to_equals_from",
+            weights_edit(|w| w.to = *blake3::hash(b"mesh-node vectors: weights before").as_bytes()),
+            steward,
+        ),
+        (
+            "effective_from_earlier_than_the_last",
+            weights_edit(|w| w.effective_from = 1),
+            steward,
+        ),
+        (
+            "plan_names_no_plan_entry",
+            weights_edit(|w| w.plan = Some([7; 32])),
+            steward,
+        ),
+        (
+            "outside_plan_another_recipe",
+            Box::new(|e| e.recipe = "another-model".into()),
+            steward,
+        ),
+        (
+            "outside_plan_precision_not_listed",
+            weights_edit(|w| w.precision = Some("bf16".into())),
+            steward,
+        ),
+        (
+            "outside_plan_no_precision",
+            weights_edit(|w| w.precision = None),
+            steward,
+        ),
+        (
+            "outside_plan_fidelity_below_floor",
+            weights_edit(|w| w.fidelity = Fidelity::F0),
+            steward,
+        ),
+        (
+            "outside_plan_no_validation_result",
+            weights_edit(|w| w.validation_result = None),
+            steward,
+        ),
+        ("sealed_by_another_key", Box::new(|_| {}), &another),
+    ];
+    let mut cases = Vec::new();
+    for (name, edit, key) in refusals {
+        let mut bad = entry(
+            seq,
+            prev,
+            1_790_000_200,
+            ChangeKind::Weights(change.clone()),
+        );
+        edit(&mut bad);
+        let sealed = bad.seal(key)?;
+        let refused = base
+            .clone()
+            .append(sealed.clone())
+            .err()
+            .with_context(|| format!("{name} was not refused"))?;
+        cases.push(json!({ "name": name, "entry_hex": hex::encode(&sealed.envelope), "refused": refused.kind() }));
+    }
+    // A change no plan foresaw is recorded too, without a `plan`.
+    let unplanned = entry(
+        seq,
+        prev,
+        1_790_000_200,
+        ChangeKind::Weights(WeightsChange {
+            plan: None,
+            precision: None,
+            validation_result: None,
+            ..change.clone()
+        }),
+    )
+    .seal(steward)?;
+    ensure!(
+        base.clone().append(unplanned.clone()).is_ok(),
+        "an unplanned change is recorded"
+    );
+    cases.push(json!({ "name": "unplanned_change_recorded", "entry_hex": hex::encode(&unplanned.envelope), "refused": null }));
+    // Coverage of the reference receipt at positions around the change.
+    let coverage: Vec<Value> = [
+        (4u64, old_weights),
+        (4, new_weights),
+        (5, new_weights),
+        (5, old_weights),
+    ]
+    .into_iter()
+    .map(|(sequence, weights)| {
+        let mut receipt = first.receipt.clone();
+        receipt.sequence = sequence;
+        if let Some(binding) = receipt.weights.as_mut() {
+            binding.weights_digest = weights;
+        }
+        let covered = match record.covers(&receipt) {
+            Coverage::Covered(entry) => Some(entry.entry.seq),
+            Coverage::NotCovered(_) => None,
+        };
+        json!({
+            "receipt_sequence": sequence,
+            "receipt_weights_digest": hex::encode(&weights),
+            "covered_by_entry": covered,
+        })
+    })
+    .collect();
+    let _ = SealedChange::verify(&record.entries()[0].envelope)?;
+    Ok(json!({
+        "generator": "mesh-node vectors write (node/src/tools/vectors/mesh1.rs)",
+        "description": "The weights change record (SPEC §6.5, docs/mesh1.md): `record` is a valid record (a plan, the backend's first weights effective from receipt 2, a change under the plan effective from receipt 5) sealed by the mesh1 steward; each case appends one entry to the record's first two entries and gives the refusal kind it must get (null: recorded); `coverage` gives, for the reference receipt at a sequence with a weights digest, the seq of the entry that covers it (null: not covered).",
+        "backend": backend,
+        "steward_did": did(steward),
+        "record": envelopes(&record),
+        "cases": cases,
+        "coverage": coverage,
+    }))
 }
 
 /// Replay (SPEC §6.4): a serve declared deterministic, re-runs and
 /// disclosed outputs, and the verdict each must give; then the same with
 /// one thing changed at a time, each refusal named.
 fn replay_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<Value> {
-    use mesh_protocol::replay::{DETERMINISTIC, judge};
+    use mesh_protocol::replay::judge;
     let declared = MeshReceipt {
-        recipe: format!("synthetic-llama{DETERMINISTIC}"),
+        deterministic: Some(true),
         ..first.receipt.clone()
     };
     let request_id = declared.request_id;
@@ -733,6 +984,10 @@ fn replay_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<V
     })?;
     let no_commitment = sealed(MeshReceipt {
         output_commitment: None,
+        ..declared.clone()
+    })?;
+    let declared_not = sealed(MeshReceipt {
+        deterministic: Some(false),
         ..declared.clone()
     })?;
     // (name, receipt, weights, opening, prompt, re-run, disclosed)
@@ -830,6 +1085,15 @@ fn replay_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<V
         (
             "not_declared_deterministic",
             first,
+            weights,
+            Some(open),
+            &PROMPT_TOKENS,
+            &OUTPUT_TOKENS,
+            None,
+        ),
+        (
+            "declared_not_deterministic",
+            &declared_not,
             weights,
             Some(open),
             &PROMPT_TOKENS,
