@@ -31,6 +31,18 @@ enum Command {
         /// to check the chain link.
         #[arg(long)]
         prev: Option<PathBuf>,
+        /// Check instead whether the receipt (a bundle or an envelope) is
+        /// covered by this weights change record (`weights show --out`):
+        /// exit 0 covered, 1 not.
+        #[arg(long)]
+        change_record: Option<PathBuf>,
+    },
+    /// A backend's weights change record (SPEC §6.5), in the node's steward
+    /// journal: once it has one, the node serves and seals only the weights
+    /// in effect. `plan` and `record` need the node stopped.
+    Weights {
+        #[command(subcommand)]
+        action: WeightsAction,
     },
     /// Re-execute a serve against its receipt (SPEC §6.4): prints
     /// `verified`, `diverged at token K` or `not replayable` with its reason.
@@ -228,6 +240,80 @@ enum MeshAction {
         #[command(flatten)]
         observe: mesh_node::cli::mesh_cli::ObserveArgs,
         /// Print one JSON array.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct WeightsTarget {
+    /// The node's key file (its steward's).
+    #[arg(long)]
+    key: PathBuf,
+    /// The node's data directory (the journal is in DATA/steward).
+    #[arg(long)]
+    data: PathBuf,
+    /// The model file: its name is the recipe, its weights the change's `to`.
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long, default_value = mesh_node::cli::weights::DEFAULT_BACKEND)]
+    backend: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum WeightsAction {
+    /// Record a plan: the changes foreseen, before them.
+    Plan {
+        #[command(flatten)]
+        target: WeightsTarget,
+        /// A precision a planned change may run at (repeat; none: any named).
+        #[arg(long)]
+        precision: Vec<String>,
+        #[arg(long, default_value_t = 0)]
+        fidelity_floor: u64,
+        /// How a change under it is validated.
+        #[arg(long)]
+        validation: String,
+        /// What it foresees.
+        #[arg(long)]
+        foresees: String,
+        #[arg(long)]
+        risk_assessment: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Record that the model's weights are in effect from the next receipt
+    /// on (from the weights in effect before, if any).
+    Record {
+        #[command(flatten)]
+        target: WeightsTarget,
+        #[arg(long, default_value = mesh_node::cli::weights::ENGINE_PRECISION)]
+        precision: String,
+        #[arg(long, default_value_t = 0)]
+        fidelity: u64,
+        /// The plan entry it falls under (its id, from `weights show`).
+        #[arg(long)]
+        plan: Option<String>,
+        #[arg(long)]
+        validation_result: Option<String>,
+        #[arg(long)]
+        reason: String,
+        /// The first receipt sequence served on it (default: the next).
+        #[arg(long)]
+        effective_from: Option<u64>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the records in a node's journal (read-only; with the node
+    /// stopped, as `journal inspect`).
+    Show {
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long)]
+        backend: Option<String>,
+        /// Write the record (one backend) for `verify --change-record`.
+        #[arg(long)]
+        out: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -463,8 +549,142 @@ enum BenchTarget {
 
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Verify { json, file, prev } => {
-            Ok(mesh_node::cli::verify::verify(&file, prev.as_deref(), json))
+        Command::Verify {
+            json,
+            file,
+            prev,
+            change_record: Some(change_record),
+        } => {
+            let _ = prev;
+            let receipt =
+                mesh_node::cli::verify::read_receipt(&file).map_err(anyhow::Error::msg)?;
+            let record = mesh_node::cli::weights::read_record(&change_record)?;
+            let covered = mesh_node::cli::weights::coverage(&receipt, &record);
+            if json {
+                println!(
+                    "{}",
+                    match &covered {
+                        Ok(value) => value.clone(),
+                        Err(why) => serde_json::json!({ "covered": false, "why": why }),
+                    }
+                );
+            } else {
+                match &covered {
+                    Ok(value) => println!(
+                        "covered: receipt {} was served on weights entry #{} ({})",
+                        receipt.receipt.sequence, value["by"]["seq"], value["by"]["reason"]
+                    ),
+                    Err(why) => println!("NOT covered: {why}"),
+                }
+            }
+            Ok(if covered.is_ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Command::Verify {
+            json, file, prev, ..
+        } => Ok(mesh_node::cli::verify::verify(&file, prev.as_deref(), json)),
+        Command::Weights { action } => {
+            let target = |t: WeightsTarget| mesh_node::cli::weights::Target {
+                data: t.data,
+                key: t.key,
+                backend: t.backend,
+                model: t.model,
+            };
+            let (value, json) = match action {
+                WeightsAction::Plan {
+                    target: t,
+                    precision,
+                    fidelity_floor,
+                    validation,
+                    foresees,
+                    risk_assessment,
+                    json,
+                } => (
+                    mesh_node::cli::weights::plan(
+                        &target(t),
+                        precision,
+                        fidelity_floor,
+                        validation,
+                        foresees,
+                        risk_assessment,
+                    )?,
+                    json,
+                ),
+                WeightsAction::Record {
+                    target: t,
+                    precision,
+                    fidelity,
+                    plan,
+                    validation_result,
+                    reason,
+                    effective_from,
+                    json,
+                } => (
+                    mesh_node::cli::weights::record(
+                        &target(t),
+                        mesh_node::cli::weights::Change {
+                            precision: Some(precision),
+                            fidelity,
+                            plan,
+                            validation_result,
+                            reason,
+                            effective_from,
+                        },
+                    )?,
+                    json,
+                ),
+                WeightsAction::Show {
+                    data,
+                    backend,
+                    out,
+                    json,
+                } => {
+                    let records = mesh_node::cli::weights::show(&data, backend.as_deref())?;
+                    if let Some(out) = out {
+                        let [record] = records.as_slice() else {
+                            anyhow::bail!(
+                                "--out writes one backend's record: {} found (give --backend)",
+                                records.len()
+                            );
+                        };
+                        std::fs::write(
+                            &out,
+                            serde_json::to_vec_pretty(&mesh_node::cli::weights::record_document(
+                                record,
+                            ))?,
+                        )?;
+                    }
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::to_string_pretty(
+                                &records
+                                    .iter()
+                                    .map(mesh_node::cli::weights::record_document)
+                                    .collect::<Vec<_>>()
+                            )?
+                        );
+                    } else {
+                        print!("{}", mesh_node::cli::weights::render(&records));
+                    }
+                    return Ok(ExitCode::SUCCESS);
+                }
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&value)?);
+            } else {
+                println!(
+                    "recorded #{} ({}) for {}: id {}",
+                    value["seq"],
+                    value["kind"],
+                    value["backend"],
+                    value["id"].as_str().unwrap_or("")
+                );
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::Replay {
             bundle,

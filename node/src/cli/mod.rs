@@ -10,3 +10,4 @@ pub mod node_cli;
 pub mod render;
 pub mod replay;
 pub mod verify;
+pub mod weights;

@@ -77,6 +77,10 @@ pub enum Entry {
     /// The steward stopped honouring grants (a witness showed a receipt this
     /// journal lacks).
     Halted { reason: String, at_ms: u64 },
+    /// An entry of a backend's weights change record (SPEC §6.5): its
+    /// envelope, sealed by this steward and checked against the record
+    /// before it was written.
+    Changed { envelope: Vec<u8> },
 }
 
 /// A record as stored.
@@ -328,6 +332,10 @@ impl Entry {
                 ("reason", Cbor::text(reason)),
                 ("at_ms", Cbor::Uint(*at_ms)),
             ]),
+            Entry::Changed { envelope } => Cbor::text_map([
+                ("kind", Cbor::text("changed")),
+                ("envelope", Cbor::bytes(envelope.clone())),
+            ]),
         }
     }
 
@@ -400,6 +408,13 @@ impl Entry {
             "halted" => Ok(Entry::Halted {
                 reason: text("reason")?.to_string(),
                 at_ms: uint("at_ms")?,
+            }),
+            "changed" => Ok(Entry::Changed {
+                envelope: value
+                    .get("envelope")
+                    .and_then(Cbor::as_bytes)
+                    .ok_or("`envelope` missing or not bytes")?
+                    .to_vec(),
             }),
             other => Err(format!("unknown entry kind `{other}`")),
         }

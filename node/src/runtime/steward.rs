@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use mesh_protocol::SigningKey;
+use mesh_protocol::change::ChangeRecord;
 use mesh_protocol::grant::{Authorisation, Debit, GrantGate, Presentation, Refusal};
 use mesh_protocol::identity::did_key;
 use mesh_protocol::mesh1::{
@@ -32,6 +33,16 @@ pub enum StewardError {
     Receipt(#[from] mesh_protocol::mesh1::Mesh1Error),
     #[error("the engine reported weights other than those the grant was decided over")]
     WeightsChanged,
+    #[error(
+        "backend {backend} has a weights change record, and {found} are not the weights in effect ({in_effect}): record the change first (mesh-node weights record)"
+    )]
+    NotInEffect {
+        backend: String,
+        found: String,
+        in_effect: String,
+    },
+    #[error("the change record refuses the entry: {0}")]
+    Change(#[from] mesh_protocol::change::ChangeError),
 }
 
 /// A serve that started and never finished: in flight when the steward
@@ -98,6 +109,8 @@ pub struct Steward {
     last_envelope: Option<Vec<u8>>,
     sealed: std::collections::BTreeMap<u64, ContentId>,
     unresolved: Vec<Unresolved>,
+    /// Each backend's weights change record (SPEC §6.5).
+    changes: std::collections::BTreeMap<String, ChangeRecord>,
 }
 
 /// What replaying a journal established.
@@ -110,6 +123,8 @@ pub struct Replay {
     pub last_envelope: Option<Vec<u8>>,
     pub sealed: std::collections::BTreeMap<u64, ContentId>,
     pub unresolved: Vec<Unresolved>,
+    /// Each backend's change record, every entry checked again.
+    pub changes: std::collections::BTreeMap<String, ChangeRecord>,
 }
 
 /// Replay journal records through a fresh gate (§2.2): every authorisation
@@ -124,6 +139,8 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
     let mut prev_envelope = None;
     let mut last_envelope = None;
     let mut sealed = std::collections::BTreeMap::new();
+    let mut changes: std::collections::BTreeMap<String, ChangeRecord> = Default::default();
+    let steward_key = mesh_protocol::identity::parse_did_key(steward_did);
     for record in records {
         let foreign = |why: String| StewardError::ForeignJournal {
             seq: record.seq,
@@ -189,6 +206,16 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
                 next_sequence += 1;
             }
             Entry::Halted { reason, .. } => gate.halt(reason.clone()),
+            Entry::Changed { envelope } => {
+                let change = mesh_protocol::change::SealedChange::verify(envelope)
+                    .map_err(|e| foreign(format!("a change-record entry: {e}")))?;
+                let key = steward_key.ok_or_else(|| foreign("the steward's id".into()))?;
+                changes
+                    .entry(change.entry.backend.clone())
+                    .or_insert_with(|| ChangeRecord::new(&change.entry.backend, key))
+                    .append(change)
+                    .map_err(|e| foreign(format!("a change-record entry: {e}")))?;
+            }
         }
     }
     let mut unresolved = Vec::new();
@@ -223,6 +250,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
         last_envelope,
         sealed,
         unresolved,
+        changes,
     })
 }
 
@@ -247,7 +275,71 @@ impl Steward {
             last_envelope: replayed.last_envelope,
             sealed: replayed.sealed,
             unresolved: replayed.unresolved,
+            changes: replayed.changes,
         })
+    }
+
+    /// A backend's weights change record, when it has one.
+    pub fn change_record(&self, backend: &str) -> Option<&ChangeRecord> {
+        self.changes.get(backend)
+    }
+
+    /// Every backend's change record.
+    pub fn change_records(&self) -> impl Iterator<Item = &ChangeRecord> {
+        self.changes.values()
+    }
+
+    /// Record an entry of `entry.backend`'s change record: its `seq` and
+    /// `prev` are set to the record's next position, it is sealed under
+    /// this steward's key and checked against every rule of §6.5, then
+    /// journalled, and only then in effect.
+    pub fn record_change(
+        &mut self,
+        mut entry: mesh_protocol::change::ChangeEntry,
+    ) -> Result<mesh_protocol::change::SealedChange, StewardError> {
+        let public = self.key.verifying_key().to_bytes();
+        let mut record = self
+            .changes
+            .get(&entry.backend)
+            .cloned()
+            .unwrap_or_else(|| ChangeRecord::new(&entry.backend, public));
+        (entry.seq, entry.prev) = record.next_position();
+        let sealed = entry.seal(&self.key)?;
+        record.append(sealed.clone())?;
+        self.journal
+            .append(Entry::Changed {
+                envelope: sealed.envelope.clone(),
+            })
+            .map_err(StewardError::NotJournalled)?;
+        self.changes.insert(entry.backend.clone(), record);
+        Ok(sealed)
+    }
+
+    /// The gate (§6.5): once `backend` has a change record, only the
+    /// weights its last `weights` entry put in effect are served and sealed.
+    fn check_in_effect(
+        &self,
+        backend: &str,
+        weights: Option<&ContentId>,
+    ) -> Result<(), StewardError> {
+        let Some(record) = self.changes.get(backend) else {
+            return Ok(());
+        };
+        let in_effect = record.in_effect().and_then(|e| match &e.entry.kind {
+            mesh_protocol::change::ChangeKind::Weights(w) => Some(w.to),
+            mesh_protocol::change::ChangeKind::Plan(_) => None,
+        });
+        match (in_effect, weights) {
+            (Some(in_effect), Some(weights)) if in_effect == *weights => Ok(()),
+            (in_effect, weights) => Err(StewardError::NotInEffect {
+                backend: backend.to_string(),
+                found: weights.map_or("no weights".into(), |w| {
+                    format!("weights {}", mesh_protocol::hex::encode(w))
+                }),
+                in_effect: in_effect
+                    .map_or("none recorded".into(), |w| mesh_protocol::hex::encode(&w)),
+            }),
+        }
     }
 
     pub fn did(&self) -> &str {
@@ -298,6 +390,8 @@ impl Steward {
         backend: &str,
         now_ms: u64,
     ) -> Result<ServeTicket, StewardError> {
+        // Before any grant is decided or anything is journalled.
+        self.check_in_effect(backend, model.as_ref())?;
         let Some(presentation) = presentation else {
             let record = self
                 .journal
@@ -428,6 +522,10 @@ impl Steward {
     /// Stamp the receipt into the log (sequence, prev, steward), seal it,
     /// journal the seal, and only then return it.
     pub fn seal(&mut self, mut receipt: MeshReceipt) -> Result<SealedReceipt, StewardError> {
+        self.check_in_effect(
+            &receipt.backend,
+            receipt.weights.as_ref().map(|w| &w.weights_digest),
+        )?;
         receipt.sequence = self.next_sequence;
         receipt.prev = self.prev_envelope;
         receipt.steward = self.did.clone();

@@ -83,6 +83,21 @@ pub fn render_journal(
                 short(envelope_id)
             ),
             Entry::Halted { reason, .. } => format!("HALTED      {reason}"),
+            Entry::Changed { envelope } => {
+                match mesh_protocol::change::SealedChange::verify(envelope) {
+                    Ok(change) => format!(
+                        "changed     {} #{} {}",
+                        change.entry.backend,
+                        change.entry.seq,
+                        match &change.entry.kind {
+                            mesh_protocol::change::ChangeKind::Plan(_) => "plan".to_string(),
+                            mesh_protocol::change::ChangeKind::Weights(w) =>
+                                format!("weights to {}", short(&w.to)),
+                        }
+                    ),
+                    Err(error) => format!("changed     (does not verify: {error})"),
+                }
+            }
         };
         let _ = writeln!(out, "  #{:<5} {line}", record.seq);
     }
