@@ -298,9 +298,6 @@ enum WeightsAction {
         validation_result: Option<String>,
         #[arg(long)]
         reason: String,
-        /// The first receipt sequence served on it (default: the next).
-        #[arg(long)]
-        effective_from: Option<u64>,
         #[arg(long)]
         json: bool,
     },
@@ -555,10 +552,25 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             prev,
             change_record: Some(change_record),
         } => {
-            let _ = prev;
-            let receipt =
-                mesh_node::cli::verify::read_receipt(&file).map_err(anyhow::Error::msg)?;
-            let record = mesh_node::cli::weights::read_record(&change_record)?;
+            if prev.is_some() {
+                anyhow::bail!("--prev checks a chain link, --change-record coverage: give one");
+            }
+            // Exit 1 means not covered: input that cannot be read is 2.
+            let read = mesh_node::cli::verify::read_receipt(&file)
+                .map_err(anyhow::Error::msg)
+                .and_then(|receipt| {
+                    Ok((
+                        receipt,
+                        mesh_node::cli::weights::read_record(&change_record)?,
+                    ))
+                });
+            let (receipt, record) = match read {
+                Ok(read) => read,
+                Err(error) => {
+                    eprintln!("mesh-node verify: {error:#}");
+                    return Ok(ExitCode::from(2));
+                }
+            };
             let covered = mesh_node::cli::weights::coverage(&receipt, &record);
             if json {
                 println!(
@@ -620,7 +632,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     plan,
                     validation_result,
                     reason,
-                    effective_from,
                     json,
                 } => (
                     mesh_node::cli::weights::record(
@@ -631,7 +642,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                             plan,
                             validation_result,
                             reason,
-                            effective_from,
                         },
                     )?,
                     json,

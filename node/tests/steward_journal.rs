@@ -376,3 +376,147 @@ fn an_engine_reporting_other_weights_is_not_sealed_but_is_debited() {
         "the work ran and was debited"
     );
 }
+
+/// The weights change record's gate (SPEC §6.5), at the steward: once a
+/// backend has a record, a serve on other weights (or none) is refused
+/// before any grant is decided or anything is journalled, a receipt naming
+/// other weights is not sealed, an entry that cannot be journalled is not
+/// in effect, and a restarted steward holds the record it persisted.
+#[test]
+fn a_backend_with_a_change_record_serves_and_seals_only_the_weights_in_effect() {
+    use mesh_protocol::change::{ChangeEntry, ChangeKind, WeightsChange};
+    use mesh_protocol::grant::Presentation;
+    use mesh_protocol::mesh1::{Fidelity, MeshReceipt, ServeRequest, WeightsBinding};
+
+    let node = node();
+    let mut steward = open(&node).unwrap();
+    let chain = exercise_chain(steward.did()).unwrap();
+    let weights_change = |to: [u8; 32], from: Option<[u8; 32]>| ChangeEntry {
+        backend: "b".into(),
+        recipe: "r".into(),
+        seq: 0,
+        prev: None,
+        made_at: 1_790_000_000,
+        kind: ChangeKind::Weights(WeightsChange {
+            from,
+            to,
+            precision: Some("fp32".into()),
+            fidelity: Fidelity::F1,
+            plan: None,
+            validation_result: None,
+            effective_from: 99,
+            reason: "test".into(),
+        }),
+    };
+    // An entry that cannot be journalled is not in effect.
+    steward.journal_mut().inject_append_failure();
+    assert!(
+        steward
+            .record_change(weights_change([1; 32], None))
+            .is_err()
+    );
+    assert!(steward.change_record("b").is_none());
+    let recorded = steward
+        .record_change(weights_change([1; 32], None))
+        .unwrap();
+    // Its `effective_from` is the next receipt, whatever was asked.
+    match &recorded.entry.kind {
+        ChangeKind::Weights(w) => assert_eq!(w.effective_from, 0),
+        ChangeKind::Plan(_) => unreachable!(),
+    }
+
+    let request = ServeRequest {
+        prompt_hash: [3; 32],
+        prompt_tokens: 1,
+        max_tokens: 1,
+        fidelity_floor: Fidelity::F0,
+        joule_ceiling_uj: EXERCISE_CEILING_UJ,
+        decision: None,
+    };
+    let presentation = Presentation::sign(
+        chain.clone(),
+        &request.request_id(),
+        &requester_key(),
+        [4; 16],
+    )
+    .unwrap();
+    let full = steward.gate().chain_remaining(&chain);
+    let journalled = steward.journal_mut().next_seq();
+    for weights in [Some([2; 32]), None] {
+        assert!(matches!(
+            steward.authorise(
+                Some(&presentation),
+                &request,
+                weights,
+                "b",
+                1_800_000_000_000
+            ),
+            Err(StewardError::NotInEffect { .. })
+        ));
+        assert!(matches!(
+            steward.authorise(None, &request, weights, "b", 1_800_000_000_000),
+            Err(StewardError::NotInEffect { .. })
+        ));
+    }
+    // Nothing decided, nothing spent, nothing journalled.
+    assert_eq!(steward.gate().chain_remaining(&chain), full);
+    assert_eq!(steward.journal_mut().next_seq(), journalled);
+    // Another backend has no record: not gated.
+    assert!(
+        steward
+            .authorise(None, &request, None, "another", 1_800_000_000_000)
+            .is_ok()
+    );
+    let receipt = |weights: [u8; 32]| MeshReceipt {
+        weights: Some(WeightsBinding {
+            weights_digest: weights,
+            precision: "fp32".into(),
+        }),
+        ..MeshReceipt::blank(
+            request.request_id(),
+            "b",
+            "r",
+            "local",
+            mesh_protocol::mesh1::Energy::estimator(1),
+            [0; 16],
+        )
+    };
+    assert!(matches!(
+        steward.seal(receipt([2; 32])),
+        Err(StewardError::NotInEffect { .. })
+    ));
+    assert_eq!(steward.next_sequence(), 0);
+    steward.seal(receipt([1; 32])).unwrap();
+    assert!(
+        steward
+            .authorise(
+                Some(&presentation),
+                &request,
+                Some([1; 32]),
+                "b",
+                1_800_000_000_000
+            )
+            .is_ok()
+    );
+    drop(steward);
+
+    // Restarted, the steward holds the record: still gated, and a change
+    // recorded now is in effect from receipt 1.
+    let mut steward = open(&node).unwrap();
+    assert!(matches!(
+        steward.authorise(None, &request, Some([2; 32]), "b", 1_800_000_000_000),
+        Err(StewardError::NotInEffect { .. })
+    ));
+    let changed = steward
+        .record_change(weights_change([2; 32], Some([1; 32])))
+        .unwrap();
+    match &changed.entry.kind {
+        ChangeKind::Weights(w) => assert_eq!(w.effective_from, 1),
+        ChangeKind::Plan(_) => unreachable!(),
+    }
+    assert!(
+        steward
+            .authorise(None, &request, Some([2; 32]), "b", 1_800_000_000_000)
+            .is_ok()
+    );
+}

@@ -82,6 +82,21 @@ pub struct ChangeEntry {
     pub kind: ChangeKind,
 }
 
+/// How a change falls outside the plan it names.
+#[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
+pub enum PlanBreach {
+    #[error("another recipe")]
+    Recipe,
+    #[error("no precision")]
+    NoPrecision,
+    #[error("a precision the plan does not list")]
+    Precision,
+    #[error("a fidelity below the plan's floor")]
+    Fidelity,
+    #[error("no validation result")]
+    NoValidationResult,
+}
+
 /// Why an entry, or a record, does not hold.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum ChangeError {
@@ -108,7 +123,7 @@ pub enum ChangeError {
     #[error("`plan` names no plan entry earlier in this record")]
     UnknownPlan,
     #[error("the change is outside its plan: {0}")]
-    OutsidePlan(&'static str),
+    OutsidePlan(PlanBreach),
     #[error("the record holds {MAX_CHANGE_ENTRIES} entries already")]
     Full,
 }
@@ -128,7 +143,13 @@ impl ChangeError {
             Self::NoChange => "to_equals_from",
             Self::EffectiveEarlier => "effective_from_earlier",
             Self::UnknownPlan => "unknown_plan",
-            Self::OutsidePlan(_) => "outside_plan",
+            Self::OutsidePlan(PlanBreach::Recipe) => "outside_plan_recipe",
+            Self::OutsidePlan(PlanBreach::NoPrecision) => "outside_plan_no_precision",
+            Self::OutsidePlan(PlanBreach::Precision) => "outside_plan_precision",
+            Self::OutsidePlan(PlanBreach::Fidelity) => "outside_plan_fidelity",
+            Self::OutsidePlan(PlanBreach::NoValidationResult) => {
+                "outside_plan_no_validation_result"
+            }
             Self::Full => "full",
         }
     }
@@ -260,10 +281,12 @@ impl ChangeEntry {
         })
     }
 
-    /// Seal under the steward's key.
+    /// Seal under the steward's key. What a reader would refuse (over-long
+    /// text, too many precisions) is never signed.
     pub fn seal(&self, key: &SigningKey) -> Result<SealedChange, ChangeError> {
         let core = self.to_cbor().encode();
-        let envelope = sign1(core.clone(), key)?;
+        ChangeEntry::from_cbor(&Cbor::decode(&core).map_err(Mesh1Error::from)?)?;
+        let envelope = sign1(core, key)?;
         Ok(SealedChange {
             entry: self.clone(),
             steward: key.verifying_key().to_bytes(),
@@ -431,24 +454,20 @@ impl ChangeRecord {
                 .ok_or(ChangeError::UnknownPlan)?;
             let (plan_entry, plan) = plan;
             if plan_entry.entry.recipe != entry.recipe {
-                return Err(ChangeError::OutsidePlan("another recipe"));
+                return Err(ChangeError::OutsidePlan(PlanBreach::Recipe));
             }
             match &change.precision {
-                None => return Err(ChangeError::OutsidePlan("no precision")),
+                None => return Err(ChangeError::OutsidePlan(PlanBreach::NoPrecision)),
                 Some(p) if !plan.precisions.is_empty() && !plan.precisions.contains(p) => {
-                    return Err(ChangeError::OutsidePlan(
-                        "a precision the plan does not list",
-                    ));
+                    return Err(ChangeError::OutsidePlan(PlanBreach::Precision));
                 }
                 Some(_) => {}
             }
             if change.fidelity < plan.fidelity_floor {
-                return Err(ChangeError::OutsidePlan(
-                    "a fidelity below the plan's floor",
-                ));
+                return Err(ChangeError::OutsidePlan(PlanBreach::Fidelity));
             }
             if change.validation_result.is_none() {
-                return Err(ChangeError::OutsidePlan("no validation result"));
+                return Err(ChangeError::OutsidePlan(PlanBreach::NoValidationResult));
             }
         }
         Ok(())
@@ -676,7 +695,7 @@ mod tests {
             ),
             (
                 |e| e.recipe = "other.gguf".into(),
-                ChangeError::OutsidePlan("another recipe"),
+                ChangeError::OutsidePlan(PlanBreach::Recipe),
             ),
             (
                 |e| {
@@ -684,7 +703,7 @@ mod tests {
                         w.precision = Some("f16".into())
                     }
                 },
-                ChangeError::OutsidePlan("a precision the plan does not list"),
+                ChangeError::OutsidePlan(PlanBreach::Precision),
             ),
             (
                 |e| {
@@ -692,7 +711,7 @@ mod tests {
                         w.precision = None
                     }
                 },
-                ChangeError::OutsidePlan("no precision"),
+                ChangeError::OutsidePlan(PlanBreach::NoPrecision),
             ),
             (
                 |e| {
@@ -700,7 +719,7 @@ mod tests {
                         w.fidelity = Fidelity::F1
                     }
                 },
-                ChangeError::OutsidePlan("a fidelity below the plan's floor"),
+                ChangeError::OutsidePlan(PlanBreach::Fidelity),
             ),
             (
                 |e| {
@@ -708,7 +727,7 @@ mod tests {
                         w.validation_result = None
                     }
                 },
-                ChangeError::OutsidePlan("no validation result"),
+                ChangeError::OutsidePlan(PlanBreach::NoValidationResult),
             ),
         ];
         for (edit, refusal) in cases {
@@ -755,6 +774,20 @@ mod tests {
             w.validation_result = None;
         }
         assert!(base.clone().append(unplanned.seal(&key).unwrap()).is_ok());
+    }
+
+    #[test]
+    fn what_a_reader_would_refuse_is_never_sealed() {
+        let mut entry = weights_entry(0, None, None, [1; 32], None, 0);
+        if let ChangeKind::Weights(w) = &mut entry.kind {
+            w.reason = "x".repeat(MAX_RECEIPT_TEXT + 1);
+        }
+        assert!(entry.seal(&steward()).is_err());
+        let mut plan = plan_entry(0, None, 1);
+        if let ChangeKind::Plan(p) = &mut plan.kind {
+            p.precisions = vec!["fp32".into(); MAX_PLAN_PRECISIONS + 1];
+        }
+        assert!(plan.seal(&steward()).is_err());
     }
 
     #[test]
@@ -826,6 +859,18 @@ mod tests {
             envelopes[..2].iter().map(Vec::as_slice),
         )
         .unwrap();
+        let first = &document["first_weights_entry_with_from"];
+        let plan_only = ChangeRecord::from_envelopes(
+            backend,
+            steward,
+            envelopes[..1].iter().map(Vec::as_slice),
+        )
+        .unwrap();
+        let sealed = SealedChange::verify(&bytes(&first["entry_hex"])).unwrap();
+        assert_eq!(
+            plan_only.clone().append(sealed).err().map(|e| e.kind()),
+            first["refused"].as_str()
+        );
         let cases = document["cases"].as_array().unwrap();
         assert!(cases.len() >= 15);
         for case in cases {
@@ -848,10 +893,11 @@ mod tests {
         for case in document["coverage"].as_array().unwrap() {
             let mut receipt = reference.receipt.clone();
             receipt.sequence = case["receipt_sequence"].as_u64().unwrap();
-            if let Some(binding) = receipt.weights.as_mut() {
-                binding.weights_digest =
-                    hex::decode_array(case["receipt_weights_digest"].as_str().unwrap()).unwrap();
-            }
+            receipt.weights = Some(crate::mesh1::WeightsBinding {
+                weights_digest: hex::decode_array(case["receipt_weights_digest"].as_str().unwrap())
+                    .unwrap(),
+                precision: case["receipt_precision"].as_str().unwrap().to_string(),
+            });
             let covered = match record.covers(&receipt) {
                 Coverage::Covered(entry) => Some(entry.entry.seq),
                 Coverage::NotCovered(_) => None,

@@ -29,6 +29,13 @@ pub enum NotReplayable {
     OtherBackend(String),
     /// The replay's weights are not the ones the receipt sealed.
     OtherWeights,
+    /// The replay's model is not the recipe the receipt names.
+    OtherRecipe(String),
+    /// The prompt payload is not the request's: another number of tokens
+    /// than the receipt's `tokens_in`.
+    OtherRequest { receipt: u64, replay: u64 },
+    /// The receipt's token counts do not fit the replay's model.
+    DoesNotFit,
     /// No opening was given: only the steward can disclose it.
     NoOpening,
     /// The re-run does not open the commitment, and no disclosed output
@@ -45,6 +52,9 @@ impl NotReplayable {
             Self::NotDeterministic => "not_deterministic",
             Self::OtherBackend(_) => "other_backend",
             Self::OtherWeights => "other_weights",
+            Self::OtherRecipe(_) => "other_recipe",
+            Self::OtherRequest { .. } => "other_request",
+            Self::DoesNotFit => "does_not_fit",
             Self::NoOpening => "no_opening",
             Self::Unattributable => "unattributable",
         }
@@ -60,6 +70,13 @@ impl NotReplayable {
                 format!("backend {backend:?} is not one this replay re-executes ({SPLIT_BACKEND:?})")
             }
             Self::OtherWeights => "the model given is not the weights the receipt sealed".into(),
+            Self::OtherRecipe(recipe) => {
+                format!("the model given is not the recipe the receipt names ({recipe:?})")
+            }
+            Self::OtherRequest { receipt, replay } => format!(
+                "the prompt is not the receipt's request: {replay} tokens, the receipt read {receipt}"
+            ),
+            Self::DoesNotFit => "the receipt's token counts do not fit the model's context".into(),
             Self::NoOpening => {
                 "no opening: its steward discloses it (`mesh-node steward open`)".into()
             }
@@ -81,11 +98,19 @@ pub enum Verdict {
     NotReplayable(NotReplayable),
 }
 
-/// Whether the serve can be re-executed at all, before any engine runs:
-/// `weights` is the digest of the weights the replay would run.
+/// What the replay would run: its model's weights and recipe, and the
+/// prompt payload's length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replayer<'a> {
+    pub weights: [u8; 32],
+    pub recipe: &'a str,
+    pub prompt_tokens: u64,
+}
+
+/// Whether the serve can be re-executed at all, before any engine runs.
 pub fn check_replayable(
     receipt: &MeshReceipt,
-    weights: &[u8; 32],
+    replayer: &Replayer<'_>,
     opening: Option<&[u8; 32]>,
 ) -> Result<(), NotReplayable> {
     if receipt.output_commitment.is_none() {
@@ -100,9 +125,18 @@ pub fn check_replayable(
     if receipt
         .weights
         .as_ref()
-        .is_none_or(|w| w.weights_digest != *weights)
+        .is_none_or(|w| w.weights_digest != replayer.weights)
     {
         return Err(NotReplayable::OtherWeights);
+    }
+    if receipt.recipe != replayer.recipe {
+        return Err(NotReplayable::OtherRecipe(receipt.recipe.clone()));
+    }
+    if receipt.tokens_in != replayer.prompt_tokens {
+        return Err(NotReplayable::OtherRequest {
+            receipt: receipt.tokens_in,
+            replay: replayer.prompt_tokens,
+        });
     }
     if opening.is_none() {
         return Err(NotReplayable::NoOpening);
@@ -115,13 +149,13 @@ pub fn check_replayable(
 /// output the steward or requester disclosed, if any.
 pub fn judge(
     receipt: &MeshReceipt,
-    weights: &[u8; 32],
+    replayer: &Replayer<'_>,
     opening: Option<&[u8; 32]>,
     payload: &ContentId,
     rerun: &[u32],
     disclosed: Option<&[u32]>,
 ) -> Verdict {
-    if let Err(reason) = check_replayable(receipt, weights, opening) {
+    if let Err(reason) = check_replayable(receipt, replayer, opening) {
         return Verdict::NotReplayable(reason);
     }
     let (Some(committed), Some(opening)) = (receipt.output_commitment, opening) else {
@@ -164,6 +198,7 @@ mod tests {
             [0; 16],
         );
         receipt.deterministic = Some(true);
+        receipt.tokens_in = PROMPT.len() as u64;
         receipt.weights = Some(WeightsBinding {
             weights_digest: WEIGHTS,
             precision: "q8_0/f32".into(),
@@ -202,11 +237,16 @@ mod tests {
             let opening = (!case["opening_hex"].is_null()).then(|| hex32(&case["opening_hex"]));
             let disclosed =
                 (!case["disclosed_token_ids"].is_null()).then(|| ids(&case["disclosed_token_ids"]));
+            let prompt = ids(&case["prompt_token_ids"]);
             let verdict = judge(
                 &sealed.receipt,
-                &hex32(&case["weights_digest_hex"]),
+                &Replayer {
+                    weights: hex32(&case["weights_digest_hex"]),
+                    recipe: case["recipe"].as_str().unwrap(),
+                    prompt_tokens: prompt.len() as u64,
+                },
                 opening.as_ref(),
-                &prompt_payload(&ids(&case["prompt_token_ids"])),
+                &prompt_payload(&prompt),
                 &ids(&case["rerun_token_ids"]),
                 disclosed.as_deref(),
             );
@@ -224,14 +264,18 @@ mod tests {
     #[test]
     fn each_verdict_and_only_where_it_can_be_attributed() {
         let (receipt, opening) = receipt();
-        let payload = prompt_payload(&PROMPT);
-        let judged = |r: &MeshReceipt,
-                      o: Option<&[u8; 32]>,
-                      p: &ContentId,
-                      run: &[u32],
-                      d: Option<&[u32]>| { judge(r, &WEIGHTS, o, p, run, d) };
+        let replayer = |prompt: &[u32]| Replayer {
+            weights: WEIGHTS,
+            recipe: "model.gguf",
+            prompt_tokens: prompt.len() as u64,
+        };
+        let judged =
+            |r: &MeshReceipt, o: Option<&[u8; 32]>, p: &[u32], run: &[u32], d: Option<&[u32]>| {
+                judge(r, &replayer(p), o, &prompt_payload(p), run, d)
+            };
+        let payload = &PROMPT[..];
         assert_eq!(
-            judged(&receipt, Some(&opening), &payload, &SERVED, None),
+            judged(&receipt, Some(&opening), payload, &SERVED, None),
             Verdict::Verified
         );
         // The serve's output, disclosed, opens the commitment on this
@@ -240,7 +284,7 @@ mod tests {
             judged(
                 &receipt,
                 Some(&opening),
-                &payload,
+                payload,
                 &[5, 6, 0, 0],
                 Some(&SERVED)
             ),
@@ -250,12 +294,20 @@ mod tests {
         // the difference is not the serve's to answer for.
         for disclosed in [None, Some(&[5, 6, 0, 0][..])] {
             assert_eq!(
-                judged(&receipt, Some(&opening), &payload, &[5, 6, 0, 0], disclosed),
+                judged(&receipt, Some(&opening), payload, &[5, 6, 0, 0], disclosed),
                 Verdict::NotReplayable(NotReplayable::Unattributable)
             );
         }
-        // Another prompt: even the served output opens nothing.
-        let other = prompt_payload(&[1, 2]);
+        // Another prompt of the same length: even the served output opens
+        // nothing. Of another length: not the receipt's request.
+        assert_eq!(
+            judged(&receipt, Some(&opening), &[1, 2], &SERVED, Some(&SERVED)),
+            Verdict::NotReplayable(NotReplayable::OtherRequest {
+                receipt: 3,
+                replay: 2
+            })
+        );
+        let other = [1, 2, 4];
         assert_eq!(
             judged(
                 &receipt,
@@ -269,35 +321,61 @@ mod tests {
         // Another opening (another receipt's): nothing opens.
         let wrong = opening_of(&opening_key(&[1; 32]), &[5; 32]);
         assert_eq!(
-            judged(&receipt, Some(&wrong), &payload, &SERVED, Some(&SERVED)),
+            judged(&receipt, Some(&wrong), payload, &SERVED, Some(&SERVED)),
             Verdict::NotReplayable(NotReplayable::Unattributable)
         );
         assert_eq!(
-            judged(&receipt, None, &payload, &SERVED, None),
+            judged(&receipt, None, payload, &SERVED, None),
             Verdict::NotReplayable(NotReplayable::NoOpening)
         );
+        let other_weights = Replayer {
+            weights: [8; 32],
+            ..replayer(payload)
+        };
         assert_eq!(
-            judge(&receipt, &[8; 32], Some(&opening), &payload, &SERVED, None),
+            judge(
+                &receipt,
+                &other_weights,
+                Some(&opening),
+                &prompt_payload(payload),
+                &SERVED,
+                None
+            ),
             Verdict::NotReplayable(NotReplayable::OtherWeights)
         );
+        let other_recipe = Replayer {
+            recipe: "other.gguf",
+            ..replayer(payload)
+        };
+        assert!(matches!(
+            judge(
+                &receipt,
+                &other_recipe,
+                Some(&opening),
+                &prompt_payload(payload),
+                &SERVED,
+                None
+            ),
+            Verdict::NotReplayable(NotReplayable::OtherRecipe(_))
+        ));
         for declared in [Some(false), None] {
             let mut sampled = receipt.clone();
             sampled.deterministic = declared;
             assert_eq!(
-                judged(&sampled, Some(&opening), &payload, &SERVED, Some(&SERVED)),
+                judged(&sampled, Some(&opening), payload, &SERVED, Some(&SERVED)),
                 Verdict::NotReplayable(NotReplayable::NotDeterministic)
             );
         }
         let mut other_backend = receipt.clone();
         other_backend.backend = "mesh-node/stage".into();
         assert!(matches!(
-            judged(&other_backend, Some(&opening), &payload, &SERVED, None),
+            judged(&other_backend, Some(&opening), payload, &SERVED, None),
             Verdict::NotReplayable(NotReplayable::OtherBackend(_))
         ));
         let mut nothing = receipt.clone();
         nothing.output_commitment = None;
         assert_eq!(
-            judged(&nothing, Some(&opening), &payload, &SERVED, None),
+            judged(&nothing, Some(&opening), payload, &SERVED, None),
             Verdict::NotReplayable(NotReplayable::NoCommitment)
         );
         // A disclosed output that is a prefix of the re-run parts where it ends.
@@ -305,17 +383,11 @@ mod tests {
         short.output_commitment = Some(output_commitment(
             &opening,
             &short.request_id,
-            &payload,
+            &prompt_payload(payload),
             &SERVED[..2],
         ));
         assert_eq!(
-            judged(
-                &short,
-                Some(&opening),
-                &payload,
-                &SERVED,
-                Some(&SERVED[..2])
-            ),
+            judged(&short, Some(&opening), payload, &SERVED, Some(&SERVED[..2])),
             Verdict::Diverged { at: 2 }
         );
     }

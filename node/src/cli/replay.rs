@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use mesh_protocol::mesh1::{SealedReceipt, opening, opening_key, prompt_payload};
-use mesh_protocol::replay::{NotReplayable, Verdict, check_replayable, judge};
+use mesh_protocol::replay::{NotReplayable, Replayer, Verdict, check_replayable, judge};
 use serde_json::json;
 
 use super::verify::read_receipt;
@@ -69,9 +69,26 @@ pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
     };
     let ids = handle.text().encode(&text)?;
     let payload = prompt_payload(&ids);
-    let weights = handle.weights_digest();
+    let recipe = super::weights::recipe_of(args.model);
+    let replayer = Replayer {
+        weights: handle.weights_digest(),
+        recipe: &recipe,
+        prompt_tokens: ids.len() as u64,
+    };
+    // The receipt's counts come from whoever signed it: bounded by the
+    // model's context before anything is generated.
+    let context = handle
+        .config()
+        .context
+        .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
+    let fits = usize::try_from(receipt.tokens_out)
+        .ok()
+        .and_then(|out| out.checked_add(ids.len()))
+        .is_some_and(|total| total <= context);
     // Nothing is run for a serve that cannot be replayed.
-    let rerun = match check_replayable(receipt, &weights, opening.as_ref()) {
+    let checked = check_replayable(receipt, &replayer, opening.as_ref())
+        .and_then(|()| fits.then_some(()).ok_or(NotReplayable::DoesNotFit));
+    let rerun = match &checked {
         Err(_) => Vec::new(),
         Ok(()) => {
             let layers = handle.config().layers;
@@ -93,14 +110,17 @@ pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
                 .tokens
         }
     };
-    let verdict = judge(
-        receipt,
-        &weights,
-        opening.as_ref(),
-        &payload,
-        &rerun,
-        disclosed.as_deref(),
-    );
+    let verdict = match checked {
+        Err(reason) => Verdict::NotReplayable(reason),
+        Ok(()) => judge(
+            receipt,
+            &replayer,
+            opening.as_ref(),
+            &payload,
+            &rerun,
+            disclosed.as_deref(),
+        ),
+    };
     let (name, detail, code) = match &verdict {
         Verdict::Verified => (
             "verified".to_string(),

@@ -126,8 +126,6 @@ pub struct Change {
     pub plan: Option<String>,
     pub validation_result: Option<String>,
     pub reason: String,
-    /// Default: the steward's next receipt sequence.
-    pub effective_from: Option<u64>,
 }
 
 /// `weights record`: the model's weights are in effect from now on.
@@ -160,7 +158,8 @@ pub fn record(target: &Target, change: Change) -> anyhow::Result<Value> {
             fidelity: fidelity(change.fidelity)?,
             plan,
             validation_result: change.validation_result,
-            effective_from: change.effective_from.unwrap_or(steward.next_sequence()),
+            // The steward's next receipt: the first served on these weights.
+            effective_from: steward.next_sequence(),
             reason: change.reason,
         }),
     })?;

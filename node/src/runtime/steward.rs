@@ -209,6 +209,15 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
             Entry::Changed { envelope } => {
                 let change = mesh_protocol::change::SealedChange::verify(envelope)
                     .map_err(|e| foreign(format!("a change-record entry: {e}")))?;
+                // A change is in effect from the next receipt sealed after it.
+                if let mesh_protocol::change::ChangeKind::Weights(w) = &change.entry.kind
+                    && w.effective_from != next_sequence
+                {
+                    return Err(foreign(format!(
+                        "a weights change effective from receipt {}, recorded when the next was {next_sequence}",
+                        w.effective_from
+                    )));
+                }
                 let key = steward_key.ok_or_else(|| foreign("the steward's id".into()))?;
                 changes
                     .entry(change.entry.backend.clone())
@@ -290,13 +299,17 @@ impl Steward {
     }
 
     /// Record an entry of `entry.backend`'s change record: its `seq` and
-    /// `prev` are set to the record's next position, it is sealed under
-    /// this steward's key and checked against every rule of §6.5, then
-    /// journalled, and only then in effect.
+    /// `prev` are set to the record's next position (and a weights
+    /// change's `effective_from` to this steward's next receipt: the first
+    /// served on it), it is sealed under this steward's key and checked
+    /// against every rule of §6.5, then journalled, and only then in effect.
     pub fn record_change(
         &mut self,
         mut entry: mesh_protocol::change::ChangeEntry,
     ) -> Result<mesh_protocol::change::SealedChange, StewardError> {
+        if let mesh_protocol::change::ChangeKind::Weights(w) = &mut entry.kind {
+            w.effective_from = self.next_sequence;
+        }
         let public = self.key.verifying_key().to_bytes();
         let mut record = self
             .changes

@@ -451,6 +451,25 @@ impl Node {
             options.key.clone(),
             options.meter,
         )?;
+        // A change record that does not have this model's weights in effect
+        // refuses every serve it gates: say so at start, not per request.
+        for record in steward.change_records() {
+            let in_effect = record.in_effect().and_then(|e| match &e.entry.kind {
+                mesh_protocol::change::ChangeKind::Weights(w) => Some(w.to),
+                mesh_protocol::change::ChangeKind::Plan(_) => None,
+            });
+            if in_effect != Some(model.weights_digest()) {
+                tracing::warn!(
+                    backend = record.backend(),
+                    "this model's weights are not the ones its change record has in effect: its serves will be refused until `mesh-node weights record` records them"
+                );
+                eprintln!(
+                    "mesh-node: backend {}: this model's weights are not in effect in its change record; serves are refused until `mesh-node weights record --model {}` records them",
+                    record.backend(),
+                    options.model.display()
+                );
+            }
+        }
         let server = tls::server_config(&tls, &[ALPN_CONTROL, ALPN_STAGE, ALPN_RECORD_PUSH])?;
         let endpoint = quinn::Endpoint::server(server, options.listen)
             .with_context(|| format!("binding {}", options.listen))?;

@@ -819,77 +819,101 @@ fn change_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<V
         })
     };
     let another = SigningKey::from_bytes(&deterministic_32("mesh-node vectors: another steward"));
-    let refusals: Vec<(&str, Edit<'_>, &SigningKey)> = vec![
+    // (name, edit, sealing key, the refusal it must get)
+    let refusals: Vec<(&str, Edit<'_>, &SigningKey, &str)> = vec![
         (
             "another_backend",
             Box::new(|e| e.backend = "mesh-node/stage".into()),
             steward,
+            "other_backend",
         ),
-        ("seq_not_next", Box::new(|e| e.seq += 1), steward),
+        (
+            "seq_not_next",
+            Box::new(|e| e.seq += 1),
+            steward,
+            "seq_not_next",
+        ),
         (
             "prev_not_the_envelope_before",
             Box::new(|e| e.prev = Some([0; 32])),
             steward,
+            "prev_mismatch",
         ),
         (
             "made_at_earlier_than_before",
             Box::new(|e| e.made_at = 1_790_000_000),
             steward,
+            "made_at_earlier",
         ),
         (
             "from_not_the_last_to",
             weights_edit(|w| w.from = Some([9; 32])),
             steward,
+            "from_mismatch",
         ),
         (
             "from_absent_after_a_first_change",
             weights_edit(|w| w.from = None),
             steward,
+            "from_mismatch",
         ),
         (
             "to_equals_from",
             weights_edit(|w| w.to = *blake3::hash(b"mesh-node vectors: weights before").as_bytes()),
             steward,
+            "to_equals_from",
         ),
         (
             "effective_from_earlier_than_the_last",
             weights_edit(|w| w.effective_from = 1),
             steward,
+            "effective_from_earlier",
         ),
         (
             "plan_names_no_plan_entry",
             weights_edit(|w| w.plan = Some([7; 32])),
             steward,
+            "unknown_plan",
         ),
         (
             "outside_plan_another_recipe",
             Box::new(|e| e.recipe = "another-model".into()),
             steward,
+            "outside_plan_recipe",
         ),
         (
             "outside_plan_precision_not_listed",
             weights_edit(|w| w.precision = Some("bf16".into())),
             steward,
+            "outside_plan_precision",
         ),
         (
             "outside_plan_no_precision",
             weights_edit(|w| w.precision = None),
             steward,
+            "outside_plan_no_precision",
         ),
         (
             "outside_plan_fidelity_below_floor",
             weights_edit(|w| w.fidelity = Fidelity::F0),
             steward,
+            "outside_plan_fidelity",
         ),
         (
             "outside_plan_no_validation_result",
             weights_edit(|w| w.validation_result = None),
             steward,
+            "outside_plan_no_validation_result",
         ),
-        ("sealed_by_another_key", Box::new(|_| {}), &another),
+        (
+            "sealed_by_another_key",
+            Box::new(|_| {}),
+            &another,
+            "other_steward",
+        ),
     ];
     let mut cases = Vec::new();
-    for (name, edit, key) in refusals {
+    for (name, edit, key, expected) in refusals {
         let mut bad = entry(
             seq,
             prev,
@@ -903,7 +927,12 @@ fn change_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<V
             .append(sealed.clone())
             .err()
             .with_context(|| format!("{name} was not refused"))?;
-        cases.push(json!({ "name": name, "entry_hex": hex::encode(&sealed.envelope), "refused": refused.kind() }));
+        ensure!(
+            refused.kind() == expected,
+            "{name}: refused as {}, expected {expected}",
+            refused.kind()
+        );
+        cases.push(json!({ "name": name, "entry_hex": hex::encode(&sealed.envelope), "refused": expected }));
     }
     // A change no plan foresaw is recorded too, without a `plan`.
     let unplanned = entry(
@@ -924,47 +953,96 @@ fn change_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<V
     );
     cases.push(json!({ "name": "unplanned_change_recorded", "entry_hex": hex::encode(&unplanned.envelope), "refused": null }));
     // Coverage of the reference receipt at positions around the change.
-    let coverage: Vec<Value> = [
-        (4u64, old_weights),
-        (4, new_weights),
-        (5, new_weights),
-        (5, old_weights),
+    // (receipt sequence, its weights, its precision, the entry that must
+    // cover it): before any weights were in effect, on either side of the
+    // change, and with the precision the change names changed.
+    let coverage = [
+        (1u64, old_weights, precision.as_str(), None),
+        (4, old_weights, precision.as_str(), Some(1u64)),
+        (4, new_weights, precision.as_str(), None),
+        (5, new_weights, precision.as_str(), Some(2)),
+        (5, old_weights, precision.as_str(), None),
+        (5, new_weights, "bf16", None),
     ]
     .into_iter()
-    .map(|(sequence, weights)| {
+    .map(|(sequence, weights, named, expected)| {
         let mut receipt = first.receipt.clone();
         receipt.sequence = sequence;
-        if let Some(binding) = receipt.weights.as_mut() {
-            binding.weights_digest = weights;
-        }
+        receipt.weights = Some(WeightsBinding {
+            weights_digest: weights,
+            precision: named.to_string(),
+        });
         let covered = match record.covers(&receipt) {
             Coverage::Covered(entry) => Some(entry.entry.seq),
             Coverage::NotCovered(_) => None,
         };
-        json!({
+        ensure!(
+            covered == expected,
+            "receipt {sequence}: covered by {covered:?}, expected {expected:?}"
+        );
+        Ok(json!({
             "receipt_sequence": sequence,
             "receipt_weights_digest": hex::encode(&weights),
-            "covered_by_entry": covered,
-        })
+            "receipt_precision": named,
+            "covered_by_entry": expected,
+        }))
     })
-    .collect();
+    .collect::<anyhow::Result<Vec<Value>>>()?;
+    // The first weights entry of a record carries no `from`.
+    let plan_only = ChangeRecord::from_envelopes(
+        &backend,
+        steward_key,
+        record.entries()[..1].iter().map(|e| e.envelope.as_slice()),
+    )
+    .map_err(|(k, e)| anyhow::anyhow!("entry {k}: {e}"))?;
+    let first_with_from = entry(
+        1,
+        Some(plan_id),
+        1_790_000_100,
+        ChangeKind::Weights(WeightsChange {
+            from: Some(old_weights),
+            to: new_weights,
+            precision: Some(precision.clone()),
+            fidelity: Fidelity::F2,
+            plan: None,
+            validation_result: None,
+            effective_from: 2,
+            reason: "first weights".into(),
+        }),
+    )
+    .seal(steward)?;
+    ensure!(
+        plan_only
+            .clone()
+            .append(first_with_from.clone())
+            .err()
+            .map(|e| e.kind())
+            == Some("from_mismatch"),
+        "a first weights entry with `from` is refused"
+    );
     let _ = SealedChange::verify(&record.entries()[0].envelope)?;
     Ok(json!({
         "generator": "mesh-node vectors write (node/src/tools/vectors/mesh1.rs)",
-        "description": "The weights change record (SPEC §6.5, docs/mesh1.md): `record` is a valid record (a plan, the backend's first weights effective from receipt 2, a change under the plan effective from receipt 5) sealed by the mesh1 steward; each case appends one entry to the record's first two entries and gives the refusal kind it must get (null: recorded); `coverage` gives, for the reference receipt at a sequence with a weights digest, the seq of the entry that covers it (null: not covered).",
+        "description": "The weights change record (SPEC §6.5, docs/mesh1.md): `record` is a valid record (a plan, the backend's first weights effective from receipt 2, a change under the plan effective from receipt 5) sealed by the mesh1 steward; each case appends one entry to the record's first two entries and gives the refusal kind it must get (null: recorded); `first_weights_entry_with_from` appends to the record's first entry (the plan) alone; `coverage` gives, for the reference receipt at a sequence with a weights digest and precision, the seq of the entry that covers it (null: not covered).",
         "backend": backend,
         "steward_did": did(steward),
         "record": envelopes(&record),
         "cases": cases,
+        "first_weights_entry_with_from": {
+            "record_prefix": 1,
+            "entry_hex": hex::encode(&first_with_from.envelope),
+            "refused": "from_mismatch",
+        },
         "coverage": coverage,
     }))
 }
 
 /// Replay (SPEC §6.4): a serve declared deterministic, re-runs and
-/// disclosed outputs, and the verdict each must give; then the same with
-/// one thing changed at a time, each refusal named.
+/// disclosed outputs, and the verdict each must give (written here by hand
+/// and checked against `judge`, so a regression in either fails the write);
+/// then the same with one thing changed at a time, each refusal named.
 fn replay_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<Value> {
-    use mesh_protocol::replay::judge;
+    use mesh_protocol::replay::{Replayer, Verdict, judge};
     let declared = MeshReceipt {
         deterministic: Some(true),
         ..first.receipt.clone()
@@ -972,8 +1050,11 @@ fn replay_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<V
     let request_id = declared.request_id;
     let open = opening(&opening_key(&steward.to_bytes()), &request_id);
     let weights = weights_digest(&weights_files());
+    let recipe = declared.recipe.clone();
     let mut parted = OUTPUT_TOKENS.to_vec();
     parted[2] ^= 1;
+    let mut other_prompt = PROMPT_TOKENS.to_vec();
+    other_prompt[0] ^= 1;
     let shorter_prompt = &PROMPT_TOKENS[..PROMPT_TOKENS.len() - 1];
     let sealed =
         |receipt: MeshReceipt| -> anyhow::Result<SealedReceipt> { Ok(receipt.seal(steward)?) };
@@ -990,172 +1071,206 @@ fn replay_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<V
         deterministic: Some(false),
         ..declared.clone()
     })?;
-    // (name, receipt, weights, opening, prompt, re-run, disclosed)
-    type Case<'a> = (
-        &'a str,
-        &'a SealedReceipt,
-        [u8; 32],
-        Option<[u8; 32]>,
-        &'a [u32],
-        &'a [u32],
-        Option<&'a [u32]>,
-    );
-    let cases: Vec<Case<'_>> = vec![
-        (
+    struct Case<'a> {
+        name: &'a str,
+        receipt: &'a SealedReceipt,
+        weights: [u8; 32],
+        recipe: &'a str,
+        opening: Option<[u8; 32]>,
+        prompt: &'a [u32],
+        rerun: &'a [u32],
+        disclosed: Option<&'a [u32]>,
+        /// The verdict, the token it parts at, the refusal's kind.
+        expected: (&'a str, Option<usize>, Option<&'a str>),
+    }
+    let case = |name, receipt, prompt, rerun, disclosed, expected| Case {
+        name,
+        receipt,
+        weights,
+        recipe: &recipe,
+        opening: Some(open),
+        prompt,
+        rerun,
+        disclosed,
+        expected,
+    };
+    let not = |kind| ("not_replayable", None, Some(kind));
+    let cases = vec![
+        case(
             "verified",
             &deterministic,
-            weights,
-            Some(open),
             &PROMPT_TOKENS,
             &OUTPUT_TOKENS,
             None,
+            ("verified", None, None),
         ),
-        (
+        case(
             "verified_with_the_output_disclosed",
             &deterministic,
-            weights,
-            Some(open),
             &PROMPT_TOKENS,
             &OUTPUT_TOKENS,
             Some(&OUTPUT_TOKENS),
+            ("verified", None, None),
         ),
-        (
+        case(
             "diverged_at_token_2",
             &deterministic,
-            weights,
-            Some(open),
             &PROMPT_TOKENS,
             &parted,
             Some(&OUTPUT_TOKENS),
+            ("diverged", Some(2), None),
         ),
-        (
+        case(
             "rerun_differs_and_nothing_disclosed",
             &deterministic,
-            weights,
-            Some(open),
             &PROMPT_TOKENS,
             &parted,
             None,
+            not("unattributable"),
         ),
-        (
+        case(
             "rerun_differs_and_the_disclosed_output_opens_nothing",
             &deterministic,
-            weights,
-            Some(open),
             &PROMPT_TOKENS,
             &parted,
             Some(&parted),
+            not("unattributable"),
         ),
-        (
+        case(
             "another_prompt_payload",
             &deterministic,
-            weights,
-            Some(open),
+            &other_prompt,
+            &parted,
+            Some(&OUTPUT_TOKENS),
+            not("unattributable"),
+        ),
+        case(
+            "another_request_by_its_length",
+            &deterministic,
             shorter_prompt,
             &parted,
             Some(&OUTPUT_TOKENS),
+            not("other_request"),
         ),
-        (
-            "another_receipts_opening",
-            &deterministic,
-            weights,
-            Some(opening(&opening_key(&steward.to_bytes()), &[0; 32])),
-            &PROMPT_TOKENS,
-            &OUTPUT_TOKENS,
-            Some(&OUTPUT_TOKENS),
-        ),
-        (
-            "no_opening",
-            &deterministic,
-            weights,
-            None,
-            &PROMPT_TOKENS,
-            &OUTPUT_TOKENS,
-            None,
-        ),
-        (
-            "other_weights",
-            &deterministic,
-            [0; 32],
-            Some(open),
-            &PROMPT_TOKENS,
-            &OUTPUT_TOKENS,
-            None,
-        ),
-        (
+        Case {
+            opening: Some(opening(&opening_key(&steward.to_bytes()), &[0; 32])),
+            ..case(
+                "another_receipts_opening",
+                &deterministic,
+                &PROMPT_TOKENS,
+                &OUTPUT_TOKENS,
+                Some(&OUTPUT_TOKENS),
+                not("unattributable"),
+            )
+        },
+        Case {
+            opening: None,
+            ..case(
+                "no_opening",
+                &deterministic,
+                &PROMPT_TOKENS,
+                &OUTPUT_TOKENS,
+                None,
+                not("no_opening"),
+            )
+        },
+        Case {
+            weights: [0; 32],
+            ..case(
+                "other_weights",
+                &deterministic,
+                &PROMPT_TOKENS,
+                &OUTPUT_TOKENS,
+                None,
+                not("other_weights"),
+            )
+        },
+        Case {
+            recipe: "another-model",
+            ..case(
+                "other_recipe",
+                &deterministic,
+                &PROMPT_TOKENS,
+                &OUTPUT_TOKENS,
+                None,
+                not("other_recipe"),
+            )
+        },
+        case(
             "not_declared_deterministic",
             first,
-            weights,
-            Some(open),
             &PROMPT_TOKENS,
             &OUTPUT_TOKENS,
             None,
+            not("not_deterministic"),
         ),
-        (
+        case(
             "declared_not_deterministic",
             &declared_not,
-            weights,
-            Some(open),
             &PROMPT_TOKENS,
             &OUTPUT_TOKENS,
             None,
+            not("not_deterministic"),
         ),
-        (
+        case(
             "other_backend",
             &other_backend,
-            weights,
-            Some(open),
             &PROMPT_TOKENS,
             &OUTPUT_TOKENS,
             None,
+            not("other_backend"),
         ),
-        (
+        case(
             "no_commitment",
             &no_commitment,
-            weights,
-            Some(open),
             &PROMPT_TOKENS,
             &OUTPUT_TOKENS,
             None,
+            not("no_commitment"),
         ),
     ];
-    let cases: Vec<Value> = cases
-        .into_iter()
-        .map(
-            |(name, receipt, weights, opening, prompt, rerun, disclosed)| {
-                let verdict = judge(
-                    &receipt.receipt,
-                    &weights,
-                    opening.as_ref(),
-                    &prompt_payload(prompt),
-                    rerun,
-                    disclosed,
-                );
-                let (verdict, at, reason) = match verdict {
-                    mesh_protocol::replay::Verdict::Verified => ("verified", None, None),
-                    mesh_protocol::replay::Verdict::Diverged { at } => ("diverged", Some(at), None),
-                    mesh_protocol::replay::Verdict::NotReplayable(r) => {
-                        ("not_replayable", None, Some(r.kind()))
-                    }
-                };
-                json!({
-                    "name": name,
-                    "envelope_hex": hex::encode(&receipt.envelope),
-                    "weights_digest_hex": hex::encode(&weights),
-                    "opening_hex": opening.map(|o| hex::encode(&o)),
-                    "prompt_token_ids": prompt,
-                    "rerun_token_ids": rerun,
-                    "disclosed_token_ids": disclosed,
-                    "verdict": verdict,
-                    "diverged_at": at,
-                    "reason": reason,
-                })
+    let mut out = Vec::new();
+    for c in cases {
+        let verdict = judge(
+            &c.receipt.receipt,
+            &Replayer {
+                weights: c.weights,
+                recipe: c.recipe,
+                prompt_tokens: c.prompt.len() as u64,
             },
-        )
-        .collect();
+            c.opening.as_ref(),
+            &prompt_payload(c.prompt),
+            c.rerun,
+            c.disclosed,
+        );
+        let got = match &verdict {
+            Verdict::Verified => ("verified", None, None),
+            Verdict::Diverged { at } => ("diverged", Some(*at), None),
+            Verdict::NotReplayable(r) => ("not_replayable", None, Some(r.kind())),
+        };
+        ensure!(
+            got == c.expected,
+            "{}: judged {got:?}, expected {:?}",
+            c.name,
+            c.expected
+        );
+        out.push(json!({
+            "name": c.name,
+            "envelope_hex": hex::encode(&c.receipt.envelope),
+            "weights_digest_hex": hex::encode(&c.weights),
+            "recipe": c.recipe,
+            "opening_hex": c.opening.map(|o| hex::encode(&o)),
+            "prompt_token_ids": c.prompt,
+            "rerun_token_ids": c.rerun,
+            "disclosed_token_ids": c.disclosed,
+            "verdict": c.expected.0,
+            "diverged_at": c.expected.1,
+            "reason": c.expected.2,
+        }));
+    }
     Ok(json!({
         "generator": "mesh-node vectors write (node/src/tools/vectors/mesh1.rs)",
-        "description": "Replay verdicts (SPEC §6.4, docs/mesh1.md): each case is a mesh/1 envelope, the weights digest and opening the replay holds, the prompt token ids it ran, its re-run's tokens and the disclosed output (if any), and the verdict: verified, diverged (with the first token where the re-run parts from the disclosed output) or not_replayable (with the reason's kind). Diverged only where the disclosed output opens the commitment on the replay's payload.",
-        "cases": cases,
+        "description": "Replay verdicts (SPEC §6.4, docs/mesh1.md): each case is a mesh/1 envelope, the weights digest, recipe and opening the replay holds, the prompt token ids it ran, its re-run's tokens and the disclosed output (if any), and the verdict: verified, diverged (with the first token where the re-run parts from the disclosed output) or not_replayable (with the reason's kind). Diverged only where the disclosed output opens the commitment on the replay's payload.",
+        "cases": out,
     }))
 }
