@@ -102,6 +102,10 @@ enum Command {
         /// With --coordinator: where to write the bundle.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// The bundle's form: `mesh` (this project's mesh_bundle) or
+        /// `mesh-llm` (Mesh-LLM's record_push_bundle with the stage records).
+        #[arg(long, default_value = "mesh", requires = "out")]
+        format: String,
         /// With --coordinator: serve on these grant shards (`grant shard`).
         #[arg(long, requires = "grant_key")]
         shards: Option<PathBuf>,
@@ -801,6 +805,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             top_p,
             seed,
             out,
+            format,
             json,
             shards,
             grant_key,
@@ -808,6 +813,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             timeout_ms,
             ..
         } => {
+            let format = mesh_node::cli::node_cli::BundleFormat::parse(&format)?;
             let grant = match (shards, grant_key) {
                 (Some(shards), Some(holder)) => {
                     // The prompt-token figure is the requester's own estimate (seed 001 §2.3).
@@ -841,7 +847,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let summary = runtime()?.block_on(mesh_node::cli::node_cli::generate_via(
                 &coordinator,
                 request,
-                out.as_deref(),
+                out.as_deref().map(|path| (path, format)),
                 json,
             ))?;
             if json {

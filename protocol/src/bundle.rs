@@ -341,6 +341,19 @@ impl MmrLog {
         self.nodes.len() as u64
     }
 
+    /// Records appended.
+    pub fn leaves(&self) -> u64 {
+        self.leaves
+    }
+
+    /// The leaf hash of record `index`.
+    pub fn leaf(&self, index: u64) -> Option<[u8; 32]> {
+        let pos = usize::try_from(leaf_position(index)?).ok()?;
+        (index < self.leaves)
+            .then(|| self.nodes.get(pos).copied())
+            .flatten()
+    }
+
     /// Append a record; returns its leaf index.
     pub fn append(&mut self, capsule_id: &[u8; 32]) -> u64 {
         let leaf_index = self.leaves;
@@ -465,21 +478,30 @@ impl<'a> RecordPushBundle<'a> {
 
     /// The inclusion proof puts `capsule_id` under the checkpoint's root.
     pub fn verify_inclusion(&self, capsule_id: &[u8; 32]) -> Result<(), ProofError> {
-        if self.proof.size != self.checkpoint.mmr_size {
-            return Err(ProofError::RootMismatch {
-                computed: format!("proof for size {}", self.proof.size),
-                claimed: format!("checkpoint of size {}", self.checkpoint.mmr_size),
-            });
-        }
-        let computed = self.proof.root_for(&mmr_leaf(capsule_id))?;
-        if computed != self.checkpoint.root {
-            return Err(ProofError::RootMismatch {
-                computed: hex::encode(&computed),
-                claimed: hex::encode(&self.checkpoint.root),
-            });
-        }
-        Ok(())
+        verify_inclusion(&self.proof, &self.checkpoint, capsule_id)
     }
+}
+
+/// `proof` puts `capsule_id` under `checkpoint`'s root, at its size.
+pub fn verify_inclusion(
+    proof: &InclusionProof,
+    checkpoint: &Checkpoint,
+    capsule_id: &[u8; 32],
+) -> Result<(), ProofError> {
+    if proof.size != checkpoint.mmr_size {
+        return Err(ProofError::RootMismatch {
+            computed: format!("proof for size {}", proof.size),
+            claimed: format!("checkpoint of size {}", checkpoint.mmr_size),
+        });
+    }
+    let computed = proof.root_for(&mmr_leaf(capsule_id))?;
+    if computed != checkpoint.root {
+        return Err(ProofError::RootMismatch {
+            computed: hex::encode(&computed),
+            claimed: hex::encode(&checkpoint.root),
+        });
+    }
+    Ok(())
 }
 
 /// The marker member of this project's requester bundle.
@@ -498,6 +520,10 @@ pub struct MeshBundle<'a> {
     /// The node id (did:key) that served each stage, as the coordinator
     /// assigned (`None` when the bundle lists none; checked by the verifier).
     pub stewards: Option<Vec<(u32, String)>>,
+    /// The main record's place in the coordinator's transparency log: the
+    /// inclusion proof and the signed checkpoint it is proven under
+    /// (together, as in a `record_push_bundle`).
+    pub log_proof: Option<(InclusionProof, Checkpoint)>,
     /// A resumed request's earlier segments, in order, each a bundle of this
     /// form without envelopes or segments of its own; the final segment is
     /// this bundle. Empty when the request ran on one chain.
@@ -574,6 +600,31 @@ impl<'a> MeshBundle<'a> {
                 ));
             }
         };
+        let log_proof = match (m.optional("inclusion"), m.optional("checkpoint")) {
+            (None, None) => None,
+            (Some(inclusion), Some(checkpoint)) => {
+                let inclusion_path = m.path("inclusion");
+                let mut i = Members::of(inclusion, &inclusion_path)?;
+                let leaf_index = i.u64("leaf_index")?;
+                let proof_path = i.path("proof");
+                let proof = InclusionProof::from_value_at(i.required("proof")?, &proof_path)?;
+                i.finish()?;
+                if proof.leaf_index != leaf_index {
+                    return Err(ShapeError::invalid(
+                        proof_path,
+                        "leaf_index differs from inclusion.leaf_index",
+                    ));
+                }
+                let checkpoint = Checkpoint::from_value_at(checkpoint, &m.path("checkpoint"))?;
+                Some((proof, checkpoint))
+            }
+            _ => {
+                return Err(ShapeError::invalid(
+                    m.path("inclusion"),
+                    "inclusion and checkpoint come together",
+                ));
+            }
+        };
         let segments_path = m.path("earlier_segments");
         let earlier_segments: &[Value] = match m.optional("earlier_segments") {
             None => &[],
@@ -593,6 +644,7 @@ impl<'a> MeshBundle<'a> {
             mesh1_envelope,
             mesh1_prev_envelope,
             stewards,
+            log_proof,
             earlier_segments,
         })
     }

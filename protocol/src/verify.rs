@@ -444,36 +444,12 @@ pub fn verify_record_push_bundle(document: &Value) -> Result<VerifyReport, Docum
         resume: None,
     };
     let main = verify_main_record(&mut report, bundle.capsule);
-    let checkpoint_subject = format!(
-        "checkpoint {} size {}",
-        bundle.checkpoint.log_id, bundle.checkpoint.mmr_size
+    verify_log_proof(
+        &mut report,
+        main.as_ref().map(|(sealed, _)| sealed),
+        &bundle.proof,
+        &bundle.checkpoint,
     );
-    report.checks.push(Check {
-        subject: checkpoint_subject.clone(),
-        property: "Ed25519 signature over its JCS digest",
-        outcome: bundle
-            .checkpoint
-            .verify_signature()
-            .map_err(|e| e.to_string()),
-    });
-    if let Some((sealed, _)) = &main {
-        report.checks.push(Check {
-            subject: checkpoint_subject.clone(),
-            property: "signed by the main record's key",
-            outcome: if sealed.key_id() == bundle.checkpoint.key_id {
-                Ok(())
-            } else {
-                Err("checkpoint key_id differs from the main record's key_id".into())
-            },
-        });
-        report.checks.push(Check {
-            subject: format!("main record {}", short(&sealed.capsule_id())),
-            property: "MMR inclusion proof under the checkpoint root",
-            outcome: bundle
-                .verify_inclusion(&sealed.capsule_id())
-                .map_err(|e| e.to_string()),
-        });
-    }
     let split = main.as_ref().and_then(|(_, split)| split.as_ref());
     let records: &[Value] = bundle
         .split_stage_records
@@ -487,6 +463,43 @@ pub fn verify_record_push_bundle(document: &Value) -> Result<VerifyReport, Docum
             Some("stage records are carried but the main record has no valid split".into());
     }
     Ok(report)
+}
+
+/// The main record's place in its sealer's transparency log: the
+/// checkpoint's signature, that the main record's key signed it, and the
+/// inclusion proof under its root.
+fn verify_log_proof(
+    report: &mut VerifyReport,
+    main: Option<&SealedRecord>,
+    proof: &crate::bundle::InclusionProof,
+    checkpoint: &crate::bundle::Checkpoint,
+) {
+    let checkpoint_subject = format!(
+        "checkpoint {} size {}",
+        checkpoint.log_id, checkpoint.mmr_size
+    );
+    report.checks.push(Check {
+        subject: checkpoint_subject.clone(),
+        property: "Ed25519 signature over its JCS digest",
+        outcome: checkpoint.verify_signature().map_err(|e| e.to_string()),
+    });
+    if let Some(sealed) = main {
+        report.checks.push(Check {
+            subject: checkpoint_subject,
+            property: "signed by the main record's key",
+            outcome: if sealed.key_id() == checkpoint.key_id {
+                Ok(())
+            } else {
+                Err("checkpoint key_id differs from the main record's key_id".into())
+            },
+        });
+        report.checks.push(Check {
+            subject: format!("main record {}", short(&sealed.capsule_id())),
+            property: "MMR inclusion proof under the checkpoint root",
+            outcome: crate::bundle::verify_inclusion(proof, checkpoint, &sealed.capsule_id())
+                .map_err(|e| e.to_string()),
+        });
+    }
 }
 
 /// Form (c): this project's `mesh_bundle`.
@@ -518,6 +531,14 @@ fn check_mesh_bundle(document: &Value) -> Result<CheckedBundle, DocumentError> {
         resume: None,
     };
     let main = verify_main_record(&mut report, bundle.main_record);
+    if let Some((proof, checkpoint)) = &bundle.log_proof {
+        verify_log_proof(
+            &mut report,
+            main.as_ref().map(|(sealed, _)| sealed),
+            proof,
+            checkpoint,
+        );
+    }
     let split = main.as_ref().and_then(|(_, split)| split.as_ref());
     let carried = verify_carried(
         &mut report,

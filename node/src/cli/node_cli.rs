@@ -446,11 +446,58 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Stream a remote generation to stdout; write the bundle to `out`.
+/// The form `generate --out` writes the requester's bundle in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BundleFormat {
+    /// This project's `mesh_bundle` (`docs/bundle.md`).
+    Mesh,
+    /// Mesh-LLM's `record_push_bundle`: the main record with its inclusion
+    /// proof and checkpoint in the coordinator's log, and the stage records.
+    MeshLlm,
+}
+
+impl BundleFormat {
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        match text {
+            "mesh" => Ok(Self::Mesh),
+            "mesh-llm" => Ok(Self::MeshLlm),
+            other => anyhow::bail!("bundle format `{other}`: give mesh or mesh-llm"),
+        }
+    }
+}
+
+/// A `mesh_bundle` as Mesh-LLM's `record_push_bundle` (`split-stage.md`
+/// §3.3): the main record, its inclusion proof and the checkpoint of the
+/// coordinator's log, and the stage records (1 to 64; left out when none
+/// came). A bundle without a log proof cannot be converted.
+pub fn as_record_push_bundle(bundle: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
+    let (Some(inclusion), Some(checkpoint)) = (bundle.get("inclusion"), bundle.get("checkpoint"))
+    else {
+        anyhow::bail!(
+            "the bundle carries no inclusion proof in its coordinator's log: it cannot be written as a record_push_bundle"
+        );
+    };
+    let mut out = serde_json::json!({
+        "record_push_bundle": 1,
+        "capsule": bundle["main_record"],
+        "inclusion": inclusion,
+        "checkpoint": checkpoint,
+    });
+    if let Some(records) = bundle["split_stage_records"]
+        .as_array()
+        .filter(|records| !records.is_empty())
+    {
+        out["split_stage_records"] = serde_json::Value::Array(records.clone());
+    }
+    Ok(out)
+}
+
+/// Stream a remote generation to stdout; write the bundle to `out`, in its
+/// form.
 pub async fn generate_via(
     coordinator: &str,
     request: GenerateRequest,
-    out: Option<&Path>,
+    out: Option<(&Path, BundleFormat)>,
     json: bool,
 ) -> anyhow::Result<GenerateSummary> {
     let coordinator: PeerAddr = coordinator.parse()?;
@@ -465,8 +512,12 @@ pub async fn generate_via(
     if !json {
         println!();
     }
-    if let (Some(path), Some(bundle)) = (out, &summary.bundle) {
-        std::fs::write(path, serde_json::to_vec_pretty(bundle)?)
+    if let (Some((path, format)), Some(bundle)) = (out, &summary.bundle) {
+        let written = match format {
+            BundleFormat::Mesh => bundle.clone(),
+            BundleFormat::MeshLlm => as_record_push_bundle(bundle)?,
+        };
+        std::fs::write(path, serde_json::to_vec_pretty(&written)?)
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!(
             "bundle written to {} (check it with `mesh-node verify {}`)",

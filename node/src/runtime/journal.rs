@@ -81,6 +81,9 @@ pub enum Entry {
     /// envelope, sealed by this steward and checked against the record
     /// before it was written.
     Changed { envelope: Vec<u8> },
+    /// A record this node sealed, appended to its transparency log (an
+    /// MMR of record ids, `split-stage.md`), before the record leaves.
+    Logged { capsule_id: ContentId },
 }
 
 /// A record as stored.
@@ -336,6 +339,10 @@ impl Entry {
                 ("kind", Cbor::text("changed")),
                 ("envelope", Cbor::bytes(envelope.clone())),
             ]),
+            Entry::Logged { capsule_id } => Cbor::text_map([
+                ("kind", Cbor::text("logged")),
+                ("capsule_id", Cbor::bytes(capsule_id.to_vec())),
+            ]),
         }
     }
 
@@ -408,6 +415,9 @@ impl Entry {
             "halted" => Ok(Entry::Halted {
                 reason: text("reason")?.to_string(),
                 at_ms: uint("at_ms")?,
+            }),
+            "logged" => Ok(Entry::Logged {
+                capsule_id: id(value.get("capsule_id").ok_or("`capsule_id`")?)?,
             }),
             "changed" => Ok(Entry::Changed {
                 envelope: value

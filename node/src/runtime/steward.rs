@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use mesh_protocol::SigningKey;
+use mesh_protocol::bundle::MmrLog;
 use mesh_protocol::change::ChangeRecord;
 use mesh_protocol::grant::{Authorisation, Debit, GrantGate, Presentation, Refusal};
 use mesh_protocol::identity::did_key;
@@ -111,6 +112,10 @@ pub struct Steward {
     unresolved: Vec<Unresolved>,
     /// Each backend's weights change record (SPEC §6.5).
     changes: std::collections::BTreeMap<String, ChangeRecord>,
+    /// The transparency log of every record this node sealed.
+    log: MmrLog,
+    /// The last checkpoint issued (size, root), which the next names.
+    last_checkpoint: Option<(u64, [u8; 32])>,
 }
 
 /// What replaying a journal established.
@@ -125,6 +130,8 @@ pub struct Replay {
     pub unresolved: Vec<Unresolved>,
     /// Each backend's change record, every entry checked again.
     pub changes: std::collections::BTreeMap<String, ChangeRecord>,
+    /// The transparency log, rebuilt.
+    pub log: MmrLog,
 }
 
 /// Replay journal records through a fresh gate (§2.2): every authorisation
@@ -140,6 +147,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
     let mut last_envelope = None;
     let mut sealed = std::collections::BTreeMap::new();
     let mut changes: std::collections::BTreeMap<String, ChangeRecord> = Default::default();
+    let mut log = MmrLog::new();
     let steward_key = mesh_protocol::identity::parse_did_key(steward_did);
     for record in records {
         let foreign = |why: String| StewardError::ForeignJournal {
@@ -206,6 +214,9 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
                 next_sequence += 1;
             }
             Entry::Halted { reason, .. } => gate.halt(reason.clone()),
+            Entry::Logged { capsule_id } => {
+                log.append(capsule_id);
+            }
             Entry::Changed { envelope } => {
                 let change = mesh_protocol::change::SealedChange::verify(envelope)
                     .map_err(|e| foreign(format!("a change-record entry: {e}")))?;
@@ -260,6 +271,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
         sealed,
         unresolved,
         changes,
+        log,
     })
 }
 
@@ -285,7 +297,45 @@ impl Steward {
             sealed: replayed.sealed,
             unresolved: replayed.unresolved,
             changes: replayed.changes,
+            log: replayed.log,
+            last_checkpoint: None,
         })
+    }
+
+    /// Append records this node sealed to its transparency log: journalled
+    /// first, then in the log. Their leaf indices.
+    pub fn log_records(&mut self, ids: &[ContentId]) -> Result<Vec<u64>, StewardError> {
+        self.journal
+            .append_all(
+                ids.iter()
+                    .map(|capsule_id| Entry::Logged {
+                        capsule_id: *capsule_id,
+                    })
+                    .collect(),
+            )
+            .map_err(StewardError::NotJournalled)?;
+        Ok(ids.iter().map(|id| self.log.append(id)).collect())
+    }
+
+    /// The transparency log.
+    pub fn log(&self) -> &MmrLog {
+        &self.log
+    }
+
+    /// A signed checkpoint of the log as it is now (`split-stage.md` §3.3),
+    /// naming the one issued before it; `None` while the log is empty.
+    pub fn checkpoint(&mut self, timestamp: &str) -> Option<serde_json::Value> {
+        let (size, root) = (self.log.size(), self.log.root()?);
+        let value = mesh_protocol::bundle::Checkpoint::sign(
+            &self.did,
+            size,
+            &root,
+            self.last_checkpoint.filter(|(before, _)| *before > 0),
+            timestamp,
+            &self.key,
+        );
+        self.last_checkpoint = Some((size, root));
+        Some(value)
     }
 
     /// A backend's weights change record, when it has one.

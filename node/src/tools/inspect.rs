@@ -83,6 +83,7 @@ pub fn render_journal(
                 short(envelope_id)
             ),
             Entry::Halted { reason, .. } => format!("HALTED      {reason}"),
+            Entry::Logged { capsule_id } => format!("logged      record {}", short(capsule_id)),
             Entry::Changed { envelope } => {
                 match mesh_protocol::change::SealedChange::verify(envelope) {
                     Ok(change) => format!(

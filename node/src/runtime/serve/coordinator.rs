@@ -1759,7 +1759,39 @@ fn seal_segment(
         &inner.key,
     )?;
     *chain_head = Some(sealed.chain_head());
+    drop(chain_head);
+    // Every record this node sealed goes into its transparency log before
+    // it leaves: the stage-exchange records, then the main record.
+    let ids: Vec<[u8; 32]> = sealed
+        .stage_exchange_records
+        .iter()
+        .chain([&sealed.main_record])
+        .map(SealedRecord::capsule_id)
+        .collect();
+    lock(&inner.steward).log_records(&ids)?;
     Ok(sealed)
+}
+
+/// The main record's place in the coordinator's log: its inclusion proof
+/// and a checkpoint it is proven under, for the requester's bundle.
+fn log_proof(
+    inner: &Inner,
+    main_record: &[u8; 32],
+) -> Option<(serde_json::Value, serde_json::Value)> {
+    let mut steward = lock(&inner.steward);
+    let checkpoint = steward.checkpoint(&format_timestamp(now_ms()))?;
+    // The main record was the last appended for this request; later
+    // requests' records may follow it: find it from the end.
+    // Proven at the size just checkpointed: the same lock holds both.
+    let log = steward.log();
+    let leaf = (0..log.leaves())
+        .rev()
+        .find(|leaf| log.leaf(*leaf) == Some(mesh_protocol::bundle::mmr_leaf(main_record)))?;
+    let proof = log.prove(leaf)?;
+    Some((
+        json!({ "leaf_index": leaf, "proof": proof.to_value() }),
+        checkpoint,
+    ))
 }
 
 fn model_id(inner: &Inner) -> String {
@@ -1943,6 +1975,10 @@ fn seal(
                 "earlier_segments".into(),
                 serde_json::Value::Array(earlier.into_iter().map(|(b, _)| b).collect()),
             );
+        }
+        if let Some((inclusion, checkpoint)) = log_proof(inner, &sealed.main_record.capsule_id()) {
+            map.insert("inclusion".into(), inclusion);
+            map.insert("checkpoint".into(), checkpoint);
         }
     }
 

@@ -2327,6 +2327,8 @@ async fn push_stage_record(
         chain_parent: None,
     };
     let record = SealedRecord::seal(stage_record(&context, block)?, &inner.key)?;
+    // Into this node's transparency log before it leaves.
+    lock(&inner.steward).log_records(&[record.capsule_id()])?;
     let mut body = inner.tls.did.as_bytes().to_vec();
     body.push(b'\n');
     body.extend_from_slice(&serde_json::to_vec(record.value())?);
