@@ -173,6 +173,12 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// A node's transparency log: every record it sealed, an MMR of their
+    /// ids (read from DATA/steward with the node stopped).
+    Log {
+        #[command(subcommand)]
+        action: LogAction,
+    },
     /// Read a steward's decision journal.
     Journal {
         #[command(subcommand)]
@@ -317,6 +323,28 @@ enum WeightsAction {
         out: Option<PathBuf>,
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum LogAction {
+    /// Its size, root and record ids.
+    Show {
+        #[arg(long)]
+        data: PathBuf,
+    },
+    /// The inclusion proof of one record (its capsule id) at the log's size.
+    Prove {
+        #[arg(long)]
+        data: PathBuf,
+        capsule_id: String,
+    },
+    /// A checkpoint of the log now, signed with the node's key.
+    Checkpoint {
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long)]
+        key: PathBuf,
     },
 }
 
@@ -975,6 +1003,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 "wrote {} (keep it private: it is this node's identity)",
                 out.display()
             );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Log { action } => {
+            let value = match action {
+                LogAction::Show { data } => mesh_node::cli::log::show(&data)?,
+                LogAction::Prove { data, capsule_id } => {
+                    mesh_node::cli::log::prove(&data, &capsule_id)?
+                }
+                LogAction::Checkpoint { data, key } => {
+                    let key = mesh_node::runtime::keys::load(&key)?;
+                    mesh_node::cli::log::checkpoint(&data, &key)?
+                }
+            };
+            println!("{}", serde_json::to_string_pretty(&value)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Journal {

@@ -2,7 +2,8 @@
 //! backend has a record, its coordinator serves only the weights in effect
 //! (refused before any grant is decided otherwise); a change recorded with
 //! `mesh-node weights record` puts the model's weights in effect after a
-//! restart; `verify --change-record` says which receipts it covers.
+//! restart; `verify --change-record` says which receipts it covers. The
+//! same stopped coordinator's transparency log is read with `mesh-node log`.
 
 mod common;
 
@@ -185,4 +186,50 @@ async fn a_coordinator_serves_only_the_weights_its_change_record_has_in_effect()
     ]);
     assert_eq!(stale.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&stale.stdout).contains("NOT covered"));
+
+    // The coordinator's transparency log holds the records it sealed for
+    // the one request it served (two stage-exchange records, the main
+    // record), proves the main record under its root, and checkpoints it.
+    let json = |out: Output| -> serde_json::Value { serde_json::from_str(&ok(&out)).unwrap() };
+    let shown = json(mesh_node(&[
+        "log",
+        "show",
+        "--data",
+        data.to_str().unwrap(),
+    ]));
+    assert_eq!(shown["records"], 3, "{shown:#}");
+    let served: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&bundle).unwrap()).unwrap();
+    let main_id = served["main_record"]["capsule_id"].as_str().unwrap();
+    let proved = json(mesh_node(&[
+        "log",
+        "prove",
+        "--data",
+        data.to_str().unwrap(),
+        main_id,
+    ]));
+    assert_eq!(proved["leaf_index"], 2);
+    let proof = mesh_protocol::bundle::InclusionProof::from_value_at(&proved["proof"], "").unwrap();
+    let root = proof
+        .root_for(&mesh_protocol::bundle::mmr_leaf(
+            &mesh_protocol::hex::decode_array(main_id).unwrap(),
+        ))
+        .unwrap();
+    assert_eq!(
+        mesh_protocol::hex::encode(&root),
+        proved["root"].as_str().unwrap()
+    );
+    let key = keygen(dir.path(), "coord");
+    let checkpoint = json(mesh_node(&[
+        "log",
+        "checkpoint",
+        "--data",
+        data.to_str().unwrap(),
+        "--key",
+        key.to_str().unwrap(),
+    ]));
+    let checkpoint = mesh_protocol::bundle::Checkpoint::from_value_at(&checkpoint, "").unwrap();
+    checkpoint.verify_signature().unwrap();
+    assert_eq!(checkpoint.mmr_size, shown["mmr_size"].as_u64().unwrap());
+    assert_eq!(checkpoint.root, root);
 }
