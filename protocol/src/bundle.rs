@@ -667,6 +667,52 @@ impl<'a> MeshBundle<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The repository's transparency-log vectors
+    /// (`vectors/split-stage/mmr-logs.json`, `mesh-node vectors write`):
+    /// every proof of every log of 1 to 64 records verifies under its
+    /// checkpoint, each checkpoint names the one before, and every derived
+    /// refusal fails.
+    #[test]
+    fn the_mmr_log_vectors_hold() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../vectors/split-stage/mmr-logs.json"
+        );
+        let document: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        let logs = document["logs"].as_array().unwrap();
+        assert_eq!(logs.len(), 64);
+        let mut previous: Option<(u64, [u8; 32])> = None;
+        for log in logs {
+            let checkpoint = Checkpoint::from_value_at(&log["checkpoint"], "").unwrap();
+            checkpoint.verify_signature().unwrap();
+            assert_eq!(
+                previous,
+                checkpoint
+                    .prev_root
+                    .map(|root| (checkpoint.prev_size, root))
+            );
+            for proven in log["proofs"].as_array().unwrap() {
+                let proof = InclusionProof::from_value_at(&proven["proof"], "").unwrap();
+                let id = hex::decode_array(proven["capsule_id"].as_str().unwrap()).unwrap();
+                verify_inclusion(&proof, &checkpoint, &id).unwrap();
+            }
+            previous = Some((checkpoint.mmr_size, checkpoint.root));
+        }
+        let refusals = document["refusals"].as_array().unwrap();
+        assert!(refusals.len() >= 6);
+        for refusal in refusals {
+            let checkpoint = Checkpoint::from_value_at(&refusal["checkpoint"], "").unwrap();
+            let proof = InclusionProof::from_value_at(&refusal["proof"], "").unwrap();
+            let id = hex::decode_array(refusal["capsule_id"].as_str().unwrap()).unwrap();
+            assert!(
+                checkpoint.verify_signature().is_err()
+                    || verify_inclusion(&proof, &checkpoint, &id).is_err(),
+                "{}",
+                refusal["name"]
+            );
+        }
+    }
     use proptest::prelude::*;
 
     #[test]

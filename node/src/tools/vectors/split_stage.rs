@@ -37,11 +37,120 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             pretty(&record_cases()?),
         ),
         ("split-stage/hop-cases.json".to_string(), pretty(&hop_cases)),
+        (
+            "split-stage/mmr-logs.json".to_string(),
+            pretty(&mmr_log_cases()?),
+        ),
     ];
     for (name, bundle) in bundles {
         files.push((format!("split-stage/bundles/{name}.json"), pretty(&bundle)));
     }
     Ok(files)
+}
+
+/// Transparency logs of 1 to 64 records (`split-stage.md` §3.3): for each
+/// size, a checkpoint signed by a fixed key (naming the checkpoint of the
+/// size before) and inclusion proofs of the first, middle and last record,
+/// each checked here by the rules the published bundles pass; then proofs
+/// and checkpoints with one thing changed, each of which must fail.
+fn mmr_log_cases() -> anyhow::Result<Value> {
+    use mesh_protocol::bundle::{Checkpoint, MmrLog, verify_inclusion};
+    let key =
+        mesh_protocol::SigningKey::from_bytes(&deterministic_32("mesh-node vectors: log steward"));
+    let did = mesh_protocol::identity::did_key(&key.verifying_key().to_bytes());
+    let id = |i: u64| deterministic_32(&format!("mesh-node vectors: log record {i}"));
+    let mut log = MmrLog::new();
+    let mut previous: Option<(u64, [u8; 32])> = None;
+    let mut logs = Vec::new();
+    let mut last = None;
+    for n in 1..=64u64 {
+        log.append(&id(n - 1));
+        let root = log
+            .root()
+            .context("a log of one record or more has a root")?;
+        let value = Checkpoint::sign(
+            &did,
+            log.size(),
+            &root,
+            previous,
+            "2026-12-01T00:00:00Z",
+            &key,
+        );
+        let checkpoint = Checkpoint::from_value_at(&value, "")?;
+        checkpoint.verify_signature()?;
+        let mut leaves = vec![0, (n - 1) / 2, n - 1];
+        leaves.dedup();
+        let mut proofs = Vec::new();
+        for leaf in leaves {
+            let proof = log.prove(leaf).context("a proof of a logged record")?;
+            verify_inclusion(&proof, &checkpoint, &id(leaf))?;
+            proofs.push(json!({
+                "capsule_id": hex::encode(&id(leaf)),
+                "leaf_index": leaf,
+                "proof": proof.to_value(),
+            }));
+            last = Some((proof, value.clone(), id(leaf)));
+        }
+        logs.push(json!({ "records": n, "checkpoint": value, "proofs": proofs }));
+        previous = Some((log.size(), root));
+    }
+    // Derived refusals, from the last proof of the 64-record log.
+    let (proof, checkpoint, capsule_id) = last.context("64 logs were built")?;
+    let mut refusals = Vec::new();
+    let mut refuse = |name: &str,
+                      proof: &mesh_protocol::bundle::InclusionProof,
+                      checkpoint: &Value,
+                      capsule_id: &[u8; 32]|
+     -> anyhow::Result<()> {
+        let parsed = Checkpoint::from_value_at(checkpoint, "")?;
+        let holds = parsed.verify_signature().is_ok()
+            && verify_inclusion(proof, &parsed, capsule_id).is_ok();
+        ensure!(!holds, "{name} still verifies");
+        refusals.push(json!({
+            "name": name,
+            "capsule_id": hex::encode(capsule_id),
+            "proof": proof.to_value(),
+            "checkpoint": checkpoint,
+        }));
+        Ok(())
+    };
+    let mut changed = proof.clone();
+    if let Some(first) = changed.witness.first_mut() {
+        first[0] ^= 1;
+    }
+    refuse("witness_bit_flipped", &changed, &checkpoint, &capsule_id)?;
+    let mut changed = proof.clone();
+    changed.leaf_index = changed.leaf_index.saturating_sub(1);
+    refuse("another_leaf_index", &changed, &checkpoint, &capsule_id)?;
+    let mut changed = proof.clone();
+    changed.size += 1;
+    refuse(
+        "size_not_the_checkpoints",
+        &changed,
+        &checkpoint,
+        &capsule_id,
+    )?;
+    let mut other = capsule_id;
+    other[31] ^= 1;
+    refuse("another_record", &proof, &checkpoint, &other)?;
+    let mut altered = checkpoint.clone();
+    altered["root"] = json!("00".repeat(32));
+    refuse("checkpoint_root_altered", &proof, &altered, &capsule_id)?;
+    let mut unsigned = checkpoint.clone();
+    unsigned["timestamp"] = json!("2026-12-01T00:00:01Z");
+    refuse(
+        "checkpoint_changed_after_signing",
+        &proof,
+        &unsigned,
+        &capsule_id,
+    )?;
+    Ok(json!({
+        "generator": "mesh-node vectors write (node/src/tools/vectors/split_stage.rs)",
+        "description": "Transparency logs (docs/split-stage.md §3.3, docs/bundle.md): record i is SHA-256 of \"mesh-node vectors: log record {i}\" and the log steward's seed SHA-256 of \"mesh-node vectors: log steward\"; for each log of 1 to 64 records, a checkpoint signed by the log steward (naming the checkpoint of the log one record shorter) and inclusion proofs of its first, middle and last record, all of which verify; `refusals` change one thing of the 64-record log's last proof or checkpoint, and must fail.",
+        "log_steward": did,
+        "logs": logs,
+        "refusals": refusals,
+    }))
 }
 
 fn meta() -> Value {
