@@ -831,6 +831,34 @@ fn three_stages_and_a_spare(dir: &Path, extra: &[&str]) -> (Running, Vec<Running
     (coordinator, nodes, model)
 }
 
+/// `request` through `address`, SIGKILLing process `victim` when the
+/// `at`-th token arrives; what the request gave, and when the kill was.
+async fn generate_killing(
+    address: &mesh_node::runtime::serve::PeerAddr,
+    request: &mesh_node::runtime::serve::GenerateRequest,
+    victim: u32,
+    at: usize,
+) -> (mesh_node::runtime::serve::GenerateSummary, Instant) {
+    let mut seen = 0;
+    let mut killed_at = None;
+    let summary = mesh_node::runtime::serve::generate_remote(address, request, &mut |_| {
+        seen += 1;
+        if seen == at {
+            Command::new("kill")
+                .args(["-9", &victim.to_string()])
+                .status()
+                .unwrap();
+            killed_at = Some(Instant::now());
+        }
+    })
+    .await
+    .unwrap();
+    (
+        summary,
+        killed_at.expect("the request reached the token of the kill"),
+    )
+}
+
 /// The chain a request ran on, stage 0 first, from its bundle's stewards.
 fn chain_of(summary: &mesh_node::runtime::serve::GenerateSummary) -> Vec<String> {
     summary.bundle.as_ref().unwrap()["stewards"]
@@ -872,21 +900,7 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
     let victim = nodes.iter().find(|n| n.did == chain[1]).unwrap();
     let victim_pid = victim.child.id();
 
-    let mut seen = 0;
-    let mut killed_at = None;
-    let resumed = generate_remote(&address, &request, &mut |_| {
-        seen += 1;
-        if seen == 10 {
-            Command::new("kill")
-                .args(["-9", &victim_pid.to_string()])
-                .status()
-                .unwrap();
-            killed_at = Some(Instant::now());
-        }
-    })
-    .await
-    .unwrap();
-    let killed_at = killed_at.expect("the 10th token came");
+    let (resumed, killed_at) = generate_killing(&address, &request, victim_pid, 10).await;
     eprintln!(
         "resumed request ended {:?} after the kill: {}",
         killed_at.elapsed(),
@@ -1103,18 +1117,7 @@ async fn a_relayed_chain_resumes_too_and_rebuilds_every_cache() {
     let chain = chain_of(&reference);
     let victim = nodes.iter().find(|n| n.did == chain[1]).unwrap();
     let victim_pid = victim.child.id();
-    let mut seen = 0;
-    let resumed = generate_remote(&address, &request, &mut |_| {
-        seen += 1;
-        if seen == 6 {
-            Command::new("kill")
-                .args(["-9", &victim_pid.to_string()])
-                .status()
-                .unwrap();
-        }
-    })
-    .await
-    .unwrap();
+    let (resumed, _) = generate_killing(&address, &request, victim_pid, 6).await;
     assert_eq!(resumed.terminal_state, "completed", "{:?}", resumed.error);
     assert_eq!(resumed.details["token_ids"], reference.details["token_ids"]);
     let resumes = resumed.details["resumes"].as_array().unwrap();

@@ -89,6 +89,35 @@ fn open(node: &Node) -> Result<Steward, StewardError> {
     )
 }
 
+/// A one-token request (its prompt hash `[tag; 32]`) with a joule ceiling,
+/// presented by the exercise requester under `chain` with nonce `[nonce; 16]`.
+fn presented(
+    chain: &[mesh_protocol::grant::SignedGrant],
+    tag: u8,
+    ceiling_uj: u64,
+    nonce: u8,
+) -> (
+    mesh_protocol::mesh1::ServeRequest,
+    mesh_protocol::grant::Presentation,
+) {
+    let request = mesh_protocol::mesh1::ServeRequest {
+        prompt_hash: [tag; 32],
+        prompt_tokens: 1,
+        max_tokens: 1,
+        fidelity_floor: mesh_protocol::mesh1::Fidelity::F0,
+        joule_ceiling_uj: ceiling_uj,
+        decision: None,
+    };
+    let presentation = mesh_protocol::grant::Presentation::sign(
+        chain.to_vec(),
+        &request.request_id(),
+        &requester_key(),
+        [nonce; 16],
+    )
+    .unwrap();
+    (request, presentation)
+}
+
 fn debited_total(data: &Path) -> u64 {
     Journal::read(data)
         .unwrap()
@@ -272,27 +301,12 @@ fn tampering_with_any_journal_record_is_detected() {
 
 #[test]
 fn what_cannot_be_journalled_does_not_happen() {
-    use mesh_protocol::grant::Presentation;
-    use mesh_protocol::mesh1::{Fidelity, MeshReceipt, ServeRequest};
+    use mesh_protocol::mesh1::MeshReceipt;
 
     let node = node();
     let mut steward = open(&node).unwrap();
     let chain = exercise_chain(steward.did()).unwrap();
-    let request = ServeRequest {
-        prompt_hash: [1; 32],
-        prompt_tokens: 1,
-        max_tokens: 1,
-        fidelity_floor: Fidelity::F0,
-        joule_ceiling_uj: EXERCISE_CEILING_UJ,
-        decision: None,
-    };
-    let presentation = Presentation::sign(
-        chain.clone(),
-        &request.request_id(),
-        &requester_key(),
-        [9; 16],
-    )
-    .unwrap();
+    let (request, presentation) = presented(&chain, 1, EXERCISE_CEILING_UJ, 9);
     let full = steward.gate().chain_remaining(&chain);
 
     // An authorisation that cannot be recorded refuses the serve and
@@ -336,27 +350,10 @@ fn what_cannot_be_journalled_does_not_happen() {
 
 #[test]
 fn an_engine_reporting_other_weights_is_not_sealed_but_is_debited() {
-    use mesh_protocol::grant::Presentation;
-    use mesh_protocol::mesh1::{Fidelity, ServeRequest};
-
     let node = node();
     let mut steward = open(&node).unwrap();
     let chain = exercise_chain(steward.did()).unwrap();
-    let request = ServeRequest {
-        prompt_hash: [2; 32],
-        prompt_tokens: 1,
-        max_tokens: 1,
-        fidelity_floor: Fidelity::F0,
-        joule_ceiling_uj: 10,
-        decision: None,
-    };
-    let presentation = Presentation::sign(
-        chain.clone(),
-        &request.request_id(),
-        &requester_key(),
-        [1; 16],
-    )
-    .unwrap();
+    let (request, presentation) = presented(&chain, 2, 10, 1);
     let mut ticket = steward
         .authorise(
             Some(&presentation),
@@ -385,8 +382,7 @@ fn an_engine_reporting_other_weights_is_not_sealed_but_is_debited() {
 #[test]
 fn a_backend_with_a_change_record_serves_and_seals_only_the_weights_in_effect() {
     use mesh_protocol::change::{ChangeEntry, ChangeKind, WeightsChange};
-    use mesh_protocol::grant::Presentation;
-    use mesh_protocol::mesh1::{Fidelity, MeshReceipt, ServeRequest, WeightsBinding};
+    use mesh_protocol::mesh1::{Fidelity, MeshReceipt, WeightsBinding};
 
     let node = node();
     let mut steward = open(&node).unwrap();
@@ -425,21 +421,7 @@ fn a_backend_with_a_change_record_serves_and_seals_only_the_weights_in_effect() 
         ChangeKind::Plan(_) => unreachable!(),
     }
 
-    let request = ServeRequest {
-        prompt_hash: [3; 32],
-        prompt_tokens: 1,
-        max_tokens: 1,
-        fidelity_floor: Fidelity::F0,
-        joule_ceiling_uj: EXERCISE_CEILING_UJ,
-        decision: None,
-    };
-    let presentation = Presentation::sign(
-        chain.clone(),
-        &request.request_id(),
-        &requester_key(),
-        [4; 16],
-    )
-    .unwrap();
+    let (request, presentation) = presented(&chain, 3, EXERCISE_CEILING_UJ, 4);
     let full = steward.gate().chain_remaining(&chain);
     let journalled = steward.journal_mut().next_seq();
     for weights in [Some([2; 32]), None] {

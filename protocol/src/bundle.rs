@@ -341,19 +341,6 @@ impl MmrLog {
         self.nodes.len() as u64
     }
 
-    /// Records appended.
-    pub fn leaves(&self) -> u64 {
-        self.leaves
-    }
-
-    /// The leaf hash of record `index`.
-    pub fn leaf(&self, index: u64) -> Option<[u8; 32]> {
-        let pos = usize::try_from(leaf_position(index)?).ok()?;
-        (index < self.leaves)
-            .then(|| self.nodes.get(pos).copied())
-            .flatten()
-    }
-
     /// Append a record; returns its leaf index.
     pub fn append(&mut self, capsule_id: &[u8; 32]) -> u64 {
         let leaf_index = self.leaves;

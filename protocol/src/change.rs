@@ -393,6 +393,14 @@ impl ChangeRecord {
         self.entries.iter().rev().find(|e| e.weights().is_some())
     }
 
+    /// The weights in effect now (the last weights entry's `to`); `None`
+    /// before any weights entry.
+    pub fn weights_in_effect(&self) -> Option<ContentId> {
+        self.in_effect()
+            .and_then(SealedChange::weights)
+            .map(|w| w.to)
+    }
+
     /// Check `sealed` against every rule of §6.5, and append it; refused,
     /// the record is unchanged.
     pub fn append(&mut self, sealed: SealedChange) -> Result<(), ChangeError> {

@@ -225,32 +225,45 @@ pub fn plan(
         id.and_then(|id| usable.iter().copied().find(|c| c.node_id == id))
             .unwrap_or(coordinator)
     };
-    let stages: Vec<PlannedStage> = chain
+    let chain: Vec<(&Candidate, Range<u32>)> = chain
         .iter()
-        .enumerate()
-        .map(|(k, (id, range))| {
-            let candidate = node(*id);
-            let n = u64::from(range.end - range.start);
-            PlannedStage {
-                node_id: candidate.node_id,
-                layers: range.clone(),
-                weight_bytes: weights(model, range, k == 0),
-                kv_bytes: n.saturating_mul(model.kv_bytes_per_layer),
-                compute_us: n.saturating_mul(candidate.decode_us_per_layer),
-                hop_us: if k == 0 { 0 } else { candidate.hop_us() },
-            }
-        })
+        .map(|(id, range)| (node(*id), range.clone()))
         .collect();
-    let return_us = match chain.last() {
-        Some((Some(id), _)) if chain.len() > 1 => node(Some(*id)).rtt_us / 2,
-        _ => 0,
-    };
+    let (stages, return_us) = planned_stages(model, &chain);
     Ok(Plan {
         return_us,
         projected_us_per_token: cost.total,
         stages,
         left_out,
     })
+}
+
+/// A chain's stages as the plan states them (the coordinator first), and
+/// the final stage's way back to it.
+fn planned_stages(
+    model: &ModelShape,
+    chain: &[(&Candidate, Range<u32>)],
+) -> (Vec<PlannedStage>, u64) {
+    let stages = chain
+        .iter()
+        .enumerate()
+        .map(|(k, (node, range))| {
+            let n = u64::from(range.end - range.start);
+            PlannedStage {
+                node_id: node.node_id,
+                layers: range.clone(),
+                weight_bytes: weights(model, range, k == 0),
+                kv_bytes: n.saturating_mul(model.kv_bytes_per_layer),
+                compute_us: n.saturating_mul(node.decode_us_per_layer),
+                hop_us: if k == 0 { 0 } else { node.hop_us() },
+            }
+        })
+        .collect();
+    let return_us = match chain.last() {
+        Some((node, _)) if chain.len() > 1 => node.rtt_us / 2,
+        _ => 0,
+    };
+    (stages, return_us)
 }
 
 /// After a loss: the `interrupted` chain (the coordinator first, each
@@ -313,25 +326,7 @@ pub fn keep_in_place(
         };
         chain.push((node, range.clone()));
     }
-    let stages: Vec<PlannedStage> = chain
-        .iter()
-        .enumerate()
-        .map(|(k, (node, range))| {
-            let n = u64::from(range.end - range.start);
-            PlannedStage {
-                node_id: node.node_id,
-                layers: range.clone(),
-                weight_bytes: weights(model, range, k == 0),
-                kv_bytes: n.saturating_mul(model.kv_bytes_per_layer),
-                compute_us: n.saturating_mul(node.decode_us_per_layer),
-                hop_us: if k == 0 { 0 } else { node.hop_us() },
-            }
-        })
-        .collect();
-    let return_us = match chain.last() {
-        Some((node, _)) if chain.len() > 1 => node.rtt_us / 2,
-        _ => 0,
-    };
+    let (stages, return_us) = planned_stages(model, &chain);
     let projected = stages.iter().fold(return_us, |sum, s| {
         sum.saturating_add(s.compute_us).saturating_add(s.hop_us)
     });

@@ -101,21 +101,30 @@ pub fn plan(
     risk_assessment: Option<String>,
 ) -> anyhow::Result<Value> {
     let mut steward = steward(target)?;
-    let sealed = steward.record_change(ChangeEntry {
-        backend: target.backend.clone(),
-        recipe: recipe_of(&target.model),
-        seq: 0,
-        prev: None,
-        made_at: now_s(),
-        kind: ChangeKind::Plan(Plan {
+    let sealed = steward.record_change(entry(
+        target,
+        ChangeKind::Plan(Plan {
             precisions,
             fidelity_floor: fidelity(fidelity_floor)?,
             validation,
             foresees,
             risk_assessment,
         }),
-    })?;
+    ))?;
     Ok(describe(&sealed))
+}
+
+/// An entry of `target`'s record, made now; the steward sets its place in
+/// the record (and a weights change's `effective_from`).
+fn entry(target: &Target, kind: ChangeKind) -> ChangeEntry {
+    ChangeEntry {
+        backend: target.backend.clone(),
+        recipe: recipe_of(&target.model),
+        seq: 0,
+        prev: None,
+        made_at: now_s(),
+        kind,
+    }
 }
 
 /// What `weights record` records besides the model.
@@ -135,34 +144,26 @@ pub fn record(target: &Target, change: Change) -> anyhow::Result<Value> {
     let mut steward = steward(target)?;
     let from = steward
         .change_record(&target.backend)
-        .and_then(ChangeRecord::in_effect)
-        .and_then(|e| match &e.entry.kind {
-            ChangeKind::Weights(w) => Some(w.to),
-            ChangeKind::Plan(_) => None,
-        });
+        .and_then(ChangeRecord::weights_in_effect);
     let plan = change
         .plan
         .as_deref()
         .map(|hex| mesh_protocol::hex::decode_array::<32>(hex).context("--plan is 32 bytes of hex"))
         .transpose()?;
-    let sealed = steward.record_change(ChangeEntry {
-        backend: target.backend.clone(),
-        recipe: recipe_of(&target.model),
-        seq: 0,
-        prev: None,
-        made_at: now_s(),
-        kind: ChangeKind::Weights(WeightsChange {
+    let sealed = steward.record_change(entry(
+        target,
+        ChangeKind::Weights(WeightsChange {
             from,
             to,
             precision: change.precision,
             fidelity: fidelity(change.fidelity)?,
             plan,
             validation_result: change.validation_result,
-            // The steward's next receipt: the first served on these weights.
-            effective_from: steward.next_sequence(),
+            // Set by the steward: its next receipt, the first served on them.
+            effective_from: 0,
             reason: change.reason,
         }),
-    })?;
+    ))?;
     Ok(describe(&sealed))
 }
 
@@ -244,8 +245,8 @@ pub fn render(records: &[ChangeRecord]) -> String {
             };
             let _ = writeln!(out, "  #{} {} {what}", e.seq, e.recipe);
         }
-        if let Some(ChangeKind::Weights(w)) = record.in_effect().map(|e| &e.entry.kind) {
-            let _ = writeln!(out, "  in effect: {}", mesh_protocol::hex::encode(&w.to));
+        if let Some(weights) = record.weights_in_effect() {
+            let _ = writeln!(out, "  in effect: {}", mesh_protocol::hex::encode(&weights));
         }
     }
     out

@@ -388,11 +388,7 @@ impl Steward {
         let Some(record) = self.changes.get(backend) else {
             return Ok(());
         };
-        let in_effect = record.in_effect().and_then(|e| match &e.entry.kind {
-            mesh_protocol::change::ChangeKind::Weights(w) => Some(w.to),
-            mesh_protocol::change::ChangeKind::Plan(_) => None,
-        });
-        match (in_effect, weights) {
+        match (record.weights_in_effect(), weights) {
             (Some(in_effect), Some(weights)) if in_effect == *weights => Ok(()),
             (in_effect, weights) => Err(StewardError::NotInEffect {
                 backend: backend.to_string(),

@@ -568,8 +568,9 @@ fn keep_plan(
             .map(|(key, a)| (*key, (a.layer_start, a.layer_end)))
             .collect()
     };
-    let from = kept_from(&chain(interrupted), &chain(next), &driven.lost);
-    let own = chain(interrupted).first() == chain(next).first()
+    let (before, after) = (chain(interrupted), chain(next));
+    let from = kept_from(&before, &after, &driven.lost);
+    let own = before.first() == after.first()
         && Arc::ptr_eq(&interrupted.own.slice, &next.own.slice)
         && admitted
             .held
@@ -741,11 +742,7 @@ impl<'a> Admitted<'a> {
         Ok(Self {
             request_id: split_key.request_id,
             held,
-            scope: RequestScope {
-                split: split_key,
-                stage_count: run.assigns.len() as u32,
-                return_mode: inner.return_mode,
-            },
+            scope: request_scope(inner, run, split_key),
             prompt_ids: self.prompt_ids.clone(),
             max_new: self.max_new,
             serve: self.serve.clone(),
@@ -921,11 +918,7 @@ async fn admit<'a>(
     Ok(Admitted {
         request_id: split_key.request_id,
         held,
-        scope: RequestScope {
-            split: split_key,
-            stage_count: run.assigns.len() as u32,
-            return_mode: inner.return_mode,
-        },
+        scope: request_scope(inner, run, split_key),
         prompt_ids,
         max_new,
         serve,
@@ -933,6 +926,16 @@ async fn admit<'a>(
         keep: None,
         resumes: None,
     })
+}
+
+/// Which request on which split a segment serves: names its lanes and
+/// its block.
+fn request_scope(inner: &Inner, run: &Run, split: SplitKey) -> RequestScope {
+    RequestScope {
+        split,
+        stage_count: run.assigns.len() as u32,
+        return_mode: inner.return_mode,
+    }
 }
 
 /// Drive: open the chain and run it step by step to the last token, the
@@ -1698,7 +1701,7 @@ fn seal_segment(
     admitted: &Admitted<'_>,
     driven: &Driven,
     records: &[Vec<SealedRecord>],
-) -> anyhow::Result<mesh_protocol::split::SealedSplit> {
+) -> anyhow::Result<(mesh_protocol::split::SealedSplit, u64)> {
     let (terminal, prefilled, tokens) = (driven.terminal, driven.prefilled, driven.tokens);
     let lanes = driven.lanes.whole()?;
     let n = run.assigns.len() as u32;
@@ -1768,28 +1771,21 @@ fn seal_segment(
         .chain([&sealed.main_record])
         .map(SealedRecord::capsule_id)
         .collect();
-    lock(&inner.steward).log_records(&ids)?;
-    Ok(sealed)
+    let leaves = lock(&inner.steward).log_records(&ids)?;
+    let main_leaf = leaves.last().copied().context("the main record's leaf")?;
+    Ok((sealed, main_leaf))
 }
 
-/// The main record's place in the coordinator's log: its inclusion proof
-/// and a checkpoint it is proven under, for the requester's bundle.
-fn log_proof(
-    inner: &Inner,
-    main_record: &[u8; 32],
-) -> Option<(serde_json::Value, serde_json::Value)> {
+/// The main record's place (leaf `main_leaf`) in the coordinator's log:
+/// its inclusion proof and a checkpoint it is proven under, for the
+/// requester's bundle.
+fn log_proof(inner: &Inner, main_leaf: u64) -> Option<(serde_json::Value, serde_json::Value)> {
     let mut steward = lock(&inner.steward);
     let checkpoint = steward.checkpoint(&format_timestamp(now_ms()))?;
-    // The main record was the last appended for this request; later
-    // requests' records may follow it: find it from the end.
     // Proven at the size just checkpointed: the same lock holds both.
-    let log = steward.log();
-    let leaf = (0..log.leaves())
-        .rev()
-        .find(|leaf| log.leaf(*leaf) == Some(mesh_protocol::bundle::mmr_leaf(main_record)))?;
-    let proof = log.prove(leaf)?;
+    let proof = steward.log().prove(main_leaf)?;
     Some((
-        json!({ "leaf_index": leaf, "proof": proof.to_value() }),
+        json!({ "leaf_index": main_leaf, "proof": proof.to_value() }),
         checkpoint,
     ))
 }
@@ -1850,7 +1846,7 @@ async fn seal_interrupted(
     for mut segment in interrupted {
         let records =
             await_records(inner, &mut segment.admitted, &mut segment.driven, until).await?;
-        let sealed = seal_segment(
+        let (sealed, _) = seal_segment(
             inner,
             &segment.run,
             &segment.admitted,
@@ -1882,7 +1878,7 @@ fn seal(
     let serve = &admitted.serve;
     let tokens = &progress.tokens;
     let Collected { metered, records } = collected;
-    let sealed = seal_segment(inner, run, admitted, driven, &records)?;
+    let (sealed, main_leaf) = seal_segment(inner, run, admitted, driven, &records)?;
     let n = run.assigns.len() as u32;
     let model_id = model_id(inner);
     let resumed = (!earlier.is_empty()).then(|| {
@@ -1976,7 +1972,7 @@ fn seal(
                 serde_json::Value::Array(earlier.into_iter().map(|(b, _)| b).collect()),
             );
         }
-        if let Some((inclusion, checkpoint)) = log_proof(inner, &sealed.main_record.capsule_id()) {
+        if let Some((inclusion, checkpoint)) = log_proof(inner, main_leaf) {
             map.insert("inclusion".into(), inclusion);
             map.insert("checkpoint".into(), checkpoint);
         }

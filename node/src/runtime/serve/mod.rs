@@ -454,11 +454,7 @@ impl Node {
         // A change record that does not have this model's weights in effect
         // refuses every serve it gates: say so at start, not per request.
         for record in steward.change_records() {
-            let in_effect = record.in_effect().and_then(|e| match &e.entry.kind {
-                mesh_protocol::change::ChangeKind::Weights(w) => Some(w.to),
-                mesh_protocol::change::ChangeKind::Plan(_) => None,
-            });
-            if in_effect != Some(model.weights_digest()) {
+            if record.weights_in_effect() != Some(model.weights_digest()) {
                 tracing::warn!(
                     backend = record.backend(),
                     "this model's weights are not the ones its change record has in effect: its serves will be refused until `mesh-node weights record` records them"
