@@ -112,9 +112,15 @@ enum Command {
         /// The shards' holder key, which signs the presentations.
         #[arg(long)]
         grant_key: Option<PathBuf>,
-        /// With --shards: the request's joule ceiling, checked at every steward.
-        #[arg(long, default_value_t = 50_000_000)]
-        ceiling_uj: u64,
+        /// The request's joule ceiling (SPEC §3.1): the router refuses it
+        /// when every backend's estimate is over it, and with --shards every
+        /// steward checks it (default: none; 50000000 with --shards).
+        #[arg(long)]
+        ceiling_uj: Option<u64>,
+        /// The least fidelity the request accepts, F0..F4 (default F0): the
+        /// router refuses it when no backend is rated at or above it.
+        #[arg(long)]
+        fidelity_floor: Option<String>,
         /// With --coordinator: the longest the request may take, start to
         /// last token; past it the request ends `timed_out` on every stage
         /// (default and most: the coordinator's --request-timeout-ms).
@@ -838,17 +844,31 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             shards,
             grant_key,
             ceiling_uj,
+            fidelity_floor,
             timeout_ms,
             ..
         } => {
             let format = mesh_node::cli::node_cli::BundleFormat::parse(&format)?;
+            let fidelity_floor = fidelity_floor
+                .map(|text| {
+                    mesh_protocol::mesh1::Fidelity::parse(&text).with_context(|| {
+                        format!("fidelity floor `{text}` is not one of F0, F1, F2, F3, F4")
+                    })
+                })
+                .transpose()?;
             let grant = match (shards, grant_key) {
                 (Some(shards), Some(holder)) => {
                     // The prompt-token figure is the requester's own estimate (seed 001 §2.3).
                     let estimate = u32::try_from(prompt.len().div_ceil(4)).unwrap_or(u32::MAX);
-                    let serve = mesh_node::runtime::serve::GrantedServe::derive(
-                        &prompt, max_tokens, estimate, ceiling_uj,
+                    let mut serve = mesh_node::runtime::serve::GrantedServe::derive(
+                        &prompt,
+                        max_tokens,
+                        estimate,
+                        ceiling_uj.unwrap_or(50_000_000),
                     );
+                    if let Some(floor) = fidelity_floor {
+                        serve.fidelity_floor = floor;
+                    }
                     let presentations =
                         mesh_node::cli::node_cli::presentations_for(&shards, &holder, &serve)?;
                     Some(mesh_node::runtime::serve::GrantedServe {
@@ -871,6 +891,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 grant,
                 timeout: timeout_ms.map(std::time::Duration::from_millis),
                 stop: Vec::new(),
+                bounds: mesh_node::runtime::serve::RequestBounds {
+                    fidelity_floor,
+                    joule_ceiling_uj: ceiling_uj,
+                },
             };
             let summary = runtime()?.block_on(mesh_node::cli::node_cli::generate_via(
                 &coordinator,

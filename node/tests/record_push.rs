@@ -90,6 +90,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         http: None,
         mesh: None,
         stages: None,
+        fidelity: mesh_node::runtime::serve::DEFAULT_FIDELITY,
     })
     .await
     .unwrap();

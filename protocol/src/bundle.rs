@@ -515,6 +515,9 @@ pub struct MeshBundle<'a> {
     /// form without envelopes or segments of its own; the final segment is
     /// this bundle. Empty when the request ran on one chain.
     pub earlier_segments: &'a [Value],
+    /// The route table the receipt's `route` line names (SPEC §4; read by
+    /// `route::check_table`).
+    pub route: Option<&'a Value>,
 }
 
 impl<'a> MeshBundle<'a> {
@@ -623,6 +626,7 @@ impl<'a> MeshBundle<'a> {
                 ));
             }
         };
+        let route = m.optional("route");
         m.finish()?;
         Ok(Self {
             main_record,
@@ -633,6 +637,7 @@ impl<'a> MeshBundle<'a> {
             stewards,
             log_proof,
             earlier_segments,
+            route,
         })
     }
 

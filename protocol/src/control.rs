@@ -7,7 +7,7 @@ use thiserror::Error;
 
 use crate::cbor::{Cbor, CborError, FieldError, Fields};
 use crate::grant::Presentation;
-use crate::mesh1::ServeRequest;
+use crate::mesh1::{Fidelity, ServeRequest};
 
 /// Longest text member other than a prompt (ids, addresses, run ids).
 pub const MAX_CONTROL_TEXT: usize = 512;
@@ -77,6 +77,12 @@ pub struct GenerateRequestMessage {
     /// On grants: the request as the requester derived it, and one
     /// presentation per stage (empty where none).
     pub grant: Option<(ServeRequest, Vec<Vec<u8>>)>,
+    /// The request's bounds (SPEC §3.1) when it rides on no grant (a
+    /// grant's `serve_request` carries its own): the least fidelity it
+    /// accepts and the most microjoules it may cost. Absent: F0, no
+    /// ceiling.
+    pub fidelity_floor: Option<Fidelity>,
+    pub joule_ceiling_uj: Option<u64>,
 }
 
 /// A coordinator asks a stage's steward to decide its grant shard.
@@ -158,6 +164,12 @@ impl ControlRequest {
                 }
                 if !g.stop.is_empty() {
                     members.push(("stop", Cbor::Array(g.stop.iter().map(Cbor::text).collect())));
+                }
+                if let Some(floor) = g.fidelity_floor {
+                    members.push(("fidelity_floor", Cbor::Uint(floor.level())));
+                }
+                if let Some(ceiling) = g.joule_ceiling_uj {
+                    members.push(("joule_ceiling_uj", Cbor::Uint(ceiling)));
                 }
                 if let Some((serve, presentations)) = &g.grant {
                     members.push(("serve_request", serve.to_cbor()));
@@ -335,6 +347,13 @@ fn read_generate(value: &Cbor, f: &mut Fields<'_>) -> Result<ControlRequest, Con
         timeout_ms: f.opt_uint("timeout_ms").map_err(e)?,
         stop,
         grant,
+        fidelity_floor: match f.opt_uint("fidelity_floor").map_err(e)? {
+            None => None,
+            Some(level) => {
+                Some(Fidelity::from_level(level).ok_or(e(FieldError::Invalid("fidelity_floor")))?)
+            }
+        },
+        joule_ceiling_uj: f.opt_uint("joule_ceiling_uj").map_err(e)?,
     }))
 }
 
@@ -409,6 +428,8 @@ mod tests {
                 timeout_ms: Some(5_000),
                 stop: vec!["\n\n".into(), "END".into()],
                 grant: Some((serve(), vec![vec![1, 2], Vec::new()])),
+                fidelity_floor: Some(Fidelity::F3),
+                joule_ceiling_uj: Some(5_000_000),
             }),
             ControlRequest::Plan,
             ControlRequest::Release { request_id: 9 },

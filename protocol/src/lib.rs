@@ -24,6 +24,7 @@ pub mod plan;
 pub mod receipt;
 pub mod replay;
 pub mod resume;
+pub mod route;
 pub mod session;
 pub mod split;
 pub mod stage_frame;

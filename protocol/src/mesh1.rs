@@ -106,6 +106,11 @@ impl Fidelity {
             .ok()
             .and_then(|i| Self::ALL.get(i).copied())
     }
+    /// `F0`..`F4` (or `f2`, or the bare level `2`), as an operator writes it.
+    pub fn parse(text: &str) -> Option<Self> {
+        let level = text.strip_prefix(['F', 'f']).unwrap_or(text);
+        level.parse().ok().and_then(Self::from_level)
+    }
 }
 
 /// What makes a request a typed decision rather than a generation (§3.6).

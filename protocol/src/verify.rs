@@ -554,13 +554,16 @@ fn check_mesh_bundle(document: &Value) -> Result<CheckedBundle, DocumentError> {
             bundle.stage_exchange_records,
         );
         if let Some(envelope) = &bundle.mesh1_envelope {
-            resumed = verify_mesh1_link(
+            let receipt = verify_mesh1_link(
                 &mut report,
                 sealed,
                 envelope,
                 bundle.mesh1_prev_envelope.as_deref(),
-            )
-            .and_then(|receipt| receipt.receipt.resumed);
+            );
+            if let Some(receipt) = &receipt {
+                verify_route_table(&mut report, bundle.route, &receipt.receipt);
+            }
+            resumed = receipt.and_then(|receipt| receipt.receipt.resumed);
         }
     }
     if let Some((_, receipt)) = split {
@@ -816,6 +819,31 @@ fn verify_stage_exchange_records(
 /// The `mesh/1` receipt: it verifies, it was sealed by the key that signed
 /// the main record, its `split` member is exactly that record's receipt
 /// block, and (given the previous envelope) it follows it in the chain.
+/// The route table beside a receipt (SPEC §4): it recomputes to the
+/// receipt's signed `route` line. A receipt whose line names a table
+/// needs the table; one that names none (sealed before routing, or by
+/// another implementation) is not checked.
+fn verify_route_table(
+    report: &mut VerifyReport,
+    table: Option<&Value>,
+    receipt: &crate::mesh1::MeshReceipt,
+) {
+    let outcome = match table {
+        Some(table) => crate::route::check_table(table, receipt)
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        None if receipt.route.contains("; table ") => {
+            Err("the receipt's route names a route table the bundle does not carry".into())
+        }
+        None => return,
+    };
+    report.checks.push(Check {
+        subject: "route table".into(),
+        property: "every backend weighed; the cheapest admissible chosen, as the receipt's route says",
+        outcome,
+    });
+}
+
 fn verify_mesh1_link(
     report: &mut VerifyReport,
     main: &SealedRecord,

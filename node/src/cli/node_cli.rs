@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use mesh_protocol::block::ReturnMode;
+use mesh_protocol::mesh1::Fidelity;
 use mesh_stage::frame::WireDType;
 use mesh_stage::sampling::SamplingParams;
 use serde::Deserialize;
@@ -66,6 +67,9 @@ pub struct ServeConfig {
     pub wire: Option<String>,
     /// Estimator power when no hardware meter is live (default 35000 mW).
     pub estimator_milliwatts: Option<u64>,
+    /// The fidelity this coordinator rates its model at, F0..F4 (default
+    /// F2): requests whose floor is above it are refused (SPEC §4).
+    pub fidelity: Option<String>,
 }
 
 impl ServeConfig {
@@ -129,6 +133,10 @@ pub struct ServeArgs {
     /// f32 (default), f16 or bf16 activations between stages.
     #[arg(long)]
     pub wire: Option<String>,
+    /// The fidelity this coordinator rates its model at, F0..F4 (default
+    /// F2): the router refuses a request whose floor is above it.
+    #[arg(long)]
+    pub fidelity: Option<String>,
     /// Prompt positions per prefill step, each its own step through the
     /// chain (default 256, at most 4096).
     #[arg(long)]
@@ -309,6 +317,11 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         http: args.http.or(file.http),
         mesh,
         stages: args.mesh.stages,
+        fidelity: match args.fidelity.as_deref().or(file.fidelity.as_deref()) {
+            None => crate::runtime::serve::DEFAULT_FIDELITY,
+            Some(text) => Fidelity::parse(text)
+                .with_context(|| format!("fidelity `{text}` is not one of F0, F1, F2, F3, F4"))?,
+        },
     })
 }
 
@@ -382,6 +395,7 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         step_timeout_ms: None,
         request_timeout_ms: None,
         wire: None,
+        fidelity: None,
         prefill_chunk_tokens: None,
         max_resumes: None,
         mesh: args.mesh,
@@ -624,6 +638,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             http: if k == 0 { args.http } else { None },
             mesh: None,
             stages: None,
+            fidelity: crate::runtime::serve::DEFAULT_FIDELITY,
         })
     };
     let mut stage_nodes = Vec::new();
@@ -664,6 +679,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         grant: None,
         timeout: None,
         stop: Vec::new(),
+        bounds: Default::default(),
     };
     let summary = generate_via(&coordinator.peer_addr().to_string(), request, None, false).await?;
     if let Some(error) = &summary.error {
@@ -1100,6 +1116,7 @@ pub(crate) fn bench_options(
         http: None,
         mesh: None,
         stages: None,
+        fidelity: crate::runtime::serve::DEFAULT_FIDELITY,
     })
 }
 

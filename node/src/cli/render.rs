@@ -246,6 +246,10 @@ pub fn node_stats(
         ("requests failed", stats.requests_failed),
         ("requests cancelled", stats.requests_cancelled),
         ("requests refused (busy)", stats.requests_refused_busy),
+        (
+            "requests refused (no admissible backend)",
+            stats.requests_refused_route,
+        ),
         ("requests refused (other)", stats.requests_refused_other),
         ("tokens generated", stats.tokens_generated),
         ("requests served as a stage", stats.stage_requests),
@@ -327,6 +331,7 @@ pub fn node_stats_prometheus(stats: &crate::runtime::serve::NodeStats) -> String
             ("failed", stats.requests_failed),
             ("cancelled", stats.requests_cancelled),
             ("refused_busy", stats.requests_refused_busy),
+            ("refused_route", stats.requests_refused_route),
             ("refused_other", stats.requests_refused_other),
         ]
         .map(|(outcome, value)| (format!("{{outcome=\"{outcome}\"}}"), value)),

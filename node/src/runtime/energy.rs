@@ -37,6 +37,9 @@ pub trait EnergyMeter: Send + Sync + std::fmt::Debug {
     fn begin(&self) -> MeterSpan;
     /// Close it immediately after; the figure covers only the span.
     fn end(&self, span: MeterSpan) -> Energy;
+    /// The estimator it falls back to (the router's figure for work
+    /// nothing was metered on yet).
+    fn estimator(&self) -> EstimatorMeter;
 }
 
 /// Bills `milliwatts × span length`, at least 1 µJ.
@@ -74,6 +77,9 @@ impl EnergyMeter for EstimatorMeter {
     }
     fn end(&self, span: MeterSpan) -> Energy {
         Energy::estimator(self.estimate_uj(span.started.elapsed()))
+    }
+    fn estimator(&self) -> EstimatorMeter {
+        self.clone()
     }
 }
 
@@ -194,6 +200,9 @@ impl EnergyMeter for RaplMeter {
     fn name(&self) -> &str {
         "rapl"
     }
+    fn estimator(&self) -> EstimatorMeter {
+        self.estimator.clone()
+    }
     fn begin(&self) -> MeterSpan {
         MeterSpan {
             readings: self.read(),
@@ -310,6 +319,9 @@ mod nvml {
     impl EnergyMeter for NvmlMeter {
         fn name(&self) -> &str {
             "nvml"
+        }
+        fn estimator(&self) -> EstimatorMeter {
+            self.estimator.clone()
         }
         fn begin(&self) -> MeterSpan {
             let mut readings = self.cpu.as_ref().map(|c| c.read()).unwrap_or_default();

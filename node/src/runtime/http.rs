@@ -796,6 +796,7 @@ fn prepare(
             grant,
             timeout: None,
             stop,
+            bounds: Default::default(),
         },
     })
 }

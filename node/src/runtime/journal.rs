@@ -81,6 +81,13 @@ pub enum Entry {
     /// envelope, sealed by this steward and checked against the record
     /// before it was written.
     Changed { envelope: Vec<u8> },
+    /// A request the router refused (SPEC §4: no backend admissible),
+    /// with its justification line (which names the route table's digest).
+    Refused {
+        request_id: ContentId,
+        route: String,
+        at_ms: u64,
+    },
     /// A record this node sealed, appended to its transparency log (an
     /// MMR of record ids, `split-stage.md`), before the record leaves.
     Logged { capsule_id: ContentId },
@@ -339,6 +346,16 @@ impl Entry {
                 ("kind", Cbor::text("changed")),
                 ("envelope", Cbor::bytes(envelope.clone())),
             ]),
+            Entry::Refused {
+                request_id,
+                route,
+                at_ms,
+            } => Cbor::text_map([
+                ("kind", Cbor::text("refused")),
+                ("request_id", Cbor::bytes(request_id.to_vec())),
+                ("route", Cbor::text(route)),
+                ("at_ms", Cbor::Uint(*at_ms)),
+            ]),
             Entry::Logged { capsule_id } => Cbor::text_map([
                 ("kind", Cbor::text("logged")),
                 ("capsule_id", Cbor::bytes(capsule_id.to_vec())),
@@ -414,6 +431,11 @@ impl Entry {
             }
             "halted" => Ok(Entry::Halted {
                 reason: text("reason")?.to_string(),
+                at_ms: uint("at_ms")?,
+            }),
+            "refused" => Ok(Entry::Refused {
+                request_id: id(value.get("request_id").ok_or("`request_id`")?)?,
+                route: text("route")?.to_string(),
                 at_ms: uint("at_ms")?,
             }),
             "logged" => Ok(Entry::Logged {

@@ -214,6 +214,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
                 next_sequence += 1;
             }
             Entry::Halted { reason, .. } => gate.halt(reason.clone()),
+            Entry::Refused { .. } => {}
             Entry::Logged { capsule_id } => {
                 log.append(capsule_id);
             }
@@ -406,6 +407,27 @@ impl Steward {
     }
     pub fn meter_name(&self) -> &str {
         self.meter.name()
+    }
+
+    /// Journal a request the router refused (SPEC §4: the decision records
+    /// why), before the refusal is answered.
+    pub fn record_refusal(
+        &mut self,
+        request_id: ContentId,
+        route: &str,
+        now_ms: u64,
+    ) -> Result<(), StewardError> {
+        self.journal.append(Entry::Refused {
+            request_id,
+            route: route.to_string(),
+            at_ms: now_ms,
+        })?;
+        Ok(())
+    }
+
+    /// The estimator the meter falls back to.
+    pub fn estimator(&self) -> crate::runtime::energy::EstimatorMeter {
+        self.meter.estimator()
     }
     pub fn unresolved(&self) -> &[Unresolved] {
         &self.unresolved

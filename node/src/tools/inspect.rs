@@ -83,6 +83,9 @@ pub fn render_journal(
                 short(envelope_id)
             ),
             Entry::Halted { reason, .. } => format!("HALTED      {reason}"),
+            Entry::Refused {
+                request_id, route, ..
+            } => format!("refused     request {}: {route}", short(request_id)),
             Entry::Logged { capsule_id } => format!("logged      record {}", short(capsule_id)),
             Entry::Changed { envelope } => {
                 match mesh_protocol::change::SealedChange::verify(envelope) {

@@ -50,6 +50,8 @@ pub struct Setup<'a> {
     pub http: bool,
     pub mesh: Option<mesh_node::runtime::serve::MeshSettings>,
     pub stages: Option<usize>,
+    /// The fidelity the coordinator rates its model at.
+    pub fidelity: mesh_protocol::mesh1::Fidelity,
 }
 
 impl<'a> Setup<'a> {
@@ -70,6 +72,7 @@ impl<'a> Setup<'a> {
             http: false,
             mesh: None,
             stages: None,
+            fidelity: mesh_node::runtime::serve::DEFAULT_FIDELITY,
         }
     }
 
@@ -118,6 +121,7 @@ impl<'a> Setup<'a> {
                 .then(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
             mesh: self.mesh,
             stages: self.stages,
+            fidelity: self.fidelity,
         })
         .await
     }

@@ -24,6 +24,17 @@ pub struct GenerateRequest {
     /// Texts that end the generation where they first appear; the text
     /// returned stops before them (at most `MAX_STOP_SEQUENCES`).
     pub stop: Vec<String>,
+    /// The request's bounds without a grant (SPEC §3.1): the least
+    /// fidelity it accepts, the most microjoules it may cost (a grant's
+    /// request carries its own).
+    pub bounds: RequestBounds,
+}
+
+/// A request's floor and ceiling; unset: F0 and no ceiling.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestBounds {
+    pub fidelity_floor: Option<Fidelity>,
+    pub joule_ceiling_uj: Option<u64>,
 }
 
 /// A granted request (seed 001 §2.3: served as exactly what the requester
@@ -65,6 +76,7 @@ impl GenerateRequest {
             grant: None,
             timeout: None,
             stop: Vec::new(),
+            bounds: RequestBounds::default(),
         }
     }
 
@@ -83,6 +95,8 @@ impl GenerateRequest {
                 .grant
                 .as_ref()
                 .map(|g| (g.serve.clone(), g.presentations.clone())),
+            fidelity_floor: self.bounds.fidelity_floor,
+            joule_ceiling_uj: self.bounds.joule_ceiling_uj,
         })
     }
 
@@ -106,6 +120,10 @@ impl GenerateRequest {
                     serve: serve.clone(),
                     presentations: presentations.clone(),
                 }),
+            bounds: RequestBounds {
+                fidelity_floor: message.fidelity_floor,
+                joule_ceiling_uj: message.joule_ceiling_uj,
+            },
         }
     }
 }
@@ -246,7 +264,7 @@ pub(super) async fn handle_generate(
         Err(error) => {
             if stats::is_busy(&error) {
                 stats::Counters::bump(&inner.counters.requests_refused_busy);
-            } else {
+            } else if !stats::is_route_refusal(&error) {
                 refused_other();
             }
             send_error(send, &format!("{error:#}")).await
@@ -522,6 +540,10 @@ struct Admitted<'a> {
     /// A resumed segment: the interrupted segment's request id, which its
     /// stages end at once where it still runs.
     resumes: Option<u64>,
+    /// How the router chose the backend (SPEC §4), at the request's start.
+    route: mesh_protocol::route::Route,
+    /// The tokens the requester asked for (before the context cut them).
+    asked_tokens: usize,
 }
 
 /// Which caches a resumed segment keeps from the segment it carries on:
@@ -749,6 +771,8 @@ impl<'a> Admitted<'a> {
             shards: self.shards.clone(),
             keep,
             resumes: Some(self.request_id),
+            route: self.route.clone(),
+            asked_tokens: self.asked_tokens,
         })
     }
 }
@@ -863,8 +887,8 @@ async fn admit<'a>(
         prompt_hash: prompt_hash(request.prompt.as_bytes()),
         prompt_tokens: u32::try_from(prompt_ids.len()).unwrap_or(u32::MAX),
         max_tokens: u32::try_from(max_new).unwrap_or(u32::MAX),
-        fidelity_floor: Fidelity::F0,
-        joule_ceiling_uj: u64::MAX,
+        fidelity_floor: request.bounds.fidelity_floor.unwrap_or(Fidelity::F0),
+        joule_ceiling_uj: request.bounds.joule_ceiling_uj.unwrap_or(u64::MAX),
         decision: None,
     };
     let (serve, presentations) = match &request.grant {
@@ -890,6 +914,27 @@ async fn admit<'a>(
     };
     let max_new = max_new.min(serve.max_tokens.max(1) as usize);
     let capacity = prompt_ids.len() + max_new;
+    let asked_tokens = match &request.grant {
+        None => request.max_tokens,
+        Some(granted) => granted.serve.max_tokens as usize,
+    }
+    .max(1);
+    // Route (SPEC §4) before anything is held: a request no backend can
+    // serve within its floor and ceiling is refused, and the refusal
+    // journalled with the table's digest.
+    let route = mesh_protocol::route::route(
+        &mesh_protocol::route::RouteRequest::from(&serve),
+        &route::backends(inner, run),
+    )?;
+    if let Some(refusal) = route.refusal() {
+        stats::Counters::bump(&inner.counters.requests_refused_route);
+        lock(&inner.steward).record_refusal(
+            serve.request_id(),
+            &route.justification(),
+            now_ms(),
+        )?;
+        return Err(stats::RouteRefused(refusal).into());
+    }
 
     // Everything this request holds is released by `held` on every path.
     let (mut held, split_key) = Held::take_places(inner, run, capacity, None)?;
@@ -925,6 +970,8 @@ async fn admit<'a>(
         shards,
         keep: None,
         resumes: None,
+        route,
+        asked_tokens,
     })
 }
 
@@ -1790,7 +1837,7 @@ fn log_proof(inner: &Inner, main_leaf: u64) -> Option<(serde_json::Value, serde_
     ))
 }
 
-fn model_id(inner: &Inner) -> String {
+pub(super) fn model_id(inner: &Inner) -> String {
     inner
         .model
         .path()
@@ -1879,7 +1926,6 @@ fn seal(
     let tokens = &progress.tokens;
     let Collected { metered, records } = collected;
     let (sealed, main_leaf) = seal_segment(inner, run, admitted, driven, &records)?;
-    let n = run.assigns.len() as u32;
     let model_id = model_id(inner);
     let resumed = (!earlier.is_empty()).then(|| {
         let mut segments: Vec<_> = earlier.iter().map(|(_, entry)| entry.clone()).collect();
@@ -1893,6 +1939,23 @@ fn seal(
         .filter(|t| !codec.is_eos(*t))
         .collect();
     let opening_value = opening(&lock(&inner.steward).opening_key(), &serve.request_id());
+    // The level the router admitted it on, and what it delivered (§3.2.1):
+    // all of it only when it ran to its own end or to every token asked.
+    let chosen = admitted
+        .route
+        .chosen()
+        .context("a request was admitted with no backend chosen")?;
+    let advertised = chosen.fidelity;
+    let asked = admitted.asked_tokens;
+    let ran_to_its_end = driven.terminal == TerminalState::Completed
+        && (progress.finish_reason == "stop" || tokens.len() >= asked);
+    if resumed.is_none() {
+        lock(&inner.route_costs).record(
+            &chosen.backend,
+            metered.energy.uj(),
+            (prompt_ids.len() + tokens.len()) as u64,
+        );
+    }
     let receipt = MeshReceipt {
         request_id: serve.request_id(),
         grant_id: metered.grant_id,
@@ -1902,28 +1965,19 @@ fn seal(
             weights_digest: inner.model.weights_digest(),
             precision: "q8_0/f32".into(),
         }),
-        route: format!(
-            "{} over {n} nodes: {}",
-            if resumed.is_some() {
-                "resumed split"
-            } else {
-                "static split"
-            },
-            run.topology
-                .iter()
-                .map(|a| format!("{}..{}", a.layer_start, a.layer_end))
-                .collect::<Vec<_>>()
-                .join(",")
-        ),
+        route: admitted.route.justification(),
         tokens_in: prompt_ids.len() as u64,
         tokens_out: tokens.len() as u64,
         tokens_accepted: visible.len() as u64,
         cache_hit_tokens: 0,
         spec_proposed: 0,
         spec_accepted: 0,
-        fidelity_floor: Fidelity::F0,
-        fidelity: None,
-        fidelity_rating: Fidelity::F0,
+        fidelity_floor: serve.fidelity_floor,
+        fidelity: Some(FidelityReport {
+            advertised,
+            delivered: mesh_protocol::route::delivered(advertised, ran_to_its_end),
+        }),
+        fidelity_rating: advertised,
         energy: metered.energy,
         decision: None,
         grant_breach: metered
@@ -1960,6 +2014,8 @@ fn seal(
             "mesh1_envelope".into(),
             json!(mesh_protocol::hex::encode(&envelope.envelope)),
         );
+        // Every backend weighed, bound to the receipt by its `route` line.
+        map.insert("route".into(), admitted.route.to_json());
         if let Some(prev) = previous_envelope.filter(|_| envelope.receipt.sequence > 0) {
             map.insert(
                 "mesh1_prev_envelope".into(),

@@ -21,8 +21,8 @@ use mesh_protocol::control::{AssignRequest, AuthoriseRequest, ControlRequest, MA
 use mesh_protocol::fold::{Lane, LaneFold};
 use mesh_protocol::identity::{did_key, parse_did_key};
 use mesh_protocol::mesh1::{
-    Fidelity, MeshReceipt, ServeRequest, WeightsBinding, opening, output_commitment, prompt_hash,
-    prompt_payload,
+    Fidelity, FidelityReport, MeshReceipt, ServeRequest, WeightsBinding, opening,
+    output_commitment, prompt_hash, prompt_payload,
 };
 use mesh_protocol::receipt::Assignment;
 use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
@@ -43,13 +43,18 @@ use crate::runtime::steward::Steward;
 mod batch;
 mod coordinator;
 mod kept;
+mod route;
 mod stats;
 pub use coordinator::{
     DEFAULT_PREFILL_CHUNK_TOKENS, GenerateRequest, GenerateSummary, GrantedServe,
-    MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, generate_remote, one_way_hops_per_step,
-    plan_remote,
+    MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, RequestBounds, generate_remote,
+    one_way_hops_per_step, plan_remote,
 };
 pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
+
+/// The fidelity a coordinator rates its model at unless configured
+/// (SPEC §3.2: F2 of F0..F4, a mid-grade model).
+pub const DEFAULT_FIDELITY: Fidelity = Fidelity::F2;
 
 /// A peer: its node id (did:key) and address.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -127,6 +132,9 @@ pub struct NodeOptions {
     /// Pin the number of stages a coordinator plans (default: the planner
     /// decides, at least 2).
     pub stages: Option<usize>,
+    /// The fidelity a coordinator rates its model at (SPEC §3.2): what the
+    /// router admits a request's floor against.
+    pub fidelity: Fidelity,
 }
 
 /// How a node takes part in a mesh.
@@ -370,6 +378,9 @@ struct Inner {
     plan_cache: Mutex<Option<PlanCache>>,
     /// Caches of requests a resume may take over.
     kept: kept::KeptCaches,
+    fidelity: Fidelity,
+    /// What serves cost per chain, for the route table.
+    route_costs: Mutex<route::RouteCosts>,
 }
 
 /// A plan and what it was made from.
@@ -523,6 +534,8 @@ impl Node {
             refusals: std::sync::atomic::AtomicU64::new(0),
             plan_cache: Mutex::new(None),
             kept: kept::KeptCaches::default(),
+            fidelity: options.fidelity,
+            route_costs: Mutex::new(route::RouteCosts::default()),
         });
         if let Some(settings) = &options.mesh {
             let mesh = start_mesh(&inner, &options.data, settings).await?;

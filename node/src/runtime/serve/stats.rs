@@ -26,6 +26,9 @@ pub(super) struct Counters {
     pub requests_cancelled: AtomicU64,
     /// Generate requests refused before any work, because a pool was full.
     pub requests_refused_busy: AtomicU64,
+    /// Generate requests refused before any work because no backend was
+    /// admissible (SPEC §4: below the floor or over the ceiling).
+    pub requests_refused_route: AtomicU64,
     /// Generate requests refused before any work, for any other reason
     /// (bad request, grant refused, no split).
     pub requests_refused_other: AtomicU64,
@@ -121,6 +124,7 @@ pub struct NodeStats {
     pub requests_failed: u64,
     pub requests_cancelled: u64,
     pub requests_refused_busy: u64,
+    pub requests_refused_route: u64,
     pub requests_refused_other: u64,
     pub tokens_generated: u64,
     pub stage_requests: u64,
@@ -133,7 +137,7 @@ pub struct NodeStats {
 }
 
 /// Stats fields that are plain counts, in the order they are written.
-const COUNTS: [&str; 15] = [
+const COUNTS: [&str; 16] = [
     "caches_open",
     "caches_kept",
     "records_pending",
@@ -144,6 +148,7 @@ const COUNTS: [&str; 15] = [
     "requests_failed",
     "requests_cancelled",
     "requests_refused_busy",
+    "requests_refused_route",
     "requests_refused_other",
     "tokens_generated",
     "stage_requests",
@@ -154,7 +159,7 @@ const COUNTS: [&str; 15] = [
 const MAX_STATS_SLICES: usize = 64;
 
 impl NodeStats {
-    fn counts(&self) -> [u64; 15] {
+    fn counts(&self) -> [u64; 16] {
         [
             self.caches_open,
             self.caches_kept,
@@ -166,6 +171,7 @@ impl NodeStats {
             self.requests_failed,
             self.requests_cancelled,
             self.requests_refused_busy,
+            self.requests_refused_route,
             self.requests_refused_other,
             self.tokens_generated,
             self.stage_requests,
@@ -174,7 +180,7 @@ impl NodeStats {
         ]
     }
 
-    fn counts_mut(&mut self) -> [&mut u64; 15] {
+    fn counts_mut(&mut self) -> [&mut u64; 16] {
         [
             &mut self.caches_open,
             &mut self.caches_kept,
@@ -186,6 +192,7 @@ impl NodeStats {
             &mut self.requests_failed,
             &mut self.requests_cancelled,
             &mut self.requests_refused_busy,
+            &mut self.requests_refused_route,
             &mut self.requests_refused_other,
             &mut self.tokens_generated,
             &mut self.stage_requests,
@@ -313,6 +320,7 @@ impl Inner {
             requests_failed: counter(&c.requests_failed),
             requests_cancelled: counter(&c.requests_cancelled),
             requests_refused_busy: counter(&c.requests_refused_busy),
+            requests_refused_route: counter(&c.requests_refused_route),
             requests_refused_other: counter(&c.requests_refused_other),
             tokens_generated: counter(&c.tokens_generated),
             stage_requests: counter(&c.stage_requests),
@@ -353,6 +361,17 @@ impl Inner {
             || self.peers.iter().any(|p| p.key == *peer)
             || self.serves_coordinator(peer)
     }
+}
+
+/// A request no backend could serve within its floor and ceiling
+/// (counted when it is refused).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(super) struct RouteRefused(pub String);
+
+/// Whether a request was refused by the router.
+pub(super) fn is_route_refusal(error: &anyhow::Error) -> bool {
+    error.downcast_ref::<RouteRefused>().is_some()
 }
 
 /// Whether a request was refused because a pool was full.

@@ -716,7 +716,217 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             "mesh1/changes.json".into(),
             pretty(&change_cases(&steward, &first)?),
         ),
+        ("mesh1/routes.json".into(), pretty(&route_cases()?)),
     ])
+}
+
+/// Cheapest-sufficient routing (SPEC §4): route tables with the choice
+/// each must give (written here by hand, and checked against the router),
+/// and tables derived from the first by one change each, which a reader
+/// must refuse.
+fn route_cases() -> anyhow::Result<Value> {
+    use mesh_protocol::route::{Backend, CostBasis, Route, RouteRequest, route};
+    let backend = |name: &str, fidelity: Fidelity, uj_per_token: u64, per_option: u64| Backend {
+        name: name.into(),
+        recipe: format!("{name}.gguf"),
+        fidelity,
+        uj_per_token,
+        uj_per_option_scored: per_option,
+        cost_basis: CostBasis::Metered,
+    };
+    let generation = |floor: Fidelity, ceiling: u64| RouteRequest {
+        prompt_tokens: 20,
+        max_tokens: 80,
+        fidelity_floor: floor,
+        joule_ceiling_uj: ceiling,
+        options_scored: None,
+    };
+    // Registered cheapest first: the cheapest is below the floor, the next
+    // over the ceiling, and of the two admissible ones the cheaper wins.
+    let four = vec![
+        backend("tiny-cache", Fidelity::F0, 5, 0),
+        backend("frontier", Fidelity::F4, 900, 0),
+        backend("mid-q4", Fidelity::F2, 40, 0),
+        backend("mid-q8", Fidelity::F3, 70, 0),
+    ];
+    let mut estimated = four.clone();
+    estimated[3].cost_basis = CostBasis::Estimator;
+    estimated[2].uj_per_token = 80;
+    let decision = RouteRequest {
+        prompt_tokens: 130,
+        max_tokens: 4096,
+        fidelity_floor: Fidelity::F1,
+        joule_ceiling_uj: 20_000,
+        options_scored: Some(20),
+    };
+    let deciders = vec![
+        backend("per-token-cheap", Fidelity::F1, 10, 900),
+        backend("schema-cheap", Fidelity::F2, 60, 50),
+        backend("too-coarse", Fidelity::F0, 1, 1),
+        backend("no-option-cost", Fidelity::F3, 120, 0),
+    ];
+    // (name, request, backends, chosen, [(est_total_uj, admissible)] by hand)
+    type Expected<'a> = (
+        &'a str,
+        RouteRequest,
+        Vec<Backend>,
+        Option<&'a str>,
+        Vec<(u64, bool)>,
+    );
+    let expected: Vec<Expected<'_>> = vec![
+        (
+            "cheapest_below_floor_next_over_ceiling",
+            generation(Fidelity::F2, 50_000),
+            four.clone(),
+            Some("mid-q4"),
+            vec![(500, false), (90_000, false), (4_000, true), (7_000, true)],
+        ),
+        (
+            "estimator_costs_are_weighed_and_named",
+            generation(Fidelity::F2, 50_000),
+            estimated,
+            Some("mid-q8"),
+            vec![(500, false), (90_000, false), (8_000, true), (7_000, true)],
+        ),
+        (
+            "ties_go_to_the_first_registered",
+            generation(Fidelity::F0, u64::MAX),
+            vec![
+                backend("second-name-first", Fidelity::F1, 30, 0),
+                backend("a-first-name-second", Fidelity::F1, 30, 0),
+            ],
+            Some("second-name-first"),
+            vec![(3_000, true), (3_000, true)],
+        ),
+        (
+            "none_admissible_is_a_refusal",
+            generation(Fidelity::F4, 60_000),
+            four.clone(),
+            None,
+            vec![
+                (500, false),
+                (90_000, false),
+                (4_000, false),
+                (7_000, false),
+            ],
+        ),
+        (
+            // 130 prompt tokens and 20 options; max_tokens is never priced.
+            "decision_priced_per_option_scored",
+            decision,
+            deciders.clone(),
+            Some("schema-cheap"),
+            vec![(19_300, true), (8_800, true), (150, false), (15_600, true)],
+        ),
+        (
+            "the_same_figures_as_a_generation_price_max_tokens",
+            RouteRequest {
+                options_scored: None,
+                ..decision
+            },
+            deciders,
+            None,
+            vec![
+                (42_260, false),
+                (253_560, false),
+                (4_226, false),
+                (507_120, false),
+            ],
+        ),
+    ];
+    let mut routes = Vec::new();
+    let mut first_table = None;
+    for (name, request, backends, chosen, figures) in expected {
+        let routed = route(&request, &backends)?;
+        let got: Vec<(u64, bool)> = routed
+            .candidates
+            .iter()
+            .map(|c| (c.est_total_uj, c.admissible()))
+            .collect();
+        ensure!(
+            got == figures,
+            "{name}: candidates {got:?}, expected {figures:?}"
+        );
+        ensure!(
+            routed.chosen().map(|c| c.backend.as_str()) == chosen,
+            "{name}: chose {:?}, expected {chosen:?}",
+            routed.chosen().map(|c| &c.backend)
+        );
+        ensure!(
+            routed.refusal().is_some() == chosen.is_none(),
+            "{name}: a refusal exactly when nothing is chosen"
+        );
+        let table = routed.to_json();
+        ensure!(
+            Route::from_json(&table)? == routed,
+            "{name}: the table reads back"
+        );
+        first_table.get_or_insert_with(|| table.clone());
+        routes.push(json!({ "name": name, "chosen": chosen, "table": table }));
+    }
+    let table = first_table.context("no route case")?;
+    let derive = |name: &str, refused_as: &str, change: &dyn Fn(&mut Value)| {
+        let mut changed = table.clone();
+        change(&mut changed);
+        json!({ "name": name, "refused_as": refused_as, "table": changed })
+    };
+    let refusals = vec![
+        derive("estimate_altered", "candidates", &|t| {
+            t["candidates"][2]["est_total_uj"] = json!(3_999)
+        }),
+        derive("another_chosen", "chosen", &|t| {
+            t["chosen"] = json!("mid-q8")
+        }),
+        derive("admissibility_flipped", "candidates", &|t| {
+            t["candidates"][0]["admissible"] = json!(true)
+        }),
+        derive("candidates_reordered", "candidates", &|t| {
+            if let Some(list) = t["candidates"].as_array_mut() {
+                list.swap(2, 3);
+            }
+        }),
+        derive("backend_dropped", "candidates", &|t| {
+            if let Some(list) = t["backends"].as_array_mut() {
+                list.remove(1);
+            }
+        }),
+        derive("input_cost_altered", "justification", &|t| {
+            t["backends"][0]["uj_per_token"] = json!(6);
+            t["candidates"][0]["est_total_uj"] = json!(600);
+            t["candidates"][0]["reason"] = json!("below floor (F0 < F2)");
+        }),
+        derive("floor_altered", "candidates", &|t| {
+            t["request"]["fidelity_floor"] = json!(0)
+        }),
+        derive("unknown_member", "shape", &|t| {
+            t["note"] = json!("cheapest")
+        }),
+        derive("truncated_candidates", "candidates", &|t| {
+            if let Some(list) = t["candidates"].as_array_mut() {
+                list.pop();
+            }
+        }),
+    ];
+    for refusal in &refusals {
+        let error = Route::from_json(&refusal["table"]);
+        let kind = match &error {
+            Ok(_) => "accepted",
+            Err(mesh_protocol::route::TableError::Derived(member)) => member,
+            Err(mesh_protocol::route::TableError::Shape(_)) => "shape",
+            Err(_) => "other",
+        };
+        ensure!(
+            refusal["refused_as"] == kind,
+            "{}: read as {kind}, expected {}",
+            refusal["name"],
+            refusal["refused_as"]
+        );
+    }
+    Ok(json!({
+        "description": "mesh/1 cheapest-sufficient routing (SPEC §4): each table's candidates, choice and justification recompute from its request and backends; each refusal is the first table changed once, refused as the named member",
+        "routes": routes,
+        "refusals": refusals,
+    }))
 }
 
 /// The weights change record (SPEC §6.5): a valid record (a plan, the first
