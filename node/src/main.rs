@@ -89,6 +89,43 @@ enum Command {
     /// described in a file): node, layers, weight and KV bytes per stage,
     /// projected time per token, and why a member was left out.
     Plan(mesh_node::cli::mesh_cli::PlanArgs),
+    /// Ask a coordinator a typed decision (SPEC §3.6): which of the options
+    /// answers the question about the state in --prompt, with a probability
+    /// for each; one forward pass, no text generated. Prints the chosen
+    /// option (--json: the whole answer and receipt figures).
+    Decide {
+        /// NODEID@HOST:PORT of a coordinating node.
+        #[arg(long)]
+        coordinator: String,
+        /// The state the question is about.
+        #[arg(long)]
+        prompt: String,
+        #[arg(long)]
+        question: String,
+        /// One option; repeat for each (as many as the model has
+        /// single-token letters for, at most 255).
+        #[arg(long = "option", required = true)]
+        options: Vec<String>,
+        /// Wrap the state, question and options in the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        /// The least fidelity the decision accepts, F0..F4 (default F0).
+        #[arg(long)]
+        fidelity_floor: Option<String>,
+        /// The decision's joule ceiling: priced on its prompt and options
+        /// scored, never on tokens it cannot emit (default: none).
+        #[arg(long)]
+        ceiling_uj: Option<u64>,
+        /// The longest the decision may take.
+        #[arg(long)]
+        timeout_ms: Option<u64>,
+        /// Where to write the bundle.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Generate text: in this process (--model), or through a coordinator
     /// (--coordinator), which streams it and returns a verifiable bundle.
     Generate {
@@ -895,6 +932,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     fidelity_floor,
                     joule_ceiling_uj: ceiling_uj,
                 },
+                decision: None,
             };
             let summary = runtime()?.block_on(mesh_node::cli::node_cli::generate_via(
                 &coordinator,
@@ -913,6 +951,77 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if let Some(error) = &summary.error {
                 eprintln!(
                     "mesh-node: the request ended early ({}): {error}",
+                    summary.terminal_state
+                );
+                return Ok(ExitCode::from(1));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Decide {
+            coordinator,
+            prompt,
+            question,
+            options,
+            chat,
+            fidelity_floor,
+            ceiling_uj,
+            timeout_ms,
+            out,
+            json,
+        } => {
+            let fidelity_floor = fidelity_floor
+                .map(|text| {
+                    mesh_protocol::mesh1::Fidelity::parse(&text).with_context(|| {
+                        format!("fidelity floor `{text}` is not one of F0, F1, F2, F3, F4")
+                    })
+                })
+                .transpose()?;
+            let request = mesh_node::runtime::serve::GenerateRequest {
+                chat,
+                timeout: timeout_ms.map(std::time::Duration::from_millis),
+                bounds: mesh_node::runtime::serve::RequestBounds {
+                    fidelity_floor,
+                    joule_ceiling_uj: ceiling_uj,
+                },
+                decision: Some(mesh_protocol::control::DecisionAsk { question, options }),
+                ..mesh_node::runtime::serve::GenerateRequest::greedy(prompt, 1)
+            };
+            let summary = runtime()?.block_on(mesh_node::cli::node_cli::generate_via(
+                &coordinator,
+                request,
+                out.as_deref()
+                    .map(|path| (path, mesh_node::cli::node_cli::BundleFormat::Mesh)),
+                true,
+            ))?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "chosen": summary.text,
+                        "terminal_state": summary.terminal_state,
+                        "error": summary.error,
+                        "decision": summary.details["decision"],
+                        "receipt": summary.details["receipt"],
+                    }))?
+                );
+            } else if summary.error.is_none() {
+                println!("{}", summary.text);
+                for option in summary.details["decision"]["options"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                {
+                    println!(
+                        "  {}. {}  {:.4}",
+                        option["label"].as_str().unwrap_or_default(),
+                        option["option"].as_str().unwrap_or_default(),
+                        option["probability"].as_f64().unwrap_or_default()
+                    );
+                }
+            }
+            if let Some(error) = &summary.error {
+                eprintln!(
+                    "mesh-node: the decision ended early ({}): {error}",
                     summary.terminal_state
                 );
                 return Ok(ExitCode::from(1));

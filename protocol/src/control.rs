@@ -15,6 +15,68 @@ pub const MAX_CONTROL_TEXT: usize = 512;
 pub const MAX_STOP_SEQUENCES: usize = 4;
 /// Longest stop sequence, in bytes.
 pub const MAX_STOP_BYTES: usize = 64;
+/// Most options of one typed decision (SPEC §3.6: a choice over 1 to 255).
+pub const MAX_DECISION_OPTIONS: usize = 255;
+/// Longest option of a typed decision, bytes.
+pub const MAX_OPTION_BYTES: usize = 256;
+/// Longest question of a typed decision, bytes.
+pub const MAX_QUESTION_BYTES: usize = 4096;
+
+/// A typed decision asked instead of a generation (SPEC §3.6): a choice
+/// of one of `options` in answer to `question`, about the state the
+/// prompt holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecisionAsk {
+    pub question: String,
+    pub options: Vec<String>,
+}
+
+impl DecisionAsk {
+    pub fn to_cbor(&self) -> Cbor {
+        Cbor::text_map([
+            ("question", Cbor::text(&self.question)),
+            (
+                "options",
+                Cbor::Array(self.options.iter().map(Cbor::text).collect()),
+            ),
+        ])
+    }
+
+    /// Strict: 1 to 255 distinct, non-empty options of at most 256 bytes, a
+    /// non-empty question of at most 4096 bytes, no other member.
+    pub fn from_cbor(value: &Cbor) -> Result<Self, FieldError> {
+        let question = value
+            .get("question")
+            .and_then(Cbor::as_text)
+            .filter(|q| !q.is_empty() && q.len() <= MAX_QUESTION_BYTES)
+            .ok_or(FieldError::Invalid("decision.question"))?
+            .to_string();
+        let options = value
+            .get("options")
+            .and_then(Cbor::as_array)
+            .filter(|list| !list.is_empty() && list.len() <= MAX_DECISION_OPTIONS)
+            .ok_or(FieldError::Invalid("decision.options"))?
+            .iter()
+            .map(|o| {
+                o.as_text()
+                    .filter(|t| !t.is_empty() && t.len() <= MAX_OPTION_BYTES)
+                    .map(str::to_string)
+                    .ok_or(FieldError::Invalid("decision.options"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if options
+            .iter()
+            .enumerate()
+            .any(|(i, o)| options[..i].contains(o))
+        {
+            return Err(FieldError::Invalid("decision.options"));
+        }
+        match value {
+            Cbor::Map(members) if members.len() == 2 => Ok(Self { question, options }),
+            _ => Err(FieldError::Invalid("decision")),
+        }
+    }
+}
 
 /// Why a control request is refused.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
@@ -83,6 +145,9 @@ pub struct GenerateRequestMessage {
     /// ceiling.
     pub fidelity_floor: Option<Fidelity>,
     pub joule_ceiling_uj: Option<u64>,
+    /// A typed decision instead of a generation (the `decide` request):
+    /// the prompt is the state it is about.
+    pub decision: Option<DecisionAsk>,
 }
 
 /// A coordinator asks a stage's steward to decide its grant shard.
@@ -170,6 +235,9 @@ impl ControlRequest {
                 }
                 if let Some(ceiling) = g.joule_ceiling_uj {
                     members.push(("joule_ceiling_uj", Cbor::Uint(ceiling)));
+                }
+                if let Some(decision) = &g.decision {
+                    members.push(("decision", decision.to_cbor()));
                 }
                 if let Some((serve, presentations)) = &g.grant {
                     members.push(("serve_request", serve.to_cbor()));
@@ -354,6 +422,11 @@ fn read_generate(value: &Cbor, f: &mut Fields<'_>) -> Result<ControlRequest, Con
             }
         },
         joule_ceiling_uj: f.opt_uint("joule_ceiling_uj").map_err(e)?,
+        decision: f
+            .optional("decision")
+            .map(DecisionAsk::from_cbor)
+            .transpose()
+            .map_err(e)?,
     }))
 }
 
@@ -430,6 +503,10 @@ mod tests {
                 grant: Some((serve(), vec![vec![1, 2], Vec::new()])),
                 fidelity_floor: Some(Fidelity::F3),
                 joule_ceiling_uj: Some(5_000_000),
+                decision: Some(DecisionAsk {
+                    question: "Is the answer yes?".into(),
+                    options: vec!["yes".into(), "no".into()],
+                }),
             }),
             ControlRequest::Plan,
             ControlRequest::Release { request_id: 9 },

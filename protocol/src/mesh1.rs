@@ -359,6 +359,48 @@ pub struct MeshReceipt {
     /// replayed (§6.4). `deterministic` on the wire, `0|1`; absent: not
     /// declared, which is the same as 0.
     pub deterministic: Option<bool>,
+    /// Where the weights' disposition came from (§3.7): the corpus they
+    /// were fitted to and what a verifier can do with it, when the model
+    /// declares them (`training_digest` and `training_authority`, together
+    /// or neither).
+    pub training: Option<TrainingBinding>,
+}
+
+/// What a verifier can do with a model's training corpus (§3.7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TrainingAuthority {
+    /// Every record signed by the principal that produced it.
+    Signed,
+    /// Records in an append-only log whose head is attested.
+    Logged,
+    /// Bytes with a digest, nothing more.
+    Opaque,
+}
+
+impl TrainingAuthority {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Signed => "signed",
+            Self::Logged => "logged",
+            Self::Opaque => "opaque",
+        }
+    }
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "signed" => Some(Self::Signed),
+            "logged" => Some(Self::Logged),
+            "opaque" => Some(Self::Opaque),
+            _ => None,
+        }
+    }
+}
+
+/// The corpus a model was fitted to (§3.7): BLAKE3 over the canonical
+/// encoding of its records' content ids in the order the fit consumed them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TrainingBinding {
+    pub training_digest: ContentId,
+    pub authority: TrainingAuthority,
 }
 
 impl MeshReceipt {
@@ -398,6 +440,7 @@ impl MeshReceipt {
             nonce,
             steward: String::new(),
             split: None,
+            training: None,
             resumed: None,
             deterministic: None,
         }
@@ -449,6 +492,16 @@ impl MeshReceipt {
                 Cbor::text(hex::encode(&weights.weights_digest)),
             ));
             fields.push(("precision", Cbor::text(&weights.precision)));
+        }
+        if let Some(training) = &self.training {
+            fields.push((
+                "training_digest",
+                Cbor::text(hex::encode(&training.training_digest)),
+            ));
+            fields.push((
+                "training_authority",
+                Cbor::text(training.authority.as_str()),
+            ));
         }
         if let Some(report) = &self.fidelity {
             fields.push(("fidelity_advertised", Cbor::Uint(report.advertised.level())));
@@ -612,6 +665,23 @@ impl MeshReceipt {
             Some(1) => Some(true),
             Some(_) => return Err(Mesh1Error::Invalid("deterministic")),
         };
+        let training = match (
+            f.opt_hex32("training_digest")?,
+            f.opt_text("training_authority")?,
+        ) {
+            (Some(training_digest), Some(authority)) => Some(TrainingBinding {
+                training_digest,
+                authority: TrainingAuthority::parse(authority)
+                    .ok_or(Mesh1Error::Invalid("training_authority"))?,
+            }),
+            (None, None) => None,
+            _ => {
+                return Err(Mesh1Error::Unpaired(
+                    "training_digest",
+                    "training_authority",
+                ));
+            }
+        };
         f.finish()?;
         if let Some(bytes) = &resumed {
             let value =
@@ -675,6 +745,7 @@ impl MeshReceipt {
             split,
             resumed,
             deterministic,
+            training,
         };
         if fidelity.is_some() && receipt.fidelity_met() != fidelity_met {
             return Err(Mesh1Error::Derived("fidelity_met"));
@@ -927,6 +998,7 @@ pub(crate) mod tests {
             split: None,
             resumed: None,
             deterministic: None,
+            training: None,
         }
     }
 

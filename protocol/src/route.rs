@@ -21,7 +21,7 @@ use crate::mesh1::{Fidelity, MAX_RECEIPT_TEXT, ServeRequest};
 /// The most backends one route weighs.
 pub const MAX_ROUTE_BACKENDS: usize = 64;
 /// Longest backend or recipe name in a route table.
-pub const MAX_BACKEND_NAME: usize = 256;
+pub const MAX_BACKEND_NAME: usize = 1024;
 
 /// Where a backend's per-token cost came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -257,31 +257,34 @@ impl Route {
         truncate_at_char(line, MAX_RECEIPT_TEXT)
     }
 
-    /// Why nothing was chosen, naming each backend's reason (bounded).
+    /// Why nothing was chosen, naming each backend's reason: whole
+    /// reasons only, as many as fit the receipt text limit, then how many
+    /// more there were.
     pub fn refusal(&self) -> Option<String> {
         if self.chosen.is_some() {
             return None;
         }
-        let reasons: Vec<String> = self
-            .candidates
-            .iter()
-            .map(|c| {
-                format!(
-                    "{}: {}",
-                    c.backend,
-                    c.reason(&self.request).unwrap_or_default()
-                )
-            })
-            .collect();
-        Some(truncate_at_char(
-            format!(
-                "no backend can serve this request within its bounds (floor F{}, ceiling {}): {}",
-                self.request.fidelity_floor.level(),
-                ceiling_text(self.request.joule_ceiling_uj),
-                reasons.join("; ")
-            ),
-            MAX_RECEIPT_TEXT,
-        ))
+        let mut line = format!(
+            "no backend can serve this request within its bounds (floor F{}, ceiling {}):",
+            self.request.fidelity_floor.level(),
+            ceiling_text(self.request.joule_ceiling_uj),
+        );
+        // Room kept for the "+k more" tail.
+        let room = MAX_RECEIPT_TEXT - 32;
+        for (i, c) in self.candidates.iter().enumerate() {
+            let reason = format!(
+                "{} {}: {}",
+                if i == 0 { "" } else { ";" },
+                c.backend,
+                c.reason(&self.request).unwrap_or_default()
+            );
+            if line.len() + reason.len() > room {
+                line.push_str(&format!("; +{} more", self.candidates.len() - i));
+                break;
+            }
+            line.push_str(&reason);
+        }
+        Some(line)
     }
 
     fn inputs_json(&self) -> Value {
@@ -432,6 +435,11 @@ pub fn check_table(
     if route.request.fidelity_floor != receipt.fidelity_floor {
         return Err(TableError::Receipt("fidelity_floor"));
     }
+    // A decision is priced on its options, a generation on its tokens: the
+    // table must have priced the kind of serve the receipt is.
+    if route.request.options_scored != receipt.decision.map(|d| d.options_scored) {
+        return Err(TableError::Receipt("options_scored"));
+    }
     let chosen = route.chosen().ok_or(TableError::Receipt(
         "route (a sealed serve under a refusal)",
     ))?;
@@ -564,6 +572,17 @@ mod tests {
             refusal.contains("mid: below floor (F2 < F4) and over ceiling"),
             "{refusal}"
         );
+        // Many long names: whole reasons only, and how many more.
+        let many: Vec<Backend> = (0..MAX_ROUTE_BACKENDS)
+            .map(|i| backend(&format!("{i:0>1000}"), Fidelity::F0, 1))
+            .collect();
+        let refusal = super::route(&request(Fidelity::F4, 1000), &many)
+            .unwrap()
+            .refusal()
+            .unwrap();
+        assert!(refusal.len() <= MAX_RECEIPT_TEXT, "{}", refusal.len());
+        assert!(refusal.ends_with("more"), "{refusal}");
+        assert!(refusal.contains("below floor (F0 < F4); +"), "{refusal}");
         assert!(route.justification().starts_with("refused: none of 4"));
     }
 

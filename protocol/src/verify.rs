@@ -816,9 +816,6 @@ fn verify_stage_exchange_records(
     });
 }
 
-/// The `mesh/1` receipt: it verifies, it was sealed by the key that signed
-/// the main record, its `split` member is exactly that record's receipt
-/// block, and (given the previous envelope) it follows it in the chain.
 /// The route table beside a receipt (SPEC §4): it recomputes to the
 /// receipt's signed `route` line. A receipt whose line names a table
 /// needs the table; one that names none (sealed before routing, or by
@@ -844,6 +841,9 @@ fn verify_route_table(
     });
 }
 
+/// The `mesh/1` receipt: it verifies, it was sealed by the key that signed
+/// the main record, its `split` member is exactly that record's receipt
+/// block, and (given the previous envelope) it follows it in the chain.
 fn verify_mesh1_link(
     report: &mut VerifyReport,
     main: &SealedRecord,

@@ -79,6 +79,16 @@ impl ModelHandle {
     pub fn format(&self) -> Format {
         self.source.format()
     }
+    /// The training corpus the model declares (SPEC §3.7), as written in
+    /// its metadata: digest (hex) and authority, both or `None`. The
+    /// caller checks their form.
+    pub fn declared_training(&self) -> Option<(&str, &str)> {
+        Some((
+            self.source.metadata_text(source::TRAINING_DIGEST_KEY)?,
+            self.source.metadata_text(source::TRAINING_AUTHORITY_KEY)?,
+        ))
+    }
+
     pub fn text(&self) -> &text::TextCodec {
         &self.codec
     }

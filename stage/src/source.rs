@@ -261,6 +261,12 @@ fn digest_files(files: &[(String, PathBuf)]) -> Result<FileDigests> {
     })
 }
 
+/// The GGUF metadata keys a model declares its training corpus under
+/// (seed SPEC 001 §3.7): the corpus digest as 64 hex, and what a verifier
+/// can do with it (`signed`, `logged` or `opaque`).
+pub const TRAINING_DIGEST_KEY: &str = "mesh.training_digest";
+pub const TRAINING_AUTHORITY_KEY: &str = "mesh.training_authority";
+
 fn gguf_u64(content: &gguf_file::Content, key: &str) -> Option<u64> {
     use gguf_file::Value::*;
     match content.metadata.get(key)? {
@@ -295,6 +301,18 @@ fn architecture_supported(arch: &str) -> Result<(RopeLayout, bool, BlockStyle)> 
 }
 
 impl Source {
+    /// A text member of the model's metadata (GGUF only; a safetensors
+    /// directory declares none).
+    pub fn metadata_text(&self, key: &str) -> Option<&str> {
+        match self {
+            Source::Gguf { content, .. } => match content.metadata.get(key)? {
+                gguf_file::Value::String(text) => Some(text.as_str()),
+                _ => None,
+            },
+            Source::Safetensors { .. } => None,
+        }
+    }
+
     /// Open a GGUF file or a safetensors directory, reading metadata only,
     /// and stream its files once for their digests.
     pub fn open(path: &Path) -> Result<(Self, ModelConfig, FileDigests)> {

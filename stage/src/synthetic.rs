@@ -10,6 +10,7 @@ use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 
 use crate::error::{EngineError, Result};
+use crate::source::{TRAINING_AUTHORITY_KEY, TRAINING_DIGEST_KEY};
 
 /// Shape of the synthetic model.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,6 +26,9 @@ pub struct SyntheticSpec {
     /// Write a Qwen2 (q/k/v biases, rotary by halves in GGUF too) instead of
     /// a Llama.
     pub qwen2: bool,
+    /// Declare a training corpus (SPEC §3.7) in the GGUF metadata: its
+    /// digest (64 hex) and authority (`signed`, `logged` or `opaque`).
+    pub training: Option<(String, String)>,
 }
 
 impl Default for SyntheticSpec {
@@ -38,6 +42,7 @@ impl Default for SyntheticSpec {
             ffn: 512,
             context: 2048,
             qwen2: false,
+            training: None,
         }
     }
 }
@@ -283,6 +288,14 @@ pub fn write_synthetic(
                 V::String(CHAT_TEMPLATE.into()),
             ),
         ]
+        .into_iter()
+        .chain(spec.training.iter().flat_map(|(digest, authority)| {
+            [
+                (TRAINING_DIGEST_KEY.into(), V::String(digest.clone())),
+                (TRAINING_AUTHORITY_KEY.into(), V::String(authority.clone())),
+            ]
+        }))
+        .collect()
     };
     let mut gguf = Vec::new();
     for dtype in gguf_types {

@@ -680,6 +680,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         timeout: None,
         stop: Vec::new(),
         bounds: Default::default(),
+        decision: None,
     };
     let summary = generate_via(&coordinator.peer_addr().to_string(), request, None, false).await?;
     if let Some(error) = &summary.error {

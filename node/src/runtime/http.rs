@@ -797,6 +797,7 @@ fn prepare(
             timeout: None,
             stop,
             bounds: Default::default(),
+            decision: None,
         },
     })
 }

@@ -32,6 +32,11 @@ const HEAD_DOMAIN: &[u8] = b"mesh-node journal head v1";
 /// the request is a few KiB).
 pub const MAX_RECORD_BYTES: usize = 256 * 1024;
 /// The largest envelope kept in a `sealed` record (it must fit a record).
+/// Largest route table a `refused` entry keeps whole.
+pub const MAX_REFUSAL_TABLE_BYTES: usize = 128 * 1024;
+/// Most router refusals journalled a minute; more are counted, and the
+/// next entry says how many.
+pub const MAX_REFUSALS_JOURNALLED: u32 = 60;
 pub const MAX_KEPT_ENVELOPE_BYTES: usize = 192 * 1024;
 /// The database file and the lock file in a journal directory.
 pub const JOURNAL_FILE: &str = "journal.redb";
@@ -81,11 +86,15 @@ pub enum Entry {
     /// envelope, sealed by this steward and checked against the record
     /// before it was written.
     Changed { envelope: Vec<u8> },
-    /// A request the router refused (SPEC §4: no backend admissible),
-    /// with its justification line (which names the route table's digest).
+    /// A request the router refused (SPEC §4: no backend admissible): its
+    /// route table (RFC 8785 JSON, every candidate with its reason; the
+    /// justification alone when the table is over `MAX_REFUSAL_TABLE_BYTES`),
+    /// and how many refusals before it were counted but not journalled
+    /// (at most `MAX_REFUSALS_JOURNALLED` a minute are).
     Refused {
         request_id: ContentId,
-        route: String,
+        table: String,
+        unjournalled: u64,
         at_ms: u64,
     },
     /// A record this node sealed, appended to its transparency log (an
@@ -348,12 +357,14 @@ impl Entry {
             ]),
             Entry::Refused {
                 request_id,
-                route,
+                table,
+                unjournalled,
                 at_ms,
             } => Cbor::text_map([
                 ("kind", Cbor::text("refused")),
                 ("request_id", Cbor::bytes(request_id.to_vec())),
-                ("route", Cbor::text(route)),
+                ("table", Cbor::text(table)),
+                ("unjournalled", Cbor::Uint(*unjournalled)),
                 ("at_ms", Cbor::Uint(*at_ms)),
             ]),
             Entry::Logged { capsule_id } => Cbor::text_map([
@@ -435,7 +446,8 @@ impl Entry {
             }),
             "refused" => Ok(Entry::Refused {
                 request_id: id(value.get("request_id").ok_or("`request_id`")?)?,
-                route: text("route")?.to_string(),
+                table: text("table")?.to_string(),
+                unjournalled: uint("unjournalled")?,
                 at_ms: uint("at_ms")?,
             }),
             "logged" => Ok(Entry::Logged {

@@ -72,6 +72,9 @@ pub struct ServeTicket {
     span: Option<MeterSpan>,
     /// The span's energy when the engine last finished a step.
     mark: Option<Energy>,
+    /// An ungranted serve's own ceiling (its request's `joule_ceiling_uj`,
+    /// SPEC §3.1: a hard budget whether or not a grant backs it).
+    ceiling_uj: Option<u64>,
 }
 
 impl ServeTicket {
@@ -81,11 +84,13 @@ impl ServeTicket {
 
     /// Most energy this serve may use here: the request's ceiling (which
     /// the shard's remaining budget covered and now reserves) or the chain's
-    /// least `MaxCostUj`; none for an ungranted serve.
+    /// least `MaxCostUj`; for an ungranted serve its request's ceiling, if
+    /// it has one.
     pub fn limit_uj(&self) -> Option<u64> {
         self.authorisation
             .as_ref()
             .map(|(_, a)| a.ceiling_uj.min(a.max_cost_uj.unwrap_or(u64::MAX)))
+            .or(self.ceiling_uj)
     }
 }
 
@@ -410,16 +415,26 @@ impl Steward {
     }
 
     /// Journal a request the router refused (SPEC §4: the decision records
-    /// why), before the refusal is answered.
+    /// why), before the refusal is answered: its route table, or its
+    /// justification when the table is too large to keep.
     pub fn record_refusal(
         &mut self,
         request_id: ContentId,
-        route: &str,
+        route: &mesh_protocol::route::Route,
+        unjournalled: u64,
         now_ms: u64,
     ) -> Result<(), StewardError> {
+        let table = String::from_utf8(mesh_protocol::json::canonical_bytes(&route.to_json()))
+            .unwrap_or_default();
+        let table = if table.len() <= crate::runtime::journal::MAX_REFUSAL_TABLE_BYTES {
+            table
+        } else {
+            route.justification()
+        };
         self.journal.append(Entry::Refused {
             request_id,
-            route: route.to_string(),
+            table,
+            unjournalled,
             at_ms: now_ms,
         })?;
         Ok(())
@@ -489,6 +504,8 @@ impl Steward {
                 model,
                 span: None,
                 mark: None,
+                ceiling_uj: (request.joule_ceiling_uj != u64::MAX)
+                    .then_some(request.joule_ceiling_uj),
             });
         };
         let before = self.gate.clone();
@@ -509,6 +526,7 @@ impl Steward {
                 model,
                 span: None,
                 mark: None,
+                ceiling_uj: None,
             }),
             Err(error) => {
                 self.gate = before;

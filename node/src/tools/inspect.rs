@@ -84,8 +84,22 @@ pub fn render_journal(
             ),
             Entry::Halted { reason, .. } => format!("HALTED      {reason}"),
             Entry::Refused {
-                request_id, route, ..
-            } => format!("refused     request {}: {route}", short(request_id)),
+                request_id,
+                table,
+                unjournalled,
+                ..
+            } => {
+                let line = serde_json::from_str::<serde_json::Value>(table)
+                    .ok()
+                    .and_then(|t| t["justification"].as_str().map(str::to_string))
+                    .unwrap_or_else(|| table.clone());
+                let skipped = if *unjournalled > 0 {
+                    format!(" ({unjournalled} more before it, counted only)")
+                } else {
+                    String::new()
+                };
+                format!("refused     request {}: {line}{skipped}", short(request_id))
+            }
             Entry::Logged { capsule_id } => format!("logged      record {}", short(capsule_id)),
             Entry::Changed { envelope } => {
                 match mesh_protocol::change::SealedChange::verify(envelope) {

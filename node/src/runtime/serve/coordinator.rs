@@ -2,7 +2,9 @@
 
 use super::*;
 
-use mesh_protocol::control::{AuthoriseRequest, ControlRequest, GenerateRequestMessage};
+use mesh_protocol::control::{
+    AuthoriseRequest, ControlRequest, DecisionAsk, GenerateRequestMessage,
+};
 use mesh_protocol::json::canonical_bytes;
 use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
 use serde_json::json;
@@ -28,6 +30,9 @@ pub struct GenerateRequest {
     /// fidelity it accepts, the most microjoules it may cost (a grant's
     /// request carries its own).
     pub bounds: RequestBounds,
+    /// A typed decision (SPEC §3.6) about the state `prompt` holds, in
+    /// place of a generation.
+    pub decision: Option<DecisionAsk>,
 }
 
 /// A request's floor and ceiling; unset: F0 and no ceiling.
@@ -77,6 +82,7 @@ impl GenerateRequest {
             timeout: None,
             stop: Vec::new(),
             bounds: RequestBounds::default(),
+            decision: None,
         }
     }
 
@@ -97,6 +103,7 @@ impl GenerateRequest {
                 .map(|g| (g.serve.clone(), g.presentations.clone())),
             fidelity_floor: self.bounds.fidelity_floor,
             joule_ceiling_uj: self.bounds.joule_ceiling_uj,
+            decision: self.decision.clone(),
         })
     }
 
@@ -124,6 +131,7 @@ impl GenerateRequest {
                 fidelity_floor: message.fidelity_floor,
                 joule_ceiling_uj: message.joule_ceiling_uj,
             },
+            decision: message.decision.clone(),
         }
     }
 }
@@ -407,6 +415,7 @@ async fn serve_request(
         deterministic: request.sampling.temperature <= 0.0
             && inner.wire == WireDType::F32
             && admitted.prompt_ids.len() <= inner.prefill_chunk_tokens,
+        decided: None,
     };
     let mut run = run.clone();
     let mut interrupted: Vec<Interrupted<'_>> = Vec::new();
@@ -542,8 +551,12 @@ struct Admitted<'a> {
     resumes: Option<u64>,
     /// How the router chose the backend (SPEC §4), at the request's start.
     route: mesh_protocol::route::Route,
-    /// The tokens the requester asked for (before the context cut them).
+    /// The tokens the requester asked for (before the context cut them;
+    /// 0 for a decision).
     asked_tokens: usize,
+    /// A typed decision: scored at the prompt's last position, in place of
+    /// the first token.
+    decision: Option<decision::DecisionPlan>,
 }
 
 /// Which caches a resumed segment keeps from the segment it carries on:
@@ -734,6 +747,9 @@ impl<'a> Admitted<'a> {
         run: &Arc<Run>,
         keep: Option<KeepPlan>,
     ) -> anyhow::Result<Self> {
+        // The new chain is another backend: weighed again, and refused as
+        // any request is when it cannot serve within the bounds.
+        let route = route_or_refuse(inner, run, &self.serve)?;
         let capacity = self.prompt_ids.len() + self.max_new;
         // The own cache goes on under the new request, cut back to the
         // positions every kept stage holds.
@@ -771,8 +787,9 @@ impl<'a> Admitted<'a> {
             shards: self.shards.clone(),
             keep,
             resumes: Some(self.request_id),
-            route: self.route.clone(),
+            route,
             asked_tokens: self.asked_tokens,
+            decision: self.decision.clone(),
         })
     }
 }
@@ -803,6 +820,8 @@ struct Progress {
     own_outputs: Option<Vec<f32>>,
     /// Whether the serve, as far as it went, repeats bit for bit.
     deterministic: bool,
+    /// A decision's probability per option, once scored.
+    decided: Option<Vec<f64>>,
 }
 
 /// What driving one chain (one segment of the request) gave.
@@ -868,13 +887,23 @@ async fn admit<'a>(
             request.prompt.len()
         );
     }
-    let prompt_ids = tokio::task::block_in_place(|| -> anyhow::Result<_> {
-        let text = if request.chat {
-            codec.chat_prompt(&request.prompt)?
-        } else {
-            request.prompt.clone()
+    if request.decision.is_some() && request.grant.is_some() {
+        bail!("a typed decision on grant shards is not served yet: ask it without a grant");
+    }
+    let (prompt_ids, decision) = tokio::task::block_in_place(|| -> anyhow::Result<_> {
+        // A decision runs on its own prompt: the state, the question and
+        // its options under letters.
+        let decision = request
+            .decision
+            .as_ref()
+            .map(|ask| decision::plan(codec, &request.prompt, ask, request.chat))
+            .transpose()?;
+        let text = match &decision {
+            Some(plan) => plan.text.clone(),
+            None if request.chat => codec.chat_prompt(&request.prompt)?,
+            None => request.prompt.clone(),
         };
-        Ok(codec.encode(&text)?)
+        Ok((codec.encode(&text)?, decision))
     })?;
     if prompt_ids.is_empty() || prompt_ids.len() >= context {
         bail!(
@@ -882,14 +911,28 @@ async fn admit<'a>(
             prompt_ids.len()
         );
     }
-    let max_new = request.max_tokens.clamp(1, context - prompt_ids.len());
+    // A decision emits no token: its one step is the prompt's prefill
+    // (the cache keeps the one position a step after it would take).
+    let max_new = match &decision {
+        Some(_) => 1,
+        None => request.max_tokens.clamp(1, context - prompt_ids.len()),
+    };
     let serve = ServeRequest {
         prompt_hash: prompt_hash(request.prompt.as_bytes()),
         prompt_tokens: u32::try_from(prompt_ids.len()).unwrap_or(u32::MAX),
-        max_tokens: u32::try_from(max_new).unwrap_or(u32::MAX),
+        max_tokens: match &decision {
+            Some(_) => 0,
+            None => u32::try_from(max_new).unwrap_or(u32::MAX),
+        },
         fidelity_floor: request.bounds.fidelity_floor.unwrap_or(Fidelity::F0),
         joule_ceiling_uj: request.bounds.joule_ceiling_uj.unwrap_or(u64::MAX),
-        decision: None,
+        decision: decision
+            .as_ref()
+            .map(|plan| mesh_protocol::mesh1::Decision {
+                questions: 1,
+                options_scored: plan.options.len() as u32,
+                schema_tokens: plan.schema_tokens,
+            }),
     };
     let (serve, presentations) = match &request.grant {
         None => (serve, Vec::new()),
@@ -909,32 +952,36 @@ async fn admit<'a>(
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| anyhow!("a presentation does not decode: {e}"))?;
+            if granted.serve.decision.is_some() != decision.is_some() {
+                bail!(
+                    "the granted request is priced as a {} but asks for a {}",
+                    if granted.serve.decision.is_some() {
+                        "decision"
+                    } else {
+                        "generation"
+                    },
+                    if decision.is_some() {
+                        "decision"
+                    } else {
+                        "generation"
+                    }
+                );
+            }
             (granted.serve.clone(), presentations)
         }
     };
-    let max_new = max_new.min(serve.max_tokens.max(1) as usize);
+    let max_new = match &decision {
+        Some(_) => max_new,
+        None => max_new.min(serve.max_tokens.max(1) as usize),
+    };
     let capacity = prompt_ids.len() + max_new;
-    let asked_tokens = match &request.grant {
-        None => request.max_tokens,
-        Some(granted) => granted.serve.max_tokens as usize,
-    }
-    .max(1);
-    // Route (SPEC §4) before anything is held: a request no backend can
-    // serve within its floor and ceiling is refused, and the refusal
-    // journalled with the table's digest.
-    let route = mesh_protocol::route::route(
-        &mesh_protocol::route::RouteRequest::from(&serve),
-        &route::backends(inner, run),
-    )?;
-    if let Some(refusal) = route.refusal() {
-        stats::Counters::bump(&inner.counters.requests_refused_route);
-        lock(&inner.steward).record_refusal(
-            serve.request_id(),
-            &route.justification(),
-            now_ms(),
-        )?;
-        return Err(stats::RouteRefused(refusal).into());
-    }
+    let asked_tokens = match (&request.grant, &decision) {
+        (_, Some(_)) => 0,
+        (None, None) => request.max_tokens.max(1),
+        (Some(granted), None) => (granted.serve.max_tokens as usize).max(1),
+    };
+    // Route (SPEC §4) before anything is held.
+    let route = route_or_refuse(inner, run, &serve)?;
 
     // Everything this request holds is released by `held` on every path.
     let (mut held, split_key) = Held::take_places(inner, run, capacity, None)?;
@@ -972,7 +1019,32 @@ async fn admit<'a>(
         resumes: None,
         route,
         asked_tokens,
+        decision,
     })
+}
+
+/// Weigh the backends a request on `run` may be served on. A request no
+/// backend can serve within its floor and ceiling is refused: journalled
+/// with its route table (at most so many a minute), counted, and answered
+/// with each backend's reason.
+fn route_or_refuse(
+    inner: &Inner,
+    run: &Run,
+    serve: &ServeRequest,
+) -> anyhow::Result<mesh_protocol::route::Route> {
+    let route = mesh_protocol::route::route(
+        &mesh_protocol::route::RouteRequest::from(serve),
+        &route::backends(inner, run),
+    )?;
+    let Some(refusal) = route.refusal() else {
+        return Ok(route);
+    };
+    let journalled = lock(&inner.refusal_journal).admit(Instant::now());
+    if let Some(unjournalled) = journalled {
+        lock(&inner.steward).record_refusal(serve.request_id(), &route, unjournalled, now_ms())?;
+    }
+    stats::Counters::bump(&inner.counters.requests_refused_route);
+    Err(stats::RouteRefused(refusal).into())
 }
 
 /// Which request on which split a segment serves: names its lanes and
@@ -998,6 +1070,7 @@ async fn drive(
     requester: &mut quinn::SendStream,
 ) -> anyhow::Result<Driven> {
     let codec = inner.model.text();
+    let decision = admitted.decision.clone();
     let held = &mut admitted.held;
     let request_id = admitted.request_id;
     let max_new = admitted.max_new;
@@ -1043,6 +1116,7 @@ async fn drive(
         prefill_time,
         requester_gone,
         own_outputs,
+        decided,
         ..
     } = progress;
     let started = Instant::now();
@@ -1414,6 +1488,13 @@ async fn drive(
                     } else {
                         replayed_in.get_or_insert(started.elapsed());
                     }
+                }
+                if let Some(decision) = &decision {
+                    // A typed decision is answered here: every option
+                    // scored at the prompt's last position, nothing sampled.
+                    *decided = Some(decision.score(&logits)?);
+                    *finish_reason = "stop";
+                    return Ok(TerminalState::Completed);
                 }
                 let next = sampler.sample(&logits).context("no logits")?;
                 tokens.push(next);
@@ -1949,7 +2030,10 @@ fn seal(
     let asked = admitted.asked_tokens;
     let ran_to_its_end = driven.terminal == TerminalState::Completed
         && (progress.finish_reason == "stop" || tokens.len() >= asked);
-    if resumed.is_none() {
+    // What a chain costs is learnt from serves that ran to their end on
+    // it alone: a failed or cut-short one (which a stranger can cause) says
+    // little about the next.
+    if resumed.is_none() && driven.terminal == TerminalState::Completed {
         lock(&inner.route_costs).record(
             &chosen.backend,
             metered.energy.uj(),
@@ -1979,18 +2063,26 @@ fn seal(
         }),
         fidelity_rating: advertised,
         energy: metered.energy,
-        decision: None,
+        // A decision's figures (§3.6): its unit of work is the question
+        // answered, and it commits to no output tokens (it emits none).
+        decision: serve.decision.map(|asked| DecisionOutcome {
+            questions_answered: u32::from(progress.decided.is_some()),
+            options_scored: asked.options_scored,
+            schema_tokens: asked.schema_tokens,
+        }),
         grant_breach: metered
             .debit
             .as_ref()
             .and_then(|d| d.breach)
             .map(str::to_string),
-        output_commitment: Some(output_commitment(
-            &opening_value,
-            &serve.request_id(),
-            &prompt_payload(prompt_ids),
-            tokens,
-        )),
+        output_commitment: serve.decision.is_none().then(|| {
+            output_commitment(
+                &opening_value,
+                &serve.request_id(),
+                &prompt_payload(prompt_ids),
+                tokens,
+            )
+        }),
         sequence: 0,
         prev: None,
         nonce: crate::runtime::keys::random_bytes()?,
@@ -1999,6 +2091,7 @@ fn seal(
         resumed,
         // The engine's declaration (SPEC §5), under the steward's signature.
         deterministic: Some(progress.deterministic && earlier.is_empty()),
+        training: inner.training,
     };
     // The previous envelope is the steward's (kept in its journal, so the
     // chain link survives a restart), read under the same lock as the seal.
@@ -2114,7 +2207,12 @@ async fn report(
     let steps = tokens.len().max(1) as f64;
     let hops = one_way_hops_per_step(n as usize, return_mode) as f64;
     let overhead = round_trips.saturating_sub(remote_compute);
-    let details = json!({
+    let decision = admitted
+        .decision
+        .as_ref()
+        .zip(progress.decided.as_ref())
+        .map(|(plan, probabilities)| plan.to_json(probabilities));
+    let mut details = json!({
         "request_id": request_id.to_string(),
         "run_id": run_id,
         "return_mode": return_mode.as_str(),
@@ -2140,12 +2238,21 @@ async fn report(
             "grant_breach": envelope.receipt.grant_breach,
         },
     });
+    // A decision's answer is the chosen option; its figures are in the
+    // details.
+    let text = match &decision {
+        Some(answer) => answer["chosen"].as_str().unwrap_or_default().to_string(),
+        None => printed.clone(),
+    };
+    if let (Some(answer), serde_json::Value::Object(map)) = (decision, &mut details) {
+        map.insert("decision".into(), answer);
+    }
     let done = Cbor::text_map([
         (
             "kind",
             Cbor::text(if failure.is_some() { "failed" } else { "done" }),
         ),
-        ("text", Cbor::text(printed.as_str())),
+        ("text", Cbor::text(text)),
         ("terminal_state", Cbor::text(terminal.as_str())),
         ("error", Cbor::text(failure.clone().unwrap_or_default())),
         ("details", Cbor::bytes(serde_json::to_vec(&details)?)),

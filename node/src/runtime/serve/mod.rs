@@ -21,7 +21,7 @@ use mesh_protocol::control::{AssignRequest, AuthoriseRequest, ControlRequest, MA
 use mesh_protocol::fold::{Lane, LaneFold};
 use mesh_protocol::identity::{did_key, parse_did_key};
 use mesh_protocol::mesh1::{
-    Fidelity, FidelityReport, MeshReceipt, ServeRequest, WeightsBinding, opening,
+    DecisionOutcome, Fidelity, FidelityReport, MeshReceipt, ServeRequest, WeightsBinding, opening,
     output_commitment, prompt_hash, prompt_payload,
 };
 use mesh_protocol::receipt::Assignment;
@@ -42,6 +42,7 @@ use crate::runtime::steward::Steward;
 
 mod batch;
 mod coordinator;
+mod decision;
 mod kept;
 mod route;
 mod stats;
@@ -51,6 +52,30 @@ pub use coordinator::{
     one_way_hops_per_step, plan_remote,
 };
 pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
+
+/// The training corpus `model` declares in its metadata (SPEC §3.7), when
+/// it declares one in a form a receipt can bind; a malformed declaration
+/// is reported and bound to nothing.
+fn declared_training(model: &ModelHandle) -> Option<mesh_protocol::mesh1::TrainingBinding> {
+    use mesh_protocol::mesh1::{TrainingAuthority, TrainingBinding};
+    let (digest, authority) = model.declared_training()?;
+    match (
+        mesh_protocol::hex::decode_array(digest),
+        TrainingAuthority::parse(authority),
+    ) {
+        (Some(training_digest), Some(authority)) => Some(TrainingBinding {
+            training_digest,
+            authority,
+        }),
+        _ => {
+            tracing::warn!(
+                "the model declares a training corpus this node cannot bind (a digest of 64 hex \
+                 and an authority of signed, logged or opaque are needed): its receipts name none"
+            );
+            None
+        }
+    }
+}
 
 /// The fidelity a coordinator rates its model at unless configured
 /// (SPEC §3.2: F2 of F0..F4, a mid-grade model).
@@ -381,6 +406,10 @@ struct Inner {
     fidelity: Fidelity,
     /// What serves cost per chain, for the route table.
     route_costs: Mutex<route::RouteCosts>,
+    refusal_journal: Mutex<route::RefusalJournal>,
+    /// The training corpus the model declares (SPEC §3.7), bound on the
+    /// coordinator's receipts.
+    training: Option<mesh_protocol::mesh1::TrainingBinding>,
 }
 
 /// A plan and what it was made from.
@@ -457,6 +486,7 @@ impl Node {
         tls::install_provider();
         let tls = TlsIdentity::new(&options.key)?;
         let model = crate::runtime::open_model(&options.model)?;
+        let training = declared_training(&model);
         let steward = Steward::open(
             &options.data.join("steward"),
             options.key.clone(),
@@ -536,6 +566,8 @@ impl Node {
             kept: kept::KeptCaches::default(),
             fidelity: options.fidelity,
             route_costs: Mutex::new(route::RouteCosts::default()),
+            refusal_journal: Mutex::new(route::RefusalJournal::default()),
+            training,
         });
         if let Some(settings) = &options.mesh {
             let mesh = start_mesh(&inner, &options.data, settings).await?;

@@ -110,6 +110,7 @@ fn reference_receipts(
         split: Some(mesh_protocol::json::canonical_bytes(&split)),
         resumed: None,
         deterministic: None,
+        training: None,
     }
     .seal(steward)?;
     let second = MeshReceipt {
@@ -269,6 +270,36 @@ fn receipt_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<
         "boolean_met_as_2".into(),
         false,
         signed(core_with(&core, "fidelity_met", Some(Cbor::Uint(2)))),
+    );
+    let training_digest = Cbor::text(hex::encode(&deterministic_32(
+        "mesh-node vectors: a training corpus",
+    )));
+    push(
+        "training_signed".into(),
+        true,
+        signed(core_with(
+            &core_with(&core, "training_digest", Some(training_digest.clone())),
+            "training_authority",
+            Some(Cbor::text("signed")),
+        )),
+    );
+    push(
+        "training_digest_without_authority".into(),
+        false,
+        signed(core_with(
+            &core,
+            "training_digest",
+            Some(training_digest.clone()),
+        )),
+    );
+    push(
+        "training_authority_unknown".into(),
+        false,
+        signed(core_with(
+            &core_with(&core, "training_digest", Some(training_digest)),
+            "training_authority",
+            Some(Cbor::text("trusted")),
+        )),
     );
     push(
         "deterministic_not_0_or_1".into(),
