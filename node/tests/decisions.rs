@@ -100,15 +100,16 @@ async fn a_decision_is_scored_per_option_priced_without_max_tokens_and_sealed_as
     assert_eq!(code, 0, "{report:#}");
 
     // Priced on its prompt and options only: a ceiling a generation of the
-    // same state would exceed on its max_tokens admits the decision.
-    let per_token = sealed.energy.uj().div_ceil(sealed.tokens_in);
-    let ceiling = per_token * (sealed.tokens_in + 16);
+    // same state would exceed on its max_tokens admits the decision. (A
+    // decision teaches the table no cost, so the figure stays this one.)
+    let per_token = table["backends"][0]["uj_per_token"].as_u64().unwrap();
+    let ceiling = per_token * sealed.tokens_in * 3;
     let generation = GenerateRequest {
         bounds: RequestBounds {
             fidelity_floor: None,
             joule_ceiling_uj: Some(ceiling),
         },
-        ..request("The sky is blue and the grass is green.", 1000, None)
+        ..request("The sky is blue and the grass is green.", 2000, None)
     };
     let error = ask(&coordinator, &generation)
         .await

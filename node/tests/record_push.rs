@@ -6,7 +6,7 @@ use std::time::Duration;
 use mesh_node::runtime::energy::EstimatorMeter;
 use mesh_node::runtime::net::ALPN_RECORD_PUSH;
 use mesh_node::runtime::net::tls::{self, TlsIdentity};
-use mesh_node::runtime::records::refusal_verifies;
+use mesh_node::runtime::records::{Received, refusal_verifies};
 use mesh_node::runtime::serve::{Node, NodeOptions};
 use mesh_protocol::SigningKey;
 use mesh_protocol::block::{ReturnMode, StageBlock};
@@ -91,6 +91,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         mesh: None,
         stages: None,
         fidelity: mesh_node::runtime::serve::DEFAULT_FIDELITY,
+        record_checkpoints: true,
     })
     .await
     .unwrap();
@@ -170,6 +171,95 @@ fn an_assigned_stage_is_held_to_its_claims_and_its_signature() {
     // The genuine record is held.
     assert_eq!(
         collector.offer(&stage_key, &body(&own, record.value())),
-        Ok(())
+        Ok(Received::Bare)
+    );
+}
+
+/// A stage's `record_push_bundle` (split-stage §3.3) is acknowledged only
+/// when the record is proven in the stage's own log under a checkpoint the
+/// stage signed, and no checkpoint contradicts one it showed before.
+#[test]
+fn a_pushed_bundle_is_proven_in_the_stages_log_before_it_is_acknowledged() {
+    use mesh_protocol::bundle::{Checkpoint, MmrLog};
+    let stage = SigningKey::from_bytes(&[9; 32]);
+    let (block, record) = simulated_stage_record(&stage);
+    let stage_key = stage.verifying_key().to_bytes();
+    let own = did_key(&stage_key);
+    let mut collector = mesh_node::runtime::records::Collector::default();
+    let assigned: Vec<[u8; 32]> = (0..block.stage_count as usize)
+        .map(|k| {
+            if k == block.stage_index as usize {
+                stage_key
+            } else {
+                [k as u8; 32]
+            }
+        })
+        .collect();
+    assert!(collector.open(block.split_key(), assigned));
+    // The stage's log: two earlier records, then this one (leaf 2).
+    let mut log = MmrLog::new();
+    log.append(&[1; 32]);
+    log.append(&[2; 32]);
+    let leaf = log.append(&record.capsule_id());
+    let bundle = |key: &SigningKey, leaf: u64, root: [u8; 32]| {
+        serde_json::json!({
+            "record_push_bundle": 1,
+            "capsule": record.value(),
+            "inclusion": { "leaf_index": leaf, "proof": log.prove(leaf).unwrap().to_value() },
+            "checkpoint": Checkpoint::sign(&own, log.size(), &root, None, "2026-12-02T00:00:00.000Z", key),
+        })
+    };
+    let body = |value: &Value| {
+        let mut body = own.as_bytes().to_vec();
+        body.push(b'\n');
+        body.extend(serde_json::to_vec(value).unwrap());
+        body
+    };
+    let root = log.root().unwrap();
+    use mesh_node::runtime::records::PushRefusal::*;
+    // A checkpoint signed by another key proves nothing of this stage's log.
+    let other = SigningKey::from_bytes(&[8; 32]);
+    assert_eq!(
+        collector.offer(&stage_key, &body(&bundle(&other, leaf, root))),
+        Err(InclusionUnverified)
+    );
+    // Another leaf's proof does not prove this record.
+    assert_eq!(
+        collector.offer(&stage_key, &body(&bundle(&stage, 1, root))),
+        Err(InclusionUnverified)
+    );
+    // A bundle from a stage carries no stage records, and no other member.
+    let mut carrying = bundle(&stage, leaf, root);
+    carrying["split_stage_records"] = serde_json::json!([record.value()]);
+    assert_eq!(
+        collector.offer(&stage_key, &body(&carrying)),
+        Err(BundleMalformed)
+    );
+    let mut extra = bundle(&stage, leaf, root);
+    extra["note"] = Value::from(1);
+    assert_eq!(
+        collector.offer(&stage_key, &body(&extra)),
+        Err(BundleMalformed)
+    );
+    // The genuine bundle is acknowledged as proven.
+    assert_eq!(
+        collector.offer(&stage_key, &body(&bundle(&stage, leaf, root))),
+        Ok(Received::Proven)
+    );
+    // A second root for the same log size, signed by the stage: a forked
+    // log, refused.
+    let mut forked = MmrLog::new();
+    forked.append(&[7; 32]);
+    forked.append(&[2; 32]);
+    forked.append(&record.capsule_id());
+    let forked_bundle = serde_json::json!({
+        "record_push_bundle": 1,
+        "capsule": record.value(),
+        "inclusion": { "leaf_index": 2, "proof": forked.prove(2).unwrap().to_value() },
+        "checkpoint": Checkpoint::sign(&own, forked.size(), &forked.root().unwrap(), None, "2026-12-02T00:00:01.000Z", &stage),
+    });
+    assert_eq!(
+        collector.offer(&stage_key, &body(&forked_bundle)),
+        Err(CheckpointEquivocation)
     );
 }

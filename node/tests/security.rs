@@ -579,6 +579,10 @@ async fn stops_at_the_energy_ceiling_first_at(mode: ReturnMode, first: Option<&s
     let c = c.start().await;
     let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c.peer_addr()]);
     a.return_mode = mode;
+    // The router would refuse a 1500-token answer on a 3 J ceiling up
+    // front; a coordinator that underestimates admits it, and every
+    // steward's own enforcement while the serve runs is what stops it.
+    a.estimate_milliwatts = Some(1);
     let a = a.start().await;
     let (shards, holder) = grants(dir.path(), &a, 90_000_000).await;
     let ceiling_uj = 3_000_000;

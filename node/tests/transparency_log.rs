@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::nodes::{synthetic, three_nodes};
+use common::nodes::{Setup, synthetic, three_nodes};
 use common::processes::bin;
 use serde_json::Value;
 
@@ -105,6 +105,26 @@ async fn the_main_record_is_proven_in_the_coordinators_log_and_exports_as_a_reco
         document["checkpoint"]["mmr_size"]
     );
 
+    // Restarted on its journal, the coordinator's next checkpoint names
+    // the last one it issued before, not a fresh start.
+    a.shutdown().await;
+    let a = Setup::coordinator(&model, dir.path(), vec![_b.peer_addr(), _c.peer_addr()])
+        .start()
+        .await;
+    let after_restart = dir.path().join("after-restart.json");
+    generate(&a.peer_addr().to_string(), &after_restart, "mesh");
+    let restarted: Value = serde_json::from_slice(&std::fs::read(&after_restart).unwrap()).unwrap();
+    assert_eq!(
+        restarted["checkpoint"]["prev_size"], next["checkpoint"]["mmr_size"],
+        "{:#}",
+        restarted["checkpoint"]
+    );
+    assert_eq!(
+        restarted["checkpoint"]["prev_root"],
+        next["checkpoint"]["root"]
+    );
+    assert_eq!(verify(&after_restart).0, Some(0));
+
     // A checkpoint whose root was altered proves nothing.
     let mut altered = document.clone();
     altered["checkpoint"]["root"] = Value::from("00".repeat(32));
@@ -115,4 +135,38 @@ async fn the_main_record_is_proven_in_the_coordinators_log_and_exports_as_a_reco
         check(&report, "MMR inclusion proof under the checkpoint root")["ok"],
         false
     );
+}
+
+/// Three `serve` processes with checkpoints on (the default): each stage
+/// pushes its record as a `record_push_bundle` proven in its own log, the
+/// coordinator acknowledges both only after checking the proofs, and the
+/// `--format mesh-llm` file verifies by the published bundles' rules.
+#[test]
+fn three_serve_processes_push_stage_records_as_proven_bundles() {
+    use common::processes::{serve, stage};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let b = stage(dir.path(), "b", &model, &[], &[]);
+    let c = stage(dir.path(), "c", &model, &[], &[]);
+    let a = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
+
+    let pushed = dir.path().join("pushed.json");
+    generate(&a.peer, &pushed, "mesh-llm");
+    let (code, report) = verify(&pushed);
+    assert_eq!(code, Some(0), "{report:#}");
+    assert_eq!(report["form"], "record_push_bundle", "{report:#}");
+
+    let stats = Command::new(bin())
+        .args(["stats", &a.peer, "--json", "--key"])
+        .arg(dir.path().join("coord.key"))
+        .output()
+        .unwrap();
+    assert!(
+        stats.status.success(),
+        "{}",
+        String::from_utf8_lossy(&stats.stderr)
+    );
+    let stats: Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(stats["records_proven"], 2, "{stats:#}");
+    drop((a, b, c));
 }

@@ -328,7 +328,13 @@ impl Checkpoint {
 /// An append-only MMR of record ids, enough to issue inclusion proofs.
 #[derive(Debug, Clone, Default)]
 pub struct MmrLog {
+    /// Nodes from position `offset` on.
     nodes: Vec<[u8; 32]>,
+    /// Positions before it were forgotten but for `pinned`.
+    offset: u64,
+    /// The peaks when the log last forgot (position, hash): what appending
+    /// and proving later records still need of the nodes before `offset`.
+    pinned: Vec<(u64, [u8; 32])>,
     leaves: u64,
 }
 
@@ -338,7 +344,40 @@ impl MmrLog {
     }
 
     pub fn size(&self) -> u64 {
-        self.nodes.len() as u64
+        self.offset + self.nodes.len() as u64
+    }
+
+    /// Nodes held in memory.
+    pub fn held(&self) -> usize {
+        self.nodes.len() + self.pinned.len()
+    }
+
+    fn node(&self, pos: u64) -> Option<[u8; 32]> {
+        match pos.checked_sub(self.offset) {
+            Some(at) => self.nodes.get(usize::try_from(at).ok()?).copied(),
+            None => self
+                .pinned
+                .iter()
+                .find(|(p, _)| *p == pos)
+                .map(|(_, hash)| *hash),
+        }
+    }
+
+    /// Forget every node but the current peaks: the log goes on (its size,
+    /// root and later records' proofs are unchanged), and records appended
+    /// from now on can be proven (older ones no longer, as a rule). What keeps a long-lived node's
+    /// log in bounded memory; the journal keeps every record id.
+    pub fn forget(&mut self) {
+        let Some(peaks) = mmr_peaks(self.size()) else {
+            return;
+        };
+        let pinned: Vec<(u64, [u8; 32])> = peaks
+            .iter()
+            .filter_map(|p| self.node(*p).map(|hash| (*p, hash)))
+            .collect();
+        self.offset = self.size();
+        self.nodes = Vec::new();
+        self.pinned = pinned;
     }
 
     /// Append a record; returns its leaf index.
@@ -349,8 +388,13 @@ impl MmrLog {
         let mut height = 0;
         while pos_height(self.size()) > height {
             let pos = self.size();
-            let right = self.nodes[(pos - 1) as usize];
-            let left = self.nodes[(pos - (1u64 << (height + 1))) as usize];
+            // The right child was just pushed; the left is a node after the
+            // last forgetting, or a peak pinned then.
+            let (Some(right), Some(left)) =
+                (self.node(pos - 1), self.node(pos - (1u64 << (height + 1))))
+            else {
+                break;
+            };
             self.nodes.push(mmr_node(pos, &left, &right));
             height += 1;
         }
@@ -359,11 +403,13 @@ impl MmrLog {
 
     pub fn root(&self) -> Option<[u8; 32]> {
         let peaks = mmr_peaks(self.size())?;
-        let hashes: Vec<[u8; 32]> = peaks.iter().map(|p| self.nodes[*p as usize]).collect();
+        let hashes: Vec<[u8; 32]> = peaks.iter().map(|p| self.node(*p)).collect::<Option<_>>()?;
         bag_peaks(&hashes)
     }
 
-    /// The inclusion proof of leaf `leaf_index` at the current size.
+    /// The inclusion proof of leaf `leaf_index` at the current size
+    /// (`None` for a leaf appended before the log last forgot, unless the
+    /// peaks it kept give its whole path).
     pub fn prove(&self, leaf_index: u64) -> Option<InclusionProof> {
         let peaks = mmr_peaks(self.size())?;
         let mut pos = leaf_position(leaf_index)?;
@@ -374,22 +420,28 @@ impl MmrLog {
         let mut height = 0u32;
         while !peaks.contains(&pos) {
             if pos_height(pos + 1) > height {
-                witness.push(self.nodes[(pos - ((1u64 << (height + 1)) - 1)) as usize]);
+                witness.push(self.node(pos - ((1u64 << (height + 1)) - 1))?);
                 pos += 1;
             } else {
-                witness.push(self.nodes[(pos + (1u64 << (height + 1)) - 1) as usize]);
+                witness.push(self.node(pos + (1u64 << (height + 1)) - 1)?);
                 pos += 1u64 << (height + 1);
             }
             height += 1;
         }
         let index = peaks.iter().position(|p| *p == pos)?;
-        let peak_hash = |p: &u64| self.nodes[*p as usize];
+        let peak_hash = |p: &u64| self.node(*p);
         Some(InclusionProof {
             size: self.size(),
             leaf_index,
             witness,
-            peaks_left: peaks[..index].iter().map(peak_hash).collect(),
-            peaks_right: peaks[index + 1..].iter().map(peak_hash).collect(),
+            peaks_left: peaks[..index]
+                .iter()
+                .map(peak_hash)
+                .collect::<Option<_>>()?,
+            peaks_right: peaks[index + 1..]
+                .iter()
+                .map(peak_hash)
+                .collect::<Option<_>>()?,
         })
     }
 }
@@ -721,6 +773,39 @@ mod tests {
     }
 
     proptest! {
+        /// A log that forgets keeps its size and root, and proves every
+        /// record appended after it forgot exactly as a log that never
+        /// forgot (an older one at most where its kept peaks suffice).
+        #[test]
+        fn a_log_that_forgets_goes_on_as_one_that_never_did(
+            before in 1usize..40,
+            after in 1usize..40,
+        ) {
+            let id = |i: usize| blake3::hash(&i.to_le_bytes()).into();
+            let mut whole = MmrLog::new();
+            let mut forgetting = MmrLog::new();
+            for i in 0..before {
+                whole.append(&id(i));
+                forgetting.append(&id(i));
+            }
+            forgetting.forget();
+            prop_assert!(forgetting.held() <= 64);
+            prop_assert_eq!(forgetting.root(), whole.root());
+            for i in before..before + after {
+                whole.append(&id(i));
+                forgetting.append(&id(i));
+                prop_assert_eq!(forgetting.size(), whole.size());
+                prop_assert_eq!(forgetting.root(), whole.root());
+            }
+            for leaf in 0..(before + after) as u64 {
+                match forgetting.prove(leaf) {
+                    // An older record whose path the kept peaks still give.
+                    Some(proof) => prop_assert_eq!(Some(proof), whole.prove(leaf)),
+                    None => prop_assert!(leaf < before as u64),
+                }
+            }
+        }
+
         #[test]
         fn every_leaf_proves_against_the_root(leaves in 1usize..40) {
             let mut log = MmrLog::new();

@@ -80,13 +80,13 @@ impl ModelHandle {
         self.source.format()
     }
     /// The training corpus the model declares (SPEC §3.7), as written in
-    /// its metadata: digest (hex) and authority, both or `None`. The
-    /// caller checks their form.
-    pub fn declared_training(&self) -> Option<(&str, &str)> {
-        Some((
-            self.source.metadata_text(source::TRAINING_DIGEST_KEY)?,
-            self.source.metadata_text(source::TRAINING_AUTHORITY_KEY)?,
-        ))
+    /// its metadata: digest (hex) and authority, each `None` when absent.
+    /// The caller checks their form and that both are there.
+    pub fn declared_training(&self) -> (Option<&str>, Option<&str>) {
+        (
+            self.source.metadata_text(source::TRAINING_DIGEST_KEY),
+            self.source.metadata_text(source::TRAINING_AUTHORITY_KEY),
+        )
     }
 
     pub fn text(&self) -> &text::TextCodec {

@@ -70,6 +70,10 @@ pub struct ServeConfig {
     /// The fidelity this coordinator rates its model at, F0..F4 (default
     /// F2): requests whose floor is above it are refused (SPEC §4).
     pub fidelity: Option<String>,
+    /// Sign checkpoints of this node's transparency log for what it sends:
+    /// stage records pushed as `record_push_bundle`s, the requester's
+    /// bundle with the main record's inclusion proof (default true).
+    pub record_checkpoints: Option<bool>,
 }
 
 impl ServeConfig {
@@ -137,6 +141,10 @@ pub struct ServeArgs {
     /// F2): the router refuses a request whose floor is above it.
     #[arg(long)]
     pub fidelity: Option<String>,
+    /// Push stage records bare and bundles without inclusion proofs: no
+    /// checkpoints of this node's transparency log are signed.
+    #[arg(long)]
+    pub no_record_checkpoints: bool,
     /// Prompt positions per prefill step, each its own step through the
     /// chain (default 256, at most 4096).
     #[arg(long)]
@@ -322,6 +330,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             Some(text) => Fidelity::parse(text)
                 .with_context(|| format!("fidelity `{text}` is not one of F0, F1, F2, F3, F4"))?,
         },
+        record_checkpoints: !args.no_record_checkpoints && file.record_checkpoints.unwrap_or(true),
     })
 }
 
@@ -396,6 +405,7 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         request_timeout_ms: None,
         wire: None,
         fidelity: None,
+        no_record_checkpoints: false,
         prefill_chunk_tokens: None,
         max_resumes: None,
         mesh: args.mesh,
@@ -639,6 +649,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             mesh: None,
             stages: None,
             fidelity: crate::runtime::serve::DEFAULT_FIDELITY,
+            record_checkpoints: true,
         })
     };
     let mut stage_nodes = Vec::new();
@@ -1118,6 +1129,7 @@ pub(crate) fn bench_options(
         mesh: None,
         stages: None,
         fidelity: crate::runtime::serve::DEFAULT_FIDELITY,
+        record_checkpoints: true,
     })
 }
 

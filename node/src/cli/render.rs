@@ -254,6 +254,10 @@ pub fn node_stats(
         ("tokens generated", stats.tokens_generated),
         ("requests served as a stage", stats.stage_requests),
         ("refused as a stage", stats.stage_refusals),
+        (
+            "stage records received proven in their log",
+            stats.records_proven,
+        ),
     ] {
         let _ = writeln!(out, "  {name:<26} {value}");
     }
@@ -351,6 +355,12 @@ pub fn node_stats_prometheus(stats: &crate::runtime::serve::NodeStats) -> String
             ("refused", stats.stage_refusals),
         ]
         .map(|(outcome, value)| (format!("{{outcome=\"{outcome}\"}}"), value)),
+    );
+    metric(
+        "stage_records_proven_total",
+        "counter",
+        "Stage records received in a record_push_bundle, proven in their stage's log.",
+        &plain(stats.records_proven),
     );
     let slice_labels = |slice: &crate::runtime::serve::SliceStats| {
         format!(

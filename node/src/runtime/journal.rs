@@ -31,12 +31,12 @@ const HEAD_DOMAIN: &[u8] = b"mesh-node journal head v1";
 /// Largest journal record accepted on read (a presentation of 8 grants plus
 /// the request is a few KiB).
 pub const MAX_RECORD_BYTES: usize = 256 * 1024;
-/// The largest envelope kept in a `sealed` record (it must fit a record).
 /// Largest route table a `refused` entry keeps whole.
 pub const MAX_REFUSAL_TABLE_BYTES: usize = 128 * 1024;
 /// Most router refusals journalled a minute; more are counted, and the
 /// next entry says how many.
 pub const MAX_REFUSALS_JOURNALLED: u32 = 60;
+/// The largest envelope kept in a `sealed` record (it must fit a record).
 pub const MAX_KEPT_ENVELOPE_BYTES: usize = 192 * 1024;
 /// The database file and the lock file in a journal directory.
 pub const JOURNAL_FILE: &str = "journal.redb";
@@ -97,6 +97,10 @@ pub enum Entry {
         unjournalled: u64,
         at_ms: u64,
     },
+    /// A checkpoint this node signed over its transparency log (size and
+    /// root), before it leaves: the next names it as `prev`, across a
+    /// restart too.
+    Checkpointed { size: u64, root: ContentId },
     /// A record this node sealed, appended to its transparency log (an
     /// MMR of record ids, `split-stage.md`), before the record leaves.
     Logged { capsule_id: ContentId },
@@ -367,6 +371,11 @@ impl Entry {
                 ("unjournalled", Cbor::Uint(*unjournalled)),
                 ("at_ms", Cbor::Uint(*at_ms)),
             ]),
+            Entry::Checkpointed { size, root } => Cbor::text_map([
+                ("kind", Cbor::text("checkpointed")),
+                ("size", Cbor::Uint(*size)),
+                ("root", Cbor::bytes(root.to_vec())),
+            ]),
             Entry::Logged { capsule_id } => Cbor::text_map([
                 ("kind", Cbor::text("logged")),
                 ("capsule_id", Cbor::bytes(capsule_id.to_vec())),
@@ -449,6 +458,10 @@ impl Entry {
                 table: text("table")?.to_string(),
                 unjournalled: uint("unjournalled")?,
                 at_ms: uint("at_ms")?,
+            }),
+            "checkpointed" => Ok(Entry::Checkpointed {
+                size: uint("size")?,
+                root: id(value.get("root").ok_or("`root`")?)?,
             }),
             "logged" => Ok(Entry::Logged {
                 capsule_id: id(value.get("capsule_id").ok_or("`capsule_id`")?)?,

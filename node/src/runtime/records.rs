@@ -19,12 +19,21 @@ pub const MAX_PENDING_SPLITS: usize = 256;
 /// Distinct records kept per stage: a second is kept as a conflict, a third
 /// is refused.
 pub const MAX_RECORDS_PER_STAGE: usize = 2;
+/// Checkpoints remembered per stage key, to refuse one that contradicts
+/// them (the oldest are forgotten first).
+pub const MAX_CHECKPOINTS_PER_STAGE: usize = 64;
+/// Stage keys whose checkpoints are remembered (the one heard from least
+/// recently is forgotten first).
+pub const MAX_CHECKPOINTED_STAGES: usize = 256;
 
 /// Why a push is refused (the `reason` of a signed refusal).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PushRefusal {
     RequestMalformed,
+    BundleMalformed,
     SignatureUnverified,
+    InclusionUnverified,
+    CheckpointEquivocation,
     NotAStageOfThisSplit,
     OverCap,
     TooLarge,
@@ -34,12 +43,25 @@ impl PushRefusal {
     pub fn reason(self) -> &'static str {
         match self {
             PushRefusal::RequestMalformed => "request_malformed",
+            PushRefusal::BundleMalformed => "bundle_malformed",
             PushRefusal::SignatureUnverified => "signature_unverified",
+            PushRefusal::InclusionUnverified => "inclusion_unverified",
+            PushRefusal::CheckpointEquivocation => "checkpoint_equivocation",
             PushRefusal::NotAStageOfThisSplit => "not_a_stage_of_this_split",
             PushRefusal::OverCap => "over_cap",
             PushRefusal::TooLarge => "over_size_cap",
         }
     }
+}
+
+/// How an acknowledged record came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Received {
+    /// Bare: the record alone.
+    Bare,
+    /// In a `record_push_bundle`, proven in the stage's log under a
+    /// checkpoint it signed.
+    Proven,
 }
 
 /// A split the coordinator is serving or waiting to seal.
@@ -57,10 +79,16 @@ impl PendingSplit {
     }
 }
 
-/// Splits by request id.
+/// The (size, root) of a stage's log checkpoints seen, oldest first.
+type SeenCheckpoints = std::collections::VecDeque<(u64, [u8; 32])>;
+
+/// Splits by request id, and the checkpoints each stage's log showed.
 #[derive(Debug, Default)]
 pub struct Collector {
     pending: HashMap<u64, PendingSplit>,
+    /// Per stage key, in the order last heard from: the sizes and roots of
+    /// its log's checkpoints seen in its pushes.
+    checkpoints: Vec<([u8; 32], SeenCheckpoints)>,
 }
 
 impl Collector {
@@ -116,7 +144,7 @@ impl Collector {
     }
 
     /// Verify a pushed body from the peer whose key the transport proved.
-    pub fn offer(&mut self, sender_key: &[u8; 32], body: &[u8]) -> Result<(), PushRefusal> {
+    pub fn offer(&mut self, sender_key: &[u8; 32], body: &[u8]) -> Result<Received, PushRefusal> {
         if body.len() > crate::runtime::net::msg::MAX_RECORD_PUSH {
             return Err(PushRefusal::TooLarge);
         }
@@ -132,14 +160,47 @@ impl Collector {
         }
         let value =
             parse_strict(&body[newline + 1..]).map_err(|_| PushRefusal::RequestMalformed)?;
+        // A bundle (split-stage §3.3) carries the record with its inclusion
+        // in the stage's log under a checkpoint the stage signed; it carries
+        // no stage records of its own (only the coordinator's to the
+        // requester does).
+        let (value, proven) = if value.get("record_push_bundle").is_some() {
+            let bundle = mesh_protocol::bundle::RecordPushBundle::from_value(&value)
+                .map_err(|_| PushRefusal::BundleMalformed)?;
+            if bundle.split_stage_records.is_some() {
+                return Err(PushRefusal::BundleMalformed);
+            }
+            (
+                bundle.capsule.clone(),
+                Some((bundle.proof, bundle.checkpoint)),
+            )
+        } else {
+            (value, None)
+        };
+        let malformed = if proven.is_some() {
+            PushRefusal::BundleMalformed
+        } else {
+            PushRefusal::RequestMalformed
+        };
         if mesh_protocol::capsule::class1_check(&value).is_err()
             || mesh_protocol::capsule::check_capsule_id(&value).is_err()
         {
-            return Err(PushRefusal::RequestMalformed);
+            return Err(malformed);
         }
         let record = SealedRecord::verify(value).map_err(|_| PushRefusal::SignatureUnverified)?;
         if record.key_id() != *sender_key {
             return Err(PushRefusal::SignatureUnverified);
+        }
+        if let Some((proof, checkpoint)) = &proven {
+            // Signed by the stage's own key over its own log, and the record
+            // proven in it, before anything is acknowledged.
+            if checkpoint.key_id != *sender_key
+                || checkpoint.verify_signature().is_err()
+                || mesh_protocol::bundle::verify_inclusion(proof, checkpoint, &record.capsule_id())
+                    .is_err()
+            {
+                return Err(PushRefusal::InclusionUnverified);
+            }
         }
         let block = record
             .stage_block()
@@ -158,14 +219,64 @@ impl Collector {
         {
             return Err(PushRefusal::NotAStageOfThisSplit);
         }
+        if let Some((_, checkpoint)) = &proven {
+            self.remember_checkpoint(sender_key, checkpoint.mmr_size, checkpoint.root)?;
+        }
+        let Some(pending) = self.pending.get_mut(&block.request_id) else {
+            return Err(PushRefusal::NotAStageOfThisSplit);
+        };
+        let received = if proven.is_some() {
+            Received::Proven
+        } else {
+            Received::Bare
+        };
         let held = &mut pending.records[index];
         if held.iter().any(|r| r.capsule_id() == record.capsule_id()) {
-            return Ok(());
+            return Ok(received);
         }
         if held.len() >= MAX_RECORDS_PER_STAGE {
             return Err(PushRefusal::OverCap);
         }
         held.push(record);
+        Ok(received)
+    }
+
+    /// A stage's checkpoint at `size` must not contradict one it showed
+    /// before at the same size (two roots for one log size is a forked
+    /// log). Pushes of concurrent requests may arrive out of order, so a
+    /// smaller size than the newest is not refused.
+    fn remember_checkpoint(
+        &mut self,
+        stage: &[u8; 32],
+        size: u64,
+        root: [u8; 32],
+    ) -> Result<(), PushRefusal> {
+        let at = match self.checkpoints.iter().position(|(key, _)| key == stage) {
+            Some(at) => at,
+            None => {
+                if self.checkpoints.len() >= MAX_CHECKPOINTED_STAGES {
+                    self.checkpoints.remove(0);
+                }
+                self.checkpoints.push((*stage, Default::default()));
+                self.checkpoints.len() - 1
+            }
+        };
+        let seen = &mut self.checkpoints[at].1;
+        match seen.iter().find(|(held, _)| *held == size) {
+            Some((_, held_root)) if *held_root != root => {
+                return Err(PushRefusal::CheckpointEquivocation);
+            }
+            Some(_) => {}
+            None => {
+                if seen.len() >= MAX_CHECKPOINTS_PER_STAGE {
+                    seen.pop_front();
+                }
+                seen.push_back((size, root));
+            }
+        }
+        // Heard from last: forgotten last.
+        let entry = self.checkpoints.remove(at);
+        self.checkpoints.push(entry);
         Ok(())
     }
 }

@@ -102,6 +102,12 @@ pub struct Metered {
     pub debit: Option<Debit>,
 }
 
+/// Nodes of the transparency log held in memory before the log forgets
+/// all but its peaks (`MmrLog::forget`; about 2 MiB): records appended
+/// since stay provable, older ones are proven from the journal
+/// (`mesh-node log prove`).
+pub const MAX_LOG_NODES_HELD: usize = 1 << 16;
+
 /// A steward with its journal open.
 #[derive(Debug)]
 pub struct Steward {
@@ -137,6 +143,8 @@ pub struct Replay {
     pub changes: std::collections::BTreeMap<String, ChangeRecord>,
     /// The transparency log, rebuilt.
     pub log: MmrLog,
+    /// The last checkpoint issued over it (size, root).
+    pub last_checkpoint: Option<(u64, ContentId)>,
 }
 
 /// Replay journal records through a fresh gate (§2.2): every authorisation
@@ -153,6 +161,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
     let mut sealed = std::collections::BTreeMap::new();
     let mut changes: std::collections::BTreeMap<String, ChangeRecord> = Default::default();
     let mut log = MmrLog::new();
+    let mut last_checkpoint = None;
     let steward_key = mesh_protocol::identity::parse_did_key(steward_did);
     for record in records {
         let foreign = |why: String| StewardError::ForeignJournal {
@@ -221,7 +230,21 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
             Entry::Halted { reason, .. } => gate.halt(reason.clone()),
             Entry::Refused { .. } => {}
             Entry::Logged { capsule_id } => {
+                if log.held() > MAX_LOG_NODES_HELD {
+                    log.forget();
+                }
                 log.append(capsule_id);
+            }
+            Entry::Checkpointed { size, root } => {
+                // A checkpoint names a size the log had reached, and no
+                // smaller one than the checkpoint before it.
+                if *size > log.size() || last_checkpoint.is_some_and(|(before, _)| *size < before) {
+                    return Err(foreign(format!(
+                        "a checkpoint at size {size} (the log holds {})",
+                        log.size()
+                    )));
+                }
+                last_checkpoint = Some((*size, *root));
             }
             Entry::Changed { envelope } => {
                 let change = mesh_protocol::change::SealedChange::verify(envelope)
@@ -278,6 +301,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
         unresolved,
         changes,
         log,
+        last_checkpoint,
     })
 }
 
@@ -304,7 +328,7 @@ impl Steward {
             unresolved: replayed.unresolved,
             changes: replayed.changes,
             log: replayed.log,
-            last_checkpoint: None,
+            last_checkpoint: replayed.last_checkpoint,
         })
     }
 
@@ -320,6 +344,10 @@ impl Steward {
                     .collect(),
             )
             .map_err(StewardError::NotJournalled)?;
+        // Before, not after: the records appended now stay provable.
+        if self.log.held() > MAX_LOG_NODES_HELD {
+            self.log.forget();
+        }
         Ok(ids.iter().map(|id| self.log.append(id)).collect())
     }
 
@@ -332,6 +360,12 @@ impl Steward {
     /// naming the one issued before it; `None` while the log is empty.
     pub fn checkpoint(&mut self, timestamp: &str) -> Option<serde_json::Value> {
         let (size, root) = (self.log.size(), self.log.root()?);
+        // Journalled before it is signed and leaves, so the next checkpoint
+        // names it even after a restart; unjournalled, none is issued.
+        if let Err(error) = self.journal.append(Entry::Checkpointed { size, root }) {
+            tracing::warn!("no checkpoint: the journal did not take it: {error}");
+            return None;
+        }
         let value = mesh_protocol::bundle::Checkpoint::sign(
             &self.did,
             size,

@@ -101,6 +101,9 @@ pub fn render_journal(
                 format!("refused     request {}: {line}{skipped}", short(request_id))
             }
             Entry::Logged { capsule_id } => format!("logged      record {}", short(capsule_id)),
+            Entry::Checkpointed { size, root } => {
+                format!("checkpoint  log size {size} root {}", short(root))
+            }
             Entry::Changed { envelope } => {
                 match mesh_protocol::change::SealedChange::verify(envelope) {
                     Ok(change) => format!(

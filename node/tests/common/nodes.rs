@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use mesh_node::runtime::energy::EstimatorMeter;
+use mesh_node::runtime::energy::{EnergyMeter, EstimatorMeter};
 use mesh_node::runtime::serve::{
     GenerateRequest, GenerateSummary, GrantedServe, Node, NodeOptions, PeerAddr, generate_remote,
 };
@@ -46,12 +46,18 @@ pub struct Setup<'a> {
     pub prefill_chunk_tokens: usize,
     /// The estimator's power: what this node's steward bills per second.
     pub milliwatts: u64,
+    /// The power the router's estimate assumes, when not `milliwatts`: a
+    /// coordinator that underestimates what its serves cost (to reach the
+    /// ceilings its stewards enforce while a serve runs).
+    pub estimate_milliwatts: Option<u64>,
     /// Serve the HTTP API (on an ephemeral loopback port).
     pub http: bool,
     pub mesh: Option<mesh_node::runtime::serve::MeshSettings>,
     pub stages: Option<usize>,
     /// The fidelity the coordinator rates its model at.
     pub fidelity: mesh_protocol::mesh1::Fidelity,
+    /// Checkpoint the node's log for what it sends (stage pushes as bundles).
+    pub record_checkpoints: bool,
 }
 
 impl<'a> Setup<'a> {
@@ -68,11 +74,13 @@ impl<'a> Setup<'a> {
             return_mode: ReturnMode::Relayed,
             prefill_chunk_tokens: mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
             milliwatts: mesh_node::runtime::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
+            estimate_milliwatts: None,
             step_timeout: Duration::from_secs(20),
             http: false,
             mesh: None,
             stages: None,
             fidelity: mesh_node::runtime::serve::DEFAULT_FIDELITY,
+            record_checkpoints: true,
         }
     }
 
@@ -113,17 +121,51 @@ impl<'a> Setup<'a> {
             prefill_chunk_tokens: self.prefill_chunk_tokens,
             max_resumes: mesh_node::runtime::serve::DEFAULT_MAX_RESUMES,
             wire: WireDType::F32,
-            meter: Box::new(EstimatorMeter {
-                milliwatts: self.milliwatts,
-            }),
+            meter: match self.estimate_milliwatts {
+                None => Box::new(EstimatorMeter {
+                    milliwatts: self.milliwatts,
+                }),
+                Some(estimates) => Box::new(Underestimating {
+                    bills: EstimatorMeter {
+                        milliwatts: self.milliwatts,
+                    },
+                    estimates: EstimatorMeter {
+                        milliwatts: estimates,
+                    },
+                }),
+            },
             http: self
                 .http
                 .then(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
             mesh: self.mesh,
             stages: self.stages,
             fidelity: self.fidelity,
+            record_checkpoints: self.record_checkpoints,
         })
         .await
+    }
+}
+
+/// A meter that bills at one power and has the router estimate at
+/// another.
+#[derive(Debug)]
+struct Underestimating {
+    bills: EstimatorMeter,
+    estimates: EstimatorMeter,
+}
+
+impl EnergyMeter for Underestimating {
+    fn name(&self) -> &str {
+        "estimator"
+    }
+    fn begin(&self) -> mesh_node::runtime::energy::MeterSpan {
+        self.bills.begin()
+    }
+    fn end(&self, span: mesh_node::runtime::energy::MeterSpan) -> mesh_protocol::mesh1::Energy {
+        self.bills.end(span)
+    }
+    fn estimator(&self) -> EstimatorMeter {
+        self.estimates.clone()
     }
 }
 

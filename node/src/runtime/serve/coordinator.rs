@@ -412,7 +412,7 @@ async fn serve_request(
         // alone (SPEC §5): greedy, on the f32 wire (bit-identical to the
         // unsplit run), the prompt in one prefill step; a resume, which
         // rebuilds caches in other steps, takes it back.
-        deterministic: request.sampling.temperature <= 0.0
+        deterministic: (request.sampling.temperature <= 0.0 || admitted.decision.is_some())
             && inner.wire == WireDType::F32
             && admitted.prompt_ids.len() <= inner.prefill_chunk_tokens,
         decided: None,
@@ -880,12 +880,14 @@ async fn admit<'a>(
 ) -> anyhow::Result<Admitted<'a>> {
     let codec = inner.model.text();
     let context = inner.context();
-    // A prompt that cannot fit is refused before it costs any tokenizing.
-    if request.prompt.len() > context.saturating_mul(MAX_PROMPT_BYTES_PER_TOKEN) {
-        bail!(
-            "a prompt of {} bytes cannot fit the context of {context} tokens",
-            request.prompt.len()
-        );
+    // A prompt that cannot fit is refused before it costs any tokenizing
+    // (a decision's prompt holds its question and options too).
+    let prompt_bytes = request.prompt.len()
+        + request.decision.as_ref().map_or(0, |ask| {
+            ask.question.len() + ask.options.iter().map(String::len).sum::<usize>()
+        });
+    if prompt_bytes > context.saturating_mul(MAX_PROMPT_BYTES_PER_TOKEN) {
+        bail!("a prompt of {prompt_bytes} bytes cannot fit the context of {context} tokens");
     }
     if request.decision.is_some() && request.grant.is_some() {
         bail!("a typed decision on grant shards is not served yet: ask it without a grant");
@@ -896,14 +898,22 @@ async fn admit<'a>(
         let decision = request
             .decision
             .as_ref()
-            .map(|ask| decision::plan(codec, &request.prompt, ask, request.chat))
+            .map(|ask| {
+                decision::plan(
+                    codec,
+                    &request.prompt,
+                    ask,
+                    request.chat,
+                    inner.model.config().vocab,
+                )
+            })
             .transpose()?;
-        let text = match &decision {
-            Some(plan) => plan.text.clone(),
-            None if request.chat => codec.chat_prompt(&request.prompt)?,
-            None => request.prompt.clone(),
+        let prompt_ids = match &decision {
+            Some(plan) => plan.prompt_ids.clone(),
+            None if request.chat => codec.encode(&codec.chat_prompt(&request.prompt)?)?,
+            None => codec.encode(&request.prompt)?,
         };
-        Ok((codec.encode(&text)?, decision))
+        Ok((prompt_ids, decision))
     })?;
     if prompt_ids.is_empty() || prompt_ids.len() >= context {
         bail!(
@@ -918,7 +928,14 @@ async fn admit<'a>(
         None => request.max_tokens.clamp(1, context - prompt_ids.len()),
     };
     let serve = ServeRequest {
-        prompt_hash: prompt_hash(request.prompt.as_bytes()),
+        // A decision's request is its whole prompt (state, question and
+        // options), so another question about the same state is another
+        // request.
+        prompt_hash: prompt_hash(
+            decision
+                .as_ref()
+                .map_or(request.prompt.as_bytes(), |plan| plan.text.as_bytes()),
+        ),
         prompt_tokens: u32::try_from(prompt_ids.len()).unwrap_or(u32::MAX),
         max_tokens: match &decision {
             Some(_) => 0,
@@ -1039,11 +1056,15 @@ fn route_or_refuse(
     let Some(refusal) = route.refusal() else {
         return Ok(route);
     };
-    let journalled = lock(&inner.refusal_journal).admit(Instant::now());
-    if let Some(unjournalled) = journalled {
-        lock(&inner.steward).record_refusal(serve.request_id(), &route, unjournalled, now_ms())?;
-    }
     stats::Counters::bump(&inner.counters.requests_refused_route);
+    let journalled = lock(&inner.refusal_journal).admit(Instant::now());
+    if let Some(unjournalled) = journalled
+        && let Err(error) =
+            lock(&inner.steward).record_refusal(serve.request_id(), &route, unjournalled, now_ms())
+    {
+        // The refusal stands whether or not the journal took it.
+        tracing::warn!("a route refusal was not journalled: {error}");
+    }
     Err(stats::RouteRefused(refusal).into())
 }
 
@@ -1904,20 +1925,6 @@ fn seal_segment(
     Ok((sealed, main_leaf))
 }
 
-/// The main record's place (leaf `main_leaf`) in the coordinator's log:
-/// its inclusion proof and a checkpoint it is proven under, for the
-/// requester's bundle.
-fn log_proof(inner: &Inner, main_leaf: u64) -> Option<(serde_json::Value, serde_json::Value)> {
-    let mut steward = lock(&inner.steward);
-    let checkpoint = steward.checkpoint(&format_timestamp(now_ms()))?;
-    // Proven at the size just checkpointed: the same lock holds both.
-    let proof = steward.log().prove(main_leaf)?;
-    Some((
-        json!({ "leaf_index": main_leaf, "proof": proof.to_value() }),
-        checkpoint,
-    ))
-}
-
 pub(super) fn model_id(inner: &Inner) -> String {
     inner
         .model
@@ -2033,7 +2040,12 @@ fn seal(
     // What a chain costs is learnt from serves that ran to their end on
     // it alone: a failed or cut-short one (which a stranger can cause) says
     // little about the next.
-    if resumed.is_none() && driven.terminal == TerminalState::Completed {
+    // A decision is a prefill alone, far cheaper per token than decoding:
+    // it would teach generations a cost they do not have.
+    if resumed.is_none()
+        && driven.terminal == TerminalState::Completed
+        && admitted.decision.is_none()
+    {
         lock(&inner.route_costs).record(
             &chosen.backend,
             metered.energy.uj(),
@@ -2067,7 +2079,12 @@ fn seal(
         // answered, and it commits to no output tokens (it emits none).
         decision: serve.decision.map(|asked| DecisionOutcome {
             questions_answered: u32::from(progress.decided.is_some()),
-            options_scored: asked.options_scored,
+            // Options count as scored only once they were.
+            options_scored: if progress.decided.is_some() {
+                asked.options_scored
+            } else {
+                0
+            },
             schema_tokens: asked.schema_tokens,
         }),
         grant_breach: metered
@@ -2121,7 +2138,11 @@ fn seal(
                 serde_json::Value::Array(earlier.into_iter().map(|(b, _)| b).collect()),
             );
         }
-        if let Some((inclusion, checkpoint)) = log_proof(inner, main_leaf) {
+        if let Some((inclusion, checkpoint)) = inner
+            .record_checkpoints
+            .then(|| log_proof(inner, main_leaf))
+            .flatten()
+        {
             map.insert("inclusion".into(), inclusion);
             map.insert("checkpoint".into(), checkpoint);
         }

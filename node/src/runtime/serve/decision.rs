@@ -51,6 +51,8 @@ impl Scoring {
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct DecisionPlan {
     pub text: String,
+    /// `text`, encoded.
+    pub prompt_ids: Vec<u32>,
     pub question: String,
     pub options: Vec<String>,
     pub scoring: Scoring,
@@ -66,6 +68,7 @@ pub(super) fn plan(
     state: &str,
     ask: &DecisionAsk,
     chat: bool,
+    vocab: usize,
 ) -> anyhow::Result<DecisionPlan> {
     // The answer's token follows the cue: " Paris" after "Answer:" in a
     // BPE vocabulary; a tokenizer without such tokens (bytes) gets the
@@ -110,6 +113,10 @@ pub(super) fn plan(
     let Some((scoring, cue, labels)) = chosen else {
         anyhow::bail!("no way to score the options");
     };
+    // Every token scored is one the output head gives a logit for.
+    if labels.iter().any(|(_, token)| *token as usize >= vocab) {
+        anyhow::bail!("an option's token is outside the model's {vocab}-token vocabulary");
+    }
     let mut question = format!("{state}\n\nQuestion: {}\nOptions:\n", ask.question);
     for ((letter, _), option) in labels.iter().zip(&ask.options) {
         match letter {
@@ -126,15 +133,17 @@ pub(super) fn plan(
     } else {
         format!("{question}\n{cue}")
     };
-    let prompt = codec.encode(&text)?.len();
+    let prompt_ids = codec.encode(&text)?;
     let state_only = codec.encode(state)?.len();
     Ok(DecisionPlan {
+        schema_tokens: u32::try_from(prompt_ids.len().saturating_sub(state_only))
+            .unwrap_or(u32::MAX),
         text,
+        prompt_ids,
         question: ask.question.clone(),
         options: ask.options.clone(),
         scoring,
         labels,
-        schema_tokens: u32::try_from(prompt.saturating_sub(state_only)).unwrap_or(u32::MAX),
     })
 }
 
@@ -249,6 +258,7 @@ mod tests {
     fn probabilities_are_a_softmax_over_the_letters_and_the_first_of_equals_wins() {
         let plan = DecisionPlan {
             text: String::new(),
+            prompt_ids: Vec::new(),
             question: "q".into(),
             options: vec!["yes".into(), "no".into(), "maybe".into()],
             scoring: Scoring::Letter,

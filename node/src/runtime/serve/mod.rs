@@ -58,7 +58,10 @@ pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote}
 /// is reported and bound to nothing.
 fn declared_training(model: &ModelHandle) -> Option<mesh_protocol::mesh1::TrainingBinding> {
     use mesh_protocol::mesh1::{TrainingAuthority, TrainingBinding};
-    let (digest, authority) = model.declared_training()?;
+    let (digest, authority) = match model.declared_training() {
+        (None, None) => return None,
+        (digest, authority) => (digest.unwrap_or_default(), authority.unwrap_or_default()),
+    };
     match (
         mesh_protocol::hex::decode_array(digest),
         TrainingAuthority::parse(authority),
@@ -69,8 +72,8 @@ fn declared_training(model: &ModelHandle) -> Option<mesh_protocol::mesh1::Traini
         }),
         _ => {
             tracing::warn!(
-                "the model declares a training corpus this node cannot bind (a digest of 64 hex \
-                 and an authority of signed, logged or opaque are needed): its receipts name none"
+                "the model declares a training corpus this node cannot bind (both a digest of 64 \
+                 hex and an authority of signed, logged or opaque are needed): its receipts name none"
             );
             None
         }
@@ -160,6 +163,10 @@ pub struct NodeOptions {
     /// The fidelity a coordinator rates its model at (SPEC §3.2): what the
     /// router admits a request's floor against.
     pub fidelity: Fidelity,
+    /// Sign checkpoints of this node's transparency log for what it sends
+    /// (default on): a stage pushes `record_push_bundle`s, a coordinator's
+    /// bundle proves its main record.
+    pub record_checkpoints: bool,
 }
 
 /// How a node takes part in a mesh.
@@ -410,6 +417,10 @@ struct Inner {
     /// The training corpus the model declares (SPEC §3.7), bound on the
     /// coordinator's receipts.
     training: Option<mesh_protocol::mesh1::TrainingBinding>,
+    /// Checkpoint this node's log for what it sends: stage pushes as
+    /// `record_push_bundle`s, the requester's bundle with the main
+    /// record's inclusion proof.
+    record_checkpoints: bool,
 }
 
 /// A plan and what it was made from.
@@ -568,6 +579,7 @@ impl Node {
             route_costs: Mutex::new(route::RouteCosts::default()),
             refusal_journal: Mutex::new(route::RefusalJournal::default()),
             training,
+            record_checkpoints: options.record_checkpoints,
         });
         if let Some(settings) = &options.mesh {
             let mesh = start_mesh(&inner, &options.data, settings).await?;
@@ -2356,6 +2368,10 @@ fn stage_receipt(
     }
 }
 
+/// Seal a stage's record, log it, and push it to its coordinator: as a
+/// `record_push_bundle` (the record, its inclusion proof and a checkpoint
+/// of this node's log) when checkpoints are on, else bare; a bundle
+/// refused as malformed (an older receiver) is pushed again bare, once.
 async fn push_stage_record(
     inner: &Arc<Inner>,
     assign: &Assign,
@@ -2369,27 +2385,79 @@ async fn push_stage_record(
     };
     let record = SealedRecord::seal(stage_record(&context, block)?, &inner.key)?;
     // Into this node's transparency log before it leaves.
-    lock(&inner.steward).log_records(&[record.capsule_id()])?;
-    let mut body = inner.tls.did.as_bytes().to_vec();
-    body.push(b'\n');
-    body.extend_from_slice(&serde_json::to_vec(record.value())?);
+    let leaf = lock(&inner.steward)
+        .log_records(&[record.capsule_id()])?
+        .first()
+        .copied()
+        .context("the record's leaf")?;
+    let bundle = inner
+        .record_checkpoints
+        .then(|| log_proof(inner, leaf))
+        .flatten()
+        .map(|(inclusion, checkpoint)| {
+            serde_json::json!({
+                "record_push_bundle": 1,
+                "capsule": record.value(),
+                "inclusion": inclusion,
+                "checkpoint": checkpoint,
+            })
+        });
     let coordinator = PeerAddr {
         key: assign.coordinator,
         addr: assign.coordinator_addr,
     };
-    let (mut send, mut recv) = inner.open(&coordinator, ALPN_RECORD_PUSH).await?;
-    tokio::time::timeout(msg::IDLE_TIMEOUT, send.write_all(&body))
+    if let Some(bundle) = &bundle {
+        let reply = push_body(inner, &coordinator, bundle).await?;
+        let reason = reply["reason"].as_str().unwrap_or_default();
+        if reason != "bundle_malformed" && reason != "request_malformed" {
+            if reply["status"] != "received" {
+                tracing::warn!("stage record refused: {reply}");
+            }
+            return Ok(());
+        }
+        tracing::info!(
+            "the coordinator refused the record as a bundle ({reason}): pushing it bare"
+        );
+    }
+    let reply = push_body(inner, &coordinator, record.value()).await?;
+    if reply["status"] != "received" {
+        tracing::warn!("stage record refused: {reply}");
+    }
+    Ok(())
+}
+
+/// One push on `record-push/1`: this node's id, a newline, `body`; the reply.
+async fn push_body(
+    inner: &Arc<Inner>,
+    coordinator: &PeerAddr,
+    body: &serde_json::Value,
+) -> anyhow::Result<serde_json::Value> {
+    let mut bytes = inner.tls.did.as_bytes().to_vec();
+    bytes.push(b'\n');
+    bytes.extend_from_slice(&serde_json::to_vec(body)?);
+    let (mut send, mut recv) = inner.open(coordinator, ALPN_RECORD_PUSH).await?;
+    tokio::time::timeout(msg::IDLE_TIMEOUT, send.write_all(&bytes))
         .await
         .context("timed out pushing the stage record")??;
     send.finish()?;
     let reply = tokio::time::timeout(msg::IDLE_TIMEOUT, recv.read_to_end(64 * 1024))
         .await
         .context("timed out waiting for the push reply")??;
-    let reply: serde_json::Value = serde_json::from_slice(&reply).unwrap_or_default();
-    if reply["status"] != "received" {
-        tracing::warn!("stage record refused: {reply}");
-    }
-    Ok(())
+    Ok(serde_json::from_slice(&reply).unwrap_or_default())
+}
+
+/// A record's place (leaf `main_leaf`) in this node's log: its inclusion
+/// proof and a checkpoint it is proven under (the requester's bundle, a
+/// stage's push).
+fn log_proof(inner: &Inner, main_leaf: u64) -> Option<(serde_json::Value, serde_json::Value)> {
+    let mut steward = lock(&inner.steward);
+    let checkpoint = steward.checkpoint(&format_timestamp(now_ms()))?;
+    // Proven at the size just checkpointed: the same lock holds both.
+    let proof = steward.log().prove(main_leaf)?;
+    Some((
+        serde_json::json!({ "leaf_index": main_leaf, "proof": proof.to_value() }),
+        checkpoint,
+    ))
 }
 
 // ----------------------------------------------------------- record-push/1
@@ -2431,7 +2499,10 @@ async fn handle_push(
     };
     let outcome = lock(&inner.collector).offer(&peer, &body);
     let reply = match outcome {
-        Ok(()) => {
+        Ok(received) => {
+            if received == crate::runtime::records::Received::Proven {
+                stats::Counters::bump(&inner.counters.records_proven);
+            }
             inner.collected.notify_waiters();
             serde_json::json!({ "status": "received" })
         }

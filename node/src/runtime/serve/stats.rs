@@ -36,6 +36,9 @@ pub(super) struct Counters {
     pub tokens_generated: AtomicU64,
     /// Requests this node served as a stage (a cache was opened).
     pub stage_requests: AtomicU64,
+    /// Stage records a coordinator acknowledged in a `record_push_bundle`:
+    /// proven in the stage's log under a checkpoint the stage signed.
+    pub records_proven: AtomicU64,
     /// Requests refused as a stage (not the assigned upstream, no slice,
     /// busy, grant refused).
     pub stage_refusals: AtomicU64,
@@ -129,6 +132,8 @@ pub struct NodeStats {
     pub tokens_generated: u64,
     pub stage_requests: u64,
     pub stage_refusals: u64,
+    /// Stage records received proven in their stage's log.
+    pub records_proven: u64,
     /// Step round trips through the chain by bucket: the counts at or under
     /// each bound of `ROUND_TRIP_BUCKETS_US`, then those over the last.
     pub step_round_trips: Vec<u64>,
@@ -137,7 +142,7 @@ pub struct NodeStats {
 }
 
 /// Stats fields that are plain counts, in the order they are written.
-const COUNTS: [&str; 16] = [
+const COUNTS: [&str; 17] = [
     "caches_open",
     "caches_kept",
     "records_pending",
@@ -153,13 +158,14 @@ const COUNTS: [&str; 16] = [
     "tokens_generated",
     "stage_requests",
     "stage_refusals",
+    "records_proven",
     "step_round_trips_sum_us",
 ];
 /// Most slices a stats reply may list (a node holds a handful).
 const MAX_STATS_SLICES: usize = 64;
 
 impl NodeStats {
-    fn counts(&self) -> [u64; 16] {
+    fn counts(&self) -> [u64; 17] {
         [
             self.caches_open,
             self.caches_kept,
@@ -176,11 +182,12 @@ impl NodeStats {
             self.tokens_generated,
             self.stage_requests,
             self.stage_refusals,
+            self.records_proven,
             self.step_round_trips_sum_us,
         ]
     }
 
-    fn counts_mut(&mut self) -> [&mut u64; 16] {
+    fn counts_mut(&mut self) -> [&mut u64; 17] {
         [
             &mut self.caches_open,
             &mut self.caches_kept,
@@ -197,6 +204,7 @@ impl NodeStats {
             &mut self.tokens_generated,
             &mut self.stage_requests,
             &mut self.stage_refusals,
+            &mut self.records_proven,
             &mut self.step_round_trips_sum_us,
         ]
     }
@@ -325,6 +333,7 @@ impl Inner {
             tokens_generated: counter(&c.tokens_generated),
             stage_requests: counter(&c.stage_requests),
             stage_refusals: counter(&c.stage_refusals),
+            records_proven: counter(&c.records_proven),
             step_round_trips: c.round_trips.snapshot(),
             step_round_trips_sum_us: c.round_trips.sum_us(),
         }
