@@ -136,8 +136,10 @@ async fn a_thousand_refusals_of_each_kind_leave_every_pool_empty() {
         .sign(&owner)
         .unwrap();
         let presentation = Presentation::sign(vec![grant], &[9; 32], &holder, [1; 16]).unwrap();
+        // A ceiling the router admits (it estimates the serve before any
+        // grant is looked at).
         GrantedServe {
-            serve: GrantedServe::derive("misdirected", 4, 4, 1_000_000),
+            serve: GrantedServe::derive("misdirected", 4, 4, 100_000_000),
             presentations: vec![presentation.encode()],
         }
     };
