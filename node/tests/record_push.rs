@@ -241,10 +241,28 @@ fn a_pushed_bundle_is_proven_in_the_stages_log_before_it_is_acknowledged() {
         collector.offer(&stage_key, &body(&extra)),
         Err(BundleMalformed)
     );
-    // The genuine bundle is acknowledged as proven.
+    // A checkpoint of another log than the stage's own.
+    let mut elsewhere = bundle(&stage, leaf, root);
+    elsewhere["checkpoint"] = Checkpoint::sign(
+        "did:key:another-log",
+        log.size(),
+        &root,
+        None,
+        "2026-12-02T00:00:00.000Z",
+        &stage,
+    );
+    assert_eq!(
+        collector.offer(&stage_key, &body(&elsewhere)),
+        Err(InclusionUnverified)
+    );
+    // The genuine bundle is acknowledged as proven; pushed again, as held.
     assert_eq!(
         collector.offer(&stage_key, &body(&bundle(&stage, leaf, root))),
         Ok(Received::Proven)
+    );
+    assert_eq!(
+        collector.offer(&stage_key, &body(&bundle(&stage, leaf, root))),
+        Ok(Received::Again)
     );
     // A second root for the same log size, signed by the stage: a forked
     // log, refused.

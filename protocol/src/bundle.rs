@@ -183,8 +183,9 @@ impl InclusionProof {
                 hash = mmr_node(parent, sibling, &hash);
                 pos = parent;
             } else {
-                let parent = pos
-                    .checked_add(1u64 << (height + 1))
+                let parent = 1u64
+                    .checked_shl(height + 1)
+                    .and_then(|step| pos.checked_add(step))
                     .ok_or(ProofError::NotAPeak)?;
                 hash = mmr_node(parent, &hash, sibling);
                 pos = parent;
@@ -363,20 +364,38 @@ impl MmrLog {
         }
     }
 
-    /// Forget every node but the current peaks: the log goes on (its size,
-    /// root and later records' proofs are unchanged), and records appended
-    /// from now on can be proven (older ones no longer, as a rule). What keeps a long-lived node's
-    /// log in bounded memory; the journal keeps every record id.
-    pub fn forget(&mut self) {
-        let Some(peaks) = mmr_peaks(self.size()) else {
+    /// Forget the nodes of all but about the last `keep` positions: the
+    /// log goes on (its size, root and the proofs of the records in the
+    /// positions kept, and of every later one, are unchanged), holding the
+    /// peaks of the log as it stood where it forgot, which is all that
+    /// appending and proving later records need of what came before. What
+    /// keeps a long-lived node's log in bounded memory; the journal keeps
+    /// every record id.
+    pub fn forget(&mut self, keep: u64) {
+        // Forget up to a size the log once had (a whole number of merges),
+        // never before what was already forgotten.
+        let mut until = self.size().saturating_sub(keep);
+        while until > self.offset && mmr_peaks(until).is_none() {
+            until -= 1;
+        }
+        if until <= self.offset {
+            return;
+        }
+        let Some(peaks) = mmr_peaks(until) else {
             return;
         };
-        let pinned: Vec<(u64, [u8; 32])> = peaks
+        // Each peak then is after what was forgotten before, or was a peak
+        // there too (a peak stays one until a merge covers it).
+        let Some(pinned) = peaks
             .iter()
-            .filter_map(|p| self.node(*p).map(|hash| (*p, hash)))
-            .collect();
-        self.offset = self.size();
-        self.nodes = Vec::new();
+            .map(|p| self.node(*p).map(|hash| (*p, hash)))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return;
+        };
+        let drop = usize::try_from(until - self.offset).unwrap_or(usize::MAX);
+        self.nodes.drain(..drop.min(self.nodes.len()));
+        self.offset = until;
         self.pinned = pinned;
     }
 
@@ -393,6 +412,8 @@ impl MmrLog {
             let (Some(right), Some(left)) =
                 (self.node(pos - 1), self.node(pos - (1u64 << (height + 1))))
             else {
+                // Unreachable: `forget` keeps every node a merge needs.
+                debug_assert!(false, "an MMR merge at {pos} lost a child");
                 break;
             };
             self.nodes.push(mmr_node(pos, &left, &right));
@@ -773,35 +794,37 @@ mod tests {
     }
 
     proptest! {
-        /// A log that forgets keeps its size and root, and proves every
-        /// record appended after it forgot exactly as a log that never
-        /// forgot (an older one at most where its kept peaks suffice).
+        /// A log that forgets, as often as it likes and keeping any number
+        /// of recent positions, keeps its size and root, and proves every
+        /// record in the positions it kept, and every later one, exactly
+        /// as a log that never forgot.
         #[test]
         fn a_log_that_forgets_goes_on_as_one_that_never_did(
-            before in 1usize..40,
-            after in 1usize..40,
+            steps in proptest::collection::vec((any::<bool>(), 0u64..12), 1..120),
         ) {
             let id = |i: usize| blake3::hash(&i.to_le_bytes()).into();
             let mut whole = MmrLog::new();
             let mut forgetting = MmrLog::new();
-            for i in 0..before {
+            // The first leaf whose proof must survive every forgetting.
+            let mut provable_from = 0u64;
+            for (i, (forget, keep)) in steps.iter().enumerate() {
                 whole.append(&id(i));
                 forgetting.append(&id(i));
-            }
-            forgetting.forget();
-            prop_assert!(forgetting.held() <= 64);
-            prop_assert_eq!(forgetting.root(), whole.root());
-            for i in before..before + after {
-                whole.append(&id(i));
-                forgetting.append(&id(i));
+                if *forget {
+                    forgetting.forget(*keep);
+                    // Every leaf at a position not before size - keep.
+                    let floor = forgetting.size().saturating_sub(*keep);
+                    while leaf_position(provable_from).is_some_and(|p| p < floor) {
+                        provable_from += 1;
+                    }
+                }
                 prop_assert_eq!(forgetting.size(), whole.size());
                 prop_assert_eq!(forgetting.root(), whole.root());
             }
-            for leaf in 0..(before + after) as u64 {
+            for leaf in 0..steps.len() as u64 {
                 match forgetting.prove(leaf) {
-                    // An older record whose path the kept peaks still give.
                     Some(proof) => prop_assert_eq!(Some(proof), whole.prove(leaf)),
-                    None => prop_assert!(leaf < before as u64),
+                    None => prop_assert!(leaf < provable_from, "leaf {} lost", leaf),
                 }
             }
         }

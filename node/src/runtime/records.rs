@@ -59,6 +59,8 @@ impl PushRefusal {
 pub enum Received {
     /// Bare: the record alone.
     Bare,
+    /// A record already held, pushed again.
+    Again,
     /// In a `record_push_bundle`, proven in the stage's log under a
     /// checkpoint it signed.
     Proven,
@@ -195,6 +197,7 @@ impl Collector {
             // Signed by the stage's own key over its own log, and the record
             // proven in it, before anything is acknowledged.
             if checkpoint.key_id != *sender_key
+                || checkpoint.log_id != did_key(sender_key)
                 || checkpoint.verify_signature().is_err()
                 || mesh_protocol::bundle::verify_inclusion(proof, checkpoint, &record.capsule_id())
                     .is_err()
@@ -219,38 +222,67 @@ impl Collector {
         {
             return Err(PushRefusal::NotAStageOfThisSplit);
         }
+        let Some(pending) = self.pending.get(&block.request_id) else {
+            return Err(PushRefusal::NotAStageOfThisSplit);
+        };
+        let held = &pending.records[index];
+        let again = held.iter().any(|r| r.capsule_id() == record.capsule_id());
+        if !again && held.len() >= MAX_RECORDS_PER_STAGE {
+            return Err(PushRefusal::OverCap);
+        }
+        // The stage's log claims: the size and root it checkpoints, and the
+        // checkpoint it names before. Checked always; remembered only with
+        // a record newly held, so pushing one record again and again cannot
+        // crowd out what a stage claimed.
         if let Some((_, checkpoint)) = &proven {
-            self.remember_checkpoint(sender_key, checkpoint.mmr_size, checkpoint.root)?;
+            let mut claims = vec![(checkpoint.mmr_size, checkpoint.root)];
+            claims.extend(
+                checkpoint
+                    .prev_root
+                    .map(|root| (checkpoint.prev_size, root)),
+            );
+            self.weigh_checkpoints(sender_key, &claims, !again)?;
+        }
+        if again {
+            return Ok(Received::Again);
         }
         let Some(pending) = self.pending.get_mut(&block.request_id) else {
             return Err(PushRefusal::NotAStageOfThisSplit);
         };
-        let received = if proven.is_some() {
+        pending.records[index].push(record);
+        Ok(if proven.is_some() {
             Received::Proven
         } else {
             Received::Bare
-        };
-        let held = &mut pending.records[index];
-        if held.iter().any(|r| r.capsule_id() == record.capsule_id()) {
-            return Ok(received);
-        }
-        if held.len() >= MAX_RECORDS_PER_STAGE {
-            return Err(PushRefusal::OverCap);
-        }
-        held.push(record);
-        Ok(received)
+        })
     }
 
-    /// A stage's checkpoint at `size` must not contradict one it showed
-    /// before at the same size (two roots for one log size is a forked
-    /// log). Pushes of concurrent requests may arrive out of order, so a
-    /// smaller size than the newest is not refused.
-    fn remember_checkpoint(
+    /// A stage's log claims (size, root), from a checkpoint and the one it
+    /// names before, must not contradict one it made before at the same
+    /// size (two roots for one size of one log is a forked log); nothing is
+    /// remembered when one does, or unless `remember`. Pushes of concurrent requests may arrive
+    /// out of order, so a smaller size than the newest is not refused.
+    fn weigh_checkpoints(
         &mut self,
         stage: &[u8; 32],
-        size: u64,
-        root: [u8; 32],
+        claims: &[(u64, [u8; 32])],
+        remember: bool,
     ) -> Result<(), PushRefusal> {
+        let known = self.checkpoints.iter().position(|(key, _)| key == stage);
+        let seen_before = known.map(|at| &self.checkpoints[at].1);
+        let forked = claims.iter().any(|(size, root)| {
+            seen_before
+                .into_iter()
+                .flatten()
+                .chain(claims.iter())
+                .any(|(held, held_root)| held == size && held_root != root)
+        });
+        if forked {
+            return Err(PushRefusal::CheckpointEquivocation);
+        }
+        if !remember {
+            return Ok(());
+        }
         let at = match self.checkpoints.iter().position(|(key, _)| key == stage) {
             Some(at) => at,
             None => {
@@ -262,16 +294,12 @@ impl Collector {
             }
         };
         let seen = &mut self.checkpoints[at].1;
-        match seen.iter().find(|(held, _)| *held == size) {
-            Some((_, held_root)) if *held_root != root => {
-                return Err(PushRefusal::CheckpointEquivocation);
-            }
-            Some(_) => {}
-            None => {
+        for (size, root) in claims {
+            if !seen.iter().any(|(held, _)| held == size) {
                 if seen.len() >= MAX_CHECKPOINTS_PER_STAGE {
                     seen.pop_front();
                 }
-                seen.push_back((size, root));
+                seen.push_back((*size, *root));
             }
         }
         // Heard from last: forgotten last.

@@ -102,11 +102,15 @@ pub struct Metered {
     pub debit: Option<Debit>,
 }
 
-/// Nodes of the transparency log held in memory before the log forgets
-/// all but its peaks (`MmrLog::forget`; about 2 MiB): records appended
-/// since stay provable, older ones are proven from the journal
+/// Nodes of the transparency log held in memory (about 2 MiB) before the
+/// log forgets all but the last `LOG_NODES_KEPT` positions and the peaks
+/// before them (`MmrLog::forget`): the records of those positions and
+/// every later one stay provable, older ones are proven from the journal
 /// (`mesh-node log prove`).
 pub const MAX_LOG_NODES_HELD: usize = 1 << 16;
+/// Positions a forgetting log keeps: about 2,000 records, far more than
+/// requests log between sealing a record and proving it.
+pub const LOG_NODES_KEPT: usize = 4096;
 
 /// A steward with its journal open.
 #[derive(Debug)]
@@ -231,7 +235,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
             Entry::Refused { .. } => {}
             Entry::Logged { capsule_id } => {
                 if log.held() > MAX_LOG_NODES_HELD {
-                    log.forget();
+                    log.forget(LOG_NODES_KEPT as u64);
                 }
                 log.append(capsule_id);
             }
@@ -344,9 +348,10 @@ impl Steward {
                     .collect(),
             )
             .map_err(StewardError::NotJournalled)?;
-        // Before, not after: the records appended now stay provable.
+        // Only old positions are forgotten: records logged for requests
+        // still on their way stay provable.
         if self.log.held() > MAX_LOG_NODES_HELD {
-            self.log.forget();
+            self.log.forget(LOG_NODES_KEPT as u64);
         }
         Ok(ids.iter().map(|id| self.log.append(id)).collect())
     }
@@ -358,6 +363,19 @@ impl Steward {
 
     /// A signed checkpoint of the log as it is now (`split-stage.md` §3.3),
     /// naming the one issued before it; `None` while the log is empty.
+    /// Leaf `leaf`'s inclusion proof at the log's size and a checkpoint of
+    /// that size, together (one lock, so they agree); nothing is journalled
+    /// or signed when the leaf cannot be proven.
+    pub fn prove_and_checkpoint(
+        &mut self,
+        leaf: u64,
+        timestamp: &str,
+    ) -> Option<(mesh_protocol::bundle::InclusionProof, serde_json::Value)> {
+        let proof = self.log.prove(leaf)?;
+        let checkpoint = self.checkpoint(timestamp)?;
+        Some((proof, checkpoint))
+    }
+
     pub fn checkpoint(&mut self, timestamp: &str) -> Option<serde_json::Value> {
         let (size, root) = (self.log.size(), self.log.root()?);
         // Journalled before it is signed and leaves, so the next checkpoint

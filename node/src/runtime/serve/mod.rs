@@ -2371,7 +2371,8 @@ fn stage_receipt(
 /// Seal a stage's record, log it, and push it to its coordinator: as a
 /// `record_push_bundle` (the record, its inclusion proof and a checkpoint
 /// of this node's log) when checkpoints are on, else bare; a bundle
-/// refused as malformed (an older receiver) is pushed again bare, once.
+/// refused as a malformed request (an older receiver) is pushed again
+/// bare, once.
 async fn push_stage_record(
     inner: &Arc<Inner>,
     assign: &Assign,
@@ -2408,16 +2409,16 @@ async fn push_stage_record(
     };
     if let Some(bundle) = &bundle {
         let reply = push_body(inner, &coordinator, bundle).await?;
-        let reason = reply["reason"].as_str().unwrap_or_default();
-        if reason != "bundle_malformed" && reason != "request_malformed" {
+        // An older receiver reads a bundle as a malformed request
+        // (split-stage §3.6); a `bundle_malformed` is this record's own
+        // fault, and would be refused bare too.
+        if reply["reason"] != "request_malformed" {
             if reply["status"] != "received" {
                 tracing::warn!("stage record refused: {reply}");
             }
             return Ok(());
         }
-        tracing::info!(
-            "the coordinator refused the record as a bundle ({reason}): pushing it bare"
-        );
+        tracing::info!("the coordinator does not read bundles: pushing the record bare");
     }
     let reply = push_body(inner, &coordinator, record.value()).await?;
     if reply["status"] != "received" {
@@ -2450,10 +2451,8 @@ async fn push_body(
 /// proof and a checkpoint it is proven under (the requester's bundle, a
 /// stage's push).
 fn log_proof(inner: &Inner, main_leaf: u64) -> Option<(serde_json::Value, serde_json::Value)> {
-    let mut steward = lock(&inner.steward);
-    let checkpoint = steward.checkpoint(&format_timestamp(now_ms()))?;
-    // Proven at the size just checkpointed: the same lock holds both.
-    let proof = steward.log().prove(main_leaf)?;
+    let (proof, checkpoint) =
+        lock(&inner.steward).prove_and_checkpoint(main_leaf, &format_timestamp(now_ms()))?;
     Some((
         serde_json::json!({ "leaf_index": main_leaf, "proof": proof.to_value() }),
         checkpoint,
