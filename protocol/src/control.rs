@@ -319,6 +319,221 @@ impl ControlRequest {
     }
 }
 
+/// Longest reason a refusal or error carries, bytes.
+pub const MAX_REASON_BYTES: usize = 8192;
+/// Most stewards a `plan` reply names (a chain's stages).
+pub const MAX_PLAN_STEWARDS: usize = 64;
+
+/// Every answer on `mesh-control/1` but `node_stats`'s (whose figures are
+/// the node's own `NodeStats`): one kind each, strictly read (an unknown
+/// member or kind is an error, as in requests).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlReply {
+    /// `assign`: the slice is loaded.
+    Ready {
+        weights_digest: [u8; 32],
+        resident_bytes: u64,
+        max_requests: u64,
+        slice_idle_ms: u64,
+    },
+    /// To a node: what it asked is refused, and why.
+    Refused { reason: String },
+    /// To a requester: its request is refused or failed before it ran.
+    Error { reason: String },
+    /// `authorise`: the grant decision is taken and held.
+    Authorised,
+    /// `release` or `unassign`: done.
+    Released,
+    /// `plan`: the run and its stewards, in stage order.
+    Plan {
+        run_id: String,
+        stewards: Vec<String>,
+    },
+    /// `stats`: one request's figures at a stage (`found` false: none).
+    Stats {
+        found: bool,
+        compute_us: u64,
+        fold_us: u64,
+        steps: u64,
+    },
+    /// `generate`: one token, and the text it adds (streamed).
+    Token { id: u64, text: String },
+    /// `generate`: the end, `failed` when it ended in error; `details` and
+    /// `bundle` are JSON bytes.
+    Finished {
+        failed: bool,
+        text: String,
+        terminal_state: String,
+        error: String,
+        details: Vec<u8>,
+        bundle: Vec<u8>,
+    },
+}
+
+impl ControlReply {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ControlReply::Ready { .. } => "ready",
+            ControlReply::Refused { .. } => "refused",
+            ControlReply::Error { .. } => "error",
+            ControlReply::Authorised => "authorised",
+            ControlReply::Released => "released",
+            ControlReply::Plan { .. } => "plan",
+            ControlReply::Stats { .. } => "stats",
+            ControlReply::Token { .. } => "token",
+            ControlReply::Finished { failed: false, .. } => "done",
+            ControlReply::Finished { failed: true, .. } => "failed",
+        }
+    }
+
+    pub fn to_cbor(&self) -> Cbor {
+        let mut members = vec![("kind", Cbor::text(self.kind()))];
+        match self {
+            ControlReply::Ready {
+                weights_digest,
+                resident_bytes,
+                max_requests,
+                slice_idle_ms,
+            } => members.extend([
+                ("weights_digest", Cbor::bytes(weights_digest.to_vec())),
+                ("resident_bytes", Cbor::Uint(*resident_bytes)),
+                ("max_requests", Cbor::Uint(*max_requests)),
+                ("slice_idle_ms", Cbor::Uint(*slice_idle_ms)),
+            ]),
+            ControlReply::Refused { reason } | ControlReply::Error { reason } => {
+                members.push(("reason", Cbor::text(reason)));
+            }
+            ControlReply::Authorised | ControlReply::Released => {}
+            ControlReply::Plan { run_id, stewards } => members.extend([
+                ("run_id", Cbor::text(run_id)),
+                (
+                    "stewards",
+                    Cbor::Array(stewards.iter().map(Cbor::text).collect()),
+                ),
+            ]),
+            ControlReply::Stats {
+                found,
+                compute_us,
+                fold_us,
+                steps,
+            } => members.extend([
+                ("found", Cbor::Uint(u64::from(*found))),
+                ("compute_us", Cbor::Uint(*compute_us)),
+                ("fold_us", Cbor::Uint(*fold_us)),
+                ("steps", Cbor::Uint(*steps)),
+            ]),
+            ControlReply::Token { id, text } => {
+                members.extend([("id", Cbor::Uint(*id)), ("text", Cbor::text(text))]);
+            }
+            ControlReply::Finished {
+                text,
+                terminal_state,
+                error,
+                details,
+                bundle,
+                ..
+            } => members.extend([
+                ("text", Cbor::text(text)),
+                ("terminal_state", Cbor::text(terminal_state)),
+                ("error", Cbor::text(error)),
+                ("details", Cbor::bytes(details.clone())),
+                ("bundle", Cbor::bytes(bundle.clone())),
+            ]),
+        }
+        Cbor::text_map(members)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Self, ControlError> {
+        Self::from_cbor(&Cbor::decode(bytes)?)
+    }
+
+    /// Strict: the kind's members exactly; reasons at most
+    /// `MAX_REASON_BYTES`, names at most `MAX_CONTROL_TEXT`. A generation's
+    /// text and JSON members are bounded by the message reader.
+    pub fn from_cbor(value: &Cbor) -> Result<Self, ControlError> {
+        let reply = |error| field("control reply", error);
+        let mut f = Fields::of(value).map_err(reply)?;
+        let kind = f.text("kind").map_err(reply)?.to_string();
+        let reason = |f: &mut Fields<'_>| -> Result<String, FieldError> {
+            let text = f.text("reason")?;
+            if text.len() > MAX_REASON_BYTES {
+                return Err(FieldError::Invalid("reason"));
+            }
+            Ok(text.to_string())
+        };
+        let flag = |f: &mut Fields<'_>, key: &'static str| match f.uint(key)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(FieldError::Invalid(key)),
+        };
+        let parsed: Result<Self, FieldError> = match kind.as_str() {
+            "ready" => (|| {
+                Ok(ControlReply::Ready {
+                    weights_digest: f.fixed("weights_digest")?,
+                    resident_bytes: f.uint("resident_bytes")?,
+                    max_requests: f.uint("max_requests")?,
+                    slice_idle_ms: f.uint("slice_idle_ms")?,
+                })
+            })(),
+            "refused" => reason(&mut f).map(|reason| ControlReply::Refused { reason }),
+            "error" => reason(&mut f).map(|reason| ControlReply::Error { reason }),
+            "authorised" => Ok(ControlReply::Authorised),
+            "released" => Ok(ControlReply::Released),
+            "plan" => (|| {
+                let run_id = f.text("run_id")?;
+                if run_id.len() > MAX_CONTROL_TEXT {
+                    return Err(FieldError::Invalid("run_id"));
+                }
+                let list = f.array("stewards")?;
+                if list.len() > MAX_PLAN_STEWARDS {
+                    return Err(FieldError::Invalid("stewards"));
+                }
+                let stewards = list
+                    .iter()
+                    .map(|s| {
+                        s.as_text()
+                            .filter(|t| t.len() <= MAX_CONTROL_TEXT)
+                            .map(str::to_string)
+                            .ok_or(FieldError::Invalid("stewards"))
+                    })
+                    .collect::<Result<_, _>>()?;
+                Ok(ControlReply::Plan {
+                    run_id: run_id.to_string(),
+                    stewards,
+                })
+            })(),
+            "stats" => (|| {
+                Ok(ControlReply::Stats {
+                    found: flag(&mut f, "found")?,
+                    compute_us: f.uint("compute_us")?,
+                    fold_us: f.uint("fold_us")?,
+                    steps: f.uint("steps")?,
+                })
+            })(),
+            "token" => (|| {
+                Ok(ControlReply::Token {
+                    id: f.uint("id")?,
+                    text: f.text("text")?.to_string(),
+                })
+            })(),
+            "done" | "failed" => (|| {
+                Ok(ControlReply::Finished {
+                    failed: kind == "failed",
+                    text: f.text("text")?.to_string(),
+                    terminal_state: f.text("terminal_state")?.to_string(),
+                    error: f.text("error")?.to_string(),
+                    details: f.bytes("details")?.to_vec(),
+                    bundle: f.bytes("bundle")?.to_vec(),
+                })
+            })(),
+            other => return Err(ControlError::UnknownKind(truncated(other))),
+        };
+        let parsed = parsed.map_err(reply)?;
+        f.finish().map_err(reply)?;
+        Ok(parsed)
+    }
+}
+
 fn field(kind: &'static str, error: FieldError) -> ControlError {
     ControlError::Field { kind, error }
 }
@@ -556,5 +771,106 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    fn every_reply() -> Vec<ControlReply> {
+        vec![
+            ControlReply::Ready {
+                weights_digest: [3; 32],
+                resident_bytes: 36 << 20,
+                max_requests: 8,
+                slice_idle_ms: 900_000,
+            },
+            ControlReply::Refused {
+                reason: "not the assigned upstream".into(),
+            },
+            ControlReply::Error {
+                reason: "busy: retry in 1 s".into(),
+            },
+            ControlReply::Authorised,
+            ControlReply::Released,
+            ControlReply::Plan {
+                run_id: "mesh-split-1".into(),
+                stewards: vec!["did:key:z6MkA".into(), "did:key:z6MkB".into()],
+            },
+            ControlReply::Stats {
+                found: true,
+                compute_us: 1200,
+                fold_us: 40,
+                steps: 9,
+            },
+            ControlReply::Token {
+                id: 504,
+                text: " Paris".into(),
+            },
+            ControlReply::Finished {
+                failed: false,
+                text: "Paris".into(),
+                terminal_state: "completed".into(),
+                error: String::new(),
+                details: b"{}".to_vec(),
+                bundle: b"{}".to_vec(),
+            },
+            ControlReply::Finished {
+                failed: true,
+                text: String::new(),
+                terminal_state: "timed_out".into(),
+                error: "deadline".into(),
+                details: b"{}".to_vec(),
+                bundle: Vec::new(),
+            },
+        ]
+    }
+
+    #[test]
+    fn every_reply_round_trips_and_is_read_strictly() {
+        for reply in every_reply() {
+            let bytes = reply.to_cbor().encode();
+            assert_eq!(ControlReply::decode(&bytes), Ok(reply.clone()), "{reply:?}");
+        }
+        let unknown = Cbor::text_map([("kind", Cbor::text("maybe"))]);
+        assert_eq!(
+            ControlReply::from_cbor(&unknown),
+            Err(ControlError::UnknownKind("maybe".into()))
+        );
+        let extra = Cbor::text_map([("kind", Cbor::text("released")), ("also", Cbor::Uint(1))]);
+        assert!(matches!(
+            ControlReply::from_cbor(&extra),
+            Err(ControlError::Field {
+                error: FieldError::Unknown(_),
+                ..
+            })
+        ));
+        let long = Cbor::text_map([
+            ("kind", Cbor::text("refused")),
+            ("reason", Cbor::text("r".repeat(MAX_REASON_BYTES + 1))),
+        ]);
+        assert!(ControlReply::from_cbor(&long).is_err());
+        let many = Cbor::text_map([
+            ("kind", Cbor::text("plan")),
+            ("run_id", Cbor::text("r")),
+            (
+                "stewards",
+                Cbor::Array(vec![Cbor::text("s"); MAX_PLAN_STEWARDS + 1]),
+            ),
+        ]);
+        assert!(ControlReply::from_cbor(&many).is_err());
+        let found_two = Cbor::text_map([
+            ("kind", Cbor::text("stats")),
+            ("found", Cbor::Uint(2)),
+            ("compute_us", Cbor::Uint(0)),
+            ("fold_us", Cbor::Uint(0)),
+            ("steps", Cbor::Uint(0)),
+        ]);
+        assert!(ControlReply::from_cbor(&found_two).is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_reply_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256)) {
+            if let Ok(reply) = ControlReply::decode(&bytes) {
+                proptest::prop_assert_eq!(ControlReply::decode(&reply.to_cbor().encode()), Ok(reply));
+            }
+        }
     }
 }

@@ -3,7 +3,7 @@
 use super::*;
 
 use mesh_protocol::control::{
-    AuthoriseRequest, ControlRequest, DecisionAsk, GenerateRequestMessage,
+    AuthoriseRequest, ControlReply, ControlRequest, DecisionAsk, GenerateRequestMessage,
 };
 use mesh_protocol::json::canonical_bytes;
 use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
@@ -149,12 +149,22 @@ pub struct GenerateSummary {
 async fn send_error(send: &mut quinn::SendStream, reason: &str) -> anyhow::Result<()> {
     msg::write_cbor(
         send,
-        &Cbor::text_map([
-            ("kind", Cbor::text("error")),
-            ("reason", Cbor::text(reason)),
-        ]),
+        &ControlReply::Error {
+            reason: bounded_reason(reason),
+        }
+        .to_cbor(),
     )
     .await
+}
+
+/// A reason as a reply carries it: at most `MAX_REASON_BYTES`, cut at a
+/// character boundary.
+pub(super) fn bounded_reason(reason: &str) -> String {
+    let mut end = reason.len().min(mesh_protocol::control::MAX_REASON_BYTES);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason[..end].to_string()
 }
 
 /// Where the text shown so far ends, and whether a stop sequence ended the
@@ -192,16 +202,11 @@ pub(super) async fn handle_plan(
 ) -> anyhow::Result<()> {
     match inner.ensure_run().await {
         Ok(run) => {
-            let stewards = Cbor::Array(run.keys.iter().map(|k| Cbor::text(did_key(k))).collect());
-            msg::write_cbor(
-                send,
-                &Cbor::text_map([
-                    ("kind", Cbor::text("plan")),
-                    ("run_id", Cbor::text(&run.assigns[0].run_id)),
-                    ("stewards", stewards),
-                ]),
-            )
-            .await
+            let plan = ControlReply::Plan {
+                run_id: run.assigns[0].run_id.clone(),
+                stewards: run.keys.iter().map(did_key).collect(),
+            };
+            msg::write_cbor(send, &plan.to_cbor()).await
         }
         Err(error) => send_error(send, &format!("cannot set up the split: {error:#}")).await,
     }
@@ -221,26 +226,11 @@ pub async fn plan_remote(coordinator: &PeerAddr) -> anyhow::Result<Vec<String>> 
     .context("no plan")?;
     connection.close(0u32.into(), b"done");
     endpoint.wait_idle().await;
-    if reply.get("kind").and_then(Cbor::as_text) != Some("plan") {
-        bail!(
-            "{}",
-            reply
-                .get("reason")
-                .and_then(Cbor::as_text)
-                .unwrap_or("the coordinator refused")
-        );
+    match ControlReply::from_cbor(&reply)? {
+        ControlReply::Plan { stewards, .. } => Ok(stewards),
+        ControlReply::Error { reason } | ControlReply::Refused { reason } => bail!("{reason}"),
+        other => bail!("the coordinator answered `{}` to a plan", other.kind()),
     }
-    reply
-        .get("stewards")
-        .and_then(Cbor::as_array)
-        .context("plan: stewards")?
-        .iter()
-        .map(|s| {
-            s.as_text()
-                .map(str::to_string)
-                .context("plan: a steward is not text")
-        })
-        .collect()
 }
 
 pub(super) async fn handle_generate(
@@ -1537,12 +1527,11 @@ async fn drive(
                 // Every token but an end-of-sequence one is announced; an
                 // end-of-sequence one only when it releases held-back text.
                 if !eos || !piece.is_empty() {
-                    let token = Cbor::text_map([
-                        ("kind", Cbor::text("token")),
-                        ("id", Cbor::Uint(next.into())),
-                        ("text", Cbor::text(piece)),
-                    ]);
-                    if msg::write_cbor(requester, &token).await.is_err() {
+                    let token = ControlReply::Token {
+                        id: next.into(),
+                        text: piece,
+                    };
+                    if msg::write_cbor(requester, &token.to_cbor()).await.is_err() {
                         return Ok(TerminalState::ClientCancelled);
                     }
                 }
@@ -2268,17 +2257,15 @@ async fn report(
     if let (Some(answer), serde_json::Value::Object(map)) = (decision, &mut details) {
         map.insert("decision".into(), answer);
     }
-    let done = Cbor::text_map([
-        (
-            "kind",
-            Cbor::text(if failure.is_some() { "failed" } else { "done" }),
-        ),
-        ("text", Cbor::text(text)),
-        ("terminal_state", Cbor::text(terminal.as_str())),
-        ("error", Cbor::text(failure.clone().unwrap_or_default())),
-        ("details", Cbor::bytes(serde_json::to_vec(&details)?)),
-        ("bundle", Cbor::bytes(serde_json::to_vec(&bundle)?)),
-    ]);
+    let done = ControlReply::Finished {
+        failed: failure.is_some(),
+        text,
+        terminal_state: terminal.as_str().to_string(),
+        error: failure.clone().unwrap_or_default(),
+        details: serde_json::to_vec(&details)?,
+        bundle: serde_json::to_vec(&bundle)?,
+    }
+    .to_cbor();
     stats::Counters::bump(if failure.is_some() {
         &counters.requests_failed
     } else {
@@ -2373,12 +2360,19 @@ async fn query_stats(
     let reply = msg::exchange(&mut send, &mut recv, &request, Duration::from_secs(2))
         .await?
         .context("no stats")?;
-    let us = |k: &str| Duration::from_micros(reply.get(k).and_then(Cbor::as_uint).unwrap_or(0));
-    Ok(StageStats {
-        compute: us("compute_us"),
-        fold: us("fold_us"),
-        steps: reply.get("steps").and_then(Cbor::as_uint).unwrap_or(0) as u32,
-    })
+    match ControlReply::from_cbor(&reply)? {
+        ControlReply::Stats {
+            compute_us,
+            fold_us,
+            steps,
+            ..
+        } => Ok(StageStats {
+            compute: Duration::from_micros(compute_us),
+            fold: Duration::from_micros(fold_us),
+            steps: u32::try_from(steps).unwrap_or(u32::MAX),
+        }),
+        other => bail!("a stage answered `{}` to stats", other.kind()),
+    }
 }
 
 /// The requester's side: ask a coordinator to generate, printing tokens as
@@ -2399,53 +2393,31 @@ pub async fn generate_remote(
             .await?
             .context("the coordinator closed without an answer")?;
         wait = msg::IDLE_TIMEOUT.max(Duration::from_secs(60));
-        match message.get("kind").and_then(Cbor::as_text) {
-            Some("token") => on_token(message.get("text").and_then(Cbor::as_text).unwrap_or("")),
-            Some("done") | Some("failed") => {
-                let text = message
-                    .get("text")
-                    .and_then(Cbor::as_text)
-                    .unwrap_or("")
-                    .to_string();
-                let error = message
-                    .get("error")
-                    .and_then(Cbor::as_text)
-                    .filter(|e| !e.is_empty())
-                    .map(str::to_string);
-                let details = message
-                    .get("details")
-                    .and_then(Cbor::as_bytes)
-                    .and_then(|b| serde_json::from_slice(b).ok())
-                    .unwrap_or_default();
-                let bundle = message
-                    .get("bundle")
-                    .and_then(Cbor::as_bytes)
-                    .and_then(|b| serde_json::from_slice(b).ok());
-                let terminal_state = message
-                    .get("terminal_state")
-                    .and_then(Cbor::as_text)
-                    .unwrap_or("")
-                    .to_string();
+        match ControlReply::from_cbor(&message)? {
+            ControlReply::Token { text, .. } => on_token(&text),
+            ControlReply::Finished {
+                text,
+                terminal_state,
+                error,
+                details,
+                bundle,
+                ..
+            } => {
                 connection.close(0u32.into(), b"done");
                 endpoint.wait_idle().await;
                 return Ok(GenerateSummary {
                     text,
                     terminal_state,
-                    error,
-                    details,
-                    bundle,
+                    error: Some(error).filter(|e| !e.is_empty()),
+                    details: serde_json::from_slice(&details).unwrap_or_default(),
+                    bundle: serde_json::from_slice(&bundle).ok(),
                 });
             }
-            Some("error") => {
-                let reason = message
-                    .get("reason")
-                    .and_then(Cbor::as_text)
-                    .unwrap_or("no reason")
-                    .to_string();
+            ControlReply::Error { reason } => {
                 connection.close(0u32.into(), b"error");
                 bail!("the coordinator refused: {reason}");
             }
-            _ => bail!("an unknown message from the coordinator"),
+            other => bail!("the coordinator answered `{}` to generate", other.kind()),
         }
     }
 }
@@ -2469,15 +2441,10 @@ async fn authorise_remote(
     let reply = msg::exchange(&mut send, &mut recv, &message, msg::IDLE_TIMEOUT)
         .await?
         .context("no answer to the authorisation")?;
-    match reply.get("kind").and_then(Cbor::as_text) {
-        Some("authorised") => Ok(()),
-        _ => bail!(
-            "{}",
-            reply
-                .get("reason")
-                .and_then(Cbor::as_text)
-                .unwrap_or("refused")
-        ),
+    match ControlReply::from_cbor(&reply)? {
+        ControlReply::Authorised => Ok(()),
+        ControlReply::Refused { reason } => bail!("{reason}"),
+        other => bail!("the stage answered `{}` to authorise", other.kind()),
     }
 }
 

@@ -17,7 +17,9 @@ use mesh_protocol::capsule::{
     Producer, RecordContext, SealedRecord, format_timestamp, stage_record,
 };
 use mesh_protocol::cbor::{Cbor, Fields};
-use mesh_protocol::control::{AssignRequest, AuthoriseRequest, ControlRequest, MAX_CONTROL_TEXT};
+use mesh_protocol::control::{
+    AssignRequest, AuthoriseRequest, ControlReply, ControlRequest, MAX_CONTROL_TEXT,
+};
 use mesh_protocol::fold::{Lane, LaneFold};
 use mesh_protocol::identity::{did_key, parse_did_key};
 use mesh_protocol::mesh1::{
@@ -961,11 +963,13 @@ async fn handle_control(
             } else {
                 "refused"
             };
-            let reply = Cbor::text_map([
-                ("kind", Cbor::text(kind)),
-                ("reason", Cbor::text(error.to_string())),
-            ]);
-            msg::write_cbor(&mut send, &reply).await?;
+            let reason = coordinator::bounded_reason(&error.to_string());
+            let reply = if kind == "error" {
+                ControlReply::Error { reason }
+            } else {
+                ControlReply::Refused { reason }
+            };
+            msg::write_cbor(&mut send, &reply.to_cbor()).await?;
             send.finish()?;
             return Ok(());
         }
@@ -973,22 +977,15 @@ async fn handle_control(
     match request {
         ControlRequest::Assign(assign) => {
             let reply = match handle_assign(&inner, peer, &assign) {
-                Ok((digest, bytes)) => Cbor::text_map([
-                    ("kind", Cbor::text("ready")),
-                    ("weights_digest", Cbor::bytes(digest.to_vec())),
-                    ("resident_bytes", Cbor::Uint(bytes as u64)),
-                    ("max_requests", Cbor::Uint(inner.max_requests as u64)),
-                    (
-                        "slice_idle_ms",
-                        Cbor::Uint(inner.slice_idle.as_millis() as u64),
-                    ),
-                ]),
-                Err(error) => Cbor::text_map([
-                    ("kind", Cbor::text("refused")),
-                    ("reason", Cbor::text(format!("{error:#}"))),
-                ]),
+                Ok((digest, bytes)) => ControlReply::Ready {
+                    weights_digest: digest,
+                    resident_bytes: bytes as u64,
+                    max_requests: inner.max_requests as u64,
+                    slice_idle_ms: inner.slice_idle.as_millis() as u64,
+                },
+                Err(error) => refused(&error),
             };
-            msg::write_cbor(&mut send, &reply).await?;
+            msg::write_cbor(&mut send, &reply.to_cbor()).await?;
         }
         ControlRequest::Generate(generate) => {
             coordinator::handle_generate(inner, &generate, &mut send).await?
@@ -1008,11 +1005,7 @@ async fn handle_control(
             if let Some(decided) = held {
                 inner.release_ticket(decided.ticket);
             }
-            msg::write_cbor(
-                &mut send,
-                &Cbor::text_map([("kind", Cbor::text("released"))]),
-            )
-            .await?;
+            msg::write_cbor(&mut send, &ControlReply::Released.to_cbor()).await?;
         }
         ControlRequest::Unassign { run_id } => {
             let freed = {
@@ -1029,42 +1022,31 @@ async fn handle_control(
             let reply = match freed {
                 Some(_) => {
                     tracing::info!(run = %run_id, "released a slice its coordinator no longer uses");
-                    Cbor::text_map([("kind", Cbor::text("released"))])
+                    ControlReply::Released
                 }
-                None => Cbor::text_map([
-                    ("kind", Cbor::text("refused")),
-                    (
-                        "reason",
-                        Cbor::text("no slice of that run from this coordinator"),
-                    ),
-                ]),
+                None => ControlReply::Refused {
+                    reason: "no slice of that run from this coordinator".into(),
+                },
             };
-            msg::write_cbor(&mut send, &reply).await?;
+            msg::write_cbor(&mut send, &reply.to_cbor()).await?;
         }
         ControlRequest::Authorise(authorise) => {
             let reply = match handle_authorise(&inner, peer, &authorise) {
-                Ok(()) => Cbor::text_map([("kind", Cbor::text("authorised"))]),
-                Err(error) => Cbor::text_map([
-                    ("kind", Cbor::text("refused")),
-                    ("reason", Cbor::text(format!("{error:#}"))),
-                ]),
+                Ok(()) => ControlReply::Authorised,
+                Err(error) => refused(&error),
             };
-            msg::write_cbor(&mut send, &reply).await?;
+            msg::write_cbor(&mut send, &reply.to_cbor()).await?;
         }
         ControlRequest::NodeStats => {
             let reply = if inner.may_read_stats(&peer) {
                 inner.node_stats().await.to_cbor()
             } else {
-                Cbor::text_map([
-                    ("kind", Cbor::text("refused")),
-                    (
-                        "reason",
-                        Cbor::text(
-                            "a node's stats are for its own key, its peers and its coordinators: \
-                             give --key with one of those",
-                        ),
-                    ),
-                ])
+                ControlReply::Refused {
+                    reason: "a node's stats are for its own key, its peers and its coordinators: \
+                             give --key with one of those"
+                        .into(),
+                }
+                .to_cbor()
             };
             msg::write_cbor(&mut send, &reply).await?;
         }
@@ -1077,17 +1059,13 @@ async fn handle_control(
                 .filter(|_| inner.serves_coordinator(&peer))
                 .map(|(_, s)| *s);
             let stats = found.unwrap_or_default();
-            msg::write_cbor(
-                &mut send,
-                &Cbor::text_map([
-                    ("kind", Cbor::text("stats")),
-                    ("found", Cbor::Uint(u64::from(found.is_some()))),
-                    ("compute_us", Cbor::Uint(stats.compute.as_micros() as u64)),
-                    ("fold_us", Cbor::Uint(stats.fold.as_micros() as u64)),
-                    ("steps", Cbor::Uint(stats.steps.into())),
-                ]),
-            )
-            .await?;
+            let reply = ControlReply::Stats {
+                found: found.is_some(),
+                compute_us: stats.compute.as_micros() as u64,
+                fold_us: stats.fold.as_micros() as u64,
+                steps: stats.steps.into(),
+            };
+            msg::write_cbor(&mut send, &reply.to_cbor()).await?;
         }
     }
     send.finish()?;
@@ -2459,6 +2437,13 @@ fn log_proof(inner: &Inner, main_leaf: u64) -> Option<(serde_json::Value, serde_
     ))
 }
 
+/// A refusal to a node, with the error's whole chain as its reason.
+fn refused(error: &anyhow::Error) -> ControlReply {
+    ControlReply::Refused {
+        reason: coordinator::bounded_reason(&format!("{error:#}")),
+    }
+}
+
 // ----------------------------------------------------------- record-push/1
 
 async fn handle_push(
@@ -2814,20 +2799,12 @@ impl Inner {
                 let reply = msg::exchange(&mut send, &mut recv, &message, Duration::from_secs(300))
                     .await?
                     .context("no answer to the assignment")?;
-                match reply.get("kind").and_then(Cbor::as_text) {
-                    Some("ready") => Ok::<Duration, anyhow::Error>(Duration::from_millis(
-                        reply
-                            .get("slice_idle_ms")
-                            .and_then(Cbor::as_uint)
-                            .unwrap_or(0),
-                    )),
-                    _ => bail!(
-                        "{peer} refused its slice: {}",
-                        reply
-                            .get("reason")
-                            .and_then(Cbor::as_text)
-                            .unwrap_or("no reason")
-                    ),
+                match ControlReply::from_cbor(&reply)? {
+                    ControlReply::Ready { slice_idle_ms, .. } => {
+                        Ok::<Duration, anyhow::Error>(Duration::from_millis(slice_idle_ms))
+                    }
+                    ControlReply::Refused { reason } => bail!("{peer} refused its slice: {reason}"),
+                    other => bail!("{peer} answered `{}` to its assignment", other.kind()),
                 }
             }));
         }

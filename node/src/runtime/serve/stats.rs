@@ -351,16 +351,15 @@ pub async fn node_stats_remote(key: &SigningKey, node: &PeerAddr) -> anyhow::Res
         .context("no stats")?;
     connection.close(0u32.into(), b"done");
     endpoint.wait_idle().await;
-    if reply.get("kind").and_then(Cbor::as_text) == Some("refused") {
-        bail!(
-            "{}",
-            reply
-                .get("reason")
-                .and_then(Cbor::as_text)
-                .unwrap_or("refused")
-        );
+    // The figures are the node's own `NodeStats`; anything else is a
+    // reply of the control protocol's, read as strictly.
+    if reply.get("kind").and_then(Cbor::as_text) == Some("node_stats") {
+        return NodeStats::from_cbor(&reply);
     }
-    NodeStats::from_cbor(&reply)
+    match mesh_protocol::control::ControlReply::from_cbor(&reply)? {
+        mesh_protocol::control::ControlReply::Refused { reason } => bail!("{reason}"),
+        other => bail!("the node answered `{}` to node_stats", other.kind()),
+    }
 }
 
 impl Inner {
