@@ -153,6 +153,29 @@ impl BlockMatrix {
         self.blocks.len()
     }
 
+    /// The stored blocks of rows `rows`, in order (`None` past the end):
+    /// what a tied embedding reads a token's row from.
+    pub fn rows_blocks(&self, rows: &[usize]) -> Option<Vec<u8>> {
+        let row_bytes = self.cols / BLOCK_ELEMS * self.format.block_bytes();
+        let mut out = Vec::with_capacity(rows.len() * row_bytes);
+        for row in rows {
+            let start = row.checked_mul(row_bytes)?;
+            out.extend_from_slice(self.blocks.get(start..start.checked_add(row_bytes)?)?);
+        }
+        Some(out)
+    }
+
+    /// The matching candle type, for dequantizing blocks as candle does.
+    pub fn ggml_dtype(&self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType;
+        match self.format {
+            BlockFormat::Q4_0 => GgmlDType::Q4_0,
+            BlockFormat::Q4_1 => GgmlDType::Q4_1,
+            BlockFormat::Q5_0 => GgmlDType::Q5_0,
+            BlockFormat::Q8_0 => GgmlDType::Q8_0,
+        }
+    }
+
     /// `input` is `m` rows of `cols` values, all of one step; the result
     /// is `m` rows of `rows` values, computed on candle's thread pool.
     pub fn matmul(&self, input: &[f32]) -> Result<Vec<f32>, KernelError> {

@@ -302,6 +302,9 @@ impl Projections {
 enum Embedding {
     Quantized(QTensor),
     Dense(Tensor),
+    /// Tied to the output head this slice also holds: its rows are read
+    /// from the head's matrix, which is held once.
+    Head,
 }
 
 #[derive(Debug)]
@@ -527,7 +530,17 @@ impl LayerSlice {
         };
         let first = range.start == 0;
         let last = range.end == config.layers;
-        let embedding = if first {
+        let holds_head = match head_use {
+            HeadUse::InForward => last,
+            HeadUse::Apart => true,
+            HeadUse::Without => false,
+        };
+        // A model without an output matrix ties its head to the embedding:
+        // a slice holding both holds that matrix once.
+        let tied = !source.has(names.output);
+        let embedding = if first && holds_head && tied {
+            Some(Embedding::Head)
+        } else if first {
             let raw = read(names.embedding)?;
             resident += raw_size(&raw);
             Some(match raw {
@@ -590,18 +603,9 @@ impl LayerSlice {
                 local: config.is_local(i),
             });
         }
-        let holds_head = match head_use {
-            HeadUse::InForward => last,
-            HeadUse::Apart => true,
-            HeadUse::Without => false,
-        };
         let head = if holds_head {
             let norm = dense(read(names.output_norm)?, &mut resident)?;
-            let output_name = if source.has(names.output) {
-                names.output
-            } else {
-                names.embedding
-            };
+            let output_name = if tied { names.embedding } else { names.output };
             Some(Head {
                 norm,
                 output: Linear::from_raw(read(output_name)?, policy, &mut resident)?,
@@ -863,6 +867,33 @@ impl LayerSlice {
         }
     }
 
+    /// A tied embedding's rows for `ids`, from the output head's matrix,
+    /// dequantized as candle dequantizes the embedding it would otherwise
+    /// hold (the same blocks, the same arithmetic).
+    fn tied_rows(&self, ids: Tensor) -> Result<Tensor> {
+        let head = self
+            .head
+            .as_ref()
+            .ok_or(EngineError::WrongInput("a tied embedding without its head"))?;
+        Ok(match &head.output {
+            Linear::Quantized(q) => q.embedding(&ids)?,
+            Linear::Dense(l) => l.weight().index_select(&ids, 0)?,
+            Linear::Blocks(matrix) => {
+                let rows: Vec<usize> = ids.to_vec1::<u32>()?.iter().map(|i| *i as usize).collect();
+                let blocks = matrix
+                    .rows_blocks(&rows)
+                    .ok_or(EngineError::WrongInput("a token past the vocabulary"))?;
+                candle_core::quantized::ggml_file::qtensor_from_ggml(
+                    matrix.ggml_dtype(),
+                    &blocks,
+                    vec![rows.len(), matrix.cols()],
+                    &Device::Cpu,
+                )?
+                .dequantize(&Device::Cpu)?
+            }
+        })
+    }
+
     /// One request's input as rows of hidden states; `check_step` has
     /// checked it.
     fn input_rows(&self, input: &SliceInput<'_>) -> Result<Tensor> {
@@ -872,6 +903,7 @@ impl LayerSlice {
                 let rows = match embedding {
                     Embedding::Quantized(q) => q.embedding(&ids)?,
                     Embedding::Dense(t) => t.index_select(&ids, 0)?,
+                    Embedding::Head => self.tied_rows(ids)?,
                 };
                 match self.config.block_style {
                     BlockStyle::Llama => rows,

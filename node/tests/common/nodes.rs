@@ -338,12 +338,17 @@ pub async fn scripted_stage(
                                 // Keeps its slice ten minutes, so the
                                 // coordinator does not assign again before
                                 // every request.
-                                let ready = mesh_protocol::cbor::Cbor::text_map([
-                                    ("kind", mesh_protocol::cbor::Cbor::text("ready")),
-                                    ("slice_idle_ms", mesh_protocol::cbor::Cbor::Uint(600_000)),
-                                ]);
-                                let _ = mesh_node::runtime::net::msg::write_cbor(&mut send, &ready)
-                                    .await;
+                                let ready = mesh_protocol::control::ControlReply::Ready {
+                                    weights_digest: [0; 32],
+                                    resident_bytes: 0,
+                                    max_requests: 8,
+                                    slice_idle_ms: 600_000,
+                                };
+                                let _ = mesh_node::runtime::net::msg::write_cbor(
+                                    &mut send,
+                                    &ready.to_cbor(),
+                                )
+                                .await;
                                 let _ = send.finish();
                             }
                             held.push(frame);
