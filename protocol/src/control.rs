@@ -321,8 +321,9 @@ impl ControlRequest {
 
 /// Longest reason a refusal or error carries, bytes.
 pub const MAX_REASON_BYTES: usize = 8192;
-/// Most stewards a `plan` reply names (a chain's stages).
-pub const MAX_PLAN_STEWARDS: usize = 64;
+/// Most stewards a `plan` reply names: a chain's stages, as many as a
+/// receipt may route.
+pub const MAX_PLAN_STEWARDS: usize = crate::receipt::MAX_STAGES;
 
 /// Every answer on `mesh-control/1` but `node_stats`'s (whose figures are
 /// the node's own `NodeStats`): one kind each, strictly read (an unknown

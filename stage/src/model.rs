@@ -876,7 +876,8 @@ impl LayerSlice {
             .as_ref()
             .ok_or(EngineError::WrongInput("a tied embedding without its head"))?;
         Ok(match &head.output {
-            Linear::Quantized(q) => q.embedding(&ids)?,
+            // In f32 whatever candle holds a dense matrix in.
+            Linear::Quantized(q) => q.embedding(&ids)?.to_dtype(DType::F32)?,
             Linear::Dense(l) => l.weight().index_select(&ids, 0)?,
             Linear::Blocks(matrix) => {
                 let rows: Vec<usize> = ids.to_vec1::<u32>()?.iter().map(|i| *i as usize).collect();

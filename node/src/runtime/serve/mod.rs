@@ -2591,6 +2591,12 @@ impl Inner {
             if stages > layers {
                 bail!("{stages} stages for a model of {layers} layers");
             }
+            if stages as usize > mesh_protocol::receipt::MAX_STAGES {
+                bail!(
+                    "{stages} stages: a split's receipt routes at most {}",
+                    mesh_protocol::receipt::MAX_STAGES
+                );
+            }
             // By bytes, not layer counts: the first slice (this node's) also
             // holds the embedding and the output head.
             let ranges =
