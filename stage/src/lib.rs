@@ -166,16 +166,20 @@ pub struct LayerBytes {
     pub embedding: u64,
     pub layers: Vec<u64>,
     pub head: u64,
+    /// The bytes of the matrix the embedding and the head share, when the
+    /// model ties them (0 when not): a slice holding both holds it once.
+    pub tied: u64,
 }
 
 impl LayerBytes {
     /// The bytes as a chain holds them: its first slice (the coordinator's)
-    /// holds the output head as well as the embedding.
+    /// holds the output head as well as the embedding (a tied matrix once).
     pub fn with_head_on_first(&self) -> Self {
         Self {
-            embedding: self.embedding + self.head,
+            embedding: (self.embedding + self.head).saturating_sub(self.tied),
             layers: self.layers.clone(),
             head: 0,
+            tied: 0,
         }
     }
 }
@@ -209,6 +213,11 @@ impl ModelHandle {
             embedding: size(names.embedding),
             layers,
             head: size(names.output_norm) + size(output),
+            tied: if output == names.embedding {
+                size(names.embedding)
+            } else {
+                0
+            },
         }
     }
 }
@@ -334,6 +343,7 @@ mod tests {
             embedding: 0,
             layers: vec![10; 30],
             head: 0,
+            tied: 0,
         };
         assert_eq!(split_by_bytes(&even, 3), even_split(30, 3));
         // Gemma 3 270M's shape: ends of 170 MiB, 18 layers of about 4.
@@ -341,6 +351,7 @@ mod tests {
             embedding: 170,
             layers: vec![4; 18],
             head: 170,
+            tied: 0,
         };
         let ranges = split_by_bytes(&gemma, 3);
         assert_eq!(ranges, vec![0..1, 1..17, 17..18]);
@@ -349,6 +360,17 @@ mod tests {
         assert_eq!(split_by_bytes(&gemma, 40).len(), 18);
         let two = split_by_bytes(&gemma, 2);
         assert_eq!(two, vec![0..9, 9..18]);
+        // Tied, the chain's first slice holds the matrix once, so it takes
+        // more layers than when it held two copies.
+        let tied = LayerBytes {
+            tied: 170,
+            ..gemma.clone()
+        }
+        .with_head_on_first();
+        assert_eq!(tied.embedding, 170);
+        let untied = gemma.with_head_on_first();
+        assert_eq!(untied.embedding, 340);
+        assert!(split_by_bytes(&tied, 3)[0].end >= split_by_bytes(&untied, 3)[0].end);
     }
 
     #[test]
