@@ -110,8 +110,8 @@ enum Command {
         #[arg(long)]
         chat: bool,
         /// The least fidelity the decision accepts, F0..F4 (default F0).
-        #[arg(long)]
-        fidelity_floor: Option<String>,
+        #[arg(long, value_parser = mesh_node::cli::node_cli::parse_fidelity)]
+        fidelity_floor: Option<mesh_protocol::mesh1::Fidelity>,
         /// The decision's joule ceiling: priced on its prompt and options
         /// scored, never on tokens it cannot emit (default: none).
         #[arg(long)]
@@ -156,8 +156,8 @@ enum Command {
         ceiling_uj: Option<u64>,
         /// The least fidelity the request accepts, F0..F4 (default F0): the
         /// router refuses it when no backend is rated at or above it.
-        #[arg(long)]
-        fidelity_floor: Option<String>,
+        #[arg(long, value_parser = mesh_node::cli::node_cli::parse_fidelity)]
+        fidelity_floor: Option<mesh_protocol::mesh1::Fidelity>,
         /// With --coordinator: the longest the request may take, start to
         /// last token; past it the request ends `timed_out` on every stage
         /// (default and most: the coordinator's --request-timeout-ms).
@@ -886,13 +886,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             ..
         } => {
             let format = mesh_node::cli::node_cli::BundleFormat::parse(&format)?;
-            let fidelity_floor = fidelity_floor
-                .map(|text| {
-                    mesh_protocol::mesh1::Fidelity::parse(&text).with_context(|| {
-                        format!("fidelity floor `{text}` is not one of F0, F1, F2, F3, F4")
-                    })
-                })
-                .transpose()?;
             let grant = match (shards, grant_key) {
                 (Some(shards), Some(holder)) => {
                     // The prompt-token figure is the requester's own estimate (seed 001 §2.3).
@@ -969,13 +962,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             out,
             json,
         } => {
-            let fidelity_floor = fidelity_floor
-                .map(|text| {
-                    mesh_protocol::mesh1::Fidelity::parse(&text).with_context(|| {
-                        format!("fidelity floor `{text}` is not one of F0, F1, F2, F3, F4")
-                    })
-                })
-                .transpose()?;
             let request = mesh_node::runtime::serve::GenerateRequest {
                 chat,
                 timeout: timeout_ms.map(std::time::Duration::from_millis),

@@ -195,11 +195,7 @@ impl ModelHandle {
                 .find(|(n, _)| *n == name)
                 .map_or(0, |(_, bytes)| *bytes)
         };
-        let output = if self.source.has(names.output) {
-            names.output
-        } else {
-            names.embedding
-        };
+        let output = self.source.head_matrix();
         let mut layers = vec![0u64; self.config.layers as usize];
         for (i, bytes) in layers.iter_mut().enumerate() {
             let prefix = names.block(i as u32, "");

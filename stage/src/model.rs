@@ -537,7 +537,8 @@ impl LayerSlice {
         };
         // A model without an output matrix ties its head to the embedding:
         // a slice holding both holds that matrix once.
-        let tied = !source.has(names.output);
+        let head_matrix = source.head_matrix();
+        let tied = head_matrix == names.embedding;
         let embedding = if first && holds_head && tied {
             Some(Embedding::Head)
         } else if first {
@@ -605,10 +606,9 @@ impl LayerSlice {
         }
         let head = if holds_head {
             let norm = dense(read(names.output_norm)?, &mut resident)?;
-            let output_name = if tied { names.embedding } else { names.output };
             Some(Head {
                 norm,
-                output: Linear::from_raw(read(output_name)?, policy, &mut resident)?,
+                output: Linear::from_raw(read(head_matrix)?, policy, &mut resident)?,
             })
         } else {
             None

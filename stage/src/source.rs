@@ -604,6 +604,17 @@ impl Source {
         }
     }
 
+    /// The matrix the output head reads: its own, or the embedding when
+    /// the model ties the two (no output matrix of its own).
+    pub fn head_matrix(&self) -> &'static str {
+        let names = self.names();
+        if self.has(names.output) {
+            names.output
+        } else {
+            names.embedding
+        }
+    }
+
     /// Tensor names of the standard Llama layout, per format.
     pub fn names(&self) -> TensorNames {
         match self {

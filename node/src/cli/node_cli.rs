@@ -85,6 +85,12 @@ impl ServeConfig {
     }
 }
 
+/// A fidelity level as an operator or requester writes it (`F2`, `f2`, `2`).
+pub fn parse_fidelity(text: &str) -> anyhow::Result<Fidelity> {
+    Fidelity::parse(text)
+        .with_context(|| format!("fidelity `{text}` is not one of F0, F1, F2, F3, F4"))
+}
+
 pub fn parse_return_mode(text: &str) -> anyhow::Result<ReturnMode> {
     ReturnMode::parse(text)
         .with_context(|| format!("return mode `{text}` is neither relayed nor direct"))
@@ -327,8 +333,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         stages: args.mesh.stages,
         fidelity: match args.fidelity.as_deref().or(file.fidelity.as_deref()) {
             None => crate::runtime::serve::DEFAULT_FIDELITY,
-            Some(text) => Fidelity::parse(text)
-                .with_context(|| format!("fidelity `{text}` is not one of F0, F1, F2, F3, F4"))?,
+            Some(text) => parse_fidelity(text)?,
         },
         record_checkpoints: !args.no_record_checkpoints && file.record_checkpoints.unwrap_or(true),
     })

@@ -283,17 +283,17 @@ impl Collector {
         if !remember {
             return Ok(());
         }
-        let at = match self.checkpoints.iter().position(|(key, _)| key == stage) {
-            Some(at) => at,
+        // Taken out and put back last: the stage heard from last is
+        // forgotten last.
+        let (key, mut seen) = match known {
+            Some(at) => self.checkpoints.remove(at),
             None => {
                 if self.checkpoints.len() >= MAX_CHECKPOINTED_STAGES {
                     self.checkpoints.remove(0);
                 }
-                self.checkpoints.push((*stage, Default::default()));
-                self.checkpoints.len() - 1
+                (*stage, SeenCheckpoints::default())
             }
         };
-        let seen = &mut self.checkpoints[at].1;
         for (size, root) in claims {
             if !seen.iter().any(|(held, _)| held == size) {
                 if seen.len() >= MAX_CHECKPOINTS_PER_STAGE {
@@ -302,9 +302,7 @@ impl Collector {
                 seen.push_back((*size, *root));
             }
         }
-        // Heard from last: forgotten last.
-        let entry = self.checkpoints.remove(at);
-        self.checkpoints.push(entry);
+        self.checkpoints.push((key, seen));
         Ok(())
     }
 }

@@ -356,11 +356,6 @@ impl Steward {
         Ok(ids.iter().map(|id| self.log.append(id)).collect())
     }
 
-    /// The transparency log.
-    pub fn log(&self) -> &MmrLog {
-        &self.log
-    }
-
     /// A signed checkpoint of the log as it is now (`split-stage.md` §3.3),
     /// naming the one issued before it; `None` while the log is empty.
     /// Leaf `leaf`'s inclusion proof at the log's size and a checkpoint of
