@@ -7,16 +7,9 @@
 
 mod common;
 
-use common::nodes::{ask, request, three_nodes, verify};
-use mesh_node::runtime::serve::{GenerateRequest, GenerateSummary, RequestBounds};
+use common::nodes::{ask, receipt_of, request, synthetic_with, three_nodes, verify};
+use mesh_node::runtime::serve::{GenerateRequest, RequestBounds};
 use mesh_protocol::control::DecisionAsk;
-use mesh_protocol::mesh1::{MeshReceipt, SealedReceipt};
-
-fn receipt(summary: &GenerateSummary) -> MeshReceipt {
-    let bundle = summary.bundle.as_ref().expect("a bundle");
-    let envelope = mesh_protocol::hex::decode(bundle["mesh1_envelope"].as_str().unwrap()).unwrap();
-    SealedReceipt::verify(&envelope).unwrap().receipt
-}
 
 fn decide(options: &[&str], ceiling: Option<u64>) -> GenerateRequest {
     GenerateRequest {
@@ -37,18 +30,13 @@ async fn a_decision_is_scored_per_option_priced_without_max_tokens_and_sealed_as
     let dir = tempfile::tempdir().unwrap();
     // A decision model that declares the corpus it was fitted to (§3.7).
     let corpus = "5a".repeat(32);
-    let model = mesh_stage::synthetic::write_synthetic(
-        &dir.path().join("model"),
+    let model = synthetic_with(
+        dir.path(),
         &mesh_stage::synthetic::SyntheticSpec {
             training: Some((corpus.clone(), "logged".into())),
             ..Default::default()
         },
-        &[candle_core::quantized::GgmlDType::F32],
-    )
-    .unwrap()
-    .gguf(candle_core::quantized::GgmlDType::F32)
-    .unwrap()
-    .to_path_buf();
+    );
     let (a, b, c) = three_nodes(&model, dir.path()).await;
     let coordinator = a.peer_addr();
 
@@ -80,7 +68,7 @@ async fn a_decision_is_scored_per_option_priced_without_max_tokens_and_sealed_as
     assert_eq!(decision["chosen"], first.text.as_str());
     assert_eq!(first.details["generated_tokens"], 0);
 
-    let sealed = receipt(&first);
+    let sealed = receipt_of(&first);
     let outcome = sealed.decision.expect("the decision's figures");
     assert_eq!((outcome.questions_answered, outcome.options_scored), (1, 3));
     assert!(outcome.schema_tokens > 0 && u64::from(outcome.schema_tokens) < sealed.tokens_in);

@@ -31,6 +31,34 @@ fn simulated_stage_record(key: &SigningKey) -> (StageBlock, SealedRecord) {
     (block, record)
 }
 
+/// A collector holding open the split of `block`, with `stage_key`
+/// assigned its stage (the others stand-in keys).
+fn collector_expecting(
+    block: &StageBlock,
+    stage_key: [u8; 32],
+) -> mesh_node::runtime::records::Collector {
+    let mut collector = mesh_node::runtime::records::Collector::default();
+    let assigned: Vec<[u8; 32]> = (0..block.stage_count as usize)
+        .map(|k| {
+            if k == block.stage_index as usize {
+                stage_key
+            } else {
+                [k as u8; 32]
+            }
+        })
+        .collect();
+    assert!(collector.open(block.split_key(), assigned));
+    collector
+}
+
+/// A push's bytes: the claimed sender, a newline, the body.
+fn push_body(claimed: &str, value: &Value) -> Vec<u8> {
+    let mut body = claimed.as_bytes().to_vec();
+    body.push(b'\n');
+    body.extend(serde_json::to_vec(value).unwrap());
+    body
+}
+
 async fn push(node: &Node, key: &SigningKey, claimed: &str, record: &Value) -> Value {
     tls::install_provider();
     let identity = TlsIdentity::new(key).unwrap();
@@ -44,10 +72,7 @@ async fn push(node: &Node, key: &SigningKey, claimed: &str, record: &Value) -> V
         .await
         .unwrap();
     let (mut send, mut recv) = connection.open_bi().await.unwrap();
-    let mut body = claimed.as_bytes().to_vec();
-    body.push(b'\n');
-    body.extend(serde_json::to_vec(record).unwrap());
-    send.write_all(&body).await.unwrap();
+    send.write_all(&push_body(claimed, record)).await.unwrap();
     send.finish().unwrap();
     let reply = tokio::time::timeout(Duration::from_secs(10), recv.read_to_end(65536))
         .await
@@ -136,41 +161,25 @@ fn an_assigned_stage_is_held_to_its_claims_and_its_signature() {
     let stage = SigningKey::from_bytes(&[9; 32]);
     let (block, record) = simulated_stage_record(&stage);
     let stage_key = stage.verifying_key().to_bytes();
-    let mut collector = mesh_node::runtime::records::Collector::default();
-    let assigned: Vec<[u8; 32]> = (0..block.stage_count as usize)
-        .map(|k| {
-            if k == block.stage_index as usize {
-                stage_key
-            } else {
-                [k as u8; 32]
-            }
-        })
-        .collect();
-    assert!(collector.open(block.split_key(), assigned));
+    let mut collector = collector_expecting(&block, stage_key);
     assert!(collector.expects_from(&stage_key));
-    let body = |claimed: &str, value: &Value| {
-        let mut body = claimed.as_bytes().to_vec();
-        body.push(b'\n');
-        body.extend(serde_json::to_vec(value).unwrap());
-        body
-    };
     let own = did_key(&stage_key);
     // Claiming to be someone else than the transport proved.
     let other = did_key(&SigningKey::from_bytes(&[8; 32]).verifying_key().to_bytes());
     assert_eq!(
-        collector.offer(&stage_key, &body(&other, record.value())),
+        collector.offer(&stage_key, &push_body(&other, record.value())),
         Err(mesh_node::runtime::records::PushRefusal::SignatureUnverified)
     );
     // A record whose signature does not hold.
     let mut tampered = record.value().clone();
     tampered["timestamp"] = Value::from("2026-11-30T00:00:00.001Z");
     assert_eq!(
-        collector.offer(&stage_key, &body(&own, &tampered)),
+        collector.offer(&stage_key, &push_body(&own, &tampered)),
         Err(mesh_node::runtime::records::PushRefusal::RequestMalformed)
     );
     // The genuine record is held.
     assert_eq!(
-        collector.offer(&stage_key, &body(&own, record.value())),
+        collector.offer(&stage_key, &push_body(&own, record.value())),
         Ok(Received::Bare)
     );
 }
@@ -185,17 +194,7 @@ fn a_pushed_bundle_is_proven_in_the_stages_log_before_it_is_acknowledged() {
     let (block, record) = simulated_stage_record(&stage);
     let stage_key = stage.verifying_key().to_bytes();
     let own = did_key(&stage_key);
-    let mut collector = mesh_node::runtime::records::Collector::default();
-    let assigned: Vec<[u8; 32]> = (0..block.stage_count as usize)
-        .map(|k| {
-            if k == block.stage_index as usize {
-                stage_key
-            } else {
-                [k as u8; 32]
-            }
-        })
-        .collect();
-    assert!(collector.open(block.split_key(), assigned));
+    let mut collector = collector_expecting(&block, stage_key);
     // The stage's log: two earlier records, then this one (leaf 2).
     let mut log = MmrLog::new();
     log.append(&[1; 32]);
@@ -209,12 +208,7 @@ fn a_pushed_bundle_is_proven_in_the_stages_log_before_it_is_acknowledged() {
             "checkpoint": Checkpoint::sign(&own, log.size(), &root, None, "2026-12-02T00:00:00.000Z", key),
         })
     };
-    let body = |value: &Value| {
-        let mut body = own.as_bytes().to_vec();
-        body.push(b'\n');
-        body.extend(serde_json::to_vec(value).unwrap());
-        body
-    };
+    let body = |value: &Value| push_body(&own, value);
     let root = log.root().unwrap();
     use mesh_node::runtime::records::PushRefusal::*;
     // A checkpoint signed by another key proves nothing of this stage's log.

@@ -10,16 +10,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::nodes::{Setup, ask, pools_empty_within, request, synthetic, verify};
-use mesh_node::runtime::serve::{GenerateRequest, GenerateSummary, RequestBounds};
-use mesh_protocol::mesh1::{Fidelity, MeshReceipt, SealedReceipt};
+use common::nodes::{Setup, ask, pools_empty_within, receipt_of, request, synthetic, verify};
+use mesh_node::runtime::serve::{GenerateRequest, RequestBounds};
+use mesh_protocol::mesh1::Fidelity;
 use serde_json::Value;
-
-fn receipt(summary: &GenerateSummary) -> MeshReceipt {
-    let bundle = summary.bundle.as_ref().expect("a bundle");
-    let envelope = mesh_protocol::hex::decode(bundle["mesh1_envelope"].as_str().unwrap()).unwrap();
-    SealedReceipt::verify(&envelope).unwrap().receipt
-}
 
 fn route_check(report: &Value) -> &Value {
     report["checks"]
@@ -61,7 +55,7 @@ async fn the_router_weighs_measured_cost_and_fidelity_and_refuses_what_it_cannot
         .await
         .unwrap();
     assert!(first.error.is_none(), "{:?}", first.error);
-    let sealed = receipt(&first);
+    let sealed = receipt_of(&first);
     assert!(
         sealed
             .route
@@ -95,7 +89,7 @@ async fn the_router_weighs_measured_cost_and_fidelity_and_refuses_what_it_cannot
     assert!(second.error.is_none(), "{:?}", second.error);
     let table = &second.bundle.as_ref().unwrap()["route"];
     assert_eq!(table["candidates"][0]["cost_basis"], "metered", "{table:#}");
-    let first_receipt = receipt(&first);
+    let first_receipt = receipt_of(&first);
     let per_token = first_receipt
         .energy
         .uj()
@@ -146,7 +140,7 @@ async fn the_router_weighs_measured_cost_and_fidelity_and_refuses_what_it_cannot
     .await
     .unwrap();
     assert_eq!(short.terminal_state, "timed_out", "{short:?}");
-    let sealed = receipt(&short);
+    let sealed = receipt_of(&short);
     let fidelity = sealed.fidelity.unwrap();
     assert_eq!(
         (fidelity.advertised, fidelity.delivered),

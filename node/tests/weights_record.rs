@@ -51,18 +51,13 @@ async fn a_coordinator_serves_only_the_weights_its_change_record_has_in_effect()
     let model = synthetic(dir.path());
     // Another model's weights are recorded in effect, under a plan.
     let other_dir = tempfile::tempdir().unwrap();
-    let other = mesh_stage::synthetic::write_synthetic(
+    let other = common::nodes::synthetic_with(
         other_dir.path(),
         &mesh_stage::synthetic::SyntheticSpec {
             seed: 99,
             ..Default::default()
         },
-        &[candle_core::quantized::GgmlDType::F32],
-    )
-    .unwrap()
-    .gguf(candle_core::quantized::GgmlDType::F32)
-    .unwrap()
-    .to_path_buf();
+    );
     let planned = weights(
         "plan",
         dir.path(),

@@ -21,9 +21,14 @@ pub fn public(key: &SigningKey) -> [u8; 32] {
 }
 
 pub fn synthetic(dir: &Path) -> PathBuf {
+    synthetic_with(dir, &mesh_stage::synthetic::SyntheticSpec::default())
+}
+
+/// The synthetic model `spec` describes, as an f32 GGUF under `dir`.
+pub fn synthetic_with(dir: &Path, spec: &mesh_stage::synthetic::SyntheticSpec) -> PathBuf {
     mesh_stage::synthetic::write_synthetic(
         &dir.join("model"),
-        &mesh_stage::synthetic::SyntheticSpec::default(),
+        spec,
         &[candle_core::quantized::GgmlDType::F32],
     )
     .unwrap()
@@ -182,6 +187,15 @@ pub fn request(prompt: &str, max_tokens: usize, grant: Option<GrantedServe>) -> 
         grant,
         ..GenerateRequest::greedy(prompt, max_tokens)
     }
+}
+
+/// The `mesh/1` receipt a request's bundle carries, verified.
+pub fn receipt_of(summary: &GenerateSummary) -> mesh_protocol::mesh1::MeshReceipt {
+    let bundle = summary.bundle.as_ref().expect("a bundle");
+    let envelope = mesh_protocol::hex::decode(bundle["mesh1_envelope"].as_str().unwrap()).unwrap();
+    mesh_protocol::mesh1::SealedReceipt::verify(&envelope)
+        .unwrap()
+        .receipt
 }
 
 pub async fn ask(
