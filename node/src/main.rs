@@ -579,6 +579,10 @@ enum BenchTarget {
         /// Seeds the proxies' jitter and loss, so a run can be repeated.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Tokens the coordinator drafts after each sampled token
+        /// (speculative decoding; 0: off), one measurement each.
+        #[arg(long, value_delimiter = ',', default_value = "0,4")]
+        draft_tokens: Vec<usize>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -1318,10 +1322,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     tokens,
                     rounds,
                     seed,
+                    draft_tokens,
                     json,
                 },
         } => {
             let bench = mesh_node::tools::bench_wan::WanBench {
+                draft_tokens,
                 model: bench_model(model)?,
                 rtts_ms: rtt_ms,
                 stages,

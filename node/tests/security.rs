@@ -879,7 +879,7 @@ async fn a_final_stage_reply_that_is_not_one_finite_row_is_refused() {
                     &row(0.5, 2, WireDType::F32),
                 ))
             }),
-            Some("not one of F32"),
+            Some("not 1 of F32"),
         ),
         (
             "f16",
@@ -891,7 +891,7 @@ async fn a_final_stage_reply_that_is_not_one_finite_row_is_refused() {
                     &row(0.5, 1, WireDType::F16),
                 ))
             }),
-            Some("not one of F32"),
+            Some("not 1 of F32"),
         ),
         (
             "not finite",
@@ -1125,4 +1125,193 @@ async fn a_silent_stage_times_out_naming_the_setting() {
         error.contains("step timeout of 1500 ms") && error.contains("--step-timeout-ms"),
         "{error}"
     );
+}
+
+// ------------------------------------------------------- drafts and REWIND
+
+/// What a stage answers to one message of a scripted upstream.
+#[derive(Debug, PartialEq)]
+enum Answer {
+    /// A HIDDEN reply of this many rows.
+    Rows(usize),
+    /// No reply (a REWIND taken).
+    Nothing,
+    /// FAILED, with its reason.
+    Failed(String),
+}
+
+/// Speak as stage 1's upstream (the coordinator, key 1) on request
+/// `request_id`: OPEN, then each message in turn (ACTIVATIONS of so many
+/// rows, or REWIND to so many positions), reading what comes back after
+/// each (relayed return: every reply comes up through stage 1).
+async fn drive_stage(
+    stage: &PeerAddr,
+    run_id: &str,
+    hidden: usize,
+    request_id: u64,
+    messages: &[Result<usize, u64>],
+) -> Vec<Answer> {
+    use mesh_protocol::stage_frame::Rewind;
+    use mesh_stage::frame::{WireDType, encode_frame};
+    let identity = TlsIdentity::new(&key(1)).unwrap();
+    let (_endpoint, connection) = connect(&identity, stage, ALPN_STAGE).await.unwrap();
+    let (mut send, mut recv) = connection.open_bi().await.unwrap();
+    let open = Cbor::text_map([
+        ("run_id", Cbor::text(run_id)),
+        ("capacity", Cbor::Uint(64)),
+        ("return_mode", Cbor::text("relayed")),
+        ("prefill_steps", Cbor::Uint(1)),
+    ]);
+    msg::write(
+        &mut send,
+        &msg::stage_body(msg::kind::OPEN, request_id, 0, &open.encode()),
+        None,
+    )
+    .await
+    .unwrap();
+    let mut answers = Vec::new();
+    let mut step = 0;
+    for message in messages {
+        let body = match message {
+            Ok(rows) => {
+                let values: Vec<f32> = (0..rows * hidden).map(|i| (i % 17) as f32 * 0.01).collect();
+                let frame = encode_frame(&values, *rows, hidden, WireDType::F32).unwrap();
+                step += 1;
+                msg::stage_body(msg::kind::ACTIVATIONS, request_id, step - 1, &frame)
+            }
+            Err(positions) => msg::stage_body(
+                msg::kind::REWIND,
+                request_id,
+                step,
+                &Rewind {
+                    positions: *positions,
+                }
+                .encode(),
+            ),
+        };
+        msg::write(&mut send, &body, None).await.unwrap();
+        // A REWIND taken gets no answer: a short wait says so.
+        let wait = if message.is_ok() { 10 } else { 1 };
+        let reply = msg::read(
+            &mut recv,
+            msg::MAX_STAGE_MESSAGE,
+            Duration::from_secs(wait),
+            None,
+        )
+        .await;
+        let answer = match reply {
+            Ok(Some(frame)) => {
+                let (kind, _, _, payload) = msg::parse_stage(&frame).unwrap();
+                if kind == msg::kind::FAILED {
+                    Answer::Failed(String::from_utf8_lossy(payload).into_owned())
+                } else {
+                    assert_eq!(kind, msg::kind::HIDDEN);
+                    let (rows, _) = mesh_stage::frame::decode_frame(payload, hidden).unwrap();
+                    Answer::Rows(rows.rows)
+                }
+            }
+            _ => Answer::Nothing,
+        };
+        let failed = matches!(answer, Answer::Failed(_));
+        answers.push(answer);
+        if failed {
+            break;
+        }
+    }
+    answers
+}
+
+/// A decode step's every position is answered; a REWIND is taken only
+/// right after a decode step with a draft and only to drop part of that
+/// draft; a decode step of more than 16 positions is refused. Each refusal
+/// is a FAILED, and the chain serves normally afterwards with every pool
+/// empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_takes_a_rewind_only_of_the_last_draft_and_bounds_a_decode_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (a, b, c) = three_nodes(&model, dir.path()).await;
+    let first = ask(&a.peer_addr(), &request("set up the run", 2, None))
+        .await
+        .unwrap();
+    assert!(first.error.is_none(), "{:?}", first.error);
+    let run_id = first.details["run_id"].as_str().unwrap().to_string();
+    let hidden = mesh_stage::ModelHandle::open(&model)
+        .unwrap()
+        .config()
+        .hidden;
+    let failed = |answer: &Answer, why: &str| match answer {
+        Answer::Failed(reason) => assert!(reason.contains(why), "{reason}"),
+        other => panic!("{other:?}, not a refusal saying {why:?}"),
+    };
+
+    // A prompt of 3, a decode step with a draft of 2 (6 positions), one
+    // drafted position dropped, a decode step of one, then a REWIND with
+    // no draft to drop.
+    let answers = drive_stage(
+        &b.peer_addr(),
+        &run_id,
+        hidden,
+        901,
+        &[Ok(3), Ok(3), Err(5), Ok(1), Err(5)],
+    )
+    .await;
+    assert_eq!(
+        answers[..4],
+        [
+            Answer::Rows(1),
+            Answer::Rows(3),
+            Answer::Nothing,
+            Answer::Rows(1)
+        ]
+    );
+    failed(&answers[4], "drops more than the last step's draft");
+
+    // More than the draft (2 of 3 positions are a draft: 3 dropped).
+    let answers = drive_stage(
+        &b.peer_addr(),
+        &run_id,
+        hidden,
+        902,
+        &[Ok(3), Ok(3), Err(3)],
+    )
+    .await;
+    failed(&answers[2], "drops more than the last step's draft");
+    // Nothing dropped, or more kept than held.
+    let answers = drive_stage(
+        &b.peer_addr(),
+        &run_id,
+        hidden,
+        903,
+        &[Ok(3), Ok(3), Err(6)],
+    )
+    .await;
+    failed(&answers[2], "a rewind to 6 positions of 6");
+    let answers = drive_stage(
+        &b.peer_addr(),
+        &run_id,
+        hidden,
+        904,
+        &[Ok(3), Ok(3), Err(9)],
+    )
+    .await;
+    failed(&answers[2], "a rewind to 9 positions of 6");
+    // During prefill.
+    let answers = drive_stage(&b.peer_addr(), &run_id, hidden, 905, &[Ok(3), Err(2)]).await;
+    failed(&answers[1], "drops more than the last step's draft");
+    // A decode step of 17 positions.
+    let answers = drive_stage(&b.peer_addr(), &run_id, hidden, 906, &[Ok(3), Ok(17)]).await;
+    failed(&answers[1], "at most 16");
+
+    let after = ask(&a.peer_addr(), &request("still served", 4, None))
+        .await
+        .unwrap();
+    assert!(after.error.is_none(), "{:?}", after.error);
+    common::nodes::pools_empty_within(
+        &[a, b, c],
+        std::time::Instant::now(),
+        Duration::from_secs(5),
+        "refused rewinds",
+    )
+    .await;
 }

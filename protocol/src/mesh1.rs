@@ -579,6 +579,12 @@ impl MeshReceipt {
         let cache_hit_tokens = f.uint("cache_hit_tokens")?;
         let spec_proposed = f.uint("spec_proposed")?;
         let spec_accepted = f.uint("spec_accepted")?;
+        // Accepted drafts are drafts proposed (§5).
+        if spec_accepted > spec_proposed {
+            return Err(Mesh1Error::Derived(
+                "spec_accepted (more than spec_proposed)",
+            ));
+        }
         let level = |f: &mut Fields<'_>, key| -> Result<Option<Fidelity>, Mesh1Error> {
             f.opt_uint(key)?
                 .map(|l| Fidelity::from_level(l).ok_or(Mesh1Error::Invalid(key)))
@@ -1126,6 +1132,23 @@ pub(crate) mod tests {
                 advertised: Fidelity::F1,
                 delivered: Fidelity::F3,
             }),
+            ..sample_receipt(&key)
+        };
+        assert!(matches!(dishonest.seal(&key), Err(Mesh1Error::Derived(_))));
+    }
+
+    #[test]
+    fn more_drafts_accepted_than_proposed_is_refused() {
+        let key = SigningKey::from_bytes(&[1; 32]);
+        let honest = MeshReceipt {
+            spec_proposed: 12,
+            spec_accepted: 12,
+            ..sample_receipt(&key)
+        };
+        assert!(honest.seal(&key).is_ok());
+        let dishonest = MeshReceipt {
+            spec_proposed: 12,
+            spec_accepted: 13,
             ..sample_receipt(&key)
         };
         assert!(matches!(dishonest.seal(&key), Err(Mesh1Error::Derived(_))));

@@ -10,6 +10,8 @@
 
 use thiserror::Error;
 
+use crate::cbor::Cbor;
+
 /// Message kinds.
 pub mod kind {
     /// Upstream opens a request on a hop (payload: det-CBOR request header).
@@ -20,16 +22,30 @@ pub mod kind {
     pub const STOP: u8 = 3;
     /// The final stage opens its direct-return stream to stage 0.
     pub const DIRECT_OPEN: u8 = 4;
+    /// Keep only the first positions of the request's caches (payload:
+    /// det-CBOR `{positions}`): a verified draft's rejected positions are
+    /// dropped before the next step.
+    pub const REWIND: u8 = 5;
     /// Reply: the stage failed (payload: UTF-8 reason).
     pub const FAILED: u8 = 17;
-    /// Reply: the final stage's hidden state at the step's last position
-    /// (payload: an activation frame of one row), from which the coordinator
-    /// computes the logits with the output head it holds. Kind 16, the
-    /// full logits an earlier version returned, is retired.
+    /// Reply: the final stage's hidden state (payload: an f32 activation
+    /// frame), from which the coordinator computes the logits with the
+    /// output head it holds: one row, the step's last position, for a
+    /// prefill step; every row of a decode step (the token sampled and the
+    /// draft after it). Kind 16, the full logits an earlier version
+    /// returned, is retired.
     pub const HIDDEN: u8 = 18;
     /// Every kind this version speaks.
-    pub const ALL: [u8; 6] = [OPEN, ACTIVATIONS, STOP, DIRECT_OPEN, FAILED, HIDDEN];
+    pub const ALL: [u8; 7] = [OPEN, ACTIVATIONS, STOP, DIRECT_OPEN, REWIND, FAILED, HIDDEN];
 }
+
+/// Most positions one decode step carries: the token sampled and up to 15
+/// drafted after it, verified together (speculative decoding). The final
+/// stage answers a decode step with a hidden row per position.
+pub const MAX_DECODE_ROWS: usize = 16;
+
+/// Bytes of a REWIND payload at most (a det-CBOR map of one uint).
+pub const MAX_REWIND_PAYLOAD: usize = 32;
 
 /// Bytes of the header.
 pub const STAGE_HEADER: usize = 13;
@@ -41,6 +57,44 @@ pub enum StageFrameError {
     Short(usize),
     #[error("unknown stage message kind {0}")]
     UnknownKind(u8),
+}
+
+/// A REWIND's payload: how many positions of its cache a stage keeps.
+/// A stage accepts it only right after a decode step that carried a draft,
+/// to drop at least one position and at most that draft (its rows less
+/// one, so at most `MAX_DECODE_ROWS - 1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rewind {
+    pub positions: u64,
+}
+
+/// Why a REWIND payload is refused.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum RewindError {
+    #[error("a REWIND payload of {0} bytes is over its limit of {MAX_REWIND_PAYLOAD}")]
+    TooLong(usize),
+    #[error("a REWIND payload is not det-CBOR: {0}")]
+    Cbor(#[from] crate::cbor::CborError),
+    #[error("a REWIND payload: {0}")]
+    Field(#[from] crate::cbor::FieldError),
+}
+
+impl Rewind {
+    pub fn encode(&self) -> Vec<u8> {
+        Cbor::text_map([("positions", Cbor::Uint(self.positions))]).encode()
+    }
+
+    /// Strict: exactly `{positions: uint}` in deterministic CBOR.
+    pub fn parse(payload: &[u8]) -> Result<Self, RewindError> {
+        if payload.len() > MAX_REWIND_PAYLOAD {
+            return Err(RewindError::TooLong(payload.len()));
+        }
+        let value = Cbor::decode(payload)?;
+        let mut fields = crate::cbor::Fields::of(&value)?;
+        let positions = fields.uint("positions")?;
+        fields.finish()?;
+        Ok(Self { positions })
+    }
 }
 
 /// A stage message's header.
@@ -103,14 +157,44 @@ mod tests {
             step: 2,
         }
         .encode(b"why");
-        body[0] = 5;
+        body[0] = 6;
         assert_eq!(
             StageHeader::parse(&body),
-            Err(StageFrameError::UnknownKind(5))
+            Err(StageFrameError::UnknownKind(6))
         );
     }
 
+    #[test]
+    fn a_rewind_is_exactly_one_uint() {
+        let rewind = Rewind { positions: 300 };
+        assert_eq!(Rewind::parse(&rewind.encode()), Ok(rewind));
+        let extra = Cbor::text_map([("positions", Cbor::Uint(3)), ("x", Cbor::Uint(1))]).encode();
+        assert!(matches!(Rewind::parse(&extra), Err(RewindError::Field(_))));
+        let text = Cbor::text_map([("positions", Cbor::text("3"))]).encode();
+        assert!(matches!(Rewind::parse(&text), Err(RewindError::Field(_))));
+        let mut trailing = rewind.encode();
+        trailing.push(0);
+        assert!(matches!(
+            Rewind::parse(&trailing),
+            Err(RewindError::Cbor(_))
+        ));
+        assert!(matches!(
+            Rewind::parse(&[0; 40]),
+            Err(RewindError::TooLong(40))
+        ));
+        assert!(Rewind::parse(&[]).is_err());
+    }
+
     proptest! {
+        #[test]
+        fn rewinds_round_trip_and_never_panic(positions in any::<u64>(), bytes in proptest::collection::vec(any::<u8>(), 0..40)) {
+            let rewind = Rewind { positions };
+            prop_assert_eq!(Rewind::parse(&rewind.encode()), Ok(rewind));
+            if let Ok(parsed) = Rewind::parse(&bytes) {
+                prop_assert_eq!(parsed.encode(), bytes);
+            }
+        }
+
         #[test]
         fn round_trips(kind in proptest::sample::select(kind::ALL.to_vec()), request_id in any::<u64>(), step in any::<u32>(), payload in proptest::collection::vec(any::<u8>(), 0..64)) {
             let header = StageHeader { kind, request_id, step };

@@ -8,6 +8,7 @@
 
 mod attention;
 pub mod cache;
+pub mod draft;
 pub mod error;
 pub mod frame;
 pub mod kernels;

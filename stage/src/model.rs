@@ -7,7 +7,6 @@ use std::ops::Range;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::kv_cache::KvCache;
 
 use crate::attention;
 use crate::error::{EngineError, Result};
@@ -370,7 +369,7 @@ pub enum SliceOutput {
 /// Per-request state of one slice: a bounded KV cache per layer.
 #[derive(Debug)]
 pub struct SliceCache {
-    layers: Vec<KvCache>,
+    layers: Vec<KvRows>,
     position: usize,
     capacity: usize,
 }
@@ -386,30 +385,69 @@ impl SliceCache {
 
     /// Keep the first `positions` positions and forget the rest: a kept
     /// cache is cut back to the positions every stage of a resumed chain
-    /// holds. Asking for more than it holds is refused and changes nothing.
+    /// holds, and a verified draft's rejected positions are dropped. Asking
+    /// for more than it holds is refused and changes nothing. Nothing is
+    /// copied: the positions past the cut are written over by the next step.
     pub fn truncate(&mut self, positions: usize) -> Result<()> {
         if positions > self.position {
             return Err(EngineError::WrongInput(
                 "a cache cannot keep more positions than it holds",
             ));
         }
-        if positions == self.position {
-            return Ok(());
+        for kv in &mut self.layers {
+            kv.len = positions;
         }
-        let mut kept = Vec::with_capacity(self.layers.len());
-        for kv in &self.layers {
-            let mut fresh = KvCache::new(2, self.capacity.max(1));
-            if let (Some(k), Some(v), true) = (kv.k()?, kv.v()?, positions > 0) {
-                fresh.append(
-                    &k.narrow(2, 0, positions)?.contiguous()?,
-                    &v.narrow(2, 0, positions)?.contiguous()?,
-                )?;
-            }
-            kept.push(fresh);
-        }
-        self.layers = kept;
         self.position = positions;
         Ok(())
+    }
+}
+
+/// One layer's keys and values for one request: two `(1, kv_heads,
+/// capacity, head_dim)` buffers, allocated at the first step and filled up
+/// to `len`. Unlike candle's `KvCache` it can be cut back without a copy.
+#[derive(Debug)]
+struct KvRows {
+    buffers: Option<(Tensor, Tensor)>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvRows {
+    fn new(capacity: usize) -> Self {
+        Self {
+            buffers: None,
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Write a step's `k`, `v` (`(1, kv_heads, seq, head_dim)`) after the
+    /// positions held; every position held so far and the step's, as views
+    /// of the buffers.
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        const AXIS: usize = 2;
+        let seq = k.dim(AXIS)?;
+        if self.len + seq > self.capacity {
+            return Err(EngineError::WrongInput(
+                "was given a step past its cache's capacity",
+            ));
+        }
+        let (keys, values) = match &self.buffers {
+            Some(buffers) => buffers,
+            None => {
+                let mut shape = k.dims().to_vec();
+                shape[AXIS] = self.capacity;
+                let zeros = || Tensor::zeros(shape.as_slice(), k.dtype(), k.device());
+                self.buffers.insert((zeros()?, zeros()?))
+            }
+        };
+        keys.slice_set(&k.contiguous()?, AXIS, self.len)?;
+        values.slice_set(&v.contiguous()?, AXIS, self.len)?;
+        self.len += seq;
+        Ok((
+            keys.narrow(AXIS, 0, self.len)?,
+            values.narrow(AXIS, 0, self.len)?,
+        ))
     }
 }
 
@@ -678,7 +716,7 @@ impl LayerSlice {
             layers: self
                 .blocks
                 .iter()
-                .map(|_| KvCache::new(2, max_tokens.max(1)))
+                .map(|_| KvRows::new(max_tokens.max(1)))
                 .collect(),
             position: 0,
             capacity: max_tokens,
@@ -704,8 +742,26 @@ impl LayerSlice {
         &self,
         jobs: &mut [(SliceInput<'_>, &mut SliceCache)],
     ) -> Result<Vec<SliceOutput>> {
+        self.forward_batch_rows(jobs, &[])
+    }
+
+    /// `forward_batch`, where a step marked in `rows_alone` (a draft being
+    /// verified: several positions of one request) has each of its rows go
+    /// through every matrix as if it were a one-row decode step, so each
+    /// row gets the bits it gets decoded alone, whatever the kernel. Its
+    /// rows still attend causally to each other through its cache.
+    pub fn forward_batch_rows(
+        &self,
+        jobs: &mut [(SliceInput<'_>, &mut SliceCache)],
+        rows_alone: &[bool],
+    ) -> Result<Vec<SliceOutput>> {
         if jobs.is_empty() {
             return Ok(Vec::new());
+        }
+        if !rows_alone.is_empty() && rows_alone.len() != jobs.len() {
+            return Err(EngineError::WrongInput(
+                "was told how to run the rows of another number of steps",
+            ));
         }
         // Every step is checked before any cache changes.
         for (input, cache) in jobs.iter() {
@@ -715,7 +771,7 @@ impl LayerSlice {
         // split their work with rayon, and called from outside the pool
         // each of them (five per layer) hands its work to a pool thread and
         // sleeps until it is done, two context switches apiece.
-        Device::Cpu.with_context(|| self.forward_checked(jobs))
+        Device::Cpu.with_context(|| self.forward_checked(jobs, rows_alone))
     }
 
     /// The logits of each row of `hidden` (final hidden states, as a chain's
@@ -752,6 +808,7 @@ impl LayerSlice {
     fn forward_checked(
         &self,
         jobs: &mut [(SliceInput<'_>, &mut SliceCache)],
+        rows_alone: &[bool],
     ) -> Result<Vec<SliceOutput>> {
         let mut inputs = Vec::with_capacity(jobs.len());
         for (input, _) in jobs.iter() {
@@ -769,6 +826,19 @@ impl LayerSlice {
                 })
                 .collect()
         };
+        // What the matrices see as steps: a step whose rows go alone is one
+        // step per row.
+        let matrix_spans: Vec<(usize, usize)> = spans
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &(offset, seq))| {
+                if rows_alone.get(i).copied().unwrap_or(false) {
+                    (0..seq).map(|row| (offset + row, 1)).collect::<Vec<_>>()
+                } else {
+                    vec![(offset, seq)]
+                }
+            })
+            .collect();
         let mut x = if inputs.len() == 1 {
             inputs
                 .pop()
@@ -777,7 +847,7 @@ impl LayerSlice {
             Tensor::cat(&inputs, 0)?
         };
         for (layer, block) in self.blocks.iter().enumerate() {
-            x = self.block_forward(block, &x, &spans, jobs, layer)?;
+            x = self.block_forward(block, &x, &spans, &matrix_spans, jobs, layer)?;
         }
         for ((_, cache), (_, seq)) in jobs.iter_mut().zip(&spans) {
             cache.position += seq;
@@ -919,12 +989,14 @@ impl LayerSlice {
     }
 
     /// One block over the stacked rows of every request in the batch
-    /// (`spans`: each request's first row and row count).
+    /// (`spans`: each request's first row and row count; `matrix_spans`:
+    /// the steps as the matrices see them, a decode step one per row).
     fn block_forward(
         &self,
         b: &Block,
         x: &Tensor,
         spans: &[(usize, usize)],
+        matrix_spans: &[(usize, usize)],
         jobs: &mut [(SliceInput<'_>, &mut SliceCache)],
         layer: usize,
     ) -> Result<Tensor> {
@@ -939,7 +1011,7 @@ impl LayerSlice {
         };
         let [q, k, v]: [Tensor; 3] = b
             .qkv
-            .forward(&h, spans)?
+            .forward(&h, matrix_spans)?
             .try_into()
             .map_err(|_| EngineError::WrongInput("has a malformed attention projection"))?;
         let q = with_bias(q, &b.q_bias)?;
@@ -973,19 +1045,22 @@ impl LayerSlice {
                 None => t,
             })
         };
-        let attention_out = post_norm(b.o.forward_rows(&attended, spans)?, &b.post_attention_norm)?;
+        let attention_out = post_norm(
+            b.o.forward_rows(&attended, matrix_spans)?,
+            &b.post_attention_norm,
+        )?;
         let x = (x + attention_out)?;
         let h = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
         let [gate, up]: [Tensor; 2] = b
             .gate_up
-            .forward(&h, spans)?
+            .forward(&h, matrix_spans)?
             .try_into()
             .map_err(|_| EngineError::WrongInput("has a malformed feed-forward projection"))?;
         let gated = match c.block_style {
             BlockStyle::Llama => (candle_nn::ops::silu(&gate)? * up)?,
             BlockStyle::Gemma3 => gelu_gated(&gate, &up)?,
         };
-        let ffn_out = post_norm(b.down.forward_rows(&gated, spans)?, &b.post_ffn_norm)?;
+        let ffn_out = post_norm(b.down.forward_rows(&gated, matrix_spans)?, &b.post_ffn_norm)?;
         Ok((x + ffn_out)?)
     }
     /// One request's attention over its own cache: `q`, `k`, `v` are its
@@ -996,7 +1071,7 @@ impl LayerSlice {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        kv: &mut KvCache,
+        kv: &mut KvRows,
         position: usize,
     ) -> Result<Tensor> {
         let c = &self.config;

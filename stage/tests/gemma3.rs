@@ -130,3 +130,53 @@ fn the_sliding_window_is_the_same_in_prefill_and_in_decode() {
     // measured 18.5.
     assert!(largest_gap < 2.0, "logits differ by up to {largest_gap}");
 }
+
+/// Past the 512-position window, a draft verified in one step (each row
+/// alone through the matrices) gives every position the bits decoding it
+/// alone gives: the window narrows each row's keys the same way.
+#[test]
+fn a_draft_verified_past_the_window_has_the_bits_of_decoding() {
+    let Some(path) = model_path() else { return };
+    let handle = ModelHandle::open(&path).unwrap();
+    let whole = handle.load_chain_slice(0..18, true).unwrap();
+    let text = "the river and the mountain, the city and the old stone road; ".repeat(60);
+    let ids = handle.text().encode(&text).unwrap();
+    let (prompt, draft) = (&ids[..520], &ids[520..526]);
+    let hidden = |output: mesh_stage::SliceOutput| match output {
+        mesh_stage::SliceOutput::Hidden(a) => a,
+        _ => panic!("a slice holding its head apart returns hidden states"),
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut one = whole.new_cache(600).unwrap();
+    whole
+        .forward(mesh_stage::SliceInput::Tokens(prompt), &mut one)
+        .unwrap();
+    let decoded: Vec<Vec<u32>> = draft
+        .iter()
+        .map(|id| {
+            bits(
+                &hidden(
+                    whole
+                        .forward(mesh_stage::SliceInput::Tokens(&[*id]), &mut one)
+                        .unwrap(),
+                )
+                .values,
+            )
+        })
+        .collect();
+    let mut all = whole.new_cache(600).unwrap();
+    whole
+        .forward(mesh_stage::SliceInput::Tokens(prompt), &mut all)
+        .unwrap();
+    let verified = hidden(
+        whole
+            .forward_batch_rows(
+                &mut [(mesh_stage::SliceInput::Tokens(draft), &mut all)],
+                &[true],
+            )
+            .unwrap()
+            .remove(0),
+    );
+    let rows: Vec<Vec<u32>> = verified.values.chunks(verified.cols).map(bits).collect();
+    assert_eq!(rows, decoded);
+}

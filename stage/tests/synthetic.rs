@@ -613,3 +613,163 @@ fn a_kept_cache_cut_back_and_handed_to_a_new_request_goes_on_as_if_never_past_th
     drop(kept);
     assert_eq!(pool.open_requests(), 0);
 }
+
+/// A draft verified in one step (several positions of one request, each
+/// row alone through the matrices) gives every position the bits the
+/// one-row decode steps give it, for every supported type, also in the
+/// same passes as another request's decode step (which keeps its own
+/// bits); and once its
+/// rejected positions are cut from the cache, the request goes on as if
+/// they were never run.
+#[test]
+fn a_verified_draft_gives_each_position_its_decode_bits_and_a_cut_goes_on_cleanly() {
+    let types = [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+        GgmlDType::F16,
+        GgmlDType::F32,
+    ];
+    let (_dir, model) = model(&types);
+    let prompt: &[u32] = &[1, 2, 3, 4, 5];
+    let draft: &[u32] = &[20, 21, 22, 23, 24, 25, 26];
+    let mut differ = Vec::new();
+    for dtype in types {
+        let handle = ModelHandle::open(model.gguf(dtype).unwrap()).unwrap();
+        let first = handle.load_chain_slice(0..3, true).unwrap();
+        let last = handle.load_chain_slice(3..6, false).unwrap();
+        let hidden = |output: SliceOutput| match output {
+            SliceOutput::Hidden(a) => a,
+            _ => panic!("a split slice returns hidden states"),
+        };
+        // Decoded one position at a time.
+        let mut one_first = first.new_cache(32).unwrap();
+        let mut one_last = last.new_cache(32).unwrap();
+        let state = hidden(
+            first
+                .forward(SliceInput::Tokens(prompt), &mut one_first)
+                .unwrap(),
+        );
+        last.forward(SliceInput::Hidden(&state), &mut one_last)
+            .unwrap();
+        let mut decoded = Vec::new();
+        for token in draft {
+            let state = hidden(
+                first
+                    .forward(SliceInput::Tokens(&[*token]), &mut one_first)
+                    .unwrap(),
+            );
+            decoded.push(bits(
+                &hidden(
+                    last.forward(SliceInput::Hidden(&state), &mut one_last)
+                        .unwrap(),
+                )
+                .values,
+            ));
+        }
+        // Another request's decode step: alone, then in the same passes as
+        // the draft.
+        let other_prompt: &[u32] = &[9, 9, 9];
+        let mut other = Vec::new();
+        for _ in 0..2 {
+            let mut f = first.new_cache(32).unwrap();
+            let mut l = last.new_cache(32).unwrap();
+            let state = hidden(
+                first
+                    .forward(SliceInput::Tokens(other_prompt), &mut f)
+                    .unwrap(),
+            );
+            last.forward(SliceInput::Hidden(&state), &mut l).unwrap();
+            other.push((f, l));
+        }
+        let (mut alone_first, mut alone_last) = other.remove(0);
+        let (mut other_first, mut other_last) = other.remove(0);
+        let state = hidden(
+            first
+                .forward(SliceInput::Tokens(&[11]), &mut alone_first)
+                .unwrap(),
+        );
+        let other_alone = bits(
+            &hidden(
+                last.forward(SliceInput::Hidden(&state), &mut alone_last)
+                    .unwrap(),
+            )
+            .values,
+        );
+        // Verified in one step on each slice, each row alone, batched with
+        // the other request's decode step.
+        let mut all_first = first.new_cache(32).unwrap();
+        let mut all_last = last.new_cache(32).unwrap();
+        let state = hidden(
+            first
+                .forward(SliceInput::Tokens(prompt), &mut all_first)
+                .unwrap(),
+        );
+        last.forward(SliceInput::Hidden(&state), &mut all_last)
+            .unwrap();
+        let mut states = first
+            .forward_batch_rows(
+                &mut [
+                    (SliceInput::Tokens(draft), &mut all_first),
+                    (SliceInput::Tokens(&[11]), &mut other_first),
+                ],
+                &[true, false],
+            )
+            .unwrap()
+            .into_iter()
+            .map(hidden);
+        let (draft_state, other_state) = (states.next().unwrap(), states.next().unwrap());
+        let mut outputs = last
+            .forward_batch_rows(
+                &mut [
+                    (SliceInput::Hidden(&draft_state), &mut all_last),
+                    (SliceInput::Hidden(&other_state), &mut other_last),
+                ],
+                &[true, false],
+            )
+            .unwrap()
+            .into_iter()
+            .map(hidden);
+        let (verified, other_batched) = (outputs.next().unwrap(), outputs.next().unwrap());
+        if bits(&other_batched.values) != other_alone {
+            differ.push(format!("{dtype:?} the request batched with the draft"));
+        }
+        let rows: Vec<Vec<u32>> = verified.values.chunks(verified.cols).map(bits).collect();
+        if rows != decoded {
+            differ.push(format!("{dtype:?} verified"));
+        }
+        // Two of the seven accepted: the cut, then the next token decoded
+        // on both caches.
+        let keep = prompt.len() + 3;
+        for cache in [&mut all_first, &mut all_last] {
+            assert!(cache.truncate(cache.position() + 1).is_err());
+            cache.truncate(keep).unwrap();
+            assert_eq!(cache.position(), keep);
+        }
+        let mut straight_first = first.new_cache(32).unwrap();
+        let mut straight_last = last.new_cache(32).unwrap();
+        // Never past the cut: the prompt, then the accepted positions
+        // decoded one at a time.
+        for ids in std::iter::once(prompt).chain(draft[..3].chunks(1)) {
+            let state = hidden(
+                first
+                    .forward(SliceInput::Tokens(ids), &mut straight_first)
+                    .unwrap(),
+            );
+            last.forward(SliceInput::Hidden(&state), &mut straight_last)
+                .unwrap();
+        }
+        let next = |f: &mut mesh_stage::SliceCache, l: &mut mesh_stage::SliceCache| {
+            let state = hidden(first.forward(SliceInput::Tokens(&[40]), f).unwrap());
+            bits(&hidden(last.forward(SliceInput::Hidden(&state), l).unwrap()).values)
+        };
+        if next(&mut all_first, &mut all_last) != next(&mut straight_first, &mut straight_last) {
+            differ.push(format!("{dtype:?} after the cut"));
+        }
+    }
+    assert!(differ.is_empty(), "verified bits differ: {differ:?}");
+}

@@ -60,6 +60,9 @@ pub struct ServeConfig {
     pub max_requests: Option<usize>,
     /// Prompt positions per prefill step (default 256, at most 4096).
     pub prefill_chunk_tokens: Option<usize>,
+    /// Tokens drafted by prompt lookup after each sampled token and
+    /// verified in the same step (default 0: off; at most 15).
+    pub draft_tokens: Option<usize>,
     /// Times one request may go on over a new chain after losing a stage
     /// (default 2, at most 7; a chain planned over a mesh only).
     pub max_resumes: Option<usize>,
@@ -155,6 +158,12 @@ pub struct ServeArgs {
     /// chain (default 256, at most 4096).
     #[arg(long)]
     pub prefill_chunk_tokens: Option<usize>,
+    /// Speculative decoding: tokens a coordinator drafts by prompt lookup
+    /// after each token it samples, which the chain verifies in the same
+    /// step (default 0: off; at most 15). Greedy requests only;
+    /// their tokens are those of plain decoding.
+    #[arg(long)]
+    pub draft_tokens: Option<usize>,
     /// Times one request may go on over a new chain after losing a stage
     /// (default 2, at most 7): the new chain replays the prompt and the
     /// tokens so far, and the request continues. Mesh-planned chains only.
@@ -219,6 +228,15 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         (1..=crate::runtime::serve::MAX_PREFILL_CHUNK_TOKENS).contains(&prefill_chunk_tokens),
         "prefill chunk of {prefill_chunk_tokens} tokens: give 1 to {}",
         crate::runtime::serve::MAX_PREFILL_CHUNK_TOKENS
+    );
+    let draft_tokens = args
+        .draft_tokens
+        .or(file.draft_tokens)
+        .unwrap_or(crate::runtime::serve::DEFAULT_DRAFT_TOKENS);
+    anyhow::ensure!(
+        draft_tokens <= crate::runtime::serve::MAX_DRAFT_TOKENS,
+        "{draft_tokens} draft tokens: give 0 (off) to {}",
+        crate::runtime::serve::MAX_DRAFT_TOKENS
     );
     let max_resumes = args
         .max_resumes
@@ -318,6 +336,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         ),
         max_requests: file.max_requests.unwrap_or(8),
         prefill_chunk_tokens,
+        draft_tokens,
         max_resumes,
         return_mode: parse_return_mode(
             &args
@@ -412,6 +431,7 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         fidelity: None,
         no_record_checkpoints: false,
         prefill_chunk_tokens: None,
+        draft_tokens: None,
         max_resumes: None,
         mesh: args.mesh,
     };
@@ -646,6 +666,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
             max_requests: 4,
             prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
+            draft_tokens: crate::runtime::serve::DEFAULT_DRAFT_TOKENS,
             max_resumes: crate::runtime::serve::DEFAULT_MAX_RESUMES,
             return_mode: args.return_mode,
             wire: WireDType::F32,
@@ -1000,19 +1021,28 @@ impl BenchSplit {
         http: Option<SocketAddr>,
         return_mode: ReturnMode,
     ) -> anyhow::Result<Self> {
-        Self::start_with(model, stages, http, return_mode, None).await
+        Self::start_with(model, stages, http, return_mode, None, 0).await
     }
 
     /// Every node behind its own [`DelayProxy`] shaped `shape` (seeded from
-    /// `seed`): each link between two nodes crosses one proxy.
+    /// `seed`): each link between two nodes crosses one proxy. The
+    /// coordinator drafts `draft_tokens` after each sampled token.
     pub async fn behind_proxies(
         model: &Path,
         stages: usize,
         return_mode: ReturnMode,
-        shape: LinkShape,
-        seed: u64,
+        (shape, seed): (LinkShape, u64),
+        draft_tokens: usize,
     ) -> anyhow::Result<Self> {
-        Self::start_with(model, stages, None, return_mode, Some((shape, seed))).await
+        Self::start_with(
+            model,
+            stages,
+            None,
+            return_mode,
+            Some((shape, seed)),
+            draft_tokens,
+        )
+        .await
     }
 
     async fn start_with(
@@ -1021,6 +1051,7 @@ impl BenchSplit {
         http: Option<SocketAddr>,
         return_mode: ReturnMode,
         links: Option<(LinkShape, u64)>,
+        draft_tokens: usize,
     ) -> anyhow::Result<Self> {
         let scratch = tempfile_dir()?;
         let coordinator_key =
@@ -1061,6 +1092,7 @@ impl BenchSplit {
         let mut options = bench_options(model, &scratch, 0, peers, &coordinator_key)?;
         options.http = http;
         options.return_mode = return_mode;
+        options.draft_tokens = draft_tokens;
         options.advertise = own_proxy.as_ref().map(DelayProxy::addr);
         let coordinator = Node::start(options).await?;
         if let Some(proxy) = own_proxy {
@@ -1126,6 +1158,8 @@ pub(crate) fn bench_options(
         request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
         prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
+        // Benches measure plain decoding unless they ask for drafts.
+        draft_tokens: 0,
         max_resumes: crate::runtime::serve::DEFAULT_MAX_RESUMES,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,

@@ -9,6 +9,13 @@
 //! crosses: relayed return crosses every link twice, direct return each
 //! link down once plus the final stage's link home) and Mesh-LLM's
 //! published cost of 2 x RTT + 4.9 ms per stage boundary.
+//!
+//! With `--draft-tokens K` the coordinator drafts K tokens by prompt lookup
+//! after each token it samples and the chain verifies them in the same step
+//! (speculative decoding): a decode round trip then gives one token and its
+//! accepted drafts, and a token's share of the round trip can fall below
+//! one round trip of the chain (`below_round_trip`). Each row reports how
+//! many drafts were proposed and accepted.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -38,6 +45,8 @@ pub struct WanBench {
     pub tokens: usize,
     pub rounds: usize,
     pub seed: u64,
+    /// Tokens drafted after each sampled token (0: plain decoding).
+    pub draft_tokens: Vec<usize>,
 }
 
 pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
@@ -55,6 +64,15 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
     );
     anyhow::ensure!(bench.tokens >= 2, "--tokens must be at least 2");
     anyhow::ensure!(bench.rounds >= 1, "--rounds must be at least 1");
+    anyhow::ensure!(
+        !bench.draft_tokens.is_empty()
+            && bench
+                .draft_tokens
+                .iter()
+                .all(|d| *d <= crate::runtime::serve::MAX_DRAFT_TOKENS),
+        "--draft-tokens takes 0 to {} tokens",
+        crate::runtime::serve::MAX_DRAFT_TOKENS
+    );
     let prompt = bench_prompt(&bench.model, None)?;
     let request = GenerateRequest {
         chat: true,
@@ -70,7 +88,9 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
     for &rtt in &rtts {
         for &stages in &bench.stages {
             for return_mode in [ReturnMode::Relayed, ReturnMode::Direct] {
-                configurations.push((rtt, stages, return_mode));
+                for &drafts in &bench.draft_tokens {
+                    configurations.push((rtt, stages, return_mode, drafts));
+                }
             }
         }
     }
@@ -80,7 +100,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
     for round in 0..bench.rounds {
         let unsplit = unsplit_generation(&bench.model, &prompt, true, bench.tokens).await?;
         let compute_ms = 1e3 / unsplit.decode_tokens_per_s.max(1e-9);
-        for (i, &(rtt, stages, return_mode)) in configurations.iter().enumerate() {
+        for (i, &(rtt, stages, return_mode, drafts)) in configurations.iter().enumerate() {
             // The baseline is the proxies alone: no delay, jitter or loss.
             let shape = if rtt == 0.0 {
                 LinkShape {
@@ -96,9 +116,15 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                 }
             };
             let seed = bench.seed.wrapping_add(round as u64);
-            let split = BenchSplit::behind_proxies(&bench.model, stages, return_mode, shape, seed)
-                .await
-                .context("starting the split behind its proxies")?;
+            let split = BenchSplit::behind_proxies(
+                &bench.model,
+                stages,
+                return_mode,
+                (shape, seed),
+                drafts,
+            )
+            .await
+            .context("starting the split behind its proxies")?;
             let requester = split.requester_addr()?;
             // Warm up (handshakes, assignment, slice loads), then measure.
             let warm = generate_remote(
@@ -129,7 +155,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                 .collect();
             let summary = measured.with_context(|| {
                 format!(
-                    "{stages} stages, {} return, {rtt} ms RTT",
+                    "{stages} stages, {} return, {rtt} ms RTT, {drafts} draft tokens",
                     return_mode.as_str()
                 )
             })?;
@@ -141,13 +167,20 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                 chain_ms_per_token: d["per_hop_overhead_us"].as_f64().unwrap_or(0.0) * hops as f64
                     / 1e3,
                 decode_round_trip_ms: d["decode_round_trip_ms"].as_f64().unwrap_or(0.0),
+                // A step's round trip shared by the tokens it gave.
+                decode_wait_ms_per_token: d["decode_round_trip_ms"].as_f64().unwrap_or(0.0)
+                    * d["decode_steps"].as_f64().unwrap_or(0.0)
+                    / (d["generated_tokens"].as_f64().unwrap_or(0.0) - 1.0).max(1.0),
                 generated: d["generated_tokens"].as_u64().unwrap_or(0),
+                decode_steps: d["decode_steps"].as_u64().unwrap_or(0),
+                spec_proposed: d["spec_proposed"].as_u64().unwrap_or(0),
+                spec_accepted: d["spec_accepted"].as_u64().unwrap_or(0),
                 proxies,
             });
         }
     }
     let mut rows = Vec::new();
-    for (&(rtt, stages, return_mode), samples_of) in configurations.iter().zip(&samples) {
+    for (&(rtt, stages, return_mode, drafts), samples_of) in configurations.iter().zip(&samples) {
         let hops = one_way_hops_per_step(stages, return_mode);
         // Jitter's mean is a lower bound of what it adds: datagrams keep
         // their order, so a late one holds back those behind it.
@@ -155,7 +188,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
         let floor_ms = hops as f64 * (rtt / 2.0 + jitter_ms / 2.0);
         let baseline = configurations
             .iter()
-            .position(|&(r, s, m)| r == 0.0 && s == stages && m == return_mode)
+            .position(|&(r, s, m, d)| r == 0.0 && s == stages && m == return_mode && d == drafts)
             .context("every configuration has its zero-delay baseline")?;
         // Round by round, so both figures of a difference come from the
         // same minute of this machine.
@@ -163,7 +196,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
             samples_of
                 .iter()
                 .zip(&samples[baseline])
-                .map(|(s, zero)| s.decode_round_trip_ms - zero.decode_round_trip_ms),
+                .map(|(s, zero)| s.decode_wait_ms_per_token - zero.decode_wait_ms_per_token),
         );
         let samples = samples_of;
         let ms_per_token = median(samples.iter().map(|s| s.ms_per_token));
@@ -174,10 +207,23 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                 .map(|s| s.ms_per_token - s.compute_ms_per_token),
         );
         let chain_ms = median(samples.iter().map(|s| s.chain_ms_per_token));
+        let proposed: u64 = samples.iter().map(|s| s.spec_proposed).sum();
+        let accepted: u64 = samples.iter().map(|s| s.spec_accepted).sum();
+        let steps: u64 = samples.iter().map(|s| s.decode_steps).sum();
+        let generated: u64 = samples.iter().map(|s| s.generated).sum();
         rows.push(json!({
             "rtt_ms": rtt,
             "stages": stages,
             "return_mode": return_mode.as_str(),
+            "draft_tokens": drafts,
+            "spec_proposed": proposed,
+            "spec_accepted": accepted,
+            "acceptance": if proposed == 0 { 0.0 } else { accepted as f64 / proposed as f64 },
+            // Tokens each decode step gave (1 without drafts).
+            "tokens_per_step": generated.saturating_sub(samples.len() as u64) as f64 / steps.max(1) as f64,
+            // Below one round trip of the chain per token: only drafts
+            // accepted get there.
+            "below_round_trip": rtt > 0.0 && ms_per_token < floor_ms,
             "rounds": samples.len(),
             "generated_tokens": samples.iter().map(|s| s.generated).collect::<Vec<_>>(),
             "ms_per_token": ms_per_token,
@@ -218,7 +264,13 @@ struct Sample {
     /// The coordinator's mean decode step, from sending its activation to
     /// reading the final hidden state: the chain's compute and its links.
     decode_round_trip_ms: f64,
+    /// The decode round trips per token: a step's round trip divided by
+    /// the tokens it gave (one, without drafts).
+    decode_wait_ms_per_token: f64,
     generated: u64,
+    decode_steps: u64,
+    spec_proposed: u64,
+    spec_accepted: u64,
     proxies: Vec<Value>,
 }
 
@@ -238,10 +290,12 @@ pub fn render_wan(report: &Value) -> String {
     );
     let _ = writeln!(
         out,
-        "{:>7} {:>6} {:>8} {:>10} {:>9} {:>12} {:>11} {:>11} {:>8} {:>11} {:>12}",
+        "{:>7} {:>6} {:>8} {:>6} {:>7} {:>10} {:>9} {:>12} {:>11} {:>11} {:>8} {:>11} {:>12}",
         "RTT ms",
         "stages",
         "return",
+        "drafts",
+        "tok/step",
         "ms/token",
         "compute",
         "minus comp.",
@@ -254,10 +308,12 @@ pub fn render_wan(report: &Value) -> String {
     for row in report["rows"].as_array().into_iter().flatten() {
         let _ = writeln!(
             out,
-            "{:>7.1} {:>6} {:>8} {:>10.2} {:>9.2} {:>12.2} {:>11.2} {:>11.2} {:>8.2} {:>11.2} {:>12.1}",
+            "{:>7.1} {:>6} {:>8} {:>6} {:>7.2} {:>10.2} {:>9.2} {:>12.2} {:>11.2} {:>11.2} {:>8.2} {:>11.2} {:>12.1}",
             row["rtt_ms"].as_f64().unwrap_or(0.0),
             row["stages"],
             row["return_mode"].as_str().unwrap_or(""),
+            row["draft_tokens"],
+            row["tokens_per_step"].as_f64().unwrap_or(0.0),
             row["ms_per_token"].as_f64().unwrap_or(0.0),
             row["compute_ms_per_token"].as_f64().unwrap_or(0.0),
             row["overhead_ms_per_token"].as_f64().unwrap_or(0.0),

@@ -49,6 +49,8 @@ pub struct Setup<'a> {
     pub step_timeout: Duration,
     pub return_mode: ReturnMode,
     pub prefill_chunk_tokens: usize,
+    /// Tokens the coordinator drafts after each sampled token (0: off).
+    pub draft_tokens: usize,
     /// The estimator's power: what this node's steward bills per second.
     pub milliwatts: u64,
     /// The power the router's estimate assumes, when not `milliwatts`: a
@@ -78,6 +80,7 @@ impl<'a> Setup<'a> {
             slice_idle: Duration::from_secs(600),
             return_mode: ReturnMode::Relayed,
             prefill_chunk_tokens: mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
+            draft_tokens: mesh_node::runtime::serve::DEFAULT_DRAFT_TOKENS,
             milliwatts: mesh_node::runtime::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
             estimate_milliwatts: None,
             step_timeout: Duration::from_secs(20),
@@ -124,6 +127,7 @@ impl<'a> Setup<'a> {
             max_requests: self.max_requests,
             return_mode: self.return_mode,
             prefill_chunk_tokens: self.prefill_chunk_tokens,
+            draft_tokens: self.draft_tokens,
             max_resumes: mesh_node::runtime::serve::DEFAULT_MAX_RESUMES,
             wire: WireDType::F32,
             meter: match self.estimate_milliwatts {

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use mesh_protocol::stage_frame::MAX_DECODE_ROWS;
 use mesh_stage::cache::CacheLease;
 use mesh_stage::frame::Activations;
 use mesh_stage::model::MAX_BATCH_ROWS;
@@ -41,13 +42,17 @@ struct Job {
     /// output; if the request has gone when the step is done, it is
     /// dropped there, which frees it.
     lease: CacheLease,
+    /// A decode step: each of its rows (the token sampled and the draft
+    /// after it) gets the bits it gets decoded alone.
+    decode: bool,
     reply: oneshot::Sender<Done>,
 }
 
-/// One request's final hidden state (one row), for the output head.
+/// One request's final hidden states (a row per position to sample), for
+/// the output head.
 struct HeadJob {
     hidden: Activations,
-    reply: oneshot::Sender<Result<Vec<f32>, EngineError>>,
+    reply: oneshot::Sender<Result<Vec<Vec<f32>>, EngineError>>,
 }
 
 enum Work {
@@ -96,8 +101,11 @@ impl Batcher {
         )
     }
 
-    /// Run one step of one request, batched with whatever else is waiting.
-    pub(super) async fn step(&self, input: StepInput, lease: CacheLease) -> Done {
+    /// Run one step of one request, batched with whatever else is waiting;
+    /// `decode` for a decode step, whose rows each get the bits they get
+    /// decoded alone (a prefill chunk's rows go through the matrices
+    /// together).
+    pub(super) async fn step(&self, input: StepInput, lease: CacheLease, decode: bool) -> Done {
         let (reply, done) = oneshot::channel();
         let request = lease.request();
         let gone = || EngineError::WrongInput("lost its batch worker");
@@ -105,6 +113,7 @@ impl Batcher {
             .send(Work::Step(Job {
                 input,
                 lease,
+                decode,
                 reply,
             }))
             .await
@@ -115,10 +124,10 @@ impl Batcher {
         })?
     }
 
-    /// The logits of one request's final hidden state (one row), through
-    /// the output head the slice holds, batched with the other requests'
-    /// rows waiting; each gets the bits it gets alone.
-    pub(super) async fn logits(&self, hidden: Activations) -> Result<Vec<f32>, EngineError> {
+    /// The logits of each row of one request's final hidden states,
+    /// through the output head the slice holds, batched with the other
+    /// requests' rows waiting; each row gets the bits it gets alone.
+    pub(super) async fn logits(&self, hidden: Activations) -> Result<Vec<Vec<f32>>, EngineError> {
         let (reply, done) = oneshot::channel();
         let gone = || EngineError::WrongInput("lost its batch worker");
         self.jobs
@@ -157,17 +166,21 @@ async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: A
     }
 }
 
-/// The output head over every waiting row in one pass. A row of the wrong
+/// The output head over every waiting row in one pass. A job of the wrong
 /// shape gets its error at once; an engine error (or panic) fails the pass.
 fn run_heads(slice: &LayerSlice, jobs: Vec<HeadJob>) {
     let hidden = slice.config().hidden;
     let mut rows = Vec::with_capacity(jobs.len());
     for job in jobs {
-        if job.hidden.rows == 1 && job.hidden.cols == hidden && job.hidden.values.len() == hidden {
+        let shape = &job.hidden;
+        if (1..=MAX_DECODE_ROWS).contains(&shape.rows)
+            && shape.cols == hidden
+            && shape.values.len() == shape.rows * hidden
+        {
             rows.push(job);
         } else {
             let _ = job.reply.send(Err(EngineError::WrongInput(
-                "was given a final hidden state that is not one row of the model's width",
+                "was given final hidden states that are not 1 to 16 rows of the model's width",
             )));
         }
     }
@@ -175,7 +188,7 @@ fn run_heads(slice: &LayerSlice, jobs: Vec<HeadJob>) {
         return;
     }
     let stacked = Activations {
-        rows: rows.len(),
+        rows: rows.iter().map(|job| job.hidden.rows).sum(),
         cols: hidden,
         values: rows
             .iter()
@@ -184,9 +197,11 @@ fn run_heads(slice: &LayerSlice, jobs: Vec<HeadJob>) {
     };
     let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| slice.logits(&stacked)));
     match outputs {
-        Ok(Ok(logits)) if logits.len() == rows.len() => {
-            for (job, logits) in rows.into_iter().zip(logits) {
-                let _ = job.reply.send(Ok(logits));
+        Ok(Ok(logits)) if logits.len() == stacked.rows => {
+            let mut logits = logits.into_iter();
+            for job in rows {
+                let own: Vec<Vec<f32>> = logits.by_ref().take(job.hidden.rows).collect();
+                let _ = job.reply.send(Ok(own));
             }
         }
         outcome => {
@@ -251,11 +266,12 @@ fn batches(slice: &LayerSlice, waiting: Vec<Job>) -> Vec<Vec<Job>> {
 /// the pass fails, and dropping their leases frees those caches.
 fn run(slice: &LayerSlice, mut batch: Vec<Job>) {
     let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let decode: Vec<bool> = batch.iter().map(|job| job.decode).collect();
         let mut steps: Vec<(SliceInput<'_>, &mut mesh_stage::SliceCache)> = batch
             .iter_mut()
             .map(|job| (job.input.as_input(), job.lease.cache()))
             .collect();
-        slice.forward_batch(&mut steps)
+        slice.forward_batch_rows(&mut steps, &decode)
     }));
     match outputs {
         Ok(Ok(outputs)) if outputs.len() == batch.len() => {

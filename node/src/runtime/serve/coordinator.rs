@@ -406,6 +406,9 @@ async fn serve_request(
             && inner.wire == WireDType::F32
             && admitted.prompt_ids.len() <= inner.prefill_chunk_tokens,
         decided: None,
+        decode_steps: 0,
+        spec_proposed: 0,
+        spec_accepted: 0,
     };
     let mut run = run.clone();
     let mut interrupted: Vec<Interrupted<'_>> = Vec::new();
@@ -746,13 +749,7 @@ impl<'a> Admitted<'a> {
         let kept = match keep.as_ref().filter(|keep| keep.own) {
             Some(keep) => {
                 let mut lease = self.held.cache.take().context("the request's cache")?;
-                let positions = keep.positions;
-                // Cutting it back copies the cache: not on the runtime's threads.
-                let lease = tokio::task::spawn_blocking(move || {
-                    lease.cache().truncate(positions).map(|()| lease)
-                })
-                .await
-                .context("cutting back the kept cache")??;
+                lease.cache().truncate(keep.positions)?;
                 Some(lease)
             }
             None => {
@@ -812,6 +809,11 @@ struct Progress {
     deterministic: bool,
     /// A decision's probability per option, once scored.
     decided: Option<Vec<f64>>,
+    /// Decode steps answered (fewer than tokens when drafts are accepted).
+    decode_steps: u64,
+    /// Drafted tokens sent for verification, and those the model chose.
+    spec_proposed: u64,
+    spec_accepted: u64,
 }
 
 /// What driving one chain (one segment of the request) gave.
@@ -836,9 +838,9 @@ struct Driven {
     replayed_in: Option<Duration>,
     /// Nodes that kept their caches from the segment before.
     kept: Vec<[u8; 32]>,
-    /// Whether its first token came from a decode step (caches kept), not
-    /// from the end of a prefill.
-    first_by_decode: bool,
+    /// Positions this segment's own slice ran in decode steps (drafts
+    /// included): its block's `decode`.
+    own_decode_rows: u64,
 }
 
 /// A segment that lost its chain, kept to be sealed with the rest.
@@ -1128,6 +1130,9 @@ async fn drive(
         requester_gone,
         own_outputs,
         decided,
+        decode_steps,
+        spec_proposed,
+        spec_accepted,
         ..
     } = progress;
     let started = Instant::now();
@@ -1167,6 +1172,17 @@ async fn drive(
     }
     let first_peer = run.peers[0].clone();
     let final_stage = run.peers[run.peers.len() - 1].clone();
+    // Speculative decoding: after each token sampled, up to `draft_tokens`
+    // drafted by prompt lookup go down in the same step; greedy
+    // verification keeps those the model itself chooses, so the tokens are
+    // those of plain greedy decoding.
+    let drafting =
+        inner.draft_tokens > 0 && decision.is_none() && request.sampling.temperature <= 0.0;
+    let lookup = mesh_stage::draft::Lookup::default();
+    let mut history = prefix.clone();
+    // The draft riding on the decode step in flight.
+    let mut draft: Vec<u32> = Vec::new();
+    let mut own_decode_rows: u64 = 0;
 
     let outcome: anyhow::Result<(anyhow::Result<TerminalState>, Tail)> = async {
         let (mut send, recv) = inner.open(&first_peer, ALPN_STAGE).await?;
@@ -1269,10 +1285,16 @@ async fn drive(
                     } else {
                         let compute_start = Instant::now();
                         let lease = held.cache.take().context("the request's cache")?;
+                        let decode = step as usize >= prefill.len();
+                        // A kept chain's first step (the prompt's last
+                        // position) decodes too.
+                        if decode || (keep.is_some() && step as usize + 1 == prefill.len()) {
+                            own_decode_rows += input.len() as u64;
+                        }
                         let (output, lease) = run
                             .own
                             .batcher
-                            .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease)
+                            .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease, decode)
                             .await?;
                         held.cache = Some(lease);
                         *own_compute += compute_start.elapsed();
@@ -1463,10 +1485,14 @@ async fn drive(
                 }
                 let (hidden, dtype) = decode_frame(payload, run.own.slice.config().hidden)
                     .context("the final stage's hidden state")?;
-                if hidden.rows != 1 || dtype != WireDType::F32 {
+                // A row per position of a decode step (the token sampled
+                // and its draft); one row, the last position, for a
+                // prefill step.
+                if hidden.rows != 1 + draft.len() || dtype != WireDType::F32 {
                     bail!(
-                        "the final stage returned {} rows of {dtype:?}, not one of F32",
-                        hidden.rows
+                        "the final stage returned {} rows of {dtype:?}, not {} of F32",
+                        hidden.rows,
+                        1 + draft.len()
                     );
                 }
                 if hidden.values.iter().any(|v| !v.is_finite()) {
@@ -1503,46 +1529,108 @@ async fn drive(
                 if let Some(decision) = &decision {
                     // A typed decision is answered here: every option
                     // scored at the prompt's last position, nothing sampled.
-                    *decided = Some(decision.score(&logits)?);
+                    *decided = Some(decision.score(logits.last().context("no logits")?)?);
                     *finish_reason = "stop";
                     return Ok(TerminalState::Completed);
                 }
-                let next = sampler.sample(&logits).context("no logits")?;
-                tokens.push(next);
-                let eos = codec.is_eos(next);
-                let last = eos || tokens.len() >= max_new;
-                let visible: Vec<u32> = tokens
-                    .iter()
-                    .copied()
-                    .filter(|t| !codec.is_eos(*t))
-                    .collect();
-                let decoded = codec.decode(&visible)?;
-                let (end, stopped) = shown_end(&decoded, &request.stop, last);
-                let shown = decoded.get(..end).unwrap_or("");
-                let piece = shown
-                    .strip_prefix(printed.as_str())
-                    .unwrap_or("")
-                    .to_string();
-                *printed = shown.to_string();
-                // Every token but an end-of-sequence one is announced; an
-                // end-of-sequence one only when it releases held-back text.
-                if !eos || !piece.is_empty() {
-                    let token = ControlReply::Token {
-                        id: next.into(),
-                        text: piece,
-                    };
-                    if msg::write_cbor(requester, &token.to_cbor()).await.is_err() {
-                        return Ok(TerminalState::ClientCancelled);
+                if step as usize >= prefill.len() {
+                    *decode_steps += 1;
+                }
+                // Row i is sampled once every drafted token before it was
+                // the model's own choice; the first that is not ends the
+                // step, and the token chosen in its place goes on.
+                let proposed = std::mem::take(&mut draft);
+                let mut accepted = 0;
+                let mut next = 0;
+                let mut finished = false;
+                for (i, row) in logits.iter().enumerate() {
+                    next = sampler.sample(row).context("no logits")?;
+                    let agreed = proposed.get(i) == Some(&next);
+                    accepted += usize::from(agreed);
+                    tokens.push(next);
+                    history.push(next);
+                    let eos = codec.is_eos(next);
+                    let last = eos || tokens.len() >= max_new;
+                    let visible: Vec<u32> = tokens
+                        .iter()
+                        .copied()
+                        .filter(|t| !codec.is_eos(*t))
+                        .collect();
+                    let decoded = codec.decode(&visible)?;
+                    let (end, stopped) = shown_end(&decoded, &request.stop, last);
+                    let shown = decoded.get(..end).unwrap_or("");
+                    let piece = shown
+                        .strip_prefix(printed.as_str())
+                        .unwrap_or("")
+                        .to_string();
+                    *printed = shown.to_string();
+                    // Every token but an end-of-sequence one is announced; an
+                    // end-of-sequence one only when it releases held-back text.
+                    if !eos || !piece.is_empty() {
+                        let token = ControlReply::Token {
+                            id: next.into(),
+                            text: piece,
+                        };
+                        if msg::write_cbor(requester, &token.to_cbor()).await.is_err() {
+                            *spec_proposed += proposed.len() as u64;
+                            *spec_accepted += accepted as u64;
+                            return Ok(TerminalState::ClientCancelled);
+                        }
+                    }
+                    if eos || stopped {
+                        *finish_reason = "stop";
+                    }
+                    if last || stopped {
+                        finished = true;
+                        break;
+                    }
+                    if !agreed {
+                        break;
                     }
                 }
+                *spec_proposed += proposed.len() as u64;
+                *spec_accepted += accepted as u64;
                 step += 1;
-                if eos || stopped {
-                    *finish_reason = "stop";
-                }
-                if last || stopped {
+                if finished {
                     return Ok(TerminalState::Completed);
                 }
-                input = vec![next];
+                let rejected = proposed.len() - accepted;
+                if rejected > 0 {
+                    // The rejected positions leave every cache before the
+                    // next step: the own one here, the stages' by REWIND.
+                    let lease = held.cache.as_mut().context("the request's cache")?;
+                    let positions = lease.positions() - rejected;
+                    lease.cache().truncate(positions)?;
+                    if let Some(out) = own_outputs.as_mut() {
+                        out.truncate(positions * hidden_size);
+                    }
+                    let rewind = Rewind {
+                        positions: positions as u64,
+                    };
+                    if let Err(error) = write_forward(
+                        &mut send,
+                        &msg::stage_body(kind::REWIND, request_id, step, &rewind.encode()),
+                        &mut lanes.down_sent,
+                        &mut folds,
+                        0,
+                        step,
+                    )
+                    .await
+                    {
+                        let received = Some(&mut lanes.down_replies_received);
+                        return Err(match recv.as_mut() {
+                            Some(recv) => refusal_behind(recv, error, "stage 1", received).await,
+                            None => error,
+                        });
+                    }
+                }
+                if drafting {
+                    // All of a draft accepted gives one token more than it
+                    // holds: never past max_tokens.
+                    let room = max_new.saturating_sub(tokens.len() + 1).min(inner.draft_tokens);
+                    draft = lookup.propose(&history, room);
+                }
+                input = std::iter::once(next).chain(draft.iter().copied()).collect();
                 to_send = true;
             }
         }
@@ -1663,7 +1751,7 @@ async fn drive(
             .as_ref()
             .filter(|_| tokens.len() > first_token)
             .map_or(Vec::new(), |keep| keep.nodes.clone()),
-        first_by_decode: keep.is_some(),
+        own_decode_rows,
     })
 }
 
@@ -1840,7 +1928,7 @@ fn seal_segment(
     driven: &Driven,
     records: &[Vec<SealedRecord>],
 ) -> anyhow::Result<(mesh_protocol::split::SealedSplit, u64)> {
-    let (terminal, prefilled, tokens) = (driven.terminal, driven.prefilled, driven.tokens);
+    let (terminal, prefilled) = (driven.terminal, driven.prefilled);
     let lanes = driven.lanes.whole()?;
     let n = run.assigns.len() as u32;
     let own_block = admitted.scope.block(
@@ -1866,11 +1954,7 @@ fn seal_segment(
         },
         Tokens {
             prefill_received: prefilled as u64,
-            decode: if driven.first_by_decode {
-                tokens
-            } else {
-                tokens.saturating_sub(1)
-            } as u64,
+            decode: driven.own_decode_rows,
         },
         terminal,
     );
@@ -2055,8 +2139,8 @@ fn seal(
         tokens_out: tokens.len() as u64,
         tokens_accepted: visible.len() as u64,
         cache_hit_tokens: 0,
-        spec_proposed: 0,
-        spec_accepted: 0,
+        spec_proposed: progress.spec_proposed,
+        spec_accepted: progress.spec_accepted,
         fidelity_floor: serve.fidelity_floor,
         fidelity: Some(FidelityReport {
             advertised,
@@ -2232,7 +2316,10 @@ async fn report(
         "token_ids": tokens,
         "prefill_ms": prefill_time.as_secs_f64() * 1e3,
         "decode_tokens_per_s": (tokens.len().saturating_sub(1)) as f64 / decode_time.as_secs_f64().max(1e-9),
-        "decode_round_trip_ms": decode_round_trips.as_secs_f64() * 1e3 / (tokens.len().saturating_sub(1)).max(1) as f64,
+        "decode_round_trip_ms": decode_round_trips.as_secs_f64() * 1e3 / progress.decode_steps.max(1) as f64,
+        "decode_steps": progress.decode_steps,
+        "spec_proposed": progress.spec_proposed,
+        "spec_accepted": progress.spec_accepted,
         "stages": stages,
         "resumes": resumes,
         "per_hop_overhead_us": overhead.as_secs_f64() * 1e6 / steps / hops.max(1.0),
@@ -2318,6 +2405,11 @@ pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
 /// The most prompt positions one prefill step may carry: a step's frame
 /// and its attention scores grow with it.
 pub const MAX_PREFILL_CHUNK_TOKENS: usize = 4096;
+/// Tokens drafted after each sampled token, unless configured.
+pub const DEFAULT_DRAFT_TOKENS: usize = 0;
+/// The most tokens one decode step may draft: a decode step carries at
+/// most `MAX_DECODE_ROWS` positions, the sampled token among them.
+pub const MAX_DRAFT_TOKENS: usize = mesh_protocol::stage_frame::MAX_DECODE_ROWS - 1;
 
 /// The first of `stages` whose mesh connection closed (checked on every
 /// change, and every 250 ms); never, for a node in no mesh. A member only

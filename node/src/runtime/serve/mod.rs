@@ -29,6 +29,7 @@ use mesh_protocol::mesh1::{
 use mesh_protocol::receipt::Assignment;
 use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
 use mesh_protocol::split::{SealEnvironment, SplitSealInput, seal_split};
+use mesh_protocol::stage_frame::{MAX_DECODE_ROWS, Rewind};
 use mesh_stage::cache::{CacheLease, CachePool};
 use mesh_stage::frame::{WireDType, decode_frame, encode_frame};
 use mesh_stage::sampling::{Sampler, SamplingParams};
@@ -49,9 +50,9 @@ mod kept;
 mod route;
 mod stats;
 pub use coordinator::{
-    DEFAULT_PREFILL_CHUNK_TOKENS, GenerateRequest, GenerateSummary, GrantedServe,
-    MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, RequestBounds, generate_remote,
-    one_way_hops_per_step, plan_remote,
+    DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, GenerateRequest, GenerateSummary,
+    GrantedServe, MAX_DRAFT_TOKENS, MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN,
+    RequestBounds, generate_remote, one_way_hops_per_step, plan_remote,
 };
 pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
 
@@ -148,6 +149,10 @@ pub struct NodeOptions {
     pub return_mode: ReturnMode,
     /// Prompt positions per prefill step (1..=MAX_PREFILL_CHUNK_TOKENS).
     pub prefill_chunk_tokens: usize,
+    /// Tokens a coordinator drafts by prompt lookup after each token it
+    /// samples, verified by the chain in the same step (0..=MAX_DRAFT_TOKENS;
+    /// 0 turns speculative decoding off). Greedy requests only.
+    pub draft_tokens: usize,
     /// How many times one request may go on over a new chain after losing
     /// a stage (a chain planned over a mesh only).
     pub max_resumes: usize,
@@ -381,6 +386,7 @@ struct Inner {
     max_requests: usize,
     return_mode: ReturnMode,
     prefill_chunk_tokens: usize,
+    draft_tokens: usize,
     max_resumes: usize,
     wire: WireDType,
     slots: Mutex<HashMap<String, Arc<Slot>>>,
@@ -556,6 +562,7 @@ impl Node {
             prefill_chunk_tokens: options
                 .prefill_chunk_tokens
                 .clamp(1, MAX_PREFILL_CHUNK_TOKENS),
+            draft_tokens: options.draft_tokens.min(MAX_DRAFT_TOKENS),
             max_resumes: options.max_resumes.min(MAX_RESUMES),
             wire: options.wire,
             slots: Mutex::new(HashMap::new()),
@@ -1308,9 +1315,12 @@ fn failed_reason(reason: &str) -> &[u8] {
 }
 
 /// The longest reply a stage sends upstream: a FAILED reason, or the final
-/// stage's hidden state at one position, in f32 (`hidden` wide).
+/// stage's hidden state at a decode step's positions (at most
+/// `MAX_DECODE_ROWS`), in f32 (`hidden` wide).
 fn max_reply(hidden: usize) -> usize {
-    (mesh_protocol::stage_frame::STAGE_HEADER + mesh_stage::frame::FRAME_HEADER_BYTES + 4 * hidden)
+    (mesh_protocol::stage_frame::STAGE_HEADER
+        + mesh_stage::frame::FRAME_HEADER_BYTES
+        + 4 * hidden * MAX_DECODE_ROWS)
         .max(MAX_FAILED_REPLY)
 }
 
@@ -1843,11 +1853,7 @@ async fn take_kept(
             lease.positions()
         );
     }
-    // Cutting it back copies the cache: not on the runtime's threads.
-    let mut lease =
-        tokio::task::spawn_blocking(move || lease.cache().truncate(positions).map(|()| lease))
-            .await
-            .context("cutting back the kept cache")??;
+    lease.cache().truncate(positions)?;
     lease.rekey(request_id)?;
     Ok(lease)
 }
@@ -1909,6 +1915,8 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         decode: 0,
     };
     let mut stats = StageStats::default();
+    // Positions a REWIND may still drop: the last decode step's draft.
+    let mut rewindable: usize = 0;
     // Whether upstream stopped sending: then nothing is reported to it.
     let mut upstream_gone = false;
     lock(&inner.steward).begin_engine(&mut ticket);
@@ -1999,17 +2007,29 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     // A replay step whose output the next stage, which kept
                     // its cache, does not need.
                     let silent = u64::from(stats.steps) < silent_steps;
-                    if u64::from(stats.steps) < prefill_steps {
-                        tokens.prefill_received += activations.rows as u64;
+                    // A decode step carries the token sampled and the
+                    // draft after it: each row is answered, and each gets
+                    // the bits it gets decoded alone.
+                    let decode = u64::from(stats.steps) >= prefill_steps;
+                    let rows = activations.rows;
+                    if decode && rows > MAX_DECODE_ROWS {
+                        bail!(
+                            "a decode step of {rows} positions: at most {MAX_DECODE_ROWS} (a token and its draft)"
+                        );
+                    }
+                    if decode {
+                        tokens.decode += rows as u64;
+                        rewindable = rows.min(MAX_DECODE_ROWS).saturating_sub(1);
                     } else {
-                        tokens.decode += 1;
+                        tokens.prefill_received += rows as u64;
+                        rewindable = 0;
                     }
                     stats.steps += 1;
                     let start = Instant::now();
                     let lease = cache.take().context("the request's cache")?;
                     let (output, lease) = slot
                         .batcher
-                        .step(batch::StepInput::Hidden(activations), lease)
+                        .step(batch::StepInput::Hidden(activations), lease, decode)
                         .await?;
                     cache = Some(lease);
                     stats.compute += start.elapsed();
@@ -2077,15 +2097,17 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                         }
                         SliceOutput::Logits(_) => bail!("a chain's slice returned logits"),
                         SliceOutput::Hidden(a) => {
-                            // The final stage: its hidden state at the step's
-                            // last position, in f32 whatever the wire, for
-                            // the coordinator's output head.
-                            let last = a
+                            // The final stage: in f32 whatever the wire, for
+                            // the coordinator's output head, every row of a
+                            // decode step (each position is sampled or
+                            // checks a drafted token), else the step's last.
+                            let answered = if decode { a.rows } else { 1 };
+                            let rows = a
                                 .values
-                                .get(a.rows.saturating_sub(1) * a.cols..)
-                                .filter(|row| !row.is_empty())
+                                .get(a.rows.saturating_sub(answered) * a.cols..)
+                                .filter(|rows| !rows.is_empty())
                                 .context("the final slice returned no hidden state")?;
-                            let payload = encode_frame(last, 1, a.cols, WireDType::F32)?;
+                            let payload = encode_frame(rows, answered, a.cols, WireDType::F32)?;
                             let body = msg::stage_body(kind::HIDDEN, request_id, step, &payload);
                             let bytes = msg::frame(&body)?;
                             match (&mut direct, lanes.direct_sent.as_mut()) {
@@ -2111,6 +2133,28 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                                 }
                             }
                         }
+                    }
+                }
+                kind::REWIND => {
+                    // Only the last decode step's draft can be dropped, and
+                    // only once: the positions before it are the request's.
+                    let Rewind { positions } = Rewind::parse(payload)?;
+                    let lease = cache.as_mut().context("the request's cache")?;
+                    let held = lease.positions();
+                    let keep = usize::try_from(positions).unwrap_or(usize::MAX);
+                    if keep >= held {
+                        bail!("a rewind to {keep} positions of {held} drops nothing");
+                    }
+                    if held - keep > rewindable {
+                        bail!(
+                            "a rewind to {keep} positions of {held} drops more than the last step's draft ({rewindable} positions)"
+                        );
+                    }
+                    lease.cache().truncate(keep)?;
+                    rewindable = 0;
+                    if let (Some((send, _)), Some(sent)) = (down.as_mut(), lanes.down_sent.as_mut())
+                    {
+                        write_forward(send, &frame[4..], sent, &mut folds, k, step).await?;
                     }
                 }
                 kind::STOP => {

@@ -1,0 +1,153 @@
+//! Speculative decoding across the chain (issue 12, item 5): the
+//! coordinator drafts tokens by prompt lookup, the chain verifies each draft
+//! in one decode step (every position answered), and a rejected tail is
+//! dropped from every cache by REWIND. The tokens equal plain greedy
+//! decoding's, in both return modes; the receipt counts what was proposed
+//! and accepted; the bundle verifies with every hop agreeing; every pool is
+//! empty afterwards.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::nodes::{Setup, ask, no_lane_breaks, pools_empty_within, receipt_of, request, verify};
+use mesh_protocol::block::ReturnMode;
+
+/// A prompt that repeats itself, so lookup drafts find something.
+const PROMPT: &str = "Repeat the list exactly: apples, pears, plums, figs, dates, limes. \
+     Again: apples, pears, plums, figs, dates, limes. Again: apples, pears,";
+
+struct Served {
+    tokens: Vec<u64>,
+    proposed: u64,
+    accepted: u64,
+    decode_steps: u64,
+    /// Every stage block's `decode` (the coordinator's and each stage's).
+    block_decodes: Vec<u64>,
+}
+
+/// The `tokens.decode` of every stage block a bundle holds.
+fn block_decodes(value: &serde_json::Value, found: &mut Vec<u64>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            if let Some(decode) = map
+                .get("tokens")
+                .and_then(|t| t.get("decode"))
+                .and_then(serde_json::Value::as_u64)
+            {
+                found.push(decode);
+            }
+            map.values().for_each(|v| block_decodes(v, found));
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| block_decodes(v, found)),
+        _ => {}
+    }
+}
+
+async fn serve(model: &Path, dir: &Path, mode: ReturnMode, draft_tokens: usize) -> Served {
+    let setup = |name: &str, seed: u8| {
+        let mut stage = Setup::stage(model, dir, name, seed);
+        stage.return_mode = mode;
+        stage
+    };
+    let b = setup("b", 2).start().await;
+    let c = setup("c", 3).start().await;
+    let mut a = Setup::coordinator(model, dir, vec![b.peer_addr(), c.peer_addr()]);
+    a.return_mode = mode;
+    a.draft_tokens = draft_tokens;
+    let a = a.start().await;
+    let summary = ask(&a.peer_addr(), &request(PROMPT, 40, None))
+        .await
+        .unwrap();
+    assert_eq!(summary.terminal_state, "completed", "{:?}", summary.error);
+    let receipt = receipt_of(&summary);
+    let bundle = summary.bundle.as_ref().unwrap();
+    let (code, report) = verify(dir, bundle);
+    assert_eq!(code, 0, "{report:#}");
+    no_lane_breaks(&report);
+    let nodes = [a, b, c];
+    pools_empty_within(
+        &nodes,
+        std::time::Instant::now(),
+        Duration::from_secs(5),
+        "a speculative serve",
+    )
+    .await;
+    for node in nodes {
+        node.shutdown().await;
+    }
+    let details = &summary.details;
+    let mut decodes = Vec::new();
+    block_decodes(bundle, &mut decodes);
+    Served {
+        block_decodes: decodes,
+        tokens: details["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect(),
+        proposed: receipt.spec_proposed,
+        accepted: receipt.spec_accepted,
+        decode_steps: details["decode_steps"].as_u64().unwrap(),
+    }
+}
+
+async fn drafts_keep_the_greedy_tokens(model: &Path) {
+    for mode in [ReturnMode::Direct, ReturnMode::Relayed] {
+        let plain_dir = tempfile::tempdir().unwrap();
+        let plain = serve(model, plain_dir.path(), mode, 0).await;
+        assert_eq!(plain.proposed, 0);
+        assert_eq!(plain.decode_steps as usize, plain.tokens.len() - 1);
+        assert_eq!(plain.block_decodes, vec![plain.decode_steps; 3]);
+        let drafted_dir = tempfile::tempdir().unwrap();
+        let drafted = serve(model, drafted_dir.path(), mode, 4).await;
+        assert_eq!(
+            drafted.tokens, plain.tokens,
+            "{mode:?}: drafted tokens differ from greedy decoding's"
+        );
+        // Something was drafted, some of it was the model's own choice
+        // and some not (so a REWIND went down the chain), and accepted
+        // drafts saved decode steps.
+        assert!(
+            drafted.proposed > drafted.accepted,
+            "{mode:?}: {} proposed, {} accepted",
+            drafted.proposed,
+            drafted.accepted
+        );
+        assert!(drafted.accepted > 0, "{mode:?}: nothing accepted");
+        // Every node ran every position of every decode step, rejected
+        // drafts included.
+        assert_eq!(
+            drafted.block_decodes,
+            vec![drafted.decode_steps + drafted.proposed; 3],
+            "{mode:?}"
+        );
+        // Each decode step gives its accepted drafts and one token more,
+        // but the last when it ends (end of sequence) on an accepted one.
+        let saved = (drafted.tokens.len() - 1 - drafted.decode_steps as usize) as u64;
+        assert!(
+            saved == drafted.accepted || saved + 1 == drafted.accepted,
+            "{mode:?}: {} decode steps for {} tokens with {} accepted",
+            drafted.decode_steps,
+            drafted.tokens.len(),
+            drafted.accepted
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn drafts_keep_the_greedy_tokens_of_the_synthetic_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::nodes::synthetic(dir.path());
+    drafts_keep_the_greedy_tokens(&model).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn drafts_keep_the_greedy_tokens_of_smollm2() {
+    let Some(model) = common::smollm2("drafts_keep_the_greedy_tokens_of_smollm2") else {
+        return;
+    };
+    drafts_keep_the_greedy_tokens(&model).await;
+}
