@@ -583,6 +583,13 @@ enum BenchTarget {
         /// (speculative decoding; 0: off), one measurement each.
         #[arg(long, value_delimiter = ',', default_value = "0,4")]
         draft_tokens: Vec<usize>,
+        /// Draft with this model (same tokenizer as --model) instead of
+        /// prompt lookup.
+        #[arg(long)]
+        draft_model: Option<PathBuf>,
+        /// The prompt (default: a short chat request for a story).
+        #[arg(long)]
+        prompt: Option<String>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -1323,11 +1330,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     rounds,
                     seed,
                     draft_tokens,
+                    draft_model,
+                    prompt,
                     json,
                 },
         } => {
             let bench = mesh_node::tools::bench_wan::WanBench {
                 draft_tokens,
+                draft_model,
+                prompt,
                 model: bench_model(model)?,
                 rtts_ms: rtt_ms,
                 stages,

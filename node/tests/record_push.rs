@@ -109,6 +109,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         max_requests: 2,
         prefill_chunk_tokens: mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
         draft_tokens: mesh_node::runtime::serve::DEFAULT_DRAFT_TOKENS,
+        draft_model: None,
         max_resumes: mesh_node::runtime::serve::DEFAULT_MAX_RESUMES,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,

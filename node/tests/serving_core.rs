@@ -612,9 +612,10 @@ async fn a_split_over_delayed_lossy_links_gives_the_clean_tokens() {
         .enumerate()
     {
         // Drafts ride the lossy links too: tokens and lanes still agree.
-        let split = BenchSplit::behind_proxies(&model, 3, mode, (shape, 100 + 10 * run as u64), 4)
-            .await
-            .unwrap();
+        let split =
+            BenchSplit::behind_proxies(&model, 3, mode, (shape, 100 + 10 * run as u64), (4, None))
+                .await
+                .unwrap();
         let lossy = ask(&split.requester_addr().unwrap(), &request(prompt, 12, None))
             .await
             .unwrap();

@@ -1,5 +1,6 @@
 //! Speculative decoding across the chain (issue 12, item 5): the
-//! coordinator drafts tokens by prompt lookup, the chain verifies each draft
+//! coordinator drafts tokens (by prompt lookup, or with a draft model it
+//! holds), the chain verifies each draft
 //! in one decode step (every position answered), and a rejected tail is
 //! dropped from every cache by REWIND. The tokens equal plain greedy
 //! decoding's, in both return modes; the receipt counts what was proposed
@@ -12,6 +13,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::nodes::{Setup, ask, no_lane_breaks, pools_empty_within, receipt_of, request, verify};
+use mesh_node::runtime::serve::GenerateRequest;
 use mesh_protocol::block::ReturnMode;
 
 /// A prompt that repeats itself, so lookup drafts find something.
@@ -25,6 +27,7 @@ struct Served {
     decode_steps: u64,
     /// Every stage block's `decode` (the coordinator's and each stage's).
     block_decodes: Vec<u64>,
+    drafts_from: Option<String>,
 }
 
 /// The `tokens.decode` of every stage block a bundle holds.
@@ -45,7 +48,21 @@ fn block_decodes(value: &serde_json::Value, found: &mut Vec<u64>) {
     }
 }
 
-async fn serve(model: &Path, dir: &Path, mode: ReturnMode, draft_tokens: usize) -> Served {
+/// How the coordinator drafts.
+#[derive(Clone, Copy)]
+enum Drafts<'a> {
+    Off,
+    Lookup(usize),
+    Model(&'a Path),
+}
+
+async fn serve(
+    model: &Path,
+    dir: &Path,
+    mode: ReturnMode,
+    drafts: Drafts<'_>,
+    asked: &GenerateRequest,
+) -> Served {
     let setup = |name: &str, seed: u8| {
         let mut stage = Setup::stage(model, dir, name, seed);
         stage.return_mode = mode;
@@ -55,11 +72,16 @@ async fn serve(model: &Path, dir: &Path, mode: ReturnMode, draft_tokens: usize) 
     let c = setup("c", 3).start().await;
     let mut a = Setup::coordinator(model, dir, vec![b.peer_addr(), c.peer_addr()]);
     a.return_mode = mode;
-    a.draft_tokens = draft_tokens;
+    match drafts {
+        Drafts::Off => a.draft_tokens = 0,
+        Drafts::Lookup(tokens) => a.draft_tokens = tokens,
+        Drafts::Model(path) => {
+            a.draft_tokens = mesh_node::runtime::serve::DRAFT_MODEL_TOKENS;
+            a.draft_model = Some(path.to_path_buf());
+        }
+    }
     let a = a.start().await;
-    let summary = ask(&a.peer_addr(), &request(PROMPT, 40, None))
-        .await
-        .unwrap();
+    let summary = ask(&a.peer_addr(), asked).await.unwrap();
     assert_eq!(summary.terminal_state, "completed", "{:?}", summary.error);
     let receipt = receipt_of(&summary);
     let bundle = summary.bundle.as_ref().unwrap();
@@ -82,6 +104,7 @@ async fn serve(model: &Path, dir: &Path, mode: ReturnMode, draft_tokens: usize) 
     block_decodes(bundle, &mut decodes);
     Served {
         block_decodes: decodes,
+        drafts_from: details["drafts_from"].as_str().map(str::to_string),
         tokens: details["token_ids"]
             .as_array()
             .unwrap()
@@ -97,12 +120,28 @@ async fn serve(model: &Path, dir: &Path, mode: ReturnMode, draft_tokens: usize) 
 async fn drafts_keep_the_greedy_tokens(model: &Path) {
     for mode in [ReturnMode::Direct, ReturnMode::Relayed] {
         let plain_dir = tempfile::tempdir().unwrap();
-        let plain = serve(model, plain_dir.path(), mode, 0).await;
+        let plain = serve(
+            model,
+            plain_dir.path(),
+            mode,
+            Drafts::Off,
+            &request(PROMPT, 40, None),
+        )
+        .await;
+        assert_eq!(plain.drafts_from, None);
         assert_eq!(plain.proposed, 0);
         assert_eq!(plain.decode_steps as usize, plain.tokens.len() - 1);
         assert_eq!(plain.block_decodes, vec![plain.decode_steps; 3]);
         let drafted_dir = tempfile::tempdir().unwrap();
-        let drafted = serve(model, drafted_dir.path(), mode, 4).await;
+        let drafted = serve(
+            model,
+            drafted_dir.path(),
+            mode,
+            Drafts::Lookup(4),
+            &request(PROMPT, 40, None),
+        )
+        .await;
+        assert_eq!(drafted.drafts_from.as_deref(), Some("prompt lookup"));
         assert_eq!(
             drafted.tokens, plain.tokens,
             "{mode:?}: drafted tokens differ from greedy decoding's"
@@ -150,4 +189,123 @@ async fn drafts_keep_the_greedy_tokens_of_smollm2() {
         return;
     };
     drafts_keep_the_greedy_tokens(&model).await;
+}
+
+/// A prompt that does not repeat itself: prompt lookup finds little.
+const STORY: &str = "Write a short story about a dragon who learns to fly.";
+
+/// A draft model with the served model's tokenizer drafts instead of
+/// prompt lookup. `draft` is the served model itself (run whole on the
+/// coordinator, so most drafts are the chain's own choice) or
+/// another model with its tokenizer (most drafts rejected). Either way the
+/// tokens are plain greedy decoding's, every node ran every drafted
+/// position, and the draft cache is given back (the pools are empty).
+async fn a_draft_model_keeps_the_greedy_tokens(
+    model: &Path,
+    draft: &Path,
+    itself: bool,
+    chat: bool,
+) {
+    let story = GenerateRequest {
+        chat,
+        ..request(STORY, 40, None)
+    };
+    let plain_dir = tempfile::tempdir().unwrap();
+    let plain = serve(
+        model,
+        plain_dir.path(),
+        ReturnMode::Direct,
+        Drafts::Off,
+        &story,
+    )
+    .await;
+    let drafted_dir = tempfile::tempdir().unwrap();
+    let drafted = serve(
+        model,
+        drafted_dir.path(),
+        ReturnMode::Direct,
+        Drafts::Model(draft),
+        &story,
+    )
+    .await;
+    assert_eq!(drafted.tokens, plain.tokens);
+    let from = drafted.drafts_from.unwrap_or_default();
+    assert!(
+        from.starts_with("draft model") && !from.contains("stopped"),
+        "{from}"
+    );
+    assert!(
+        drafted.proposed > 0,
+        "{} tokens, {} steps",
+        drafted.tokens.len(),
+        drafted.decode_steps
+    );
+    if itself {
+        assert!(
+            // Not all: the draft cache takes the prompt in other passes
+            // than the chain (its last token apart), so a near tie can
+            // fall the other way.
+            drafted.accepted * 4 >= drafted.proposed * 3,
+            "{} of {} drafts accepted",
+            drafted.accepted,
+            drafted.proposed
+        );
+        assert!(
+            drafted.decode_steps * 3 < plain.decode_steps,
+            "{} steps",
+            drafted.decode_steps
+        );
+    } else {
+        assert!(drafted.proposed > drafted.accepted);
+    }
+    assert_eq!(
+        drafted.block_decodes,
+        vec![drafted.decode_steps + drafted.proposed; 3]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_draft_model_keeps_the_greedy_tokens_of_the_synthetic_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::nodes::synthetic(dir.path());
+    a_draft_model_keeps_the_greedy_tokens(&model, &model, true, false).await;
+    // Another seed and two layers: the same tokenizer, other choices.
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = common::nodes::synthetic_with(
+        other_dir.path(),
+        &mesh_stage::synthetic::SyntheticSpec {
+            seed: 7,
+            layers: 2,
+            ..Default::default()
+        },
+    );
+    a_draft_model_keeps_the_greedy_tokens(&model, &other, false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_draft_model_keeps_the_greedy_tokens_of_smollm2() {
+    let Some(model) = common::smollm2("a_draft_model_keeps_the_greedy_tokens_of_smollm2") else {
+        return;
+    };
+    a_draft_model_keeps_the_greedy_tokens(&model, &model, true, true).await;
+}
+
+/// A draft model that tokenizes otherwise is refused at start, saying
+/// what to give instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draft_model_with_another_tokenizer_is_refused_at_start() {
+    let Some(other) = common::smollm2("a_draft_model_with_another_tokenizer_is_refused_at_start")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::nodes::synthetic(dir.path());
+    let mut a = Setup::coordinator(&model, dir.path(), Vec::new());
+    a.draft_model = Some(other);
+    a.draft_tokens = 4;
+    let refused = match a.try_start().await {
+        Ok(_) => panic!("a draft model with another tokenizer was taken"),
+        Err(error) => error.to_string(),
+    };
+    assert!(refused.contains("same"), "{refused}");
 }

@@ -60,9 +60,12 @@ pub struct ServeConfig {
     pub max_requests: Option<usize>,
     /// Prompt positions per prefill step (default 256, at most 4096).
     pub prefill_chunk_tokens: Option<usize>,
-    /// Tokens drafted by prompt lookup after each sampled token and
-    /// verified in the same step (default 0: off; at most 15).
+    /// Tokens drafted after each sampled token (by the draft model, else
+    /// by prompt lookup) and verified in the same step (default 0: off, 4
+    /// with a draft model; at most 15).
     pub draft_tokens: Option<usize>,
+    /// A small model with the served model's tokenizer to draft with.
+    pub draft_model: Option<PathBuf>,
     /// Times one request may go on over a new chain after losing a stage
     /// (default 2, at most 7; a chain planned over a mesh only).
     pub max_resumes: Option<usize>,
@@ -158,12 +161,18 @@ pub struct ServeArgs {
     /// chain (default 256, at most 4096).
     #[arg(long)]
     pub prefill_chunk_tokens: Option<usize>,
-    /// Speculative decoding: tokens a coordinator drafts by prompt lookup
-    /// after each token it samples, which the chain verifies in the same
-    /// step (default 0: off; at most 15). Greedy requests only;
-    /// their tokens are those of plain decoding.
+    /// Speculative decoding: tokens a coordinator drafts after each token
+    /// it samples (with --draft-model, else by prompt lookup), which the
+    /// chain verifies in the same step (default 0: off, 4 with
+    /// --draft-model; at most 15). Greedy requests only; their tokens are
+    /// those of plain decoding.
     #[arg(long)]
     pub draft_tokens: Option<usize>,
+    /// Draft with this model (a GGUF with the served model's tokenizer,
+    /// run whole on the coordinator) instead of prompt lookup; turns
+    /// drafting on with 4 tokens unless --draft-tokens says otherwise.
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
     /// Times one request may go on over a new chain after losing a stage
     /// (default 2, at most 7): the new chain replays the prompt and the
     /// tokens so far, and the request continues. Mesh-planned chains only.
@@ -229,10 +238,15 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         "prefill chunk of {prefill_chunk_tokens} tokens: give 1 to {}",
         crate::runtime::serve::MAX_PREFILL_CHUNK_TOKENS
     );
-    let draft_tokens = args
-        .draft_tokens
-        .or(file.draft_tokens)
-        .unwrap_or(crate::runtime::serve::DEFAULT_DRAFT_TOKENS);
+    let draft_model = args.draft_model.or(file.draft_model);
+    let draft_tokens =
+        args.draft_tokens
+            .or(file.draft_tokens)
+            .unwrap_or(if draft_model.is_some() {
+                crate::runtime::serve::DRAFT_MODEL_TOKENS
+            } else {
+                crate::runtime::serve::DEFAULT_DRAFT_TOKENS
+            });
     anyhow::ensure!(
         draft_tokens <= crate::runtime::serve::MAX_DRAFT_TOKENS,
         "{draft_tokens} draft tokens: give 0 (off) to {}",
@@ -337,6 +351,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         max_requests: file.max_requests.unwrap_or(8),
         prefill_chunk_tokens,
         draft_tokens,
+        draft_model,
         max_resumes,
         return_mode: parse_return_mode(
             &args
@@ -432,6 +447,7 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         no_record_checkpoints: false,
         prefill_chunk_tokens: None,
         draft_tokens: None,
+        draft_model: None,
         max_resumes: None,
         mesh: args.mesh,
     };
@@ -667,6 +683,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             max_requests: 4,
             prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
             draft_tokens: crate::runtime::serve::DEFAULT_DRAFT_TOKENS,
+            draft_model: None,
             max_resumes: crate::runtime::serve::DEFAULT_MAX_RESUMES,
             return_mode: args.return_mode,
             wire: WireDType::F32,
@@ -1021,18 +1038,19 @@ impl BenchSplit {
         http: Option<SocketAddr>,
         return_mode: ReturnMode,
     ) -> anyhow::Result<Self> {
-        Self::start_with(model, stages, http, return_mode, None, 0).await
+        Self::start_with(model, stages, http, return_mode, None, (0, None)).await
     }
 
     /// Every node behind its own [`DelayProxy`] shaped `shape` (seeded from
     /// `seed`): each link between two nodes crosses one proxy. The
-    /// coordinator drafts `draft_tokens` after each sampled token.
+    /// coordinator drafts `drafts.0` tokens after each sampled token, with
+    /// the draft model `drafts.1` when there is one.
     pub async fn behind_proxies(
         model: &Path,
         stages: usize,
         return_mode: ReturnMode,
         (shape, seed): (LinkShape, u64),
-        draft_tokens: usize,
+        drafts: (usize, Option<&Path>),
     ) -> anyhow::Result<Self> {
         Self::start_with(
             model,
@@ -1040,7 +1058,7 @@ impl BenchSplit {
             None,
             return_mode,
             Some((shape, seed)),
-            draft_tokens,
+            drafts,
         )
         .await
     }
@@ -1051,7 +1069,7 @@ impl BenchSplit {
         http: Option<SocketAddr>,
         return_mode: ReturnMode,
         links: Option<(LinkShape, u64)>,
-        draft_tokens: usize,
+        (draft_tokens, draft_model): (usize, Option<&Path>),
     ) -> anyhow::Result<Self> {
         let scratch = tempfile_dir()?;
         let coordinator_key =
@@ -1093,6 +1111,7 @@ impl BenchSplit {
         options.http = http;
         options.return_mode = return_mode;
         options.draft_tokens = draft_tokens;
+        options.draft_model = draft_model.map(Path::to_path_buf);
         options.advertise = own_proxy.as_ref().map(DelayProxy::addr);
         let coordinator = Node::start(options).await?;
         if let Some(proxy) = own_proxy {
@@ -1160,6 +1179,7 @@ pub(crate) fn bench_options(
         prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
         // Benches measure plain decoding unless they ask for drafts.
         draft_tokens: 0,
+        draft_model: None,
         max_resumes: crate::runtime::serve::DEFAULT_MAX_RESUMES,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,

@@ -10,8 +10,8 @@
 //! link down once plus the final stage's link home) and Mesh-LLM's
 //! published cost of 2 x RTT + 4.9 ms per stage boundary.
 //!
-//! With `--draft-tokens K` the coordinator drafts K tokens by prompt lookup
-//! after each token it samples and the chain verifies them in the same step
+//! With `--draft-tokens K` the coordinator drafts K tokens (with
+//! `--draft-model`, else by prompt lookup) after each token it samples and the chain verifies them in the same step
 //! (speculative decoding): a decode round trip then gives one token and its
 //! accepted drafts, and a token's share of the round trip can fall below
 //! one round trip of the chain (`below_round_trip`). Each row reports how
@@ -47,6 +47,10 @@ pub struct WanBench {
     pub seed: u64,
     /// Tokens drafted after each sampled token (0: plain decoding).
     pub draft_tokens: Vec<usize>,
+    /// Drafted by this model, else by prompt lookup.
+    pub draft_model: Option<PathBuf>,
+    /// The prompt, else `bench_prompt`'s.
+    pub prompt: Option<String>,
 }
 
 pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
@@ -73,7 +77,10 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
         "--draft-tokens takes 0 to {} tokens",
         crate::runtime::serve::MAX_DRAFT_TOKENS
     );
-    let prompt = bench_prompt(&bench.model, None)?;
+    let prompt = match &bench.prompt {
+        Some(prompt) => prompt.clone(),
+        None => bench_prompt(&bench.model, None)?,
+    };
     let request = GenerateRequest {
         chat: true,
         ..GenerateRequest::greedy(&prompt, bench.tokens)
@@ -121,7 +128,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                 stages,
                 return_mode,
                 (shape, seed),
-                drafts,
+                (drafts, bench.draft_model.as_deref()),
             )
             .await
             .context("starting the split behind its proxies")?;
@@ -216,6 +223,11 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
             "stages": stages,
             "return_mode": return_mode.as_str(),
             "draft_tokens": drafts,
+            "drafts_from": match (drafts, &bench.draft_model) {
+                (0, _) => None,
+                (_, Some(model)) => Some(model.display().to_string()),
+                (_, None) => Some("prompt lookup".to_string()),
+            },
             "spec_proposed": proposed,
             "spec_accepted": accepted,
             "acceptance": if proposed == 0 { 0.0 } else { accepted as f64 / proposed as f64 },
@@ -245,6 +257,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
     Ok(json!({
         "model": bench.model.display().to_string(),
         "decode_tokens": bench.tokens,
+        "prompt": prompt,
         "rounds": bench.rounds,
         "jitter_ms": bench.jitter_ms,
         "loss": bench.loss,

@@ -51,6 +51,8 @@ pub struct Setup<'a> {
     pub prefill_chunk_tokens: usize,
     /// Tokens the coordinator drafts after each sampled token (0: off).
     pub draft_tokens: usize,
+    /// The model it drafts with (else prompt lookup).
+    pub draft_model: Option<PathBuf>,
     /// The estimator's power: what this node's steward bills per second.
     pub milliwatts: u64,
     /// The power the router's estimate assumes, when not `milliwatts`: a
@@ -81,6 +83,7 @@ impl<'a> Setup<'a> {
             return_mode: ReturnMode::Relayed,
             prefill_chunk_tokens: mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
             draft_tokens: mesh_node::runtime::serve::DEFAULT_DRAFT_TOKENS,
+            draft_model: None,
             milliwatts: mesh_node::runtime::energy::DEFAULT_ESTIMATOR_MILLIWATTS,
             estimate_milliwatts: None,
             step_timeout: Duration::from_secs(20),
@@ -128,6 +131,7 @@ impl<'a> Setup<'a> {
             return_mode: self.return_mode,
             prefill_chunk_tokens: self.prefill_chunk_tokens,
             draft_tokens: self.draft_tokens,
+            draft_model: self.draft_model,
             max_resumes: mesh_node::runtime::serve::DEFAULT_MAX_RESUMES,
             wire: WireDType::F32,
             meter: match self.estimate_milliwatts {

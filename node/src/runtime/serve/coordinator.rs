@@ -407,6 +407,12 @@ async fn serve_request(
             && admitted.prompt_ids.len() <= inner.prefill_chunk_tokens,
         decided: None,
         decode_steps: 0,
+        drafter: super::draft::Drafter::new(
+            inner.draft_model.as_ref(),
+            admitted.request_id,
+            admitted.prompt_ids.len() + admitted.max_new,
+        ),
+        drafted: false,
         spec_proposed: 0,
         spec_accepted: 0,
     };
@@ -514,6 +520,8 @@ async fn serve_request(
             driven,
         });
     };
+    // The tokens are all in: the draft cache goes back before sealing.
+    progress.drafter.release().await;
     let earlier = seal_interrupted(inner, interrupted).await?;
     let collected = collect(inner, &mut admitted, &mut driven).await?;
     let sealed = seal(
@@ -811,6 +819,11 @@ struct Progress {
     decided: Option<Vec<f64>>,
     /// Decode steps answered (fewer than tokens when drafts are accepted).
     decode_steps: u64,
+    /// Where its drafts come from; kept across segments (its cache on a
+    /// draft model is the request's, not a chain's).
+    drafter: super::draft::Drafter,
+    /// Whether the request drafted (greedy, drafting on, not a decision).
+    drafted: bool,
     /// Drafted tokens sent for verification, and those the model chose.
     spec_proposed: u64,
     spec_accepted: u64,
@@ -1131,6 +1144,8 @@ async fn drive(
         own_outputs,
         decided,
         decode_steps,
+        drafter,
+        drafted,
         spec_proposed,
         spec_accepted,
         ..
@@ -1173,13 +1188,18 @@ async fn drive(
     let first_peer = run.peers[0].clone();
     let final_stage = run.peers[run.peers.len() - 1].clone();
     // Speculative decoding: after each token sampled, up to `draft_tokens`
-    // drafted by prompt lookup go down in the same step; greedy
-    // verification keeps those the model itself chooses, so the tokens are
-    // those of plain greedy decoding.
+    // drafted (by the draft model, else by prompt lookup) go down in the
+    // same step; greedy verification keeps those the model itself chooses,
+    // so the tokens are those of plain greedy decoding.
     let drafting =
         inner.draft_tokens > 0 && decision.is_none() && request.sampling.temperature <= 0.0;
-    let lookup = mesh_stage::draft::Lookup::default();
     let mut history = prefix.clone();
+    if drafting {
+        *drafted = true;
+        // The draft model takes the prompt (or the replay) while the chain
+        // prefills it.
+        drafter.prefill(&history);
+    }
     // The draft riding on the decode step in flight.
     let mut draft: Vec<u32> = Vec::new();
     let mut own_decode_rows: u64 = 0;
@@ -1628,7 +1648,7 @@ async fn drive(
                     // All of a draft accepted gives one token more than it
                     // holds: never past max_tokens.
                     let room = max_new.saturating_sub(tokens.len() + 1).min(inner.draft_tokens);
-                    draft = lookup.propose(&history, room);
+                    draft = drafter.propose(&history, room).await;
                 }
                 input = std::iter::once(next).chain(draft.iter().copied()).collect();
                 to_send = true;
@@ -2320,6 +2340,7 @@ async fn report(
         "decode_steps": progress.decode_steps,
         "spec_proposed": progress.spec_proposed,
         "spec_accepted": progress.spec_accepted,
+        "drafts_from": progress.drafted.then(|| progress.drafter.source()),
         "stages": stages,
         "resumes": resumes,
         "per_hop_overhead_us": overhead.as_secs_f64() * 1e6 / steps / hops.max(1.0),
@@ -2405,8 +2426,12 @@ pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
 /// The most prompt positions one prefill step may carry: a step's frame
 /// and its attention scores grow with it.
 pub const MAX_PREFILL_CHUNK_TOKENS: usize = 4096;
-/// Tokens drafted after each sampled token, unless configured.
+/// Tokens drafted after each sampled token, unless configured: none by
+/// prompt lookup (a rejected draft costs every stage its positions, and
+/// most text does not repeat itself) ...
 pub const DEFAULT_DRAFT_TOKENS: usize = 0;
+/// ... and four with a draft model.
+pub const DRAFT_MODEL_TOKENS: usize = 4;
 /// The most tokens one decode step may draft: a decode step carries at
 /// most `MAX_DECODE_ROWS` positions, the sampled token among them.
 pub const MAX_DRAFT_TOKENS: usize = mesh_protocol::stage_frame::MAX_DECODE_ROWS - 1;

@@ -46,13 +46,14 @@ use crate::runtime::steward::Steward;
 mod batch;
 mod coordinator;
 mod decision;
+mod draft;
 mod kept;
 mod route;
 mod stats;
 pub use coordinator::{
-    DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, GenerateRequest, GenerateSummary,
-    GrantedServe, MAX_DRAFT_TOKENS, MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN,
-    RequestBounds, generate_remote, one_way_hops_per_step, plan_remote,
+    DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, DRAFT_MODEL_TOKENS, GenerateRequest,
+    GenerateSummary, GrantedServe, MAX_DRAFT_TOKENS, MAX_PREFILL_CHUNK_TOKENS,
+    MAX_PROMPT_BYTES_PER_TOKEN, RequestBounds, generate_remote, one_way_hops_per_step, plan_remote,
 };
 pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
 
@@ -149,10 +150,14 @@ pub struct NodeOptions {
     pub return_mode: ReturnMode,
     /// Prompt positions per prefill step (1..=MAX_PREFILL_CHUNK_TOKENS).
     pub prefill_chunk_tokens: usize,
-    /// Tokens a coordinator drafts by prompt lookup after each token it
-    /// samples, verified by the chain in the same step (0..=MAX_DRAFT_TOKENS;
-    /// 0 turns speculative decoding off). Greedy requests only.
+    /// Tokens a coordinator drafts after each token it samples (with
+    /// `draft_model`, else by prompt lookup), verified by the chain in the
+    /// same step (0..=MAX_DRAFT_TOKENS; 0 turns speculative decoding off).
+    /// Greedy requests only.
     pub draft_tokens: usize,
+    /// A small model with the served model's tokenizer that a coordinator
+    /// holds whole and drafts with (else drafts come from prompt lookup).
+    pub draft_model: Option<PathBuf>,
     /// How many times one request may go on over a new chain after losing
     /// a stage (a chain planned over a mesh only).
     pub max_resumes: usize,
@@ -387,6 +392,7 @@ struct Inner {
     return_mode: ReturnMode,
     prefill_chunk_tokens: usize,
     draft_tokens: usize,
+    draft_model: Option<Arc<draft::DraftModel>>,
     max_resumes: usize,
     wire: WireDType,
     slots: Mutex<HashMap<String, Arc<Slot>>>,
@@ -506,6 +512,25 @@ impl Node {
         let tls = TlsIdentity::new(&options.key)?;
         let model = crate::runtime::open_model(&options.model)?;
         let training = declared_training(&model);
+        let draft_model = match options
+            .draft_model
+            .as_ref()
+            .filter(|_| options.draft_tokens > 0)
+        {
+            Some(path) => {
+                let context = model
+                    .config()
+                    .context
+                    .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
+                Some(Arc::new(draft::DraftModel::load(
+                    path,
+                    &model,
+                    options.max_requests.max(1),
+                    context,
+                )?))
+            }
+            None => None,
+        };
         let steward = Steward::open(
             &options.data.join("steward"),
             options.key.clone(),
@@ -563,6 +588,7 @@ impl Node {
                 .prefill_chunk_tokens
                 .clamp(1, MAX_PREFILL_CHUNK_TOKENS),
             draft_tokens: options.draft_tokens.min(MAX_DRAFT_TOKENS),
+            draft_model,
             max_resumes: options.max_resumes.min(MAX_RESUMES),
             wire: options.wire,
             slots: Mutex::new(HashMap::new()),

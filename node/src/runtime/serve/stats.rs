@@ -94,7 +94,8 @@ impl Counters {
 /// One slice this node holds, and the request caches open on it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SliceStats {
-    /// `own` for the coordinator's own slice, `stage` for one assigned to it.
+    /// `own` for the coordinator's own slice, `stage` for one assigned to
+    /// it, `draft` for the draft model's (its steps are not counted).
     pub role: String,
     pub layer_start: u32,
     pub layer_end: u32,
@@ -314,6 +315,7 @@ impl Inner {
             .map(|own| slice("own", own))
             .collect();
         slices.extend(lock(&self.slots).values().map(|slot| slice("stage", slot)));
+        slices.extend(self.draft_model.as_ref().map(|draft| draft.stats()));
         let counter = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let c = &self.counters;
         NodeStats {
