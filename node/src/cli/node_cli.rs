@@ -252,6 +252,11 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         "{draft_tokens} draft tokens: give 0 (off) to {}",
         crate::runtime::serve::MAX_DRAFT_TOKENS
     );
+    anyhow::ensure!(
+        draft_model.is_none() || draft_tokens > 0,
+        "--draft-model with --draft-tokens 0 would load a model never used: give 1 to {} draft tokens, or no draft model",
+        crate::runtime::serve::MAX_DRAFT_TOKENS
+    );
     let max_resumes = args
         .max_resumes
         .or(file.max_resumes)

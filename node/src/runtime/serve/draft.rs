@@ -4,11 +4,12 @@
 //! per request, or, when it holds none, prompt lookup
 //! (`mesh_stage::draft`). A draft is only a guess the chain verifies:
 //! whatever goes wrong here (the draft pool full, an engine error) costs
-//! the request its drafts, never its tokens, and the draft model computes
-//! on the blocking pool, never on the runtime's threads.
+//! the request its drafts, never its tokens, and a request's drafting
+//! computes on the blocking pool, never on the runtime's threads.
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, bail};
 use mesh_stage::cache::{CacheLease, CachePool};
@@ -118,6 +119,9 @@ pub(super) struct ModelDrafter {
     name: String,
     /// Why it stopped drafting, once it has.
     stopped: Option<String>,
+    /// Set when the request has its tokens: a prompt still being taken
+    /// stops at its next chunk.
+    released: Arc<AtomicBool>,
 }
 
 /// A request's place on the draft model: its cache and the tokens in it.
@@ -131,6 +135,7 @@ struct ModelDrafts {
     fed: Vec<u32>,
     /// Why the model failed this request: it drafts no more.
     failed: Option<String>,
+    released: Arc<AtomicBool>,
 }
 
 impl Drafter {
@@ -138,19 +143,24 @@ impl Drafter {
     /// the draft model when there is one, else prompt lookup.
     pub(super) fn new(model: Option<&Arc<DraftModel>>, request: u64, capacity: usize) -> Self {
         match model {
-            Some(model) => Drafter::Model(ModelDrafter {
-                name: model.name.clone(),
-                state: Some(Box::new(ModelDrafts {
-                    model: model.clone(),
-                    request,
-                    capacity: capacity.min(model.context),
-                    lease: None,
-                    fed: Vec::new(),
-                    failed: None,
-                })),
-                away: None,
-                stopped: None,
-            }),
+            Some(model) => {
+                let released = Arc::new(AtomicBool::new(false));
+                Drafter::Model(ModelDrafter {
+                    name: model.name.clone(),
+                    state: Some(Box::new(ModelDrafts {
+                        model: model.clone(),
+                        request,
+                        capacity: capacity.min(model.context),
+                        lease: None,
+                        fed: Vec::new(),
+                        failed: None,
+                        released: released.clone(),
+                    })),
+                    away: None,
+                    stopped: None,
+                    released,
+                })
+            }
             None => Drafter::Lookup(Lookup::default()),
         }
     }
@@ -195,6 +205,15 @@ impl Drafter {
         if max == 0 || history.is_empty() {
             return Vec::new();
         }
+        // Still taking the prompt: this step goes without a draft rather
+        // than keep the chain (and its stages' step timeouts) waiting.
+        if drafter
+            .away
+            .as_ref()
+            .is_some_and(|away| !away.is_finished())
+        {
+            return Vec::new();
+        }
         if let Some(away) = drafter.away.take() {
             drafter.state = away.await.ok();
         }
@@ -204,6 +223,14 @@ impl Drafter {
                 .get_or_insert_with(|| "the draft model's task ended".into());
             return Vec::new();
         };
+        // Far behind the history (its prompt refused by a full pool, a
+        // resumed request's replay): it catches up in the background, and
+        // this step goes without a draft.
+        if history.len() - state.shared_with(history) > CATCH_UP_CHUNK {
+            drafter.state = Some(state);
+            self.prefill(history);
+            return Vec::new();
+        }
         let history = history.to_vec();
         let done = tokio::task::spawn_blocking(move || {
             let proposed = state.propose(&history, max);
@@ -228,6 +255,7 @@ impl Drafter {
     /// Give the draft cache back (the request has its tokens).
     pub(super) async fn release(&mut self) {
         if let Drafter::Model(drafter) = self {
+            drafter.released.store(true, Ordering::Relaxed);
             if let Some(away) = drafter.away.take() {
                 drafter.state = away.await.ok();
             }
@@ -240,6 +268,15 @@ impl Drafter {
 }
 
 impl ModelDrafts {
+    /// Positions of `history` the cache holds (its first ones).
+    fn shared_with(&self, history: &[u32]) -> usize {
+        self.fed
+            .iter()
+            .zip(history)
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+
     /// Up to `max` drafted tokens; none (and no more for this request
     /// after an engine error) when the model cannot draft now.
     fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
@@ -298,17 +335,15 @@ impl ModelDrafts {
     /// with them, then take the rest in bounded passes. The logits of the
     /// last position taken, when any was.
     fn feed(&mut self, tokens: &[u32]) -> anyhow::Result<Option<Vec<f32>>> {
+        let common = self.shared_with(tokens);
         let lease = self.lease.as_mut().context("the draft cache")?;
-        let common = self
-            .fed
-            .iter()
-            .zip(tokens)
-            .take_while(|(a, b)| a == b)
-            .count();
         lease.cache().truncate(common)?;
         self.fed.truncate(common);
         let mut logits = None;
         for chunk in tokens[common..].chunks(CATCH_UP_CHUNK) {
+            if self.released.load(Ordering::Relaxed) {
+                bail!("the request has its tokens");
+            }
             let output = self
                 .model
                 .slice
@@ -334,13 +369,7 @@ impl ModelDrafts {
         // Whatever the cache holds past what it shares with the history (a
         // rejected draft's positions) goes, and the last token is fed
         // again if it was held, so the first draft's logits come back.
-        let keep = self
-            .fed
-            .iter()
-            .zip(&tokens)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(tokens.len() - 1);
+        let keep = self.shared_with(&tokens).min(tokens.len() - 1);
         let lease = self
             .lease
             .as_mut()
