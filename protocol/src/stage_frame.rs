@@ -79,6 +79,27 @@ pub enum RewindError {
     Field(#[from] crate::cbor::FieldError),
 }
 
+impl RewindError {
+    /// The refusal's name in the vectors (`vectors/mesh/stage-messages.json`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RewindError::TooLong(_) => "too_long",
+            RewindError::Cbor(_) => "not_det_cbor",
+            RewindError::Field(_) => "wrong_members",
+        }
+    }
+}
+
+impl StageFrameError {
+    /// The refusal's name in the vectors (`vectors/mesh/stage-messages.json`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StageFrameError::Short(_) => "short",
+            StageFrameError::UnknownKind(_) => "unknown_kind",
+        }
+    }
+}
+
 impl Rewind {
     pub fn encode(&self) -> Vec<u8> {
         Cbor::text_map([("positions", Cbor::Uint(self.positions))]).encode()
@@ -162,6 +183,57 @@ mod tests {
             StageHeader::parse(&body),
             Err(StageFrameError::UnknownKind(6))
         );
+    }
+
+    /// The repository's vectors (`vectors/mesh/stage-messages.json`,
+    /// `mesh-node vectors write`): every body and REWIND payload gets the
+    /// outcome the file names.
+    #[test]
+    fn the_stage_message_vectors_hold() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../vectors/mesh/stage-messages.json"
+        );
+        let document: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        let bytes = |case: &serde_json::Value, member: &str| {
+            crate::hex::decode(case[member].as_str().unwrap()).unwrap()
+        };
+        let messages = document["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), kind::ALL.len());
+        for case in messages
+            .iter()
+            .chain(document["headers"].as_array().unwrap())
+        {
+            let body = bytes(case, "body");
+            match StageHeader::parse(&body) {
+                Ok((header, payload)) => {
+                    let ok = &case["expect"]["ok"];
+                    assert_eq!(ok["kind"], header.kind, "{}", case["name"]);
+                    assert_eq!(ok["request_id"], header.request_id.to_string());
+                    assert_eq!(ok["step"], header.step);
+                    assert_eq!(ok["payload"], crate::hex::encode(payload));
+                    assert_eq!(header.encode(payload), body);
+                }
+                Err(error) => {
+                    assert_eq!(case["expect"]["refused"], error.kind(), "{}", case["name"])
+                }
+            }
+        }
+        let rewinds = document["rewinds"].as_array().unwrap();
+        assert!(rewinds.len() > 100);
+        for case in rewinds {
+            let payload = bytes(case, "payload");
+            match Rewind::parse(&payload) {
+                Ok(rewind) => {
+                    assert_eq!(case["expect"]["ok"], rewind.positions, "{}", case["name"]);
+                    assert_eq!(rewind.encode(), payload);
+                }
+                Err(error) => {
+                    assert_eq!(case["expect"]["refused"], error.kind(), "{}", case["name"])
+                }
+            }
+        }
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! The vectors this project publishes under `vectors/`: `split_stage` (lane
-//! folds, stage blocks, records, hop cases, bundles) and `mesh1` (receipts,
-//! grants, requests). Every file is a pure function of fixed seeds, so
-//! regenerating leaves the committed files unchanged (CI checks it).
+//! folds, stage blocks, records, hop cases, bundles), `mesh1` (receipts,
+//! grants, requests, routes), `mesh` (node adverts) and `stage` (the
+//! `mesh-stage/1` message bodies and REWIND payloads). Every file is a pure
+//! function of fixed seeds, so regenerating leaves the committed files
+//! unchanged (CI checks it).
 
 use anyhow::Context;
 use serde_json::Value;
@@ -9,6 +11,7 @@ use serde_json::Value;
 pub mod mesh;
 pub mod mesh1;
 pub mod split_stage;
+pub mod stage;
 
 /// One generated file: path under `vectors/` and its bytes.
 pub type VectorFile = (String, String);
@@ -24,6 +27,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     let mut files = split_stage::generate()?;
     files.extend(mesh1::generate()?);
     files.extend(mesh::generate()?);
+    files.extend(stage::generate()?);
     Ok(files)
 }
 
