@@ -32,6 +32,19 @@ fn run(handle: &ModelHandle, ranges: &[Range<u32>], prompt: &str, wire: WireDTyp
         .unwrap()
 }
 
+/// Every stored type the engine runs.
+const EVERY_TYPE: [GgmlDType; 9] = [
+    GgmlDType::Q8_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q4_0,
+    GgmlDType::Q5_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+    GgmlDType::F16,
+    GgmlDType::F32,
+];
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -426,17 +439,7 @@ fn a_damaged_safetensors_file_is_refused_at_open() {
 
 #[test]
 fn a_batch_of_requests_gives_each_the_bits_it_gets_alone() {
-    let types = [
-        GgmlDType::Q8_0,
-        GgmlDType::Q4_1,
-        GgmlDType::Q4_0,
-        GgmlDType::Q5_0,
-        GgmlDType::Q4K,
-        GgmlDType::Q5K,
-        GgmlDType::Q6K,
-        GgmlDType::F16,
-        GgmlDType::F32,
-    ];
+    let types = EVERY_TYPE;
     let (_dir, model) = model(&types);
     // The prompts together are more rows than MAX_BATCH_ROWS: that batch
     // runs its products per request, the decode steps share them.
@@ -623,17 +626,7 @@ fn a_kept_cache_cut_back_and_handed_to_a_new_request_goes_on_as_if_never_past_th
 /// they were never run.
 #[test]
 fn a_verified_draft_gives_each_position_its_decode_bits_and_a_cut_goes_on_cleanly() {
-    let types = [
-        GgmlDType::Q8_0,
-        GgmlDType::Q4_1,
-        GgmlDType::Q4_0,
-        GgmlDType::Q5_0,
-        GgmlDType::Q4K,
-        GgmlDType::Q5K,
-        GgmlDType::Q6K,
-        GgmlDType::F16,
-        GgmlDType::F32,
-    ];
+    let types = EVERY_TYPE;
     let (_dir, model) = model(&types);
     let prompt: &[u32] = &[1, 2, 3, 4, 5];
     let draft: &[u32] = &[20, 21, 22, 23, 24, 25, 26];

@@ -1337,22 +1337,8 @@ async fn drive(
                         encode_frame(&hidden.values, hidden.rows, hidden.cols, inner.wire)?
                     };
                     trip = Instant::now();
-                    if let Err(error) = write_forward(
-                        &mut send,
-                        &msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame),
-                        &mut lanes.down_sent,
-                        &mut folds,
-                        0,
-                        step,
-                    )
-                    .await
-                    {
-                        let received = Some(&mut lanes.down_replies_received);
-                        return Err(match recv.as_mut() {
-                            Some(recv) => refusal_behind(recv, error, "stage 1", received).await,
-                            None => error,
-                        });
-                    }
+                    let body = msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame);
+                    send_down(&mut send, &mut recv, &mut lanes, &mut folds, &body, step).await?;
                     if (step as usize) < silent {
                         // A replay step: no reply comes back for it.
                         step += 1;
@@ -1562,7 +1548,8 @@ async fn drive(
                 let proposed = std::mem::take(&mut draft);
                 let mut accepted = 0;
                 let mut next = 0;
-                let mut finished = false;
+                // How the request ended, when it did in this step.
+                let mut ended = None;
                 for (i, row) in logits.iter().enumerate() {
                     next = sampler.sample(row).context("no logits")?;
                     let agreed = proposed.get(i) == Some(&next);
@@ -1592,16 +1579,15 @@ async fn drive(
                             text: piece,
                         };
                         if msg::write_cbor(requester, &token.to_cbor()).await.is_err() {
-                            *spec_proposed += proposed.len() as u64;
-                            *spec_accepted += accepted as u64;
-                            return Ok(TerminalState::ClientCancelled);
+                            ended = Some(TerminalState::ClientCancelled);
+                            break;
                         }
                     }
                     if eos || stopped {
                         *finish_reason = "stop";
                     }
                     if last || stopped {
-                        finished = true;
+                        ended = Some(TerminalState::Completed);
                         break;
                     }
                     if !agreed {
@@ -1610,9 +1596,12 @@ async fn drive(
                 }
                 *spec_proposed += proposed.len() as u64;
                 *spec_accepted += accepted as u64;
+                if ended == Some(TerminalState::ClientCancelled) {
+                    return Ok(TerminalState::ClientCancelled);
+                }
                 step += 1;
-                if finished {
-                    return Ok(TerminalState::Completed);
+                if let Some(state) = ended {
+                    return Ok(state);
                 }
                 let rejected = proposed.len() - accepted;
                 if rejected > 0 {
@@ -1627,22 +1616,8 @@ async fn drive(
                     let rewind = Rewind {
                         positions: positions as u64,
                     };
-                    if let Err(error) = write_forward(
-                        &mut send,
-                        &msg::stage_body(kind::REWIND, request_id, step, &rewind.encode()),
-                        &mut lanes.down_sent,
-                        &mut folds,
-                        0,
-                        step,
-                    )
-                    .await
-                    {
-                        let received = Some(&mut lanes.down_replies_received);
-                        return Err(match recv.as_mut() {
-                            Some(recv) => refusal_behind(recv, error, "stage 1", received).await,
-                            None => error,
-                        });
-                    }
+                    let body = msg::stage_body(kind::REWIND, request_id, step, &rewind.encode());
+                    send_down(&mut send, &mut recv, &mut lanes, &mut folds, &body, step).await?;
                 }
                 if drafting {
                     // All of a draft accepted gives one token more than it
@@ -1773,6 +1748,26 @@ async fn drive(
             .map_or(Vec::new(), |keep| keep.nodes.clone()),
         own_decode_rows,
     })
+}
+
+/// Write one message down to stage 1 on the forward lane; when the write
+/// fails, the reason stage 1 gave for refusing it, if it gave one.
+async fn send_down(
+    send: &mut quinn::SendStream,
+    recv: &mut Option<quinn::RecvStream>,
+    lanes: &mut OwnLanes,
+    folds: &mut Folds,
+    body: &[u8],
+    step: u32,
+) -> anyhow::Result<()> {
+    if let Err(error) = write_forward(send, body, &mut lanes.down_sent, folds, 0, step).await {
+        let received = Some(&mut lanes.down_replies_received);
+        return Err(match recv.as_mut() {
+            Some(recv) => refusal_behind(recv, error, "stage 1", received).await,
+            None => error,
+        });
+    }
+    Ok(())
 }
 
 /// What a failed segment still has to read from its survivors, after the

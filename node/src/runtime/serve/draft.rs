@@ -70,12 +70,7 @@ impl DraftModel {
         let slice = handle
             .load_slice(0..layers)
             .with_context(|| format!("loading the draft model {}", path.display()))?;
-        let context = context.min(
-            handle
-                .config()
-                .context
-                .min(mesh_stage::model::MAX_ENGINE_CONTEXT),
-        );
+        let context = context.min(super::engine_context(&handle));
         Ok(Self {
             slice,
             pool: CachePool::new(max_requests, context),
@@ -331,14 +326,21 @@ impl ModelDrafts {
         Ok(())
     }
 
+    /// Keep the cache's first `positions` positions, and their tokens.
+    fn cut_to(&mut self, positions: usize) -> anyhow::Result<()> {
+        let lease = self.lease.as_mut().context("the draft cache")?;
+        lease.cache().truncate(positions)?;
+        self.fed.truncate(positions);
+        Ok(())
+    }
+
     /// Make the cache hold exactly `tokens`: cut back to what it shares
     /// with them, then take the rest in bounded passes. The logits of the
     /// last position taken, when any was.
     fn feed(&mut self, tokens: &[u32]) -> anyhow::Result<Option<Vec<f32>>> {
         let common = self.shared_with(tokens);
+        self.cut_to(common)?;
         let lease = self.lease.as_mut().context("the draft cache")?;
-        lease.cache().truncate(common)?;
-        self.fed.truncate(common);
         let mut logits = None;
         for chunk in tokens[common..].chunks(CATCH_UP_CHUNK) {
             if self.released.load(Ordering::Relaxed) {
@@ -370,16 +372,7 @@ impl ModelDrafts {
         // rejected draft's positions) goes, and the last token is fed
         // again if it was held, so the first draft's logits come back.
         let keep = self.shared_with(&tokens).min(tokens.len() - 1);
-        let lease = self
-            .lease
-            .as_mut()
-            .context("the draft cache")
-            .map_err(Refusal::Failed)?;
-        lease
-            .cache()
-            .truncate(keep)
-            .map_err(|e| Refusal::Failed(e.into()))?;
-        self.fed.truncate(keep);
+        self.cut_to(keep).map_err(Refusal::Failed)?;
         while proposed.len() < max {
             let logits = self
                 .feed(&tokens)

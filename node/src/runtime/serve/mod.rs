@@ -518,10 +518,7 @@ impl Node {
             .filter(|_| options.draft_tokens > 0)
         {
             Some(path) => {
-                let context = model
-                    .config()
-                    .context
-                    .min(mesh_stage::model::MAX_ENGINE_CONTEXT);
+                let context = engine_context(&model);
                 Some(Arc::new(draft::DraftModel::load(
                     path,
                     &model,
@@ -648,10 +645,7 @@ impl Node {
                 .file_stem()
                 .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()),
             package_id: model.package_id(),
-            context: model
-                .config()
-                .context
-                .min(mesh_stage::model::MAX_ENGINE_CONTEXT),
+            context: engine_context(model),
             codec: model.text().clone(),
         }
     }
@@ -843,13 +837,18 @@ async fn accept_loop(inner: Arc<Inner>) {
     }
 }
 
+/// The longest sequence a request may run to on `model` in this engine.
+fn engine_context(model: &ModelHandle) -> usize {
+    model
+        .config()
+        .context
+        .min(mesh_stage::model::MAX_ENGINE_CONTEXT)
+}
+
 impl Inner {
     /// The longest sequence a request may run to on this node's model.
     fn context(&self) -> usize {
-        self.model
-            .config()
-            .context
-            .min(mesh_stage::model::MAX_ENGINE_CONTEXT)
+        engine_context(&self.model)
     }
 
     /// A loaded slice, ready to serve: its cache pool and batch worker.
