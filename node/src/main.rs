@@ -580,8 +580,9 @@ enum BenchTarget {
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Tokens the coordinator drafts after each sampled token
-        /// (speculative decoding; 0: off), one measurement each.
-        #[arg(long, value_delimiter = ',', default_value = "0,4")]
+        /// (speculative decoding; 0: off), one measurement each: `0,4`
+        /// sets plain decoding beside four drafts.
+        #[arg(long, value_delimiter = ',', default_value = "0")]
         draft_tokens: Vec<usize>,
         /// Draft with this model (same tokenizer as --model) instead of
         /// prompt lookup.

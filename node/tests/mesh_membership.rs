@@ -876,11 +876,34 @@ fn chain_of(summary: &mesh_node::runtime::serve::GenerateSummary) -> Vec<String>
 /// shown, the loss declared in the receipt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
+    a_stage_killed_mid_request("hello mesh", &[]).await;
+}
+
+/// The same with the coordinator drafting (prompt lookup, on a prompt the
+/// synthetic model's answer repeats): the kill comes between steps that
+/// carry drafts, some rejected, and the kept caches are cut back to the
+/// request's own positions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drafting_request_resumes_with_its_greedy_tokens() {
+    let resumed =
+        a_stage_killed_mid_request("say 3333Q999999 3333Q999999", &["--draft-tokens", "4"]).await;
+    let proposed = resumed.details["spec_proposed"].as_u64().unwrap();
+    let accepted = resumed.details["spec_accepted"].as_u64().unwrap();
+    assert!(
+        proposed > accepted && accepted > 0,
+        "{proposed} drafted, {accepted} accepted"
+    );
+}
+
+async fn a_stage_killed_mid_request(
+    prompt: &str,
+    coordinator_args: &[&str],
+) -> mesh_node::runtime::serve::GenerateSummary {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
-    let (coordinator, nodes, _) = three_stages_and_a_spare(dir.path(), &[]);
+    let (coordinator, nodes, _) = three_stages_and_a_spare(dir.path(), coordinator_args);
     let address: PeerAddr = coordinator.peer.parse().unwrap();
-    let request = GenerateRequest::greedy("hello mesh", 64);
+    let request = GenerateRequest::greedy(prompt, 64);
 
     let reference = generate_remote(&address, &request, &mut |_| {})
         .await
@@ -916,7 +939,7 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
     assert_eq!(resumed.details["token_ids"], reference_tokens);
     assert_eq!(resumed.text, reference.text);
 
-    let bundle = resumed.bundle.unwrap();
+    let bundle = resumed.bundle.clone().unwrap();
     let earlier = bundle["earlier_segments"].as_array().unwrap();
     assert_eq!(earlier.len(), 1, "one loss, two segments");
     let saved = dir.path().join("resumed.json");
@@ -970,6 +993,7 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
         shown.contains(&format!("caches kept by {}, {}", chain[0], chain[2])),
         "{shown}"
     );
+    resumed
 }
 
 /// A resume that cannot finish before the request's deadline ends the

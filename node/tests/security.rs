@@ -1144,12 +1144,23 @@ enum Answer {
 /// `request_id`: OPEN, then each message in turn (ACTIVATIONS of so many
 /// rows, or REWIND to so many positions), reading what comes back after
 /// each (relayed return: every reply comes up through stage 1).
+/// What `drive_stage` says to a stage: ACTIVATIONS of so many rows, or a
+/// REWIND to so many positions, carrying the next step's number or
+/// (`..At`) the one given.
+#[derive(Clone, Copy)]
+enum Said {
+    Rows(usize),
+    Rewind(u64),
+    RowsAt(usize, u32),
+    RewindAt(u64, u32),
+}
+
 async fn drive_stage(
     stage: &PeerAddr,
     run_id: &str,
     hidden: usize,
     request_id: u64,
-    messages: &[Result<usize, u64>],
+    messages: &[Said],
 ) -> Vec<Answer> {
     use mesh_protocol::stage_frame::Rewind;
     use mesh_stage::frame::{WireDType, encode_frame};
@@ -1172,26 +1183,29 @@ async fn drive_stage(
     let mut answers = Vec::new();
     let mut step = 0;
     for message in messages {
-        let body = match message {
-            Ok(rows) => {
+        // The step a message carries: the next one, unless told otherwise.
+        let (taken, at) = match *message {
+            Said::Rows(_) | Said::Rewind(_) => (true, step),
+            Said::RowsAt(_, at) | Said::RewindAt(_, at) => (false, at),
+        };
+        let body = match *message {
+            Said::Rows(rows) | Said::RowsAt(rows, _) => {
                 let values: Vec<f32> = (0..rows * hidden).map(|i| (i % 17) as f32 * 0.01).collect();
-                let frame = encode_frame(&values, *rows, hidden, WireDType::F32).unwrap();
-                step += 1;
-                msg::stage_body(msg::kind::ACTIVATIONS, request_id, step - 1, &frame)
+                let frame = encode_frame(&values, rows, hidden, WireDType::F32).unwrap();
+                step += u32::from(taken);
+                msg::stage_body(msg::kind::ACTIVATIONS, request_id, at, &frame)
             }
-            Err(positions) => msg::stage_body(
+            Said::Rewind(positions) | Said::RewindAt(positions, _) => msg::stage_body(
                 msg::kind::REWIND,
                 request_id,
-                step,
-                &Rewind {
-                    positions: *positions,
-                }
-                .encode(),
+                at,
+                &Rewind { positions }.encode(),
             ),
         };
+        let is_rows = matches!(message, Said::Rows(_) | Said::RowsAt(..));
         msg::write(&mut send, &body, None).await.unwrap();
         // A REWIND taken gets no answer: a short wait says so.
-        let wait = if message.is_ok() { 10 } else { 1 };
+        let wait = if is_rows { 10 } else { 1 };
         let reply = msg::read(
             &mut recv,
             msg::MAX_STAGE_MESSAGE,
@@ -1223,7 +1237,8 @@ async fn drive_stage(
 
 /// A decode step's every position is answered; a REWIND is taken only
 /// right after a decode step with a draft and only to drop part of that
-/// draft; a decode step of more than 16 positions is refused. Each refusal
+/// draft; a decode step of more than 16 positions, and an ACTIVATIONS or
+/// REWIND carrying another step than the next, are refused. Each refusal
 /// is a FAILED, and the chain serves normally afterwards with every pool
 /// empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1253,7 +1268,13 @@ async fn a_stage_takes_a_rewind_only_of_the_last_draft_and_bounds_a_decode_step(
         &run_id,
         hidden,
         901,
-        &[Ok(3), Ok(3), Err(5), Ok(1), Err(5)],
+        &[
+            Said::Rows(3),
+            Said::Rows(3),
+            Said::Rewind(5),
+            Said::Rows(1),
+            Said::Rewind(5),
+        ],
     )
     .await;
     assert_eq!(
@@ -1273,7 +1294,7 @@ async fn a_stage_takes_a_rewind_only_of_the_last_draft_and_bounds_a_decode_step(
         &run_id,
         hidden,
         902,
-        &[Ok(3), Ok(3), Err(3)],
+        &[Said::Rows(3), Said::Rows(3), Said::Rewind(3)],
     )
     .await;
     failed(&answers[2], "drops more than the last step's draft");
@@ -1283,7 +1304,7 @@ async fn a_stage_takes_a_rewind_only_of_the_last_draft_and_bounds_a_decode_step(
         &run_id,
         hidden,
         903,
-        &[Ok(3), Ok(3), Err(6)],
+        &[Said::Rows(3), Said::Rows(3), Said::Rewind(6)],
     )
     .await;
     failed(&answers[2], "a rewind to 6 positions of 6");
@@ -1292,16 +1313,59 @@ async fn a_stage_takes_a_rewind_only_of_the_last_draft_and_bounds_a_decode_step(
         &run_id,
         hidden,
         904,
-        &[Ok(3), Ok(3), Err(9)],
+        &[Said::Rows(3), Said::Rows(3), Said::Rewind(9)],
     )
     .await;
     failed(&answers[2], "a rewind to 9 positions of 6");
     // During prefill.
-    let answers = drive_stage(&b.peer_addr(), &run_id, hidden, 905, &[Ok(3), Err(2)]).await;
+    let answers = drive_stage(
+        &b.peer_addr(),
+        &run_id,
+        hidden,
+        905,
+        &[Said::Rows(3), Said::Rewind(2)],
+    )
+    .await;
     failed(&answers[1], "drops more than the last step's draft");
     // A decode step of 17 positions.
-    let answers = drive_stage(&b.peer_addr(), &run_id, hidden, 906, &[Ok(3), Ok(17)]).await;
+    let answers = drive_stage(
+        &b.peer_addr(),
+        &run_id,
+        hidden,
+        906,
+        &[Said::Rows(3), Said::Rows(17)],
+    )
+    .await;
     failed(&answers[1], "at most 16");
+    // Out of turn: a step skipped or repeated, a REWIND carrying another
+    // step than the next.
+    let answers = drive_stage(
+        &b.peer_addr(),
+        &run_id,
+        hidden,
+        907,
+        &[Said::Rows(3), Said::RowsAt(1, 2)],
+    )
+    .await;
+    failed(&answers[1], "step 2 where step 1 was next");
+    let answers = drive_stage(
+        &b.peer_addr(),
+        &run_id,
+        hidden,
+        908,
+        &[Said::Rows(3), Said::Rows(1), Said::RowsAt(1, 1)],
+    )
+    .await;
+    failed(&answers[2], "step 1 where step 2 was next");
+    let answers = drive_stage(
+        &b.peer_addr(),
+        &run_id,
+        hidden,
+        909,
+        &[Said::Rows(3), Said::Rows(3), Said::RewindAt(5, 1)],
+    )
+    .await;
+    failed(&answers[2], "a rewind carrying step 1, not the next step 2");
 
     let after = ask(&a.peer_addr(), &request("still served", 4, None))
         .await

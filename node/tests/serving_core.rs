@@ -589,7 +589,9 @@ async fn a_split_over_delayed_lossy_links_gives_the_clean_tokens() {
 
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let prompt = "w1 w2 w3 w4 w5 w6 w7 w8 w9";
+    // Repeats itself, so prompt lookup drafts: some are the model's own
+    // choice and one is not (a REWIND crosses the lossy links).
+    let prompt = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w1 w2 w3";
     let clean_split = BenchSplit::start(&model, 3, None, ReturnMode::Relayed)
         .await
         .unwrap();
@@ -627,6 +629,12 @@ async fn a_split_over_delayed_lossy_links_gives_the_clean_tokens() {
         );
         let (code, report) = verify(dir.path(), lossy.bundle.as_ref().unwrap());
         assert_eq!(code, 0, "{mode:?}: {report:#}");
+        let proposed = lossy.details["spec_proposed"].as_u64().unwrap();
+        let accepted = lossy.details["spec_accepted"].as_u64().unwrap();
+        assert!(
+            proposed > accepted && accepted > 0,
+            "{mode:?}: {proposed} drafted, {accepted} accepted"
+        );
         let counts = split.shutdown().await;
         let dropped: u64 = counts.iter().map(|c| c.dropped).sum();
         let relayed: u64 = counts.iter().map(|c| c.relayed).sum();

@@ -28,6 +28,8 @@ struct Served {
     /// Every stage block's `decode` (the coordinator's and each stage's).
     block_decodes: Vec<u64>,
     drafts_from: Option<String>,
+    text: String,
+    finish_reason: String,
 }
 
 /// The `tokens.decode` of every stage block a bundle holds.
@@ -105,6 +107,8 @@ async fn serve(
     Served {
         block_decodes: decodes,
         drafts_from: details["drafts_from"].as_str().map(str::to_string),
+        text: summary.text.clone(),
+        finish_reason: details["finish_reason"].as_str().unwrap().to_string(),
         tokens: details["token_ids"]
             .as_array()
             .unwrap()
@@ -189,6 +193,46 @@ async fn drafts_keep_the_greedy_tokens_of_smollm2() {
         return;
     };
     drafts_keep_the_greedy_tokens(&model).await;
+}
+
+/// A request drafted ends where plain decoding ends it, when the end
+/// comes inside a step's accepted draft: a stop sequence (its text held
+/// back, its tokens not shown) or `max_tokens`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drafted_request_ends_where_plain_decoding_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::nodes::synthetic(dir.path());
+    // The synthetic model answers it `9"9"U"U"U"U"U"U"U"U"U"U"`, and
+    // prompt lookup drafts the repeats, most of them accepted.
+    let prompt = "say 3333Q999999 3333Q999999";
+    let ends: [(&[&str], usize); 5] = [
+        (&["U\"U\"U\"U"], 24),
+        (&["x", "\"U\"U\"U\"U\"U\"U\""], 24),
+        (&[], 10),
+        (&[], 11),
+        (&[], 13),
+    ];
+    for (stop, max_tokens) in ends {
+        let mut asked = request(prompt, max_tokens, None);
+        asked.stop = stop.iter().map(|s| s.to_string()).collect();
+        let run = |drafts| {
+            let asked = asked.clone();
+            let model = model.clone();
+            async move {
+                let dir = tempfile::tempdir().unwrap();
+                serve(&model, dir.path(), ReturnMode::Direct, drafts, &asked).await
+            }
+        };
+        let plain = run(Drafts::Off).await;
+        let drafted = run(Drafts::Lookup(4)).await;
+        let case = format!("stop {stop:?}, max_tokens {max_tokens}");
+        assert!(drafted.accepted > 0, "{case}: no draft accepted");
+        assert_eq!(drafted.tokens, plain.tokens, "{case}");
+        assert_eq!(drafted.text, plain.text, "{case}");
+        assert_eq!(drafted.finish_reason, plain.finish_reason, "{case}");
+        let ended_by = if stop.is_empty() { "length" } else { "stop" };
+        assert_eq!(plain.finish_reason, ended_by, "{case}: {:?}", plain.text);
+    }
 }
 
 /// A prompt that does not repeat itself: prompt lookup finds little.
@@ -294,12 +338,10 @@ async fn a_draft_model_keeps_the_greedy_tokens_of_smollm2() {
 /// what to give instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draft_model_with_another_tokenizer_is_refused_at_start() {
-    let Some(other) = common::smollm2("a_draft_model_with_another_tokenizer_is_refused_at_start")
-    else {
-        return;
-    };
     let dir = tempfile::tempdir().unwrap();
     let model = common::nodes::synthetic(dir.path());
+    let other = dir.path().join("other-tokenizer.gguf");
+    with_two_tokens_swapped(&model, &other);
     let mut a = Setup::coordinator(&model, dir.path(), Vec::new());
     a.draft_model = Some(other);
     a.draft_tokens = 4;
@@ -307,5 +349,36 @@ async fn a_draft_model_with_another_tokenizer_is_refused_at_start() {
         Ok(_) => panic!("a draft model with another tokenizer was taken"),
         Err(error) => error.to_string(),
     };
-    assert!(refused.contains("same"), "{refused}");
+    assert!(refused.contains("reads token 97 otherwise"), "{refused}");
+}
+
+/// Write `from` to `to` with the texts of its tokens 97 and 98 swapped:
+/// the same weights and vocabulary size, read otherwise.
+fn with_two_tokens_swapped(from: &Path, to: &Path) {
+    use candle_core::quantized::{QTensor, gguf_file};
+    let mut file = std::fs::File::open(from).unwrap();
+    let mut content = gguf_file::Content::read(&mut file).unwrap();
+    let gguf_file::Value::Array(tokens) =
+        content.metadata.get_mut("tokenizer.ggml.tokens").unwrap()
+    else {
+        panic!("no token list");
+    };
+    tokens.swap(97, 98);
+    let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
+    let device = candle_core::Device::Cpu;
+    let tensors: Vec<(String, QTensor)> = names
+        .into_iter()
+        .map(|name| {
+            let tensor = content.tensor(&mut file, &name, &device).unwrap();
+            (name, tensor)
+        })
+        .collect();
+    let metadata: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut out = std::fs::File::create(to).unwrap();
+    gguf_file::write(&mut out, &metadata, &refs).unwrap();
 }

@@ -180,7 +180,7 @@ fn run_heads(slice: &LayerSlice, jobs: Vec<HeadJob>) {
             rows.push(job);
         } else {
             let _ = job.reply.send(Err(EngineError::WrongInput(
-                "was given final hidden states that are not 1 to 16 rows of the model's width",
+                "was given final hidden states that are not a decode step's rows (a token and its draft) of the model's width",
             )));
         }
     }

@@ -1339,6 +1339,9 @@ async fn drive(
                     trip = Instant::now();
                     let body = msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame);
                     send_down(&mut send, &mut recv, &mut lanes, &mut folds, &body, step).await?;
+                    // A draft is proposed once the chain has it, whether or
+                    // not its reply comes back in this segment.
+                    *spec_proposed += draft.len() as u64;
                     if (step as usize) < silent {
                         // A replay step: no reply comes back for it.
                         step += 1;
@@ -1594,7 +1597,6 @@ async fn drive(
                         break;
                     }
                 }
-                *spec_proposed += proposed.len() as u64;
                 *spec_accepted += accepted as u64;
                 if ended == Some(TerminalState::ClientCancelled) {
                     return Ok(TerminalState::ClientCancelled);

@@ -23,6 +23,11 @@ use tokio::task::JoinHandle;
 /// scores, as the chain's prefill chunks are bounded.
 const CATCH_UP_CHUNK: usize = 512;
 
+/// Positions a draft cache may take on the way to a draft: what one decode
+/// step adds (its token and an accepted draft). Further behind, it catches
+/// up in the background, so no step waits on a prompt's worth of it.
+const INLINE_CATCH_UP: usize = super::MAX_DRAFT_TOKENS + 1;
+
 /// A draft model, whole, with a cache per request it drafts for.
 #[derive(Debug)]
 pub(super) struct DraftModel {
@@ -218,10 +223,10 @@ impl Drafter {
                 .get_or_insert_with(|| "the draft model's task ended".into());
             return Vec::new();
         };
-        // Far behind the history (its prompt refused by a full pool, a
-        // resumed request's replay): it catches up in the background, and
-        // this step goes without a draft.
-        if history.len() - state.shared_with(history) > CATCH_UP_CHUNK {
+        // Behind the history by more than the last step gave (its prompt
+        // refused by a full pool, a resumed request's replay): it catches
+        // up in the background, and this step goes without a draft.
+        if history.len() - state.shared_with(history) > INLINE_CATCH_UP {
             drafter.state = Some(state);
             self.prefill(history);
             return Vec::new();

@@ -1484,6 +1484,11 @@ struct StageOpen {
     run_id: String,
     capacity: usize,
     prefill_steps: u64,
+    /// `prefill_steps` as sent: in a resume that keeps caches, the
+    /// replay's steps (none when every remote stage kept its cache), which
+    /// the stage before a kept one sends no further, so a kept stage's
+    /// first step is numbered this.
+    replay_steps: u64,
     deadline: Deadline,
     return_mode: ReturnMode,
     /// A resumed request names the interrupted one: a stage where that
@@ -1512,10 +1517,12 @@ impl StageOpen {
     fn parse(payload: &[u8], inner: &Inner) -> anyhow::Result<Self> {
         let open = Cbor::decode(payload).context("malformed OPEN")?;
         let mut f = Fields::of(&open)?.text_limit(MAX_CONTROL_TEXT);
+        let replay_steps = f.opt_uint("prefill_steps")?.unwrap_or(1);
         let mut parsed = Self {
             run_id: f.text("run_id")?.to_string(),
             capacity: f.uint("capacity")? as usize,
-            prefill_steps: f.opt_uint("prefill_steps")?.unwrap_or(1).max(1),
+            prefill_steps: replay_steps.max(1),
+            replay_steps,
             // The time its coordinator left the request, and one step
             // timeout more: at the deadline the coordinator's STOP ends the
             // request after the step in flight, and the coordinator reads
@@ -1610,6 +1617,8 @@ struct StageAdmitted {
     /// Prefill steps it runs but sends no further: the next stage kept its
     /// cache.
     silent_steps: u64,
+    /// The number its first ACTIVATIONS carries.
+    first_step: u64,
     up_send: quinn::SendStream,
     up_recv: quinn::RecvStream,
 }
@@ -1677,6 +1686,7 @@ async fn admit_stage(
         run_id,
         capacity,
         prefill_steps,
+        replay_steps,
         deadline,
         return_mode,
         resumes,
@@ -1808,6 +1818,7 @@ async fn admit_stage(
         .register(slot.assign.coordinator, request_id, &slot.slice);
     Ok(Some(StageAdmitted {
         kept_positions: kept_here.map_or(0, |r| r.positions),
+        first_step: if kept_here.is_some() { replay_steps } else { 0 },
         // A stage that kept its cache gets no replay: its first step decodes.
         prefill_steps: if kept_here.is_some() {
             0
@@ -1901,6 +1912,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         keep,
         kept_positions,
         silent_steps,
+        first_step,
         mut up_send,
         up_recv,
     } = admitted;
@@ -2028,6 +2040,12 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
             }
             match message_kind {
                 kind::ACTIVATIONS => {
+                    // Steps come in order, one after another: a frame out
+                    // of turn is not this request's next step.
+                    let next = first_step + u64::from(stats.steps);
+                    if u64::from(step) != next {
+                        bail!("step {step} where step {next} was next");
+                    }
                     let (activations, wire) = decode_frame(payload, slot.slice.config().hidden)?;
                     // A replay step whose output the next stage, which kept
                     // its cache, does not need.
@@ -2044,7 +2062,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     }
                     if decode {
                         tokens.decode += rows as u64;
-                        rewindable = rows.min(MAX_DECODE_ROWS).saturating_sub(1);
+                        rewindable = rows - 1;
                     } else {
                         tokens.prefill_received += rows as u64;
                         rewindable = 0;
@@ -2164,6 +2182,10 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     // Only the last decode step's draft can be dropped, and
                     // only once: the positions before it are the request's.
                     let Rewind { positions } = Rewind::parse(payload)?;
+                    let next = first_step + u64::from(stats.steps);
+                    if u64::from(step) != next {
+                        bail!("a rewind carrying step {step}, not the next step {next}");
+                    }
                     let lease = cache.as_mut().context("the request's cache")?;
                     let held = lease.positions();
                     let keep = usize::try_from(positions).unwrap_or(usize::MAX);
