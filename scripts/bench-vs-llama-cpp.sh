@@ -15,7 +15,10 @@ results="$(mktemp)"
 trap 'rm -f "$results"' EXIT
 for round in $(seq "$rounds"); do
   for threads in 1 2; do
-    llama_json="$("$bench" -m "$model" -p 64 -n 64 -t "$threads" -o json)"
+    if ! llama_json="$("$bench" -m "$model" -p 64 -n 64 -t "$threads" -o json)"; then
+      echo "llama-bench failed on this CPU; if it died of SIGILL in its AMX kernels, build it without: MESH_LLAMA_AMX=0 $0" >&2
+      exit 1
+    fi
     mesh_json="$(RAYON_NUM_THREADS="$threads" ./target/release/mesh-node bench engine --model "$model" --prompt-tokens 64 --decode-tokens 64 --json)"
     python3 - "$threads" "$llama_json" "$mesh_json" >>"$results" <<'PY'
 import json, sys

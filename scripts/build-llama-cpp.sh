@@ -4,6 +4,9 @@
 #   scripts/build-llama-cpp.sh [TOOL]   TOOL: llama-bench (default), llama-server,
 #                                       llama-completion or llama-tokenize
 #   MESH_BENCH_DIR  where to build (default: ~/.cache/mesh-node/llama.cpp)
+#   MESH_LLAMA_AMX=0  build without AMX (in build-noamx/): where the CPU
+#                     advertises AMX but llama.cpp's AMX kernels die with
+#                     SIGILL (seen on a VM, 2026-12-03), as on this machine
 set -euo pipefail
 version="0.3.36"
 tool="${1:-llama-bench}"
@@ -12,7 +15,14 @@ case "$tool" in
   *) echo "build-llama-cpp: TOOL is llama-bench, llama-server, llama-completion or llama-tokenize, not $tool" >&2; exit 2 ;;
 esac
 root="${MESH_BENCH_DIR:-$HOME/.cache/mesh-node/llama.cpp}"
-binary="$root/build/bin/$tool"
+build="$root/build"
+flags=()
+if [[ "${MESH_LLAMA_AMX:-1}" == 0 ]]; then
+  build="$root/build-noamx"
+  flags=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+         -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
+binary="$build/bin/$tool"
 if [[ -x "$binary" ]]; then
   echo "$binary"
   exit 0
@@ -30,7 +40,7 @@ if [[ ! -d "$root/src" ]]; then
   mv "$work/llama_cpp_python-$version/vendor/llama.cpp" "$root/src"
 fi
 echo "build-llama-cpp: building $tool (a few minutes on 2 cores)" >&2
-cmake -S "$root/src" -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+cmake -S "$root/src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON "${flags[@]}" \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
-cmake --build "$root/build" --target "$tool" -j "$(nproc)" >&2
+cmake --build "$build" --target "$tool" -j "$(nproc)" >&2
 echo "$binary"

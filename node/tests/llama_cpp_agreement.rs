@@ -98,7 +98,9 @@ impl LlamaServer {
             if let Ok(Some(status)) = server.child.try_wait() {
                 eprintln!(
                     "llama-server exited before serving ({status}); rebuild it on this machine \
-                     (rm -rf ~/.cache/mesh-node/llama.cpp && scripts/build-llama-cpp.sh llama-server). \
+                     (rm -rf ~/.cache/mesh-node/llama.cpp && scripts/build-llama-cpp.sh llama-server; \
+                     where it dies of SIGILL in its AMX kernels, MESH_LLAMA_AMX=0 \
+                     scripts/build-llama-cpp.sh llama-server and MESH_LLAMA_SERVER=<the path it prints>). \
                      Its log: {}",
                     std::fs::read_to_string(log).unwrap_or_default()
                 );

@@ -81,9 +81,9 @@ fn blocks_forward(matrix: &BlockMatrix, x: &Tensor, steps: &[usize]) -> Result<T
 /// The block formats the engine runs on its own kernels (`kernels`)
 /// rather than candle's, for a `rows x cols` matrix. Q8_0 stays on
 /// candle's when candle can tile it (columns a multiple of 256, rows of 16):
-/// with AVX-512 VNNI its tiled kernel is 3x the engine's (`mesh-node bench
-/// kernels`, 576x1536); otherwise candle runs Q8_0 with one accumulator
-/// chain and the engine's kernel is 1.4-1.6x faster.
+/// with AVX-512 VNNI its tiled kernel is 1.3x the engine's grouped one
+/// (`mesh-node bench kernels`, 576x1536); otherwise candle runs Q8_0 one
+/// row at a time and the engine's kernel is 1.7-7x faster.
 fn own_kernel(dtype: GgmlDType, rows: usize, cols: usize) -> Option<BlockFormat> {
     match dtype {
         GgmlDType::Q4_0 => Some(BlockFormat::Q4_0),
@@ -99,8 +99,8 @@ fn own_kernel(dtype: GgmlDType, rows: usize, cols: usize) -> Option<BlockFormat>
 #[derive(Debug)]
 enum Linear {
     Quantized(QMatMul),
-    /// Q4_1 and Q5_0 in their stored blocks, on the engine's own kernels
-    /// (candle's are scalar).
+    /// Q4_0, Q4_1, Q5_0 and Q8_0 in their stored blocks (grouped eight
+    /// rows at a time), on the engine's own kernels.
     Blocks(BlockMatrix),
     Dense(candle_nn::Linear),
 }
@@ -164,7 +164,7 @@ impl Linear {
     /// kernels are one row's dot products (Q4_0, Q8_0 unpacked; Q4_K,
     /// Q5_K and Q8_0 repacked into tiles), except Q6_K, whose one-row kernel
     /// is not its tiled one, and Q4_K from 32 rows with AMX; the engine's own
-    /// Q4_1 and Q5_0 kernels are row-independent everywhere. Dense products go through
+    /// kernels are row-independent everywhere. Dense products go through
     /// a blocked multiply whose summation order follows the row count; on
     /// other architectures the packed kernels change with the row count.
     fn rows_independent(&self) -> bool {

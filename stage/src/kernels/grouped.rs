@@ -1,0 +1,664 @@
+//! Q4_0, Q4_1, Q5_0 and Q8_0 matrices held as groups of eight weight rows, so
+//! that one SIMD instruction works on eight outputs at once
+//! (docs/engine.md).
+//!
+//! The row-major kernel spends, per 32-weight block and activation row,
+//! about seven instructions on 32 products: three to multiply and sum the
+//! bytes, then a conversion, a scale and a fused add, all for one output.
+//! Here each i32 lane of a register belongs to one of the group's eight
+//! rows: a lane takes four of its row's quants times the same four
+//! activation quants (broadcast), so one `vpdpbusd` (AVX-VNNI; `maddubs`
+//! and `madd` on AVX2) does 32 products for eight outputs, and the
+//! conversion, scale and add happen once per block for eight outputs.
+//!
+//! A group's block is the eight stored blocks' bytes rearranged, not
+//! widened: the eight f16 scales, the eight f16 minimums (Q4_1), four
+//! 32-byte chunks of low nibbles (chunk `c`, byte `4r + t`: row `r`'s quant
+//! `4c + t` in the low nibble, quant `16 + 4c + t` in the high one), and
+//! for Q5_0 32 bytes of fifth bits (byte `4r + t`, bit `j`: the fifth bit
+//! of row `r`'s quant `4j + t`); Q8_0's block is the scales and eight
+//! 32-byte chunks of its signed quants (chunk `j`, byte `4r + t`: row `r`'s
+//! quant `4j + t`). A last group short of eight rows is
+//! filled with zero blocks (scale 0), which add nothing and are never read
+//! out.
+//!
+//! Each output is, block after block, `acc = (d_w * d_a) * isum + acc`
+//! then (Q4_1) `acc = m_w * s_a + acc`, each one fused multiply-add, where
+//! `isum` is the block's exact integer product of the quants as the format
+//! means them (each lane starts at minus the format's offset times the
+//! activation quants' sum, so unsigned stored quants give the signed sum).
+//! So an output's bits depend on its weight row and activation row alone,
+//! not on which rows share a group or a pass, and the scalar path gives
+//! the same bits.
+
+use super::{ActivationBlock, BLOCK_ELEMS, BlockFormat};
+use half::f16;
+
+/// Weight rows per group.
+pub(super) const GROUP: usize = 8;
+/// Where a group's block holds its scales.
+const SCALES: usize = 0;
+
+/// What differs between the grouped formats.
+pub(super) trait Grouped {
+    const FORMAT: BlockFormat;
+    /// What the stored quants (unsigned) are above the values meant.
+    const OFFSET: i32;
+    /// Whether blocks carry a minimum (weight `d * q + m`).
+    const HAS_MIN: bool;
+    /// Whether quants have a fifth bit.
+    const FIVE_BITS: bool;
+    /// Whether quants are whole signed bytes (Q8_0), stored as they are:
+    /// the offset (128) is applied on the way in, by the VNNI path (which
+    /// flips each byte's sign bit) and the scalar one.
+    const EIGHT_BITS: bool = false;
+    /// Bytes of one stored block.
+    const STORED_BYTES: usize = Self::FORMAT.block_bytes();
+    /// Bytes of one block of a group: eight stored blocks' worth.
+    const GROUP_BLOCK_BYTES: usize = GROUP * Self::STORED_BYTES;
+    const MINS: usize = 2 * GROUP;
+    /// Where the quants start: four 32-byte chunks of nibbles, or eight
+    /// of bytes.
+    const NIBBLES: usize = if Self::HAS_MIN { 4 * GROUP } else { 2 * GROUP };
+    const HIGH: usize = Self::NIBBLES + 4 * 32;
+    /// Where the stored block's quant bytes start.
+    const STORED_QUANTS: usize;
+}
+
+#[derive(Debug)]
+pub(super) struct Q4_0;
+#[derive(Debug)]
+pub(super) struct Q4_1;
+#[derive(Debug)]
+pub(super) struct Q5_0;
+#[derive(Debug)]
+pub(super) struct Q8_0;
+
+impl Grouped for Q4_0 {
+    const FORMAT: BlockFormat = BlockFormat::Q4_0;
+    const OFFSET: i32 = 8;
+    const HAS_MIN: bool = false;
+    const FIVE_BITS: bool = false;
+    const STORED_QUANTS: usize = 2;
+}
+
+impl Grouped for Q4_1 {
+    const FORMAT: BlockFormat = BlockFormat::Q4_1;
+    const OFFSET: i32 = 0;
+    const HAS_MIN: bool = true;
+    const FIVE_BITS: bool = false;
+    const STORED_QUANTS: usize = 4;
+}
+
+impl Grouped for Q5_0 {
+    const FORMAT: BlockFormat = BlockFormat::Q5_0;
+    const OFFSET: i32 = 16;
+    const HAS_MIN: bool = false;
+    const FIVE_BITS: bool = true;
+    const STORED_QUANTS: usize = 6;
+}
+
+impl Grouped for Q8_0 {
+    const FORMAT: BlockFormat = BlockFormat::Q8_0;
+    const OFFSET: i32 = 128;
+    const HAS_MIN: bool = false;
+    const FIVE_BITS: bool = false;
+    const EIGHT_BITS: bool = true;
+    const STORED_QUANTS: usize = 2;
+}
+
+/// A stored 4- or 5-bit block's 32 quants as unsigned values.
+fn unsigned_quants<F: Grouped>(block: &[u8]) -> [u8; BLOCK_ELEMS] {
+    let high = if F::FIVE_BITS {
+        u32::from_le_bytes([block[2], block[3], block[4], block[5]])
+    } else {
+        0
+    };
+    let mut quants = [0u8; BLOCK_ELEMS];
+    for (i, byte) in block[F::STORED_QUANTS..F::STORED_QUANTS + 16]
+        .iter()
+        .enumerate()
+    {
+        quants[i] = (byte & 0x0F) | ((((high >> i) & 1) as u8) << 4);
+        quants[i + 16] = (byte >> 4) | ((((high >> (i + 16)) & 1) as u8) << 4);
+    }
+    quants
+}
+
+/// `rows` stored rows of `row_blocks` blocks each, as groups.
+pub(super) fn group_rows<F: Grouped>(stored: &[u8], rows: usize, row_blocks: usize) -> Vec<u8> {
+    if row_blocks == 0 {
+        return Vec::new();
+    }
+    let mut grouped = vec![0u8; rows.div_ceil(GROUP) * row_blocks * F::GROUP_BLOCK_BYTES];
+    for (row, stored_row) in stored
+        .chunks_exact(row_blocks * F::STORED_BYTES)
+        .enumerate()
+        .take(rows)
+    {
+        let (group, r) = (row / GROUP, row % GROUP);
+        for (b, block) in stored_row.chunks_exact(F::STORED_BYTES).enumerate() {
+            let out = &mut grouped[(group * row_blocks + b) * F::GROUP_BLOCK_BYTES..]
+                [..F::GROUP_BLOCK_BYTES];
+            out[SCALES + 2 * r..][..2].copy_from_slice(&block[..2]);
+            if F::HAS_MIN {
+                out[F::MINS + 2 * r..][..2].copy_from_slice(&block[2..4]);
+            }
+            if F::EIGHT_BITS {
+                // Chunk j, byte 4r + t: row r's quant 4j + t, as stored.
+                for j in 0..8 {
+                    out[F::NIBBLES + 32 * j + 4 * r..][..4]
+                        .copy_from_slice(&block[F::STORED_QUANTS + 4 * j..][..4]);
+                }
+                continue;
+            }
+            let quants = unsigned_quants::<F>(block);
+            for c in 0..4 {
+                for t in 0..4 {
+                    out[F::NIBBLES + 32 * c + 4 * r + t] =
+                        (quants[4 * c + t] & 0x0F) | ((quants[16 + 4 * c + t] & 0x0F) << 4);
+                }
+            }
+            if F::FIVE_BITS {
+                for t in 0..4 {
+                    out[F::HIGH + 4 * r + t] =
+                        (0..8).fold(0u8, |bits, j| bits | (((quants[4 * j + t] >> 4) & 1) << j));
+                }
+            }
+        }
+    }
+    grouped
+}
+
+/// Row `row`'s stored blocks, as the file holds them, appended to `out`.
+pub(super) fn stored_row<F: Grouped>(
+    grouped: &[u8],
+    row: usize,
+    row_blocks: usize,
+    out: &mut Vec<u8>,
+) {
+    let (group, r) = (row / GROUP, row % GROUP);
+    for b in 0..row_blocks {
+        let block =
+            &grouped[(group * row_blocks + b) * F::GROUP_BLOCK_BYTES..][..F::GROUP_BLOCK_BYTES];
+        let quants = quants_of::<F>(block, r);
+        let mut stored = [0u8; 34];
+        stored[..2].copy_from_slice(&block[SCALES + 2 * r..][..2]);
+        if F::HAS_MIN {
+            stored[2..4].copy_from_slice(&block[F::MINS + 2 * r..][..2]);
+        }
+        if F::FIVE_BITS {
+            let high =
+                (0..BLOCK_ELEMS).fold(0u32, |high, i| high | (u32::from(quants[i] >> 4) << i));
+            stored[2..6].copy_from_slice(&high.to_le_bytes());
+        }
+        if F::EIGHT_BITS {
+            for (stored, quant) in stored[F::STORED_QUANTS..].iter_mut().zip(quants) {
+                *stored = quant ^ 0x80;
+            }
+        } else {
+            for i in 0..16 {
+                stored[F::STORED_QUANTS + i] = (quants[i] & 0x0F) | ((quants[i + 16] & 0x0F) << 4);
+            }
+        }
+        out.extend_from_slice(&stored[..F::STORED_BYTES]);
+    }
+}
+
+/// Row `r`'s 32 unsigned quants in a group's block.
+fn quants_of<F: Grouped>(block: &[u8], r: usize) -> [u8; BLOCK_ELEMS] {
+    let mut quants = [0u8; BLOCK_ELEMS];
+    if F::EIGHT_BITS {
+        for j in 0..8 {
+            for t in 0..4 {
+                quants[4 * j + t] = block[F::NIBBLES + 32 * j + 4 * r + t] ^ 0x80;
+            }
+        }
+        return quants;
+    }
+    for c in 0..4 {
+        for t in 0..4 {
+            let nibbles = block[F::NIBBLES + 32 * c + 4 * r + t];
+            quants[4 * c + t] = nibbles & 0x0F;
+            quants[16 + 4 * c + t] = nibbles >> 4;
+        }
+    }
+    if F::FIVE_BITS {
+        for t in 0..4 {
+            let bits = block[F::HIGH + 4 * r + t];
+            for j in 0..8 {
+                quants[4 * j + t] |= ((bits >> j) & 1) << 4;
+            }
+        }
+    }
+    quants
+}
+
+fn f16_at(block: &[u8], offset: usize) -> f32 {
+    f16::from_le_bytes([block[offset], block[offset + 1]]).to_f32()
+}
+
+/// One group's outputs for `N` activation rows: `[row][lane]`, lane `r`
+/// for the group's row `r`. `group` is the group's blocks, one per
+/// activation block of each row.
+pub(super) fn group_dots<F: Grouped, const N: usize>(
+    group: &[u8],
+    activations: [&[ActivationBlock]; N],
+) -> [[f32; GROUP]; N] {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(path) = simd::detected() {
+        return simd::group_dots::<F, N>(path, group, activations);
+    }
+    activations.map(|a| std::array::from_fn(|r| dot_scalar::<F>(group, r, a)))
+}
+
+/// The scalar path: row `r` of `group` against one activation row.
+fn dot_scalar<F: Grouped>(group: &[u8], r: usize, activations: &[ActivationBlock]) -> f32 {
+    let mut acc = 0f32;
+    for (block, a) in group.chunks_exact(F::GROUP_BLOCK_BYTES).zip(activations) {
+        let d = f16_at(block, SCALES + 2 * r);
+        let isum = quants_of::<F>(block, r)
+            .iter()
+            .zip(a.qs)
+            .fold(-F::OFFSET * a.sum, |sum, (q, x)| {
+                sum + i32::from(*q) * i32::from(x)
+            });
+        acc = (d * a.d).mul_add(isum as f32, acc);
+        if F::HAS_MIN {
+            acc = f16_at(block, F::MINS + 2 * r).mul_add(a.s, acc);
+        }
+    }
+    acc
+}
+
+/// The SIMD paths. Safe code but for the two calls into `#[target_feature]`
+/// functions, each made only once the features it enables were detected
+/// on this CPU: no safe SIMD crate wraps `vpdpbusd` (pulp's tokens stop at
+/// AVX-512's base sets), and F16C, which reads the eight scales at once,
+/// is not part of pulp's x86-64-v3 token. Issue 12 allows `unsafe` here,
+/// with a safety comment and tests of the bits against the scalar path.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+pub(super) mod simd {
+    use super::{GROUP, Grouped, SCALES};
+    use crate::kernels::ActivationBlock;
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    /// Which loop this CPU runs.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(in crate::kernels) enum Path {
+        /// AVX2, FMA and F16C.
+        Avx2,
+        /// And AVX-VNNI.
+        Vnni,
+    }
+
+    /// The best path this CPU has, detected once.
+    pub(in crate::kernels) fn detected() -> Option<Path> {
+        static DETECTED: OnceLock<Option<Path>> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            let base = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            match (base, is_x86_feature_detected!("avxvnni")) {
+                (false, _) => None,
+                (true, false) => Some(Path::Avx2),
+                (true, true) => Some(Path::Vnni),
+            }
+        })
+    }
+
+    /// `group_dots` on `path` if this CPU has it, else on the best path
+    /// below it that it has.
+    pub(in crate::kernels) fn group_dots<F: Grouped, const N: usize>(
+        path: Path,
+        group: &[u8],
+        activations: [&[ActivationBlock]; N],
+    ) -> [[f32; GROUP]; N] {
+        let available = detected();
+        match path {
+            // SAFETY: `dots_vnni` enables AVX2, FMA, F16C and AVX-VNNI;
+            // `detected()` found all four on this CPU.
+            Path::Vnni if available == Some(Path::Vnni) => unsafe {
+                dots_vnni::<F, N>(group, activations)
+            },
+            // SAFETY: `dots_avx2` enables AVX2, FMA and F16C; `detected()`
+            // found them on this CPU (it is `Some` only then).
+            _ if available.is_some() => unsafe { dots_avx2::<F, N>(group, activations) },
+            _ => activations.map(|a| std::array::from_fn(|r| super::dot_scalar::<F>(group, r, a))),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    fn dots_vnni<F: Grouped, const N: usize>(
+        group: &[u8],
+        activations: [&[ActivationBlock]; N],
+    ) -> [[f32; GROUP]; N] {
+        let sign_bit = _mm256_set1_epi8(0x80u8 as i8);
+        dots::<F, N>(
+            group,
+            activations,
+            F::OFFSET,
+            // Q8_0's signed bytes plus 128: the sign bit flipped.
+            |weights| {
+                if F::EIGHT_BITS {
+                    _mm256_xor_si256(weights, sign_bit)
+                } else {
+                    weights
+                }
+            },
+            |sum, weights, activation| _mm256_dpbusd_avx_epi32(sum, weights, activation),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dots_avx2<F: Grouped, const N: usize>(
+        group: &[u8],
+        activations: [&[ActivationBlock]; N],
+    ) -> [[f32; GROUP]; N] {
+        let ones = _mm256_set1_epi16(1);
+        // `maddubs` sums pairs into i16: 4- and 5-bit weight bytes are at
+        // most 31 and activations at most 127 in magnitude, so that fits
+        // with room; Q8_0's bytes are signed, so it takes their magnitude
+        // (at most 128) times the activation with the weight's sign
+        // (32,512 at most), and needs no offset.
+        let offset = if F::EIGHT_BITS { 0 } else { F::OFFSET };
+        dots::<F, N>(
+            group,
+            activations,
+            offset,
+            |weights| weights,
+            |sum, weights, activation| {
+                let pairs = if F::EIGHT_BITS {
+                    _mm256_maddubs_epi16(
+                        _mm256_sign_epi8(weights, weights),
+                        _mm256_sign_epi8(activation, weights),
+                    )
+                } else {
+                    _mm256_maddubs_epi16(weights, activation)
+                };
+                _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones))
+            },
+        )
+    }
+
+    fn load_32(bytes: &[u8]) -> __m256i {
+        let mut array = [0u8; 32];
+        array.copy_from_slice(&bytes[..32]);
+        bytemuck::cast(array)
+    }
+
+    /// Eight f16 values as f32.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn eight_f16(bytes: &[u8]) -> __m256 {
+        let mut array = [0u8; 16];
+        array.copy_from_slice(&bytes[..16]);
+        _mm256_cvtph_ps(bytemuck::cast(array))
+    }
+
+    /// The loop both paths share: `prepare` turns a register of weight
+    /// bytes into what `dot` takes, `dot` adds four weight bytes times four
+    /// activation bytes into each i32 lane, and each lane starts at
+    /// `-offset` times the activation quants' sum.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn dots<F: Grouped, const N: usize>(
+        group: &[u8],
+        activations: [&[ActivationBlock]; N],
+        offset: i32,
+        prepare: impl Fn(__m256i) -> __m256i,
+        dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+    ) -> [[f32; GROUP]; N] {
+        let low_nibble = _mm256_set1_epi8(0x0F);
+        let fifth_bit = _mm256_set1_epi8(0x10);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (b, block) in group.chunks_exact(F::GROUP_BLOCK_BYTES).enumerate() {
+            let scales = eight_f16(&block[SCALES..]);
+            let high = if F::FIVE_BITS {
+                load_32(&block[F::HIGH..])
+            } else {
+                _mm256_setzero_si256()
+            };
+            let mut sums: [__m256i; N] =
+                std::array::from_fn(|r| _mm256_set1_epi32(-offset * activations[r][b].sum));
+            let words: [[i32; 8]; N] =
+                std::array::from_fn(|r| bytemuck::cast(activations[r][b].qs));
+            for c in 0..4 {
+                // The weights of quants 4c..4c+4 and 16+4c..16+4c+4 of
+                // every row.
+                let (mut first, mut second);
+                if F::EIGHT_BITS {
+                    first = load_32(&block[F::NIBBLES + 32 * c..]);
+                    second = load_32(&block[F::NIBBLES + 32 * (c + 4)..]);
+                } else {
+                    let chunk = load_32(&block[F::NIBBLES + 32 * c..]);
+                    first = _mm256_and_si256(chunk, low_nibble);
+                    second = _mm256_and_si256(_mm256_srli_epi16::<4>(chunk), low_nibble);
+                }
+                if F::FIVE_BITS {
+                    // Quants 4c.. take bit c of the high bytes, quants 16 +
+                    // 4c.. bit c + 4, each moved to bit 4 of its byte by a
+                    // 16-bit shift: nothing crosses into bit 4 from the
+                    // neighbouring byte.
+                    first = _mm256_or_si256(
+                        first,
+                        _mm256_and_si256(
+                            _mm256_sll_epi16(high, _mm_cvtsi32_si128(4 - c as i32)),
+                            fifth_bit,
+                        ),
+                    );
+                    second = _mm256_or_si256(
+                        second,
+                        _mm256_and_si256(
+                            _mm256_srl_epi16(high, _mm_cvtsi32_si128(c as i32)),
+                            fifth_bit,
+                        ),
+                    );
+                }
+                let (first, second) = (prepare(first), prepare(second));
+                for r in 0..N {
+                    sums[r] = dot(sums[r], first, _mm256_set1_epi32(words[r][c]));
+                    sums[r] = dot(sums[r], second, _mm256_set1_epi32(words[r][c + 4]));
+                }
+            }
+            let mins = if F::HAS_MIN {
+                eight_f16(&block[F::MINS..])
+            } else {
+                _mm256_setzero_ps()
+            };
+            for r in 0..N {
+                let a = &activations[r][b];
+                let scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
+                acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[r]), acc[r]);
+                if F::HAS_MIN {
+                    acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.s), acc[r]);
+                }
+            }
+        }
+        acc.map(bytemuck::cast)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::quantize_activations;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use proptest::prelude::*;
+
+    fn dtype<F: Grouped>() -> GgmlDType {
+        match F::FORMAT {
+            BlockFormat::Q4_0 => GgmlDType::Q4_0,
+            BlockFormat::Q4_1 => GgmlDType::Q4_1,
+            BlockFormat::Q5_0 => GgmlDType::Q5_0,
+            BlockFormat::Q8_0 => GgmlDType::Q8_0,
+        }
+    }
+
+    /// `rows x cols` seeded weights, quantized by candle.
+    fn stored<F: Grouped>(rows: usize, cols: usize, seed: u64) -> QTensor {
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
+                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+            })
+            .collect();
+        let dense = Tensor::from_vec(values, (rows, cols), &Device::Cpu).unwrap();
+        QTensor::quantize(&dense, dtype::<F>()).unwrap()
+    }
+
+    fn activations(rows: usize, cols: usize) -> Vec<Vec<ActivationBlock>> {
+        (0..rows)
+            .map(|row| {
+                let input: Vec<f32> = (0..cols)
+                    .map(|i| match row % 3 {
+                        // Every quant at +-127.
+                        0 => {
+                            if (i + row) % 3 == 0 {
+                                -1.0
+                            } else {
+                                1.0
+                            }
+                        }
+                        _ => ((i * (row + 2)) as f32 * 0.37).sin(),
+                    })
+                    .collect();
+                let mut out = Vec::new();
+                quantize_activations(&input, &mut out);
+                out
+            })
+            .collect()
+    }
+
+    /// A group's quants, scales and minimums read back as candle
+    /// dequantizes the stored blocks.
+    #[test]
+    fn grouped_blocks_read_as_candle_dequantizes() {
+        fn check<F: Grouped>() {
+            let (rows, cols) = (11, 96);
+            let q = stored::<F>(rows, cols, 5);
+            let dense = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let grouped = group_rows::<F>(&q.data().unwrap(), rows, cols / BLOCK_ELEMS);
+            for (row, weights) in dense.iter().enumerate() {
+                let (group, r) = (row / GROUP, row % GROUP);
+                for b in 0..cols / BLOCK_ELEMS {
+                    let block = &grouped
+                        [(group * (cols / BLOCK_ELEMS) + b) * F::GROUP_BLOCK_BYTES..]
+                        [..F::GROUP_BLOCK_BYTES];
+                    let d = f16_at(block, SCALES + 2 * r);
+                    for (i, q) in quants_of::<F>(block, r).iter().enumerate() {
+                        let weight = if F::HAS_MIN {
+                            d * f32::from(*q) + f16_at(block, F::MINS + 2 * r)
+                        } else {
+                            d * (f32::from(*q) - F::OFFSET as f32)
+                        };
+                        assert_eq!(weight, weights[b * 32 + i], "{:?}", F::FORMAT);
+                    }
+                }
+            }
+        }
+        check::<Q4_0>();
+        check::<Q4_1>();
+        check::<Q5_0>();
+        check::<Q8_0>();
+    }
+
+    /// Every SIMD path this CPU has and the scalar one give the same bits,
+    /// four input rows at a time or one, on a last group short of eight
+    /// rows too.
+    #[test]
+    fn simd_and_scalar_paths_agree() {
+        fn check<F: Grouped>() {
+            let (rows, cols) = (13, 160);
+            let q = stored::<F>(rows, cols, 9);
+            let mut grouped = group_rows::<F>(&q.data().unwrap(), rows, cols / BLOCK_ELEMS);
+            if F::EIGHT_BITS {
+                // Row 0's first block at -128, which candle never writes:
+                // the AVX2 path takes its magnitude, 128, as an unsigned
+                // byte.
+                for j in 0..8 {
+                    grouped[F::NIBBLES + 32 * j..][..4].fill(0x80);
+                }
+            }
+            let inputs = activations(4, cols);
+            let group_bytes = cols / BLOCK_ELEMS * F::GROUP_BLOCK_BYTES;
+            #[cfg(target_arch = "x86_64")]
+            let paths: Vec<simd::Path> = match simd::detected() {
+                None => {
+                    eprintln!(
+                        "SKIP the SIMD half of simd_and_scalar_paths_agree: no AVX2, FMA and F16C"
+                    );
+                    Vec::new()
+                }
+                Some(simd::Path::Avx2) => vec![simd::Path::Avx2],
+                Some(simd::Path::Vnni) => vec![simd::Path::Avx2, simd::Path::Vnni],
+            };
+            for group in grouped.chunks_exact(group_bytes) {
+                let scalar: Vec<[f32; GROUP]> = inputs
+                    .iter()
+                    .map(|a| std::array::from_fn(|r| dot_scalar::<F>(group, r, a)))
+                    .collect();
+                #[cfg(target_arch = "x86_64")]
+                for &path in &paths {
+                    let four = simd::group_dots::<F, 4>(
+                        path,
+                        group,
+                        std::array::from_fn(|i| &inputs[i][..]),
+                    );
+                    for (got, want) in four.iter().zip(&scalar) {
+                        assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "{path:?}");
+                    }
+                    let [one] = simd::group_dots::<F, 1>(path, group, [&inputs[2][..]]);
+                    assert_eq!(
+                        one.map(f32::to_bits),
+                        scalar[2].map(f32::to_bits),
+                        "{path:?}"
+                    );
+                }
+            }
+        }
+        check::<Q4_0>();
+        check::<Q4_1>();
+        check::<Q5_0>();
+        check::<Q8_0>();
+    }
+
+    fn gives_every_row_back<F: Grouped>(rows: usize, row_blocks: usize, seed: u64) {
+        let stored: Vec<u8> = (0..rows * row_blocks * F::STORED_BYTES)
+            .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed).to_le_bytes()[3])
+            .collect();
+        let grouped = group_rows::<F>(&stored, rows, row_blocks);
+        assert_eq!(
+            grouped.len(),
+            rows.div_ceil(GROUP) * GROUP * row_blocks * F::STORED_BYTES
+        );
+        let mut back = Vec::new();
+        for row in 0..rows {
+            stored_row::<F>(&grouped, row, row_blocks, &mut back);
+        }
+        assert_eq!(back, stored, "{:?}", F::FORMAT);
+    }
+
+    proptest! {
+        /// Grouping is a rearrangement: every row's stored blocks come
+        /// back as they were.
+        #[test]
+        fn grouping_gives_every_row_back(
+            rows in 1usize..20,
+            row_blocks in 1usize..4,
+            seed in any::<u64>(),
+        ) {
+            gives_every_row_back::<Q4_0>(rows, row_blocks, seed);
+            gives_every_row_back::<Q4_1>(rows, row_blocks, seed);
+            gives_every_row_back::<Q5_0>(rows, row_blocks, seed);
+            gives_every_row_back::<Q8_0>(rows, row_blocks, seed);
+        }
+    }
+}
