@@ -1,6 +1,6 @@
 //! Block formats candle runs only on a scalar path, or with one
-//! accumulator chain, run as the file stores them on the engine's own
-//! kernels, never widened at load:
+//! accumulator chain, run in the file's own blocks on the engine's own
+//! kernels (rearranged at load, never widened):
 //!
 //! - Q4_0: 18-byte blocks of 32 weights (an f16 scale `d`, 16 bytes of
 //!   4-bit quants); the weight is `d * (q - 8)`.
@@ -131,8 +131,8 @@ impl BlockMatrix {
                 actual: blocks.len(),
             });
         }
-        // Q4_0, Q4_1 and Q5_0 run as groups of eight rows (`grouped`):
-        // the same bytes, rearranged once here.
+        // Every format runs as groups of eight rows (`grouped`): the same
+        // bytes, rearranged once here.
         let row_blocks = cols / BLOCK_ELEMS;
         let blocks = match format {
             BlockFormat::Q4_0 => grouped::group_rows::<grouped::Q4_0>(&blocks, rows, row_blocks),
@@ -206,9 +206,8 @@ impl BlockMatrix {
 
     /// The rows of several requests' steps at once: `steps` are the row
     /// counts of consecutive steps (a decode step is one row, a prompt's
-    /// prefill many). A row's bits depend only on its weights, its input
-    /// and whether its step has one row or several, never on the other
-    /// steps it is batched with.
+    /// prefill many). A row's bits depend only on its weights and its
+    /// input, never on its step or the other steps it is batched with.
     pub fn matmul_steps(&self, input: &[f32], steps: &[usize]) -> Result<Vec<f32>, KernelError> {
         if self.cols == 0
             || !input.len().is_multiple_of(self.cols)

@@ -2,9 +2,10 @@
 //! that one SIMD instruction works on eight outputs at once
 //! (docs/engine.md).
 //!
-//! The row-major kernel spends, per 32-weight block and activation row,
-//! about seven instructions on 32 products: three to multiply and sum the
-//! bytes, then a conversion, a scale and a fused add, all for one output.
+//! A row-by-row kernel (the engine's until 2026-12-03) spends, per
+//! 32-weight block and activation row, about seven instructions on 32
+//! products: three to multiply and sum the bytes, then a conversion, a
+//! scale and a fused add, all for one output.
 //! Here each i32 lane of a register belongs to one of the group's eight
 //! rows: a lane takes four of its row's quants times the same four
 //! activation quants (broadcast), so one `vpdpbusd` (AVX-VNNI; `maddubs`
@@ -25,8 +26,10 @@
 //! Each output is, block after block, `acc = (d_w * d_a) * isum + acc`
 //! then (Q4_1) `acc = m_w * s_a + acc`, each one fused multiply-add, where
 //! `isum` is the block's exact integer product of the quants as the format
-//! means them (each lane starts at minus the format's offset times the
-//! activation quants' sum, so unsigned stored quants give the signed sum).
+//! means them (where a path takes the quants as unsigned bytes, each lane
+//! starts at minus the format's offset times the activation quants' sum,
+//! so the unsigned quants give the signed sum; the AVX2 path takes Q8_0's
+//! signed bytes by magnitude and sign instead, from 0).
 //! So an output's bits depend on its weight row and activation row alone,
 //! not on which rows share a group or a pass, and the scalar path gives
 //! the same bits.
@@ -42,7 +45,9 @@ const SCALES: usize = 0;
 /// What differs between the grouped formats.
 pub(super) trait Grouped {
     const FORMAT: BlockFormat;
-    /// What the stored quants (unsigned) are above the values meant.
+    /// How far the quants as unsigned bytes (4- and 5-bit quants as
+    /// stored; Q8_0's with the sign bit flipped) are above the values
+    /// meant.
     const OFFSET: i32;
     /// Whether blocks carry a minimum (weight `d * q + m`).
     const HAS_MIN: bool;
