@@ -57,6 +57,18 @@ pub enum BlockFormat {
 }
 
 impl BlockFormat {
+    /// The matching candle type, for quantizing and dequantizing blocks as
+    /// candle does.
+    pub const fn ggml_dtype(self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType;
+        match self {
+            BlockFormat::Q4_0 => GgmlDType::Q4_0,
+            BlockFormat::Q4_1 => GgmlDType::Q4_1,
+            BlockFormat::Q5_0 => GgmlDType::Q5_0,
+            BlockFormat::Q8_0 => GgmlDType::Q8_0,
+        }
+    }
+
     /// Bytes of one stored block.
     pub const fn block_bytes(self) -> usize {
         match self {
@@ -188,13 +200,7 @@ impl BlockMatrix {
 
     /// The matching candle type, for dequantizing blocks as candle does.
     pub fn ggml_dtype(&self) -> candle_core::quantized::GgmlDType {
-        use candle_core::quantized::GgmlDType;
-        match self.format {
-            BlockFormat::Q4_0 => GgmlDType::Q4_0,
-            BlockFormat::Q4_1 => GgmlDType::Q4_1,
-            BlockFormat::Q5_0 => GgmlDType::Q5_0,
-            BlockFormat::Q8_0 => GgmlDType::Q8_0,
-        }
+        self.format.ggml_dtype()
     }
 
     /// `input` is `m` rows of `cols` values, all of one step; the result
@@ -302,14 +308,9 @@ pub fn time_against_candle(
     steps: &[usize],
     rounds: usize,
 ) -> crate::Result<(f64, f64)> {
-    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::quantized::{QMatMul, QTensor};
     use candle_core::{Device, Module, Tensor};
-    let dtype = match format {
-        BlockFormat::Q4_0 => GgmlDType::Q4_0,
-        BlockFormat::Q4_1 => GgmlDType::Q4_1,
-        BlockFormat::Q5_0 => GgmlDType::Q5_0,
-        BlockFormat::Q8_0 => GgmlDType::Q8_0,
-    };
+    let dtype = format.ggml_dtype();
     let values: Vec<f32> = (0..rows * cols)
         .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / 16_777_216.0 - 0.5)
         .collect();
@@ -379,19 +380,19 @@ fn quantize_activations(row: &[f32], out: &mut Vec<ActivationBlock>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
     use proptest::prelude::*;
 
-    const FORMATS: [(BlockFormat, GgmlDType); 4] = [
-        (BlockFormat::Q4_0, GgmlDType::Q4_0),
-        (BlockFormat::Q4_1, GgmlDType::Q4_1),
-        (BlockFormat::Q5_0, GgmlDType::Q5_0),
-        (BlockFormat::Q8_0, GgmlDType::Q8_0),
+    const FORMATS: [BlockFormat; 4] = [
+        BlockFormat::Q4_0,
+        BlockFormat::Q4_1,
+        BlockFormat::Q5_0,
+        BlockFormat::Q8_0,
     ];
 
-    fn stored(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> (QTensor, BlockMatrix) {
-        let dtype = FORMATS.iter().find(|(f, _)| *f == format).unwrap().1;
+    /// `rows x cols` seeded weights, quantized to `format` by candle.
+    pub(super) fn quantized(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> QTensor {
         let values: Vec<f32> = (0..rows * cols)
             .map(|i| {
                 let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
@@ -399,7 +400,11 @@ mod tests {
             })
             .collect();
         let dense = Tensor::from_vec(values, (rows, cols), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&dense, dtype).unwrap();
+        QTensor::quantize(&dense, format.ggml_dtype()).unwrap()
+    }
+
+    fn stored(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> (QTensor, BlockMatrix) {
+        let q = quantized(format, rows, cols, seed);
         let bytes = q.data().unwrap().to_vec();
         (q, BlockMatrix::new(format, rows, cols, bytes).unwrap())
     }
@@ -408,7 +413,7 @@ mod tests {
     /// only error is the activations' 8-bit quantization.
     #[test]
     fn agrees_with_dequantized_weights() {
-        for (format, _) in FORMATS {
+        for format in FORMATS {
             // A last group of five rows; five input rows, four of them
             // through the four-row path.
             let (rows, cols, m) = (37, 96, 5);
@@ -461,7 +466,7 @@ mod tests {
     /// panic: no outputs, or a refused input.
     #[test]
     fn empty_shapes_run() {
-        for (format, _) in FORMATS {
+        for format in FORMATS {
             let no_rows = BlockMatrix::new(format, 0, 64, Vec::new()).unwrap();
             assert_eq!(no_rows.matmul(&[0.5; 128]).unwrap(), Vec::<f32>::new());
             let no_cols = BlockMatrix::new(format, 3, 0, Vec::new()).unwrap();
@@ -508,7 +513,7 @@ mod tests {
             seed in any::<u64>(),
             which in 0usize..4,
         ) {
-            let format = FORMATS[which].0;
+            let format = FORMATS[which];
             let (rows, cols) = (37, 64);
             let (_, matrix) = stored(format, rows, cols, seed);
             let m: usize = steps.iter().sum();
@@ -535,7 +540,7 @@ mod tests {
             input in proptest::collection::vec(-1e30f32..1e30, 64),
             which in 0usize..4,
         ) {
-            let format = FORMATS[which].0;
+            let format = FORMATS[which];
             let bytes = blocks[..3 * 2 * format.block_bytes()].to_vec();
             let matrix = BlockMatrix::new(format, 3, 64, bytes).unwrap();
             let out = matrix.matmul(&input).unwrap();

@@ -490,29 +490,12 @@ pub(super) mod simd {
 mod tests {
     use super::*;
     use crate::kernels::quantize_activations;
-    use candle_core::quantized::{GgmlDType, QTensor};
-    use candle_core::{Device, Tensor};
+    use candle_core::Device;
+    use candle_core::quantized::QTensor;
     use proptest::prelude::*;
 
-    fn dtype<F: Grouped>() -> GgmlDType {
-        match F::FORMAT {
-            BlockFormat::Q4_0 => GgmlDType::Q4_0,
-            BlockFormat::Q4_1 => GgmlDType::Q4_1,
-            BlockFormat::Q5_0 => GgmlDType::Q5_0,
-            BlockFormat::Q8_0 => GgmlDType::Q8_0,
-        }
-    }
-
-    /// `rows x cols` seeded weights, quantized by candle.
     fn stored<F: Grouped>(rows: usize, cols: usize, seed: u64) -> QTensor {
-        let values: Vec<f32> = (0..rows * cols)
-            .map(|i| {
-                let x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
-                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-            })
-            .collect();
-        let dense = Tensor::from_vec(values, (rows, cols), &Device::Cpu).unwrap();
-        QTensor::quantize(&dense, dtype::<F>()).unwrap()
+        crate::kernels::tests::quantized(F::FORMAT, rows, cols, seed)
     }
 
     fn activations(rows: usize, cols: usize) -> Vec<Vec<ActivationBlock>> {

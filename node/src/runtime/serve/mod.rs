@@ -2038,11 +2038,11 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
             if id != request_id {
                 bail!("a frame of request {id} on the stream of request {request_id}");
             }
+            // Steps come in order, one after another: an ACTIVATIONS or a
+            // REWIND out of turn is not this request's next step.
+            let next = first_step + u64::from(stats.steps);
             match message_kind {
                 kind::ACTIVATIONS => {
-                    // Steps come in order, one after another: a frame out
-                    // of turn is not this request's next step.
-                    let next = first_step + u64::from(stats.steps);
                     if u64::from(step) != next {
                         bail!("step {step} where step {next} was next");
                     }
@@ -2062,7 +2062,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     }
                     if decode {
                         tokens.decode += rows as u64;
-                        rewindable = rows - 1;
+                        rewindable = rows.saturating_sub(1);
                     } else {
                         tokens.prefill_received += rows as u64;
                         rewindable = 0;
@@ -2182,7 +2182,6 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     // Only the last decode step's draft can be dropped, and
                     // only once: the positions before it are the request's.
                     let Rewind { positions } = Rewind::parse(payload)?;
-                    let next = first_step + u64::from(stats.steps);
                     if u64::from(step) != next {
                         bail!("a rewind carrying step {step}, not the next step {next}");
                     }
