@@ -267,20 +267,21 @@ impl BlockMatrix {
                     for (index, out) in out.chunks_exact_mut(m * grouped::GROUP).enumerate() {
                         let group =
                             &self.blocks[(*first_group + index) * group_bytes..][..group_bytes];
-                        // Four input rows at a time share each weight
-                        // block's unpacking; the rest one at a time.
-                        let fours = m / 4 * 4;
-                        for first in (0..fours).step_by(4) {
-                            let dots = grouped::group_dots::<F, 4>(
-                                group,
-                                std::array::from_fn(|i| activation_row(first + i)),
-                            );
-                            out[first * grouped::GROUP..][..4 * grouped::GROUP]
-                                .copy_from_slice(dots.as_flattened());
-                        }
-                        for row in fours..m {
-                            let [dot] = grouped::group_dots::<F, 1>(group, [activation_row(row)]);
-                            out[row * grouped::GROUP..][..grouped::GROUP].copy_from_slice(&dot);
+                        // Up to four input rows at a time share each
+                        // weight block's unpacking (a batch of two or
+                        // three decode steps unpacks once, not per step).
+                        let mut first = 0;
+                        while first < m {
+                            let take = (m - first).min(4);
+                            let out = &mut out[first * grouped::GROUP..][..take * grouped::GROUP];
+                            let rows = |i: usize| activation_row(first + i);
+                            match take {
+                                4 => dots_into::<F, 4>(group, std::array::from_fn(rows), out),
+                                3 => dots_into::<F, 3>(group, std::array::from_fn(rows), out),
+                                2 => dots_into::<F, 2>(group, std::array::from_fn(rows), out),
+                                _ => dots_into::<F, 1>(group, [rows(0)], out),
+                            }
+                            first += take;
                         }
                     }
                 }
@@ -296,6 +297,15 @@ impl BlockMatrix {
         }
         out
     }
+}
+
+/// One group against `N` input rows, into `out` (`[row][lane]`).
+fn dots_into<F: grouped::Grouped, const N: usize>(
+    group: &[u8],
+    rows: [&[ActivationBlock]; N],
+    out: &mut [f32],
+) {
+    out.copy_from_slice(grouped::group_dots::<F, N>(group, rows).as_flattened());
 }
 
 /// One matrix product timed on this engine's kernel and on candle's, side

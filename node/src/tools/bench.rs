@@ -280,7 +280,7 @@ pub fn resident_bytes() -> Option<u64> {
 
 /// `mesh-node bench kernels`: each block format on the engine's kernel and
 /// on candle's, on the same stored blocks, at SmolLM2's shapes: one decode
-/// row, and a 64-row prompt (one step).
+/// row, batches of two to four decode rows, and a 64-row prompt (one step).
 pub fn bench_kernels() -> anyhow::Result<serde_json::Value> {
     use mesh_stage::kernels::{BlockFormat, time_against_candle};
     let shapes = [(1536, 576), (576, 1536), (49_152, 576)];
@@ -292,7 +292,7 @@ pub fn bench_kernels() -> anyhow::Result<serde_json::Value> {
         BlockFormat::Q8_0,
     ] {
         for shape in shapes {
-            for m in [1usize, 64] {
+            for m in [1usize, 2, 3, 4, 64] {
                 // About 0.2 s of each kernel per figure.
                 let work = shape.0 * shape.1 * m;
                 let rounds = (2_000_000_000 / work).clamp(3, 2000);

@@ -559,7 +559,7 @@ mod tests {
     }
 
     /// Every SIMD path this CPU has and the scalar one give the same bits,
-    /// four input rows at a time or one, on a last group short of eight
+    /// one to four input rows at a time, on a last group short of eight
     /// rows too.
     #[test]
     fn simd_and_scalar_paths_agree() {
@@ -603,6 +603,18 @@ mod tests {
                     for (got, want) in four.iter().zip(&scalar) {
                         assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "{path:?}");
                     }
+                    let three = simd::group_dots::<F, 3>(
+                        path,
+                        group,
+                        std::array::from_fn(|i| &inputs[i + 1][..]),
+                    );
+                    for (got, want) in three.iter().zip(&scalar[1..]) {
+                        assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "{path:?}");
+                    }
+                    let two =
+                        simd::group_dots::<F, 2>(path, group, [&inputs[3][..], &inputs[0][..]]);
+                    assert_eq!(two[0].map(f32::to_bits), scalar[3].map(f32::to_bits));
+                    assert_eq!(two[1].map(f32::to_bits), scalar[0].map(f32::to_bits));
                     let [one] = simd::group_dots::<F, 1>(path, group, [&inputs[2][..]]);
                     assert_eq!(
                         one.map(f32::to_bits),
