@@ -275,11 +275,19 @@ impl BlockMatrix {
                             let take = (m - first).min(4);
                             let out = &mut out[first * grouped::GROUP..][..take * grouped::GROUP];
                             let rows = |i: usize| activation_row(first + i);
+                            // The group's first pass asks for what follows it.
+                            let ahead = first == 0;
                             match take {
-                                4 => dots_into::<F, 4>(group, std::array::from_fn(rows), out),
-                                3 => dots_into::<F, 3>(group, std::array::from_fn(rows), out),
-                                2 => dots_into::<F, 2>(group, std::array::from_fn(rows), out),
-                                _ => dots_into::<F, 1>(group, [rows(0)], out),
+                                4 => {
+                                    dots_into::<F, 4>(group, std::array::from_fn(rows), ahead, out)
+                                }
+                                3 => {
+                                    dots_into::<F, 3>(group, std::array::from_fn(rows), ahead, out)
+                                }
+                                2 => {
+                                    dots_into::<F, 2>(group, std::array::from_fn(rows), ahead, out)
+                                }
+                                _ => dots_into::<F, 1>(group, [rows(0)], ahead, out),
                             }
                             first += take;
                         }
@@ -303,9 +311,10 @@ impl BlockMatrix {
 fn dots_into<F: grouped::Grouped, const N: usize>(
     group: &[u8],
     rows: [&[ActivationBlock]; N],
+    prefetch: bool,
     out: &mut [f32],
 ) {
-    out.copy_from_slice(grouped::group_dots::<F, N>(group, rows).as_flattened());
+    out.copy_from_slice(grouped::group_dots::<F, N>(group, rows, prefetch).as_flattened());
 }
 
 /// One matrix product timed on this engine's kernel and on candle's, side
