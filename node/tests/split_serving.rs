@@ -1,7 +1,8 @@
 //! Split serving across real `mesh-node serve` processes on 127.0.0.1:
 //! tokens equal the unsplit run in both return modes, the bundle verifies,
-//! a stage killed mid-request ends the request cleanly, and a record pushed
-//! by an unknown key is refused with a signed reason.
+//! a stage killed mid-request ends the request cleanly, a record pushed
+//! by an unknown key is refused with a signed reason, and sixteen requests
+//! at once each get the tokens they get alone.
 
 mod common;
 
@@ -539,4 +540,81 @@ fn no_log_line_at_the_most_verbose_level_holds_the_prompt_or_the_output() {
     ] {
         assert!(!logs.contains(needle), "a log line holds {needle:?}");
     }
+}
+
+/// Issue 9: sixteen greedy requests at once over three `serve` processes
+/// all complete, each with the tokens it gets alone, and afterwards every
+/// node's pools are empty again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_requests_at_once_over_three_processes_give_their_solo_tokens() {
+    use mesh_node::runtime::serve::{GenerateRequest, generate_remote, node_stats_remote};
+    const REQUESTS: usize = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    // Room for all sixteen on every node (the default admits eight).
+    let config = dir.path().join("admit.toml");
+    std::fs::write(&config, format!("max_requests = {REQUESTS}\n")).unwrap();
+    let admit = ["--config", config.to_str().unwrap()];
+    let b = stage(dir.path(), "b", &model, &admit, &[]);
+    let c = stage(dir.path(), "c", &model, &admit, &[]);
+    let coordinator = serve(
+        dir.path(),
+        "coord",
+        &model,
+        &[&b.peer, &c.peer],
+        &admit,
+        &[],
+    );
+    let address: mesh_node::runtime::serve::PeerAddr = coordinator.peer.parse().unwrap();
+    let prompts: Vec<String> = (0..REQUESTS)
+        .map(|i| format!("request {i} of sixteen goes"))
+        .collect();
+    let ask = |prompt: &str| {
+        let (address, request) = (address.clone(), GenerateRequest::greedy(prompt, 12));
+        async move { generate_remote(&address, &request, &mut |_| {}).await }
+    };
+    let mut alone = Vec::new();
+    for prompt in &prompts {
+        let summary = ask(prompt).await.unwrap();
+        assert!(summary.error.is_none(), "{:?}", summary.error);
+        alone.push(summary.details["token_ids"].clone());
+    }
+    let at_once: Vec<_> = prompts.iter().map(|p| tokio::spawn(ask(p))).collect();
+    let mut together = Vec::new();
+    for task in at_once {
+        let summary = task.await.unwrap().unwrap();
+        assert!(summary.error.is_none(), "{:?}", summary.error);
+        together.push(summary.details["token_ids"].clone());
+    }
+    assert!(
+        alone
+            .iter()
+            .all(|ids| ids.as_array().is_some_and(|a| a.len() == 12))
+    );
+    assert_eq!(
+        together, alone,
+        "each request's tokens are the ones it gets alone"
+    );
+    // The coordinator's key reads every node's stats; a stage frees its
+    // cache as its part of a request ends, so allow it a moment.
+    let key = mesh_node::runtime::keys::load(&keygen(dir.path(), "coord")).unwrap();
+    let mut batched = false;
+    for node in [&coordinator, &b, &c] {
+        let peer: mesh_node::runtime::serve::PeerAddr = node.peer.parse().unwrap();
+        let since = Instant::now();
+        loop {
+            let stats = node_stats_remote(&key, &peer).await.unwrap();
+            if stats.pools_empty() {
+                batched |= stats.slices.iter().any(|s| s.passes < s.steps);
+                break;
+            }
+            assert!(
+                since.elapsed() < Duration::from_secs(5),
+                "pools not empty: {stats:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // The sixteen ran together: some forward pass held several steps.
+    assert!(batched, "no step was batched with another");
 }

@@ -31,8 +31,9 @@
 //!
 //! The SIMD loops are two `#[target_feature]` functions (AVX-VNNI, and
 //! AVX2 with FMA and F16C), entered through the engine's only `unsafe`
-//! blocks once their features are detected (`grouped::simd`). A CPU
-//! without them takes the scalar path, which gives the same bits.
+//! blocks once their features are detected (`grouped::simd`, which also
+//! holds the prefetch hint, baseline SSE). A CPU without them takes the
+//! scalar path, which gives the same bits.
 
 use std::sync::Mutex;
 

@@ -39,9 +39,9 @@ use half::f16;
 
 /// Weight rows per group.
 pub(super) const GROUP: usize = 8;
-/// How far ahead of the block it reads a decode step asks for weights
-/// (bytes): measured on SmolLM2's decode, 4 to 32 KiB all gave the same
-/// 10 % over none; a few groups of its widest rows.
+/// How far ahead of the block it reads the first pass over a group asks
+/// for weights (bytes): measured on SmolLM2's decode, 4 to 32 KiB all gave
+/// the same 10 % over none; a few groups of its widest rows.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_AHEAD: usize = 16 * 1024;
 /// Where a group's block holds its scales.
@@ -261,6 +261,8 @@ pub(super) fn group_dots<F: Grouped, const N: usize>(
     if let Some(path) = simd::detected() {
         return simd::group_dots::<F, N>(path, group, activations, prefetch);
     }
+    // A hint the scalar path has no use for.
+    let _ = prefetch;
     activations.map(|a| std::array::from_fn(|r| dot_scalar::<F>(group, r, a)))
 }
 
@@ -403,17 +405,21 @@ pub(super) mod simd {
 
     /// Asks for the bytes `PREFETCH_AHEAD` past `block` of `group`. A
     /// matrix's groups lie one after another and are read in order, so
-    /// those are a later group's, which the loop reaches a few
+    /// those are further along the matrix (a later group's, or this one's
+    /// for rows wider than that), which the loop reaches a few
     /// microseconds on: a decode step streams each weight once, and the
     /// hardware's own prefetcher alone left a tenth of its speed on the
-    /// table here. Past the matrix's end the address is not read.
+    /// table here. The bytes may be another thread's piece, or past the
+    /// matrix's end; the program never reads them through this address.
     #[inline]
     fn prefetch_ahead(group: &[u8], block: usize, len: usize) {
         let ahead = group.as_ptr().wrapping_add(block + super::PREFETCH_AHEAD);
         let mut line = 0;
         while line < len {
-            // SAFETY: a prefetch is a hint: it reads no memory the program
-            // sees, and an address outside any mapping does not fault.
+            // SAFETY: the pointer is never dereferenced by the program: a
+            // prefetch is a hint that changes no value it sees, an address
+            // outside any mapping does not fault, and SSE, which it needs,
+            // is part of every x86-64 CPU.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast::<i8>()) };
             line += 64;
         }
@@ -654,8 +660,16 @@ mod tests {
                         [&inputs[3][..], &inputs[0][..]],
                         true,
                     );
-                    assert_eq!(two[0].map(f32::to_bits), scalar[3].map(f32::to_bits));
-                    assert_eq!(two[1].map(f32::to_bits), scalar[0].map(f32::to_bits));
+                    assert_eq!(
+                        two[0].map(f32::to_bits),
+                        scalar[3].map(f32::to_bits),
+                        "{path:?}"
+                    );
+                    assert_eq!(
+                        two[1].map(f32::to_bits),
+                        scalar[0].map(f32::to_bits),
+                        "{path:?}"
+                    );
                     let [one] = simd::group_dots::<F, 1>(path, group, [&inputs[2][..]], true);
                     assert_eq!(
                         one.map(f32::to_bits),
