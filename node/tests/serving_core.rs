@@ -173,6 +173,49 @@ async fn a_thousand_refusals_of_each_kind_leave_every_pool_empty() {
     assert_pools_empty(&all_stats(&nodes).await);
 }
 
+/// The stage's half of the same bar: a request the coordinator admits
+/// whose presentation for a stage is bound to another request is refused
+/// by that stage's steward; a thousand such refusals leave every pool and
+/// every grant decision of every node empty, and a well-granted request
+/// is served after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_refusals_at_a_stage_leave_every_pool_empty() {
+    use common::nodes::{granted, grants};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
+    let coordinator = nodes[0].peer_addr();
+    // Room for a dozen reservations at once on each steward: a reservation
+    // a refusal failed to give back would soon exhaust it.
+    let ceiling = 20_000_000;
+    let (shards, holder) = grants(dir.path(), &nodes[0], 36 * ceiling).await;
+    let elsewhere = granted(&shards, &holder, "another request", 4, ceiling);
+    for round in 0..REFUSALS {
+        let mut grant = granted(&shards, &holder, "refused at a stage", 4, ceiling);
+        grant.presentations[1] = elsewhere.presentations[1].clone();
+        let refused = ask(&coordinator, &request("refused at a stage", 4, Some(grant))).await;
+        let said = match refused {
+            Ok(summary) => summary.error.unwrap_or_default(),
+            Err(error) => format!("{error:#}"),
+        };
+        assert!(
+            said.contains("grant refused at stage"),
+            "round {round}: {said}"
+        );
+    }
+    let stats = all_stats(&nodes).await;
+    assert_pools_empty(&stats);
+    for (i, node) in nodes.iter().enumerate() {
+        assert_eq!(node.grant_decisions_waiting(), 0, "node {i}");
+    }
+    let grant = granted(&shards, &holder, "served after", 4, ceiling);
+    let served = ask(&coordinator, &request("served after", 4, Some(grant)))
+        .await
+        .unwrap();
+    assert!(served.error.is_none(), "{:?}", served.error);
+    assert_pools_empty(&all_stats(&nodes).await);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_busy_refusals_leave_every_pool_empty() {
     let dir = tempfile::tempdir().unwrap();
