@@ -194,6 +194,37 @@ async fn a_forged_certificate_does_not_make_its_holder_the_coordinator() {
     assert_eq!(stage.slices_held(), 1);
 }
 
+/// A connection for a protocol the node does not speak gets nothing: the
+/// handshake fails, or the node closes it before any stream is answered;
+/// the node still speaks its own protocols to the same key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_protocol_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let stage = Setup::stage(&model, dir.path(), "b", 2).start().await;
+    let identity = TlsIdentity::new(&key(9)).unwrap();
+    match connect(&identity, &stage.peer_addr(), b"mesh-unknown/1").await {
+        Err(_) => {}
+        Ok((_endpoint, connection)) => {
+            let answered = async {
+                let (mut send, mut recv) = connection.open_bi().await?;
+                send.write_all(b"hello").await?;
+                send.finish()?;
+                anyhow::Ok(recv.read_to_end(64).await?)
+            };
+            let outcome = tokio::time::timeout(Duration::from_secs(5), answered).await;
+            assert!(
+                matches!(outcome, Ok(Err(_))),
+                "an unknown protocol was answered: {outcome:?}"
+            );
+        }
+    }
+    let (_endpoint, connection) = connect(&identity, &stage.peer_addr(), ALPN_CONTROL)
+        .await
+        .unwrap();
+    drop(connection);
+}
+
 /// The manifest is package-wide: a stage whose own package's manifest is
 /// not the one assigned refuses, and loads nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
