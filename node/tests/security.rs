@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::nodes::{
     Script, Setup, ask, connect, granted, grants, key, no_lane_breaks, observed_stalling_stage,
-    public, request, scripted_stage, stalling_stage, synthetic, three_nodes, verify,
+    public, refusal, request, scripted_stage, stalling_stage, synthetic, three_nodes, verify,
 };
 use mesh_node::runtime::net::tls::{self, TlsIdentity};
 use mesh_node::runtime::net::{ALPN_CONTROL, ALPN_STAGE, msg};
@@ -475,11 +475,7 @@ async fn busy_refusals_release_their_grants(coordinator_max: usize, stage_max: u
         let prompt = format!("granted {n}");
         let mut granted = granted(&shards, &holder, &prompt, 4, 20_000_000);
         granted.presentations[2].clear(); // the stand-in stage decides nothing
-        let outcome = ask(&a.peer_addr(), &request(&prompt, 4, Some(granted))).await;
-        let said = match outcome {
-            Ok(summary) => summary.error.unwrap_or_default(),
-            Err(error) => format!("{error:#}"),
-        };
+        let said = refusal(ask(&a.peer_addr(), &request(&prompt, 4, Some(granted))).await);
         assert!(
             said.contains("too many concurrent requests"),
             "request {n}: {said}"

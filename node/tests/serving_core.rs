@@ -180,7 +180,7 @@ async fn a_thousand_refusals_of_each_kind_leave_every_pool_empty() {
 /// is served after them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_refusals_at_a_stage_leave_every_pool_empty() {
-    use common::nodes::{granted, grants};
+    use common::nodes::{granted, grants, refusal};
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
     let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
@@ -193,11 +193,7 @@ async fn a_thousand_refusals_at_a_stage_leave_every_pool_empty() {
     for round in 0..REFUSALS {
         let mut grant = granted(&shards, &holder, "refused at a stage", 4, ceiling);
         grant.presentations[1] = elsewhere.presentations[1].clone();
-        let refused = ask(&coordinator, &request("refused at a stage", 4, Some(grant))).await;
-        let said = match refused {
-            Ok(summary) => summary.error.unwrap_or_default(),
-            Err(error) => format!("{error:#}"),
-        };
+        let said = refusal(ask(&coordinator, &request("refused at a stage", 4, Some(grant))).await);
         assert!(
             said.contains("grant refused at stage"),
             "round {round}: {said}"

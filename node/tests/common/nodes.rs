@@ -213,6 +213,15 @@ pub async fn ask(
     generate_remote(coordinator, request, &mut |_| {}).await
 }
 
+/// What a request that was to be refused said: the error its summary
+/// carries, or the one it ended with.
+pub fn refusal(outcome: anyhow::Result<GenerateSummary>) -> String {
+    match outcome {
+        Ok(summary) => summary.error.unwrap_or_default(),
+        Err(error) => format!("{error:#}"),
+    }
+}
+
 /// `mesh-node verify --json` on a bundle: its exit code and report.
 pub fn verify(dir: &Path, bundle: &serde_json::Value) -> (i32, serde_json::Value) {
     let path = dir.join("bundle.json");

@@ -192,7 +192,8 @@ pub(super) fn stored_row<F: Grouped>(
         let block =
             &grouped[(group * row_blocks + b) * F::GROUP_BLOCK_BYTES..][..F::GROUP_BLOCK_BYTES];
         let quants = quants_of::<F>(block, r);
-        let mut stored = [0u8; 34];
+        // Room for the widest stored block (Q8_0's).
+        let mut stored = [0u8; BlockFormat::Q8_0.block_bytes()];
         stored[..2].copy_from_slice(&block[SCALES + 2 * r..][..2]);
         if F::HAS_MIN {
             stored[2..4].copy_from_slice(&block[F::MINS + 2 * r..][..2]);
