@@ -507,6 +507,10 @@ enum BenchTarget {
         /// token shows prefill, pipelined across stages in direct mode.
         #[arg(long)]
         prompt_tokens: Option<usize>,
+        /// Rounds, each the unsplit run and every split in turn; rows give
+        /// the medians, each ratio taken within its round.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -820,6 +824,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     model,
                     tokens,
                     prompt_tokens,
+                    rounds,
                     json,
                 },
         } => {
@@ -827,6 +832,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 model,
                 tokens,
                 prompt_tokens,
+                rounds,
             ))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);

@@ -742,6 +742,20 @@ async fn a_long_prompt_is_prefilled_in_chunks_each_its_own_step() {
                 summary.details
             );
         }
+        // Decode compute leaves the prompt's chunks out, at every stage,
+        // and the chain's is the sum of its stages'.
+        let stages = summary.details["stages"].as_array().unwrap();
+        let mut sum = 0.0;
+        for stage in stages {
+            let (all, decode) = (
+                stage["compute_ms"].as_f64().unwrap(),
+                stage["decode_compute_ms"].as_f64().unwrap(),
+            );
+            assert!(0.0 < decode && decode < all, "{stage:#}");
+            sum += decode;
+        }
+        let chain = summary.details["decode_compute_ms"].as_f64().unwrap();
+        assert!((chain - sum).abs() < 1e-3, "{chain} against {sum}");
         texts.push(summary.text);
         a.shutdown().await;
     }

@@ -845,77 +845,99 @@ fn print_demo_details(
 
 /// `mesh-node bench split`: decode tokens/s unsplit in one process against
 /// split over loopback QUIC (2 and 3 stages, relayed and direct return),
-/// with the estimated per-hop
-/// overhead and the share of time spent folding.
+/// with the estimated per-hop overhead and the share of time spent
+/// folding. Rounds interleave the unsplit run with every split, and each
+/// ratio is taken within its round (this machine's speed drifts by more
+/// than the gaps measured); a row gives the medians over the rounds.
 pub async fn bench_split(
     model: Option<PathBuf>,
     tokens: usize,
     prompt_tokens: Option<usize>,
+    rounds: usize,
 ) -> anyhow::Result<serde_json::Value> {
+    use crate::tools::bench::median;
+    anyhow::ensure!(rounds >= 1, "--rounds must be at least 1");
     let model = match model {
         Some(model) => model,
         None => crate::cli::engine_cli::synthetic_model_path()?,
     };
     let chat = prompt_tokens.is_none();
     let prompt = bench_prompt(&model, prompt_tokens)?;
-    let unsplit = unsplit_generation(&model, &prompt, chat, tokens).await?;
-    let (unsplit, unsplit_prefill, unsplit_prompt) = (
-        unsplit.decode_tokens_per_s,
-        unsplit.prefill,
-        unsplit.prompt_tokens,
-    );
-    let mut rows = vec![serde_json::json!({
-        "configuration": "unsplit, in process",
-        "stages": 1,
-        "decode_tokens_per_s": unsplit,
-        "ratio_to_unsplit": 1.0,
-        "prompt_tokens": unsplit_prompt,
-        "prefill_ms": unsplit_prefill.as_secs_f64() * 1e3,
-        "prefill_ratio_to_unsplit": 1.0,
-    })];
-    for (stages, return_mode) in [
+    let configurations = [
         (2usize, ReturnMode::Relayed),
         (3, ReturnMode::Relayed),
         (2, ReturnMode::Direct),
         (3, ReturnMode::Direct),
-    ] {
-        let split = BenchSplit::start(&model, stages, None, return_mode).await?;
-        let coordinator = &split.coordinator;
-        let request = GenerateRequest {
-            chat,
-            ..GenerateRequest::greedy(&prompt, tokens)
-        };
-        // Warm up (assignment, slice loads), then measure.
-        generate_remote(
-            &coordinator.peer_addr(),
-            &GenerateRequest {
-                max_tokens: 2,
-                ..request.clone()
-            },
-            &mut |_| {},
-        )
-        .await?;
-        let summary = generate_remote(&coordinator.peer_addr(), &request, &mut |_| {}).await?;
-        let d = &summary.details;
-        let rate = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
+    ];
+    let mut unsplit_runs = Vec::new();
+    let mut split_runs: Vec<Vec<serde_json::Value>> = vec![Vec::new(); configurations.len()];
+    for _ in 0..rounds {
+        let unsplit = unsplit_generation(&model, &prompt, chat, tokens).await?;
+        let unsplit_prefill_ms = unsplit.prefill.as_secs_f64() * 1e3;
+        for (&(stages, return_mode), runs) in configurations.iter().zip(&mut split_runs) {
+            let split = BenchSplit::start(&model, stages, None, return_mode).await?;
+            let coordinator = &split.coordinator;
+            let request = GenerateRequest {
+                chat,
+                ..GenerateRequest::greedy(&prompt, tokens)
+            };
+            // Warm up (assignment, slice loads), then measure.
+            generate_remote(
+                &coordinator.peer_addr(),
+                &GenerateRequest {
+                    max_tokens: 2,
+                    ..request.clone()
+                },
+                &mut |_| {},
+            )
+            .await?;
+            let summary = generate_remote(&coordinator.peer_addr(), &request, &mut |_| {}).await?;
+            let d = &summary.details;
+            let rate = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
+            let prefill_ms = d["prefill_ms"].as_f64().unwrap_or(0.0);
+            runs.push(serde_json::json!({
+                "decode_tokens_per_s": rate,
+                "ratio_to_unsplit": rate / unsplit.decode_tokens_per_s.max(1e-9),
+                "per_hop_overhead_us": d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
+                "fold_share": d["fold_share"].as_f64().unwrap_or(0.0),
+                "prompt_tokens": d["prompt_tokens"],
+                "prefill_ms": prefill_ms,
+                "prefill_ratio_to_unsplit": prefill_ms / unsplit_prefill_ms.max(1e-9),
+            }));
+            split.shutdown().await;
+        }
+        unsplit_runs.push(unsplit);
+    }
+    let mut rows = vec![serde_json::json!({
+        "configuration": "unsplit, in process",
+        "stages": 1,
+        "decode_tokens_per_s": median(unsplit_runs.iter().map(|u| u.decode_tokens_per_s)),
+        "ratio_to_unsplit": 1.0,
+        "ratio_samples": vec![1.0; rounds],
+        "prompt_tokens": unsplit_runs[0].prompt_tokens,
+        "prefill_ms": median(unsplit_runs.iter().map(|u| u.prefill.as_secs_f64() * 1e3)),
+        "prefill_ratio_to_unsplit": 1.0,
+    })];
+    for (&(stages, return_mode), runs) in configurations.iter().zip(&split_runs) {
+        let of = |key: &str| median(runs.iter().map(|r| r[key].as_f64().unwrap_or(0.0)));
         rows.push(serde_json::json!({
             "configuration": format!("{stages} stages, {}", return_mode.as_str()),
             "stages": stages,
             "return_mode": return_mode.as_str(),
-            "decode_tokens_per_s": rate,
-            "ratio_to_unsplit": rate / unsplit.max(1e-9),
-            "per_hop_overhead_us": d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
-            "fold_share": d["fold_share"].as_f64().unwrap_or(0.0),
-            "prompt_tokens": d["prompt_tokens"],
-            "prefill_ms": d["prefill_ms"],
-            "prefill_ratio_to_unsplit": d["prefill_ms"].as_f64().unwrap_or(0.0)
-                / (unsplit_prefill.as_secs_f64() * 1e3).max(1e-9),
+            "decode_tokens_per_s": of("decode_tokens_per_s"),
+            "ratio_to_unsplit": of("ratio_to_unsplit"),
+            "ratio_samples": runs.iter().map(|r| r["ratio_to_unsplit"].clone()).collect::<Vec<_>>(),
+            "per_hop_overhead_us": of("per_hop_overhead_us"),
+            "fold_share": of("fold_share"),
+            "prompt_tokens": runs[0]["prompt_tokens"],
+            "prefill_ms": of("prefill_ms"),
+            "prefill_ratio_to_unsplit": of("prefill_ratio_to_unsplit"),
         }));
-        split.shutdown().await;
     }
     Ok(serde_json::json!({
         "model": model.display().to_string(),
         "decode_tokens": tokens,
+        "rounds": rounds,
         "rows": rows,
     }))
 }
@@ -982,10 +1004,11 @@ pub fn render_split(report: &serde_json::Value) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "model {}  {} decode tokens, greedy, f32 activations, prompt of {} tokens",
+        "model {}  {} decode tokens, greedy, f32 activations, prompt of {} tokens, medians of {} rounds",
         report["model"].as_str().unwrap_or(""),
         report["decode_tokens"],
-        report["rows"][0]["prompt_tokens"]
+        report["rows"][0]["prompt_tokens"],
+        report["rounds"]
     );
     let _ = writeln!(
         out,

@@ -168,16 +168,19 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
             })?;
             let d = &summary.details;
             let hops = one_way_hops_per_step(stages, return_mode);
+            let decode_tokens = (d["generated_tokens"].as_f64().unwrap_or(0.0) - 1.0).max(1.0);
             samples[i].push(Sample {
                 ms_per_token: 1e3 / d["decode_tokens_per_s"].as_f64().unwrap_or(0.0).max(1e-9),
                 compute_ms_per_token: compute_ms,
+                chain_compute_ms_per_token: d["decode_compute_ms"].as_f64().unwrap_or(0.0)
+                    / decode_tokens,
                 chain_ms_per_token: d["per_hop_overhead_us"].as_f64().unwrap_or(0.0) * hops as f64
                     / 1e3,
                 decode_round_trip_ms: d["decode_round_trip_ms"].as_f64().unwrap_or(0.0),
                 // A step's round trip shared by the tokens it gave.
                 decode_wait_ms_per_token: d["decode_round_trip_ms"].as_f64().unwrap_or(0.0)
                     * d["decode_steps"].as_f64().unwrap_or(0.0)
-                    / (d["generated_tokens"].as_f64().unwrap_or(0.0) - 1.0).max(1.0),
+                    / decode_tokens,
                 generated: d["generated_tokens"].as_u64().unwrap_or(0),
                 decode_steps: d["decode_steps"].as_u64().unwrap_or(0),
                 spec_proposed: d["spec_proposed"].as_u64().unwrap_or(0),
@@ -214,6 +217,16 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                 .map(|s| s.ms_per_token - s.compute_ms_per_token),
         );
         let chain_ms = median(samples.iter().map(|s| s.chain_ms_per_token));
+        // The figure: a token's time minus the compute its own
+        // chain reports for it (every stage's engine calls on decode
+        // steps, the coordinator's slice and head included), so what is
+        // left is links, hand-offs and the coordinator's bookkeeping.
+        let chain_compute_ms = median(samples.iter().map(|s| s.chain_compute_ms_per_token));
+        let minus_compute_ms = median(
+            samples
+                .iter()
+                .map(|s| s.ms_per_token - s.chain_compute_ms_per_token),
+        );
         let proposed: u64 = samples.iter().map(|s| s.spec_proposed).sum();
         let accepted: u64 = samples.iter().map(|s| s.spec_accepted).sum();
         let steps: u64 = samples.iter().map(|s| s.decode_steps).sum();
@@ -242,6 +255,9 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
             "ms_per_token_samples": samples.iter().map(|s| s.ms_per_token).collect::<Vec<_>>(),
             "compute_ms_per_token": compute_ms,
             "overhead_ms_per_token": overhead_ms,
+            "chain_compute_ms_per_token": chain_compute_ms,
+            "minus_compute_ms_per_token": minus_compute_ms,
+            "minus_compute_over_floor_ms": minus_compute_ms - floor_ms,
             "chain_overhead_ms_per_token": chain_ms,
             "one_way_delays_per_token": hops,
             "floor_ms_per_token": floor_ms,
@@ -270,7 +286,11 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
 #[derive(Debug, Clone)]
 struct Sample {
     ms_per_token: f64,
+    /// The whole model's decode compute per token, unsplit in this
+    /// process, measured once per round.
     compute_ms_per_token: f64,
+    /// The decode compute per token its own chain reported.
+    chain_compute_ms_per_token: f64,
     /// The coordinator's step round trips minus the compute the stages
     /// report, per token: what the links and hand-offs cost.
     chain_ms_per_token: f64,
@@ -303,7 +323,7 @@ pub fn render_wan(report: &Value) -> String {
     );
     let _ = writeln!(
         out,
-        "{:>7} {:>6} {:>8} {:>6} {:>7} {:>10} {:>9} {:>12} {:>11} {:>11} {:>8} {:>11} {:>12}",
+        "{:>7} {:>6} {:>8} {:>6} {:>8} {:>9} {:>8} {:>8} {:>7} {:>8} {:>10} {:>9} {:>9}",
         "RTT ms",
         "stages",
         "return",
@@ -311,28 +331,28 @@ pub fn render_wan(report: &Value) -> String {
         "tok/step",
         "ms/token",
         "compute",
-        "minus comp.",
-        "round trip",
-        "delay cost",
+        "minus c.",
         "floor",
-        "cost-floor",
+        "- floor",
+        "delay cost",
+        "- floor",
         "Mesh-LLM"
     );
     for row in report["rows"].as_array().into_iter().flatten() {
         let _ = writeln!(
             out,
-            "{:>7.1} {:>6} {:>8} {:>6} {:>7.2} {:>10.2} {:>9.2} {:>12.2} {:>11.2} {:>11.2} {:>8.2} {:>11.2} {:>12.1}",
+            "{:>7.1} {:>6} {:>8} {:>6} {:>8.2} {:>9.2} {:>8.2} {:>8.2} {:>7.2} {:>+8.2} {:>10.2} {:>+9.2} {:>9.1}",
             row["rtt_ms"].as_f64().unwrap_or(0.0),
             row["stages"],
             row["return_mode"].as_str().unwrap_or(""),
             row["draft_tokens"],
             row["tokens_per_step"].as_f64().unwrap_or(0.0),
             row["ms_per_token"].as_f64().unwrap_or(0.0),
-            row["compute_ms_per_token"].as_f64().unwrap_or(0.0),
-            row["overhead_ms_per_token"].as_f64().unwrap_or(0.0),
-            row["decode_round_trip_ms"].as_f64().unwrap_or(0.0),
-            row["delay_cost_ms_per_token"].as_f64().unwrap_or(0.0),
+            row["chain_compute_ms_per_token"].as_f64().unwrap_or(0.0),
+            row["minus_compute_ms_per_token"].as_f64().unwrap_or(0.0),
             row["floor_ms_per_token"].as_f64().unwrap_or(0.0),
+            row["minus_compute_over_floor_ms"].as_f64().unwrap_or(0.0),
+            row["delay_cost_ms_per_token"].as_f64().unwrap_or(0.0),
             row["delay_cost_over_floor_ms"].as_f64().unwrap_or(0.0),
             row["mesh_llm_ms_per_token"].as_f64().unwrap_or(0.0),
         );

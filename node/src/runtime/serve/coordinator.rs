@@ -391,9 +391,12 @@ async fn serve_request(
         finish_reason: "length",
         sampler: Sampler::new(request.sampling.clone()),
         own_compute: Duration::ZERO,
+        own_decode_compute: Duration::ZERO,
         round_trips: Duration::ZERO,
         decode_round_trips: Duration::ZERO,
         prefill_time: None,
+        first_token_at: None,
+        last_token_at: None,
         started: Instant::now(),
         requester_gone,
         resumes: Vec::new(),
@@ -799,11 +802,18 @@ struct Progress {
     finish_reason: &'static str,
     sampler: Sampler,
     own_compute: Duration,
+    /// The part of `own_compute` on decode steps (their slice step and head).
+    own_decode_compute: Duration,
     round_trips: Duration,
     /// The round trips of decode steps alone (what a token waits for).
     decode_round_trips: Duration,
     /// The prompt's prefill, on the first chain.
     prefill_time: Option<Duration>,
+    /// When the first and the latest token were sampled: the decode rate
+    /// is taken between them, so closing the chain (records, sealing)
+    /// is not counted as decoding.
+    first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
     started: Instant,
     /// Set when the requester closes its connection or stops reading.
     requester_gone: Arc<std::sync::atomic::AtomicBool>,
@@ -1137,9 +1147,12 @@ async fn drive(
         finish_reason,
         sampler,
         own_compute,
+        own_decode_compute,
         round_trips,
         decode_round_trips,
         prefill_time,
+        first_token_at,
+        last_token_at,
         requester_gone,
         own_outputs,
         decided,
@@ -1317,7 +1330,11 @@ async fn drive(
                             .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease, decode)
                             .await?;
                         held.cache = Some(lease);
-                        *own_compute += compute_start.elapsed();
+                        let took = compute_start.elapsed();
+                        *own_compute += took;
+                        if decode {
+                            *own_decode_compute += took;
+                        }
                         if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
                             budget_stop = Some(stop);
                             return Ok(TerminalState::PolicyDenied);
@@ -1521,7 +1538,11 @@ async fn drive(
                 }
                 let head_start = Instant::now();
                 let logits = run.own.batcher.logits(hidden).await?;
-                *own_compute += head_start.elapsed();
+                let took = head_start.elapsed();
+                *own_compute += took;
+                if step as usize >= prefill.len() {
+                    *own_decode_compute += took;
+                }
                 if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
                     budget_stop = Some(stop);
                     return Ok(TerminalState::PolicyDenied);
@@ -1558,6 +1579,9 @@ async fn drive(
                     let agreed = proposed.get(i) == Some(&next);
                     accepted += usize::from(agreed);
                     tokens.push(next);
+                    let now = Instant::now();
+                    first_token_at.get_or_insert(now);
+                    *last_token_at = Some(now);
                     history.push(next);
                     let eos = codec.is_eos(next);
                     let last = eos || tokens.len() >= max_new;
@@ -2266,6 +2290,7 @@ async fn report(
         printed,
         finish_reason,
         own_compute,
+        own_decode_compute,
         round_trips,
         decode_round_trips,
         started,
@@ -2273,7 +2298,10 @@ async fn report(
         ..
     } = progress;
     let prefill_time = progress.prefill_time.unwrap_or_default();
-    let decode_time = started.elapsed().saturating_sub(prefill_time);
+    let decode_time = progress
+        .last_token_at
+        .zip(progress.first_token_at)
+        .map_or(Duration::ZERO, |(last, first)| last.duration_since(first));
     let terminal = *terminal;
     let Sealed { bundle, envelope } = sealed;
     let counters = &inner.counters;
@@ -2291,9 +2319,10 @@ async fn report(
     let return_mode = inner.return_mode;
     // Per-stage compute, as each stage reports it.
     let mut stages = vec![
-        json!({ "stage_index": 0, "node_id": coordinator, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "fold_us": fold_time.as_micros() as u64 }),
+        json!({ "stage_index": 0, "node_id": coordinator, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "decode_compute_ms": own_decode_compute.as_secs_f64() * 1e3, "fold_us": fold_time.as_micros() as u64 }),
     ];
     let mut remote_compute = Duration::ZERO;
+    let mut decode_compute = *own_decode_compute;
     // Figures are best effort: asked of every stage at once, and a stage that
     // is gone costs the requester at most STATS_WAIT.
     let asked: Vec<_> = run
@@ -2312,8 +2341,9 @@ async fn report(
             _ => StageStats::default(),
         };
         remote_compute += stats.compute;
+        decode_compute += stats.decode_compute;
         let a = &run.topology[k + 1];
-        stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
+        stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "decode_compute_ms": stats.decode_compute.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
     }
     let steps = tokens.len().max(1) as f64;
     let hops = one_way_hops_per_step(n as usize, return_mode) as f64;
@@ -2335,6 +2365,9 @@ async fn report(
         "decode_tokens_per_s": (tokens.len().saturating_sub(1)) as f64 / decode_time.as_secs_f64().max(1e-9),
         "decode_round_trip_ms": decode_round_trips.as_secs_f64() * 1e3 / progress.decode_steps.max(1) as f64,
         "decode_steps": progress.decode_steps,
+        // Every stage's compute on decode steps, the coordinator's slice
+        // and head included: what a decode token costs without the chain.
+        "decode_compute_ms": decode_compute.as_secs_f64() * 1e3,
         "spec_proposed": progress.spec_proposed,
         "spec_accepted": progress.spec_accepted,
         "drafts_from": progress.drafted.then(|| progress.drafter.source()),
@@ -2477,11 +2510,13 @@ async fn query_stats(
     match ControlReply::from_cbor(&reply)? {
         ControlReply::Stats {
             compute_us,
+            decode_compute_us,
             fold_us,
             steps,
             ..
         } => Ok(StageStats {
             compute: Duration::from_micros(compute_us),
+            decode_compute: Duration::from_micros(decode_compute_us),
             fold: Duration::from_micros(fold_us),
             steps: u32::try_from(steps).unwrap_or(u32::MAX),
         }),

@@ -198,6 +198,8 @@ pub struct MeshSettings {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StageStats {
     pub compute: Duration,
+    /// The part of `compute` on decode steps (a prompt's chunks excluded).
+    pub decode_compute: Duration,
     pub fold: Duration,
     pub steps: u32,
 }
@@ -1094,6 +1096,7 @@ async fn handle_control(
             let reply = ControlReply::Stats {
                 found: found.is_some(),
                 compute_us: stats.compute.as_micros() as u64,
+                decode_compute_us: stats.decode_compute.as_micros() as u64,
                 fold_us: stats.fold.as_micros() as u64,
                 steps: stats.steps.into(),
             };
@@ -2075,7 +2078,11 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                         .step(batch::StepInput::Hidden(activations), lease, decode)
                         .await?;
                     cache = Some(lease);
-                    stats.compute += start.elapsed();
+                    let took = start.elapsed();
+                    stats.compute += took;
+                    if decode {
+                        stats.decode_compute += took;
+                    }
                     let metered = lock(&inner.steward).mark_engine(&mut ticket);
                     if let Some(limit) = ticket.limit_uj().filter(|limit| metered >= *limit) {
                         // This steward's part of the serve ends here; the
