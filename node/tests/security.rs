@@ -749,12 +749,12 @@ async fn a_long_prompt_is_prefilled_in_chunks_each_its_own_step() {
         for stage in stages {
             let (all, decode) = (
                 stage["compute_ms"].as_f64().unwrap(),
-                stage["decode_compute_ms"].as_f64().unwrap(),
+                stage["decode_engine_ms"].as_f64().unwrap(),
             );
             assert!(0.0 < decode && decode < all, "{stage:#}");
             sum += decode;
         }
-        let chain = summary.details["decode_compute_ms"].as_f64().unwrap();
+        let chain = summary.details["decode_engine_ms"].as_f64().unwrap();
         assert!((chain - sum).abs() < 1e-3, "{chain} against {sum}");
         texts.push(summary.text);
         a.shutdown().await;

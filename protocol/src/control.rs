@@ -354,9 +354,9 @@ pub enum ControlReply {
     Stats {
         found: bool,
         compute_us: u64,
-        /// The part of `compute_us` spent on decode steps (absent from a
-        /// node that does not split it out: read as 0).
-        decode_compute_us: u64,
+        /// The engine's own time on decode steps, the hand-offs to and
+        /// from the slice's worker not included.
+        decode_engine_us: u64,
         fold_us: u64,
         steps: u64,
     },
@@ -418,13 +418,13 @@ impl ControlReply {
             ControlReply::Stats {
                 found,
                 compute_us,
-                decode_compute_us,
+                decode_engine_us,
                 fold_us,
                 steps,
             } => members.extend([
                 ("found", Cbor::Uint(u64::from(*found))),
                 ("compute_us", Cbor::Uint(*compute_us)),
-                ("decode_compute_us", Cbor::Uint(*decode_compute_us)),
+                ("decode_engine_us", Cbor::Uint(*decode_engine_us)),
                 ("fold_us", Cbor::Uint(*fold_us)),
                 ("steps", Cbor::Uint(*steps)),
             ]),
@@ -512,7 +512,7 @@ impl ControlReply {
                 Ok(ControlReply::Stats {
                     found: flag(&mut f, "found")?,
                     compute_us: f.uint("compute_us")?,
-                    decode_compute_us: f.opt_uint("decode_compute_us")?.unwrap_or(0),
+                    decode_engine_us: f.uint("decode_engine_us")?,
                     fold_us: f.uint("fold_us")?,
                     steps: f.uint("steps")?,
                 })
@@ -803,7 +803,7 @@ mod tests {
             ControlReply::Stats {
                 found: true,
                 compute_us: 1200,
-                decode_compute_us: 900,
+                decode_engine_us: 900,
                 fold_us: 40,
                 steps: 9,
             },
@@ -867,11 +867,12 @@ mod tests {
             ("kind", Cbor::text("stats")),
             ("found", Cbor::Uint(2)),
             ("compute_us", Cbor::Uint(0)),
+            ("decode_engine_us", Cbor::Uint(0)),
             ("fold_us", Cbor::Uint(0)),
             ("steps", Cbor::Uint(0)),
         ]);
         assert!(ControlReply::from_cbor(&found_two).is_err());
-        // A stage that does not split out its decode compute is read as 0.
+        // Every figure is required: a missing one is an error, not a 0.
         let without_decode = Cbor::text_map([
             ("kind", Cbor::text("stats")),
             ("found", Cbor::Uint(1)),
@@ -879,16 +880,7 @@ mod tests {
             ("fold_us", Cbor::Uint(1)),
             ("steps", Cbor::Uint(2)),
         ]);
-        assert_eq!(
-            ControlReply::from_cbor(&without_decode),
-            Ok(ControlReply::Stats {
-                found: true,
-                compute_us: 7,
-                decode_compute_us: 0,
-                fold_us: 1,
-                steps: 2,
-            })
-        );
+        assert!(ControlReply::from_cbor(&without_decode).is_err());
     }
 
     proptest::proptest! {

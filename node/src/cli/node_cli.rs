@@ -848,7 +848,8 @@ fn print_demo_details(
 /// with the estimated per-hop overhead and the share of time spent
 /// folding. Rounds interleave the unsplit run with every split, and each
 /// ratio is taken within its round (this machine's speed drifts by more
-/// than the gaps measured); a row gives the medians over the rounds.
+/// than the gaps measured), each round starting one place further along
+/// the list; a row gives the medians over the rounds.
 pub async fn bench_split(
     model: Option<PathBuf>,
     tokens: usize,
@@ -871,10 +872,19 @@ pub async fn bench_split(
     ];
     let mut unsplit_runs = Vec::new();
     let mut split_runs: Vec<Vec<serde_json::Value>> = vec![Vec::new(); configurations.len()];
-    for _ in 0..rounds {
-        let unsplit = unsplit_generation(&model, &prompt, chat, tokens).await?;
-        let unsplit_prefill_ms = unsplit.prefill.as_secs_f64() * 1e3;
-        for (&(stages, return_mode), runs) in configurations.iter().zip(&mut split_runs) {
+    for round in 0..rounds {
+        // Each round starts one place further along (the unsplit run is
+        // place 0), so a drift within a round favours no configuration.
+        let mut measured = Vec::with_capacity(configurations.len());
+        let mut unsplit = None;
+        for place in 0..=configurations.len() {
+            let place = (place + round) % (configurations.len() + 1);
+            let Some(&(stages, return_mode)) =
+                place.checked_sub(1).and_then(|i| configurations.get(i))
+            else {
+                unsplit = Some(unsplit_generation(&model, &prompt, chat, tokens).await?);
+                continue;
+            };
             let split = BenchSplit::start(&model, stages, None, return_mode).await?;
             let coordinator = &split.coordinator;
             let request = GenerateRequest {
@@ -892,10 +902,15 @@ pub async fn bench_split(
             )
             .await?;
             let summary = generate_remote(&coordinator.peer_addr(), &request, &mut |_| {}).await?;
-            let d = &summary.details;
+            split.shutdown().await;
+            measured.push((place - 1, summary.details));
+        }
+        let unsplit = unsplit.context("every round runs the unsplit pipeline")?;
+        let unsplit_prefill_ms = unsplit.prefill.as_secs_f64() * 1e3;
+        for (i, d) in measured {
             let rate = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
             let prefill_ms = d["prefill_ms"].as_f64().unwrap_or(0.0);
-            runs.push(serde_json::json!({
+            split_runs[i].push(serde_json::json!({
                 "decode_tokens_per_s": rate,
                 "ratio_to_unsplit": rate / unsplit.decode_tokens_per_s.max(1e-9),
                 "per_hop_overhead_us": d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
@@ -904,7 +919,6 @@ pub async fn bench_split(
                 "prefill_ms": prefill_ms,
                 "prefill_ratio_to_unsplit": prefill_ms / unsplit_prefill_ms.max(1e-9),
             }));
-            split.shutdown().await;
         }
         unsplit_runs.push(unsplit);
     }

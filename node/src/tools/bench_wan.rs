@@ -157,6 +157,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                         "dropped": c.dropped,
                         "mean_late_us": c.mean_late_us,
                         "max_late_us": c.max_late_us,
+                        "priority_raised": c.priority_raised,
                     })
                 })
                 .collect();
@@ -172,7 +173,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
             samples[i].push(Sample {
                 ms_per_token: 1e3 / d["decode_tokens_per_s"].as_f64().unwrap_or(0.0).max(1e-9),
                 compute_ms_per_token: compute_ms,
-                chain_compute_ms_per_token: d["decode_compute_ms"].as_f64().unwrap_or(0.0)
+                chain_compute_ms_per_token: d["decode_engine_ms"].as_f64().unwrap_or(0.0)
                     / decode_tokens,
                 chain_ms_per_token: d["per_hop_overhead_us"].as_f64().unwrap_or(0.0) * hops as f64
                     / 1e3,
@@ -218,9 +219,11 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
         );
         let chain_ms = median(samples.iter().map(|s| s.chain_ms_per_token));
         // The figure: a token's time minus the compute its own
-        // chain reports for it (every stage's engine calls on decode
+        // chain reports for it (every stage's forward passes on decode
         // steps, the coordinator's slice and head included), so what is
-        // left is links, hand-offs and the coordinator's bookkeeping.
+        // left is links, the hand-offs between threads (to and from each
+        // slice's worker too) and the coordinator's bookkeeping. A draft
+        // model's time is in what is left.
         let chain_compute_ms = median(samples.iter().map(|s| s.chain_compute_ms_per_token));
         let minus_compute_ms = median(
             samples
@@ -289,7 +292,7 @@ struct Sample {
     /// The whole model's decode compute per token, unsplit in this
     /// process, measured once per round.
     compute_ms_per_token: f64,
-    /// The decode compute per token its own chain reported.
+    /// The engine time per decode token its own chain reported.
     chain_compute_ms_per_token: f64,
     /// The coordinator's step round trips minus the compute the stages
     /// report, per token: what the links and hand-offs cost.

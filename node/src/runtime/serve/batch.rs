@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use mesh_protocol::stage_frame::MAX_DECODE_ROWS;
 use mesh_stage::cache::CacheLease;
@@ -34,7 +35,10 @@ impl StepInput {
     }
 }
 
-type Done = Result<(SliceOutput, CacheLease), EngineError>;
+/// A step's output, its cache, and how long the engine took over the pass
+/// that ran it (a batched step waited for the whole pass; the queue and
+/// the hand-offs to and from the worker are not in it).
+type Done = Result<(SliceOutput, CacheLease, Duration), EngineError>;
 
 struct Job {
     input: StepInput,
@@ -52,8 +56,11 @@ struct Job {
 /// the output head.
 struct HeadJob {
     hidden: Activations,
-    reply: oneshot::Sender<Result<Vec<Vec<f32>>, EngineError>>,
+    reply: oneshot::Sender<HeadDone>,
 }
+
+/// Each row's logits, and how long the engine took over the pass.
+type HeadDone = Result<(Vec<Vec<f32>>, Duration), EngineError>;
 
 enum Work {
     Step(Job),
@@ -126,8 +133,9 @@ impl Batcher {
 
     /// The logits of each row of one request's final hidden states,
     /// through the output head the slice holds, batched with the other
-    /// requests' rows waiting; each row gets the bits it gets alone.
-    pub(super) async fn logits(&self, hidden: Activations) -> Result<Vec<Vec<f32>>, EngineError> {
+    /// requests' rows waiting; each row gets the bits it gets alone. With
+    /// them, how long the engine took over the pass.
+    pub(super) async fn logits(&self, hidden: Activations) -> HeadDone {
         let (reply, done) = oneshot::channel();
         let gone = || EngineError::WrongInput("lost its batch worker");
         self.jobs
@@ -195,13 +203,15 @@ fn run_heads(slice: &LayerSlice, jobs: Vec<HeadJob>) {
             .flat_map(|job| job.hidden.values.iter().copied())
             .collect(),
     };
+    let start = Instant::now();
     let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| slice.logits(&stacked)));
+    let took = start.elapsed();
     match outputs {
         Ok(Ok(logits)) if logits.len() == stacked.rows => {
             let mut logits = logits.into_iter();
             for job in rows {
                 let own: Vec<Vec<f32>> = logits.by_ref().take(job.hidden.rows).collect();
-                let _ = job.reply.send(Ok(own));
+                let _ = job.reply.send(Ok((own, took)));
             }
         }
         outcome => {
@@ -265,6 +275,7 @@ fn batches(slice: &LayerSlice, waiting: Vec<Job>) -> Vec<Vec<Job>> {
 /// engine's, mid-pass, with caches possibly half advanced: every step of
 /// the pass fails, and dropping their leases frees those caches.
 fn run(slice: &LayerSlice, mut batch: Vec<Job>) {
+    let start = Instant::now();
     let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let decode: Vec<bool> = batch.iter().map(|job| job.decode).collect();
         let mut steps: Vec<(SliceInput<'_>, &mut mesh_stage::SliceCache)> = batch
@@ -273,10 +284,11 @@ fn run(slice: &LayerSlice, mut batch: Vec<Job>) {
             .collect();
         slice.forward_batch_rows(&mut steps, &decode)
     }));
+    let took = start.elapsed();
     match outputs {
         Ok(Ok(outputs)) if outputs.len() == batch.len() => {
             for (job, output) in batch.into_iter().zip(outputs) {
-                let _ = job.reply.send(Ok((output, job.lease)));
+                let _ = job.reply.send(Ok((output, job.lease, took)));
             }
         }
         outcome => {

@@ -391,7 +391,7 @@ async fn serve_request(
         finish_reason: "length",
         sampler: Sampler::new(request.sampling.clone()),
         own_compute: Duration::ZERO,
-        own_decode_compute: Duration::ZERO,
+        own_decode_engine: Duration::ZERO,
         round_trips: Duration::ZERO,
         decode_round_trips: Duration::ZERO,
         prefill_time: None,
@@ -802,8 +802,9 @@ struct Progress {
     finish_reason: &'static str,
     sampler: Sampler,
     own_compute: Duration,
-    /// The part of `own_compute` on decode steps (their slice step and head).
-    own_decode_compute: Duration,
+    /// The engine's own time on decode steps (their slice step and head),
+    /// hand-offs to and from the slice's worker not included.
+    own_decode_engine: Duration,
     round_trips: Duration,
     /// The round trips of decode steps alone (what a token waits for).
     decode_round_trips: Duration,
@@ -1147,7 +1148,7 @@ async fn drive(
         finish_reason,
         sampler,
         own_compute,
-        own_decode_compute,
+        own_decode_engine,
         round_trips,
         decode_round_trips,
         prefill_time,
@@ -1186,6 +1187,15 @@ async fn drive(
             (steps, silent)
         }
         None => (prefix.chunks(inner.prefill_chunk_tokens).collect(), 0),
+    };
+    // Steps that decode, as the stages count them: every step after the
+    // prompt's, and a kept chain's first step (the prompt's last position,
+    // sent as a decode step through the whole chain).
+    let kept = keep.is_some();
+    let prefill_steps = prefill.len();
+    let decodes = |step: u32| {
+        let step = step as usize;
+        step >= prefill_steps || (kept && step + 1 == prefill_steps)
     };
     let replay_own = keep.as_ref().is_some_and(|keep| keep.own);
     match &keep {
@@ -1319,21 +1329,18 @@ async fn drive(
                         let compute_start = Instant::now();
                         let lease = held.cache.take().context("the request's cache")?;
                         let decode = step as usize >= prefill.len();
-                        // A kept chain's first step (the prompt's last
-                        // position) decodes too.
-                        if decode || (keep.is_some() && step as usize + 1 == prefill.len()) {
+                        if decodes(step) {
                             own_decode_rows += input.len() as u64;
                         }
-                        let (output, lease) = run
+                        let (output, lease, engine) = run
                             .own
                             .batcher
                             .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease, decode)
                             .await?;
                         held.cache = Some(lease);
-                        let took = compute_start.elapsed();
-                        *own_compute += took;
-                        if decode {
-                            *own_decode_compute += took;
+                        *own_compute += compute_start.elapsed();
+                        if decodes(step) {
+                            *own_decode_engine += engine;
                         }
                         if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
                             budget_stop = Some(stop);
@@ -1537,11 +1544,10 @@ async fn drive(
                     continue;
                 }
                 let head_start = Instant::now();
-                let logits = run.own.batcher.logits(hidden).await?;
-                let took = head_start.elapsed();
-                *own_compute += took;
-                if step as usize >= prefill.len() {
-                    *own_decode_compute += took;
+                let (logits, engine) = run.own.batcher.logits(hidden).await?;
+                *own_compute += head_start.elapsed();
+                if decodes(step) {
+                    *own_decode_engine += engine;
                 }
                 if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
                     budget_stop = Some(stop);
@@ -2290,7 +2296,7 @@ async fn report(
         printed,
         finish_reason,
         own_compute,
-        own_decode_compute,
+        own_decode_engine,
         round_trips,
         decode_round_trips,
         started,
@@ -2319,10 +2325,10 @@ async fn report(
     let return_mode = inner.return_mode;
     // Per-stage compute, as each stage reports it.
     let mut stages = vec![
-        json!({ "stage_index": 0, "node_id": coordinator, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "decode_compute_ms": own_decode_compute.as_secs_f64() * 1e3, "fold_us": fold_time.as_micros() as u64 }),
+        json!({ "stage_index": 0, "node_id": coordinator, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "decode_engine_ms": own_decode_engine.as_secs_f64() * 1e3, "fold_us": fold_time.as_micros() as u64 }),
     ];
     let mut remote_compute = Duration::ZERO;
-    let mut decode_compute = *own_decode_compute;
+    let mut decode_engine = *own_decode_engine;
     // Figures are best effort: asked of every stage at once, and a stage that
     // is gone costs the requester at most STATS_WAIT.
     let asked: Vec<_> = run
@@ -2341,9 +2347,9 @@ async fn report(
             _ => StageStats::default(),
         };
         remote_compute += stats.compute;
-        decode_compute += stats.decode_compute;
+        decode_engine += stats.decode_engine;
         let a = &run.topology[k + 1];
-        stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "decode_compute_ms": stats.decode_compute.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
+        stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "decode_engine_ms": stats.decode_engine.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
     }
     let steps = tokens.len().max(1) as f64;
     let hops = one_way_hops_per_step(n as usize, return_mode) as f64;
@@ -2365,9 +2371,12 @@ async fn report(
         "decode_tokens_per_s": (tokens.len().saturating_sub(1)) as f64 / decode_time.as_secs_f64().max(1e-9),
         "decode_round_trip_ms": decode_round_trips.as_secs_f64() * 1e3 / progress.decode_steps.max(1) as f64,
         "decode_steps": progress.decode_steps,
-        // Every stage's compute on decode steps, the coordinator's slice
-        // and head included: what a decode token costs without the chain.
-        "decode_compute_ms": decode_compute.as_secs_f64() * 1e3,
+        // Every stage's engine time on decode steps, the coordinator's
+        // slice and head included: what the decode tokens cost without the
+        // chain and without the hand-offs to each slice's worker. Asked of
+        // the last chain's stages only: after a resume it leaves out the
+        // stages of the chains lost.
+        "decode_engine_ms": decode_engine.as_secs_f64() * 1e3,
         "spec_proposed": progress.spec_proposed,
         "spec_accepted": progress.spec_accepted,
         "drafts_from": progress.drafted.then(|| progress.drafter.source()),
@@ -2510,13 +2519,13 @@ async fn query_stats(
     match ControlReply::from_cbor(&reply)? {
         ControlReply::Stats {
             compute_us,
-            decode_compute_us,
+            decode_engine_us,
             fold_us,
             steps,
             ..
         } => Ok(StageStats {
             compute: Duration::from_micros(compute_us),
-            decode_compute: Duration::from_micros(decode_compute_us),
+            decode_engine: Duration::from_micros(decode_engine_us),
             fold: Duration::from_micros(fold_us),
             steps: u32::try_from(steps).unwrap_or(u32::MAX),
         }),

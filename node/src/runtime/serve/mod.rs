@@ -197,9 +197,11 @@ pub struct MeshSettings {
 /// Per-request figures a stage keeps for a while (asked for by `stats`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StageStats {
+    /// Each step from handing it to the slice's worker to its output back.
     pub compute: Duration,
-    /// The part of `compute` on decode steps (a prompt's chunks excluded).
-    pub decode_compute: Duration,
+    /// The engine's own time on decode steps (a prompt's chunks, the queue
+    /// and the hand-offs to and from the worker excluded).
+    pub decode_engine: Duration,
     pub fold: Duration,
     pub steps: u32,
 }
@@ -1096,7 +1098,7 @@ async fn handle_control(
             let reply = ControlReply::Stats {
                 found: found.is_some(),
                 compute_us: stats.compute.as_micros() as u64,
-                decode_compute_us: stats.decode_compute.as_micros() as u64,
+                decode_engine_us: stats.decode_engine.as_micros() as u64,
                 fold_us: stats.fold.as_micros() as u64,
                 steps: stats.steps.into(),
             };
@@ -2073,15 +2075,14 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     stats.steps += 1;
                     let start = Instant::now();
                     let lease = cache.take().context("the request's cache")?;
-                    let (output, lease) = slot
+                    let (output, lease, engine) = slot
                         .batcher
                         .step(batch::StepInput::Hidden(activations), lease, decode)
                         .await?;
                     cache = Some(lease);
-                    let took = start.elapsed();
-                    stats.compute += took;
+                    stats.compute += start.elapsed();
                     if decode {
-                        stats.decode_compute += took;
+                        stats.decode_engine += engine;
                     }
                     let metered = lock(&inner.steward).mark_engine(&mut ticket);
                     if let Some(limit) = ticket.limit_uj().filter(|limit| metered >= *limit) {
