@@ -507,9 +507,11 @@ enum BenchTarget {
         /// token shows prefill, pipelined across stages in direct mode.
         #[arg(long)]
         prompt_tokens: Option<usize>,
-        /// Rounds, each the unsplit run and every split in turn; rows give
-        /// the medians, each ratio taken within its round.
-        #[arg(long, default_value_t = 3)]
+        /// Rounds, each the unsplit run and every split in turn, each
+        /// round starting one place further along (five rounds give each
+        /// every place once); rows give the medians, each ratio taken
+        /// within its round.
+        #[arg(long, default_value_t = 5)]
         rounds: usize,
         /// Print one JSON object.
         #[arg(long)]

@@ -874,7 +874,8 @@ pub async fn bench_split(
     let mut split_runs: Vec<Vec<serde_json::Value>> = vec![Vec::new(); configurations.len()];
     for round in 0..rounds {
         // Each round starts one place further along (the unsplit run is
-        // place 0), so a drift within a round favours no configuration.
+        // place 0): over five rounds, or any multiple, a drift within a
+        // round favours no configuration.
         let mut measured = Vec::with_capacity(configurations.len());
         let mut unsplit = None;
         for place in 0..=configurations.len() {

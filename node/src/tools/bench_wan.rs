@@ -173,7 +173,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
             samples[i].push(Sample {
                 ms_per_token: 1e3 / d["decode_tokens_per_s"].as_f64().unwrap_or(0.0).max(1e-9),
                 compute_ms_per_token: compute_ms,
-                chain_compute_ms_per_token: d["decode_engine_ms"].as_f64().unwrap_or(0.0)
+                chain_engine_ms_per_token: d["decode_engine_ms"].as_f64().unwrap_or(0.0)
                     / decode_tokens,
                 chain_ms_per_token: d["per_hop_overhead_us"].as_f64().unwrap_or(0.0) * hops as f64
                     / 1e3,
@@ -224,11 +224,11 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
         // left is links, the hand-offs between threads (to and from each
         // slice's worker too) and the coordinator's bookkeeping. A draft
         // model's time is in what is left.
-        let chain_compute_ms = median(samples.iter().map(|s| s.chain_compute_ms_per_token));
+        let chain_engine_ms = median(samples.iter().map(|s| s.chain_engine_ms_per_token));
         let minus_compute_ms = median(
             samples
                 .iter()
-                .map(|s| s.ms_per_token - s.chain_compute_ms_per_token),
+                .map(|s| s.ms_per_token - s.chain_engine_ms_per_token),
         );
         let proposed: u64 = samples.iter().map(|s| s.spec_proposed).sum();
         let accepted: u64 = samples.iter().map(|s| s.spec_accepted).sum();
@@ -258,7 +258,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
             "ms_per_token_samples": samples.iter().map(|s| s.ms_per_token).collect::<Vec<_>>(),
             "compute_ms_per_token": compute_ms,
             "overhead_ms_per_token": overhead_ms,
-            "chain_compute_ms_per_token": chain_compute_ms,
+            "chain_engine_ms_per_token": chain_engine_ms,
             "minus_compute_ms_per_token": minus_compute_ms,
             "minus_compute_over_floor_ms": minus_compute_ms - floor_ms,
             "chain_overhead_ms_per_token": chain_ms,
@@ -293,7 +293,7 @@ struct Sample {
     /// process, measured once per round.
     compute_ms_per_token: f64,
     /// The engine time per decode token its own chain reported.
-    chain_compute_ms_per_token: f64,
+    chain_engine_ms_per_token: f64,
     /// The coordinator's step round trips minus the compute the stages
     /// report, per token: what the links and hand-offs cost.
     chain_ms_per_token: f64,
@@ -351,7 +351,7 @@ pub fn render_wan(report: &Value) -> String {
             row["draft_tokens"],
             row["tokens_per_step"].as_f64().unwrap_or(0.0),
             row["ms_per_token"].as_f64().unwrap_or(0.0),
-            row["chain_compute_ms_per_token"].as_f64().unwrap_or(0.0),
+            row["chain_engine_ms_per_token"].as_f64().unwrap_or(0.0),
             row["minus_compute_ms_per_token"].as_f64().unwrap_or(0.0),
             row["floor_ms_per_token"].as_f64().unwrap_or(0.0),
             row["minus_compute_over_floor_ms"].as_f64().unwrap_or(0.0),

@@ -1491,7 +1491,7 @@ async fn drive(
                 if owed == 0 {
                     let round_trip = trip.elapsed();
                     *round_trips += round_trip;
-                    if answered as usize >= prefill.len() {
+                    if decodes(answered) {
                         *decode_round_trips += round_trip;
                     }
                     inner.counters.round_trips.record(round_trip);
@@ -1569,7 +1569,7 @@ async fn drive(
                     *finish_reason = "stop";
                     return Ok(TerminalState::Completed);
                 }
-                if step as usize >= prefill.len() {
+                if decodes(step) {
                     *decode_steps += 1;
                 }
                 // Row i is sampled once every drafted token before it was
