@@ -845,8 +845,9 @@ fn print_demo_details(
 
 /// `mesh-node bench split`: decode tokens/s unsplit in one process against
 /// split over loopback QUIC (2 and 3 stages, relayed and direct return),
-/// with the estimated per-hop overhead and the share of time spent
-/// folding. Rounds interleave the unsplit run with every split, and each
+/// with the estimated per-hop overhead, the share of time spent folding,
+/// and a split token's time in two: the stages' forward passes (set
+/// against the unsplit token's) and the rest. Rounds interleave the unsplit run with every split, and each
 /// ratio is taken within its round (this machine's speed drifts by more
 /// than the gaps measured), each round starting one place further along
 /// the list; a row gives the medians over the rounds.
@@ -911,8 +912,16 @@ pub async fn bench_split(
         for (i, d) in measured {
             let rate = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
             let prefill_ms = d["prefill_ms"].as_f64().unwrap_or(0.0);
+            let decode_tokens = (d["generated_tokens"].as_f64().unwrap_or(0.0) - 1.0).max(1.0);
+            // Where a split token's time goes: the stages' forward passes
+            // (to set against the unsplit token), and the rest (hops,
+            // hand-offs between threads, the coordinator's bookkeeping).
+            let engine_ms = d["decode_engine_ms"].as_f64().unwrap_or(0.0) / decode_tokens;
             split_runs[i].push(serde_json::json!({
                 "decode_tokens_per_s": rate,
+                "engine_ms_per_token": engine_ms,
+                "unsplit_ms_per_token": 1e3 / unsplit.decode_tokens_per_s.max(1e-9),
+                "rest_ms_per_token": 1e3 / rate.max(1e-9) - engine_ms,
                 "ratio_to_unsplit": rate / unsplit.decode_tokens_per_s.max(1e-9),
                 "per_hop_overhead_us": d["per_hop_overhead_us"].as_f64().unwrap_or(0.0),
                 "fold_share": d["fold_share"].as_f64().unwrap_or(0.0),
@@ -928,6 +937,7 @@ pub async fn bench_split(
         "stages": 1,
         "decode_tokens_per_s": median(unsplit_runs.iter().map(|u| u.decode_tokens_per_s)),
         "ratio_to_unsplit": 1.0,
+        "engine_ms_per_token": median(unsplit_runs.iter().map(|u| 1e3 / u.decode_tokens_per_s.max(1e-9))),
         "ratio_samples": vec![1.0; rounds],
         "prompt_tokens": unsplit_runs[0].prompt_tokens,
         "prefill_ms": median(unsplit_runs.iter().map(|u| u.prefill.as_secs_f64() * 1e3)),
@@ -941,6 +951,9 @@ pub async fn bench_split(
             "return_mode": return_mode.as_str(),
             "decode_tokens_per_s": of("decode_tokens_per_s"),
             "ratio_to_unsplit": of("ratio_to_unsplit"),
+            "engine_ms_per_token": of("engine_ms_per_token"),
+            "unsplit_ms_per_token": of("unsplit_ms_per_token"),
+            "rest_ms_per_token": of("rest_ms_per_token"),
             "ratio_samples": runs.iter().map(|r| r["ratio_to_unsplit"].clone()).collect::<Vec<_>>(),
             "per_hop_overhead_us": of("per_hop_overhead_us"),
             "fold_share": of("fold_share"),
@@ -1027,8 +1040,16 @@ pub fn render_split(report: &serde_json::Value) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<34} {:>12} {:>8} {:>16} {:>10} {:>12} {:>8}",
-        "configuration", "decode tok/s", "ratio", "µs/hop/step", "folding", "prefill ms", "ratio"
+        "{:<34} {:>12} {:>8} {:>11} {:>9} {:>12} {:>10} {:>11} {:>8}",
+        "configuration",
+        "decode tok/s",
+        "ratio",
+        "engine ms",
+        "rest ms",
+        "µs/hop/step",
+        "folding",
+        "prefill ms",
+        "ratio"
     );
     for row in report["rows"].as_array().into_iter().flatten() {
         let hop = row["per_hop_overhead_us"]
@@ -1037,12 +1058,17 @@ pub fn render_split(report: &serde_json::Value) -> String {
         let fold = row["fold_share"]
             .as_f64()
             .map_or("-".to_string(), |f| format!("{:.3}%", 100.0 * f));
+        let rest = row["rest_ms_per_token"]
+            .as_f64()
+            .map_or("-".to_string(), |ms| format!("{ms:.2}"));
         let _ = writeln!(
             out,
-            "{:<34} {:>12.1} {:>8.3} {:>16} {:>10} {:>12.1} {:>8.3}",
+            "{:<34} {:>12.1} {:>8.3} {:>11.2} {:>9} {:>12} {:>10} {:>11.1} {:>8.3}",
             row["configuration"].as_str().unwrap_or(""),
             row["decode_tokens_per_s"].as_f64().unwrap_or(0.0),
             row["ratio_to_unsplit"].as_f64().unwrap_or(0.0),
+            row["engine_ms_per_token"].as_f64().unwrap_or(0.0),
+            rest,
             hop,
             fold,
             row["prefill_ms"].as_f64().unwrap_or(0.0),
