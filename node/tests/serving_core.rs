@@ -10,11 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::nodes::{
-    Setup, all_stats, ask, cancel_counted_within, no_lane_breaks, pools_empty_within, request,
-    synthetic, verify,
+    Setup, all_stats, alone_then_at_once, ask, cancel_counted_within, no_lane_breaks,
+    pools_empty_within, request, synthetic, verify,
 };
 use mesh_node::runtime::serve::{
-    GenerateRequest, GrantedServe, Node, NodeStats, generate_remote, node_stats_remote,
+    GenerateRequest, GenerateSummary, GrantedServe, Node, NodeStats, generate_remote,
+    node_stats_remote,
 };
 use mesh_protocol::block::ReturnMode;
 
@@ -49,28 +50,15 @@ async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty()
     let coordinator = nodes[0].peer_addr();
     let prompts: Vec<String> = (0..8).map(|i| format!("request number {i} says")).collect();
 
-    let mut solo = Vec::new();
-    for prompt in &prompts {
-        let summary = ask(&coordinator, &request(prompt, 12, None)).await.unwrap();
-        assert!(summary.error.is_none(), "{:?}", summary.error);
-        solo.push(summary.text);
-    }
-
-    let together: Vec<_> = prompts
-        .iter()
-        .map(|prompt| {
-            let coordinator = coordinator.clone();
-            let request = request(prompt, 12, None);
-            tokio::spawn(async move { ask(&coordinator, &request).await })
-        })
-        .collect();
-    let mut texts = Vec::new();
-    for task in together {
-        let summary = task.await.unwrap().unwrap();
-        assert!(summary.error.is_none(), "{:?}", summary.error);
-        texts.push(summary.text);
-    }
-    assert_eq!(texts, solo, "each request's tokens are its solo tokens");
+    let (solo, together) = alone_then_at_once(&coordinator, &prompts, 12).await;
+    let text = |summaries: Vec<GenerateSummary>| -> Vec<String> {
+        summaries.into_iter().map(|s| s.text).collect()
+    };
+    assert_eq!(
+        text(together),
+        text(solo),
+        "each request's tokens are its solo tokens"
+    );
 
     let stats = all_stats(&nodes).await;
     assert_pools_empty(&stats);

@@ -547,7 +547,7 @@ fn no_log_line_at_the_most_verbose_level_holds_the_prompt_or_the_output() {
 /// node's pools are empty again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_requests_at_once_over_three_processes_give_their_solo_tokens() {
-    use common::nodes::{ask, request};
+    use common::nodes::alone_then_at_once;
     use mesh_node::runtime::serve::node_stats_remote;
     const REQUESTS: usize = 16;
     let dir = tempfile::tempdir().unwrap();
@@ -570,25 +570,15 @@ async fn sixteen_requests_at_once_over_three_processes_give_their_solo_tokens() 
     let prompts: Vec<String> = (0..REQUESTS)
         .map(|i| format!("request {i} of sixteen goes"))
         .collect();
-    let mut alone = Vec::new();
-    for prompt in &prompts {
-        let summary = ask(&address, &request(prompt, 12, None)).await.unwrap();
-        assert!(summary.error.is_none(), "{:?}", summary.error);
-        alone.push(summary.details["token_ids"].clone());
-    }
-    let at_once: Vec<_> = prompts
-        .iter()
-        .map(|prompt| {
-            let (address, request) = (address.clone(), request(prompt, 12, None));
-            tokio::spawn(async move { ask(&address, &request).await })
-        })
-        .collect();
-    let mut together = Vec::new();
-    for task in at_once {
-        let summary = task.await.unwrap().unwrap();
-        assert!(summary.error.is_none(), "{:?}", summary.error);
-        together.push(summary.details["token_ids"].clone());
-    }
+    let (alone, together) = alone_then_at_once(&address, &prompts, 12).await;
+    let ids =
+        |summaries: Vec<mesh_node::runtime::serve::GenerateSummary>| -> Vec<serde_json::Value> {
+            summaries
+                .into_iter()
+                .map(|s| s.details["token_ids"].clone())
+                .collect()
+        };
+    let (alone, together) = (ids(alone), ids(together));
     assert!(
         alone
             .iter()

@@ -847,10 +847,11 @@ fn print_demo_details(
 /// split over loopback QUIC (2 and 3 stages, relayed and direct return),
 /// with the estimated per-hop overhead, the share of time spent folding,
 /// and a split token's time in two: the stages' forward passes (set
-/// against the unsplit token's) and the rest. Rounds interleave the unsplit run with every split, and each
-/// ratio is taken within its round (this machine's speed drifts by more
-/// than the gaps measured), each round starting one place further along
-/// the list; a row gives the medians over the rounds.
+/// against the unsplit token's) and the rest. Rounds interleave the
+/// unsplit run with every split, each round starting one place further
+/// along the list, and each ratio is taken within its round (this
+/// machine's speed drifts by more than the gaps measured); a row gives
+/// the medians over the rounds.
 pub async fn bench_split(
     model: Option<PathBuf>,
     tokens: usize,
@@ -912,7 +913,7 @@ pub async fn bench_split(
         for (i, d) in measured {
             let rate = d["decode_tokens_per_s"].as_f64().unwrap_or(0.0);
             let prefill_ms = d["prefill_ms"].as_f64().unwrap_or(0.0);
-            let decode_tokens = (d["generated_tokens"].as_f64().unwrap_or(0.0) - 1.0).max(1.0);
+            let decode_tokens = crate::tools::bench::decode_tokens(&d);
             // Where a split token's time goes: the stages' forward passes
             // (to set against the unsplit token), and the rest (hops,
             // hand-offs between threads, the coordinator's bookkeeping).

@@ -7,6 +7,13 @@ use std::time::{Duration, Instant};
 use mesh_protocol::fold::{Lane, LaneContext, LaneFold};
 use sha2::{Digest, Sha256};
 
+/// The tokens a served request decoded, from its coordinator's details:
+/// all but the first, which ends the prefill (at least one, so per-token
+/// figures divide by it safely).
+pub(crate) fn decode_tokens(details: &serde_json::Value) -> f64 {
+    (details["generated_tokens"].as_f64().unwrap_or(0.0) - 1.0).max(1.0)
+}
+
 /// The median (the mean of the middle two for an even count; 0 for none).
 pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
     let mut values: Vec<f64> = values.into_iter().collect();

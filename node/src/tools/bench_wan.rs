@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 use crate::cli::node_cli::{BenchSplit, bench_prompt, unsplit_generation};
 use crate::runtime::serve::{GenerateRequest, generate_remote, one_way_hops_per_step};
-use crate::tools::bench::median;
+use crate::tools::bench::{decode_tokens, median};
 use crate::tools::delay_proxy::LinkShape;
 
 /// Mesh-LLM's published added time per stage boundary, beyond two round
@@ -169,7 +169,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
             })?;
             let d = &summary.details;
             let hops = one_way_hops_per_step(stages, return_mode);
-            let decode_tokens = (d["generated_tokens"].as_f64().unwrap_or(0.0) - 1.0).max(1.0);
+            let decode_tokens = decode_tokens(d);
             samples[i].push(Sample {
                 ms_per_token: 1e3 / d["decode_tokens_per_s"].as_f64().unwrap_or(0.0).max(1e-9),
                 compute_ms_per_token: compute_ms,

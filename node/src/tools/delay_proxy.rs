@@ -207,7 +207,8 @@ impl DelayProxy {
                                     socket.clone(),
                                     client,
                                     toward_client.clone(),
-                                    (stop.clone(), toward_node.counters.clone()),
+                                    stop.clone(),
+                                    toward_node.counters.clone(),
                                 ));
                                 upstreams.insert(client, socket.clone());
                                 socket
@@ -301,7 +302,8 @@ fn spawn_reader(
     upstream: Arc<UdpSocket>,
     client: SocketAddr,
     line: Arc<Mutex<DelayLine>>,
-    (stop, counters): (Arc<AtomicBool>, Arc<Counters>),
+    stop: Arc<AtomicBool>,
+    counters: Arc<Counters>,
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
         as_a_link(&counters);

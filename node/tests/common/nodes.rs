@@ -213,6 +213,38 @@ pub async fn ask(
     generate_remote(coordinator, request, &mut |_| {}).await
 }
 
+/// Each prompt asked alone, one after another, then all of them at once
+/// (greedy, `max_tokens` each): both lists of answers in prompt order,
+/// every one of them served without an error.
+pub async fn alone_then_at_once(
+    coordinator: &PeerAddr,
+    prompts: &[String],
+    max_tokens: usize,
+) -> (Vec<GenerateSummary>, Vec<GenerateSummary>) {
+    let mut alone = Vec::new();
+    for prompt in prompts {
+        let summary = ask(coordinator, &request(prompt, max_tokens, None))
+            .await
+            .unwrap();
+        assert!(summary.error.is_none(), "{:?}", summary.error);
+        alone.push(summary);
+    }
+    let at_once: Vec<_> = prompts
+        .iter()
+        .map(|prompt| {
+            let (coordinator, request) = (coordinator.clone(), request(prompt, max_tokens, None));
+            tokio::spawn(async move { ask(&coordinator, &request).await })
+        })
+        .collect();
+    let mut together = Vec::new();
+    for task in at_once {
+        let summary = task.await.unwrap().unwrap();
+        assert!(summary.error.is_none(), "{:?}", summary.error);
+        together.push(summary);
+    }
+    (alone, together)
+}
+
 /// What a request that was to be refused said: the error its summary
 /// carries, or the one it ended with.
 pub fn refusal(outcome: anyhow::Result<GenerateSummary>) -> String {

@@ -1328,8 +1328,12 @@ async fn drive(
                     } else {
                         let compute_start = Instant::now();
                         let lease = held.cache.take().context("the request's cache")?;
+                        // The engine runs a prompt's chunk's rows together;
+                        // a kept chain's first step is one row, which gets
+                        // the same bits either way.
                         let decode = step as usize >= prefill.len();
-                        if decodes(step) {
+                        let counted_as_decode = decodes(step);
+                        if counted_as_decode {
                             own_decode_rows += input.len() as u64;
                         }
                         let (output, lease, engine) = run
@@ -1339,7 +1343,7 @@ async fn drive(
                             .await?;
                         held.cache = Some(lease);
                         *own_compute += compute_start.elapsed();
-                        if decodes(step) {
+                        if counted_as_decode {
                             *own_decode_engine += engine;
                         }
                         if let Some(stop) = ceiling_reached(inner, held.ticket.as_mut(), tokens.len()) {
