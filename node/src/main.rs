@@ -513,6 +513,9 @@ enum BenchTarget {
         /// within its round.
         #[arg(long, default_value_t = 5)]
         rounds: usize,
+        /// Where every node computes: cpu (default), cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: mesh_stage::DeviceChoice,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -619,6 +622,9 @@ enum BenchTarget {
         prompt_tokens: usize,
         #[arg(long, default_value_t = 64)]
         decode_tokens: usize,
+        /// Where the engine computes: cpu (default), cuda or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: mesh_stage::DeviceChoice,
         #[arg(long)]
         json: bool,
     },
@@ -827,6 +833,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     tokens,
                     prompt_tokens,
                     rounds,
+                    device,
                     json,
                 },
         } => {
@@ -835,6 +842,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 tokens,
                 prompt_tokens,
                 rounds,
+                device,
             ))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
@@ -1314,12 +1322,17 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     model,
                     prompt_tokens,
                     decode_tokens,
+                    device,
                     json,
                 },
         } => {
             let model = bench_model(model)?;
-            let report =
-                mesh_node::tools::bench::bench_engine(&model, prompt_tokens, decode_tokens)?;
+            let report = mesh_node::tools::bench::bench_engine(
+                &model,
+                prompt_tokens,
+                decode_tokens,
+                device,
+            )?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {

@@ -69,3 +69,40 @@ fn with_smollm2_the_demo_answers_paris() {
     );
     assert!(stdout.contains("verdict: OK"), "{stdout}");
 }
+
+/// `--device`: a name that is no device is refused by the flag's parser; a
+/// GPU on a binary built without the `cuda` feature is refused before any
+/// node starts, saying how to build one that has it. With the feature the
+/// same command opens the GPU (checked on a GPU machine by
+/// `scripts/device-check.sh`, not here).
+#[test]
+fn a_device_the_binary_cannot_use_is_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |device: &str| {
+        Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+            .env("MESH_MODEL_CACHE", dir.path().join("cache"))
+            .env("MESH_OFFLINE", "1")
+            .args(["demo", "--quiet", "--device", device, "--out"])
+            .arg(dir.path().join("out"))
+            .output()
+            .unwrap()
+    };
+    let wrong = run("gpu");
+    let stderr = String::from_utf8_lossy(&wrong.stderr);
+    assert!(!wrong.status.success());
+    assert!(
+        stderr.contains("`gpu` names no device") && stderr.contains("cuda:N"),
+        "{stderr}"
+    );
+    if mesh_stage::DeviceChoice::Cuda(0).compiled_in() {
+        return;
+    }
+    let gpu = run("cuda");
+    let stderr = String::from_utf8_lossy(&gpu.stderr);
+    assert!(!gpu.status.success());
+    assert!(stderr.contains("--features cuda"), "{stderr}");
+    assert!(
+        !dir.path().join("out").join("bundle.json").exists(),
+        "no node ran"
+    );
+}

@@ -98,6 +98,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
             .gguf(candle_core::quantized::GgmlDType::F32)
             .unwrap()
             .to_path_buf(),
+        device: mesh_stage::Device::Cpu,
         data: dir.path().join("node"),
         peers: Vec::new(),
         coordinators: Vec::new(),

@@ -619,9 +619,15 @@ async fn a_split_over_delayed_lossy_links_gives_the_clean_tokens() {
     // Repeats itself, so prompt lookup drafts: some are the model's own
     // choice and one is not (a REWIND crosses the lossy links).
     let prompt = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w1 w2 w3";
-    let clean_split = BenchSplit::start(&model, 3, None, ReturnMode::Relayed)
-        .await
-        .unwrap();
+    let clean_split = BenchSplit::start(
+        &model,
+        3,
+        None,
+        ReturnMode::Relayed,
+        &mesh_stage::Device::Cpu,
+    )
+    .await
+    .unwrap();
     let clean = ask(
         &clean_split.requester_addr().unwrap(),
         &request(prompt, 12, None),

@@ -39,6 +39,8 @@ pub enum EngineError {
     WrongInput(&'static str),
     #[error("tensor computation: {0}")]
     Compute(String),
+    #[error("{0}")]
+    Device(String),
 }
 
 impl From<candle_core::Error> for EngineError {

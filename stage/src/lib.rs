@@ -8,6 +8,7 @@
 
 mod attention;
 pub mod cache;
+pub mod device;
 pub mod draft;
 pub mod error;
 pub mod frame;
@@ -23,9 +24,11 @@ pub mod text;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+pub use candle_core::Device;
 /// GGUF block types, for callers that write or name them (the synthetic
 /// model's copies), so they need not depend on candle themselves.
 pub use candle_core::quantized::GgmlDType;
+pub use device::DeviceChoice;
 pub use error::{EngineError, Result};
 pub use mesh_protocol as protocol;
 pub use model::{ExecPolicy, LayerSlice, SliceCache, SliceInput, SliceOutput};
@@ -46,6 +49,8 @@ pub struct ModelHandle {
     config: ModelConfig,
     digests: FileDigests,
     codec: text::TextCodec,
+    /// Where every slice loaded from this handle computes.
+    device: candle_core::Device,
 }
 
 impl ModelHandle {
@@ -68,7 +73,19 @@ impl ModelHandle {
             config,
             digests,
             codec,
+            device: candle_core::Device::Cpu,
         })
+    }
+
+    /// Compute every slice loaded from now on on `device` (opened once by
+    /// the caller: `DeviceChoice::open`).
+    pub fn on_device(mut self, device: candle_core::Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    pub fn device(&self) -> &candle_core::Device {
+        &self.device
     }
 
     pub fn path(&self) -> &Path {
@@ -137,13 +154,23 @@ impl ModelHandle {
         range: Range<u32>,
         policy: model::ExecPolicy,
     ) -> Result<LayerSlice> {
-        LayerSlice::load(&self.source, &self.config, range, policy)
+        LayerSlice::load(&self.source, &self.config, range, policy, &self.device)
     }
 
     /// Load the slice of layers `range` for a chain: its stages return
     /// hidden states, even the final one, and the coordinator (`holds_head`)
     /// applies the output head apart (`LayerSlice::logits`).
     pub fn load_chain_slice(&self, range: Range<u32>, holds_head: bool) -> Result<LayerSlice> {
+        self.load_chain_slice_with(range, holds_head, model::ExecPolicy::default())
+    }
+
+    /// `load_chain_slice`, executed as `policy` says.
+    pub fn load_chain_slice_with(
+        &self,
+        range: Range<u32>,
+        holds_head: bool,
+        policy: model::ExecPolicy,
+    ) -> Result<LayerSlice> {
         let head_use = if holds_head {
             model::HeadUse::Apart
         } else {
@@ -153,8 +180,9 @@ impl ModelHandle {
             &self.source,
             &self.config,
             range,
-            model::ExecPolicy::default(),
+            policy,
             head_use,
+            &self.device,
         )
     }
 }

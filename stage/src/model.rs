@@ -111,19 +111,32 @@ pub struct ExecPolicy {
     /// Run every matrix dense in f32 (dequantized at load): exact but 4-6x
     /// the memory of a 4-bit file; for comparison and for debugging.
     pub dense_f32: bool,
+    /// Run every operation on candle's kernels, the engine's own CPU paths
+    /// (block kernels, attention, GELU table) off: the route a GPU takes,
+    /// so a CPU can check it (a GPU slice takes it whatever this says).
+    pub candle_only: bool,
 }
 
 impl Linear {
-    /// Build the executable form; `resident` grows by the bytes it holds.
-    fn from_raw(raw: RawTensor, policy: ExecPolicy, resident: &mut usize) -> Result<Self> {
+    /// Build the executable form on `device`; `resident` grows by the
+    /// bytes it holds. The engine's own kernels run on the CPU only: on a
+    /// GPU every block format runs on candle's kernels.
+    fn from_raw(
+        raw: RawTensor,
+        policy: ExecPolicy,
+        resident: &mut usize,
+        device: &Device,
+    ) -> Result<Self> {
         Ok(match raw {
             RawTensor::Quantized(q) if policy.dense_f32 => {
-                let dense = q.dequantize(&Device::Cpu)?;
+                let dense = q.dequantize(device)?;
                 *resident += dense.elem_count() * 4;
                 Linear::Dense(candle_nn::Linear::new(dense, None))
             }
             RawTensor::Quantized(q) => match q.shape().dims2().ok().and_then(|(rows, cols)| {
-                own_kernel(q.dtype(), rows, cols).map(|format| (format, rows, cols))
+                own_kernel(q.dtype(), rows, cols)
+                    .filter(|_| device.is_cpu() && !policy.candle_only)
+                    .map(|format| (format, rows, cols))
             }) {
                 Some((format, rows, cols)) => {
                     let matrix = BlockMatrix::new(format, rows, cols, q.data()?.into_owned())
@@ -137,12 +150,12 @@ impl Linear {
                         GgmlDType::F32 | GgmlDType::F16 => q.shape().elem_count() * 4,
                         _ => q.storage_size_in_bytes(),
                     };
-                    Linear::Quantized(QMatMul::from_qtensor(q)?)
+                    Linear::Quantized(QMatMul::from_qtensor(onto(q, device)?)?)
                 }
             },
             RawTensor::Dense(t) => {
                 *resident += t.elem_count() * 4;
-                Linear::Dense(candle_nn::Linear::new(t, None))
+                Linear::Dense(candle_nn::Linear::new(t.to_device(device)?, None))
             }
         })
     }
@@ -169,8 +182,9 @@ impl Linear {
     /// other architectures the packed kernels change with the row count.
     fn rows_independent(&self) -> bool {
         match self {
+            // On a GPU candle picks its kernel by the row count.
             Linear::Quantized(QMatMul::QTensor(q)) => {
-                cfg!(target_arch = "x86_64") && q.dtype() != GgmlDType::Q6K
+                q.device().is_cpu() && cfg!(target_arch = "x86_64") && q.dtype() != GgmlDType::Q6K
             }
             Linear::Blocks(_) => true,
             _ => false,
@@ -207,7 +221,12 @@ enum Projections {
 }
 
 impl Projections {
-    fn from_raw(raws: Vec<RawTensor>, policy: ExecPolicy, resident: &mut usize) -> Result<Self> {
+    fn from_raw(
+        raws: Vec<RawTensor>,
+        policy: ExecPolicy,
+        resident: &mut usize,
+        device: &Device,
+    ) -> Result<Self> {
         let widths: Vec<usize> = raws
             .iter()
             .map(|r| match r {
@@ -238,7 +257,7 @@ impl Projections {
         if !same {
             return Ok(Projections::Separate(
                 raws.into_iter()
-                    .map(|r| Linear::from_raw(r, policy, resident))
+                    .map(|r| Linear::from_raw(r, policy, resident, device))
                     .collect::<Result<_>>()?,
             ));
         }
@@ -271,7 +290,7 @@ impl Projections {
             RawTensor::Quantized(QTensor::new(storage, (widths.iter().sum::<usize>(), cols))?)
         };
         Ok(Projections::Stacked {
-            linear: Linear::from_raw(stacked, policy, resident)?,
+            linear: Linear::from_raw(stacked, policy, resident, device)?,
             widths,
         })
     }
@@ -467,6 +486,11 @@ pub struct LayerSlice {
     weights_digest: [u8; 32],
     stored_bytes: usize,
     resident_bytes: usize,
+    /// Where its weights, caches and arithmetic live.
+    device: Device,
+    /// Every operation on candle's kernels: on a GPU, or when asked
+    /// (`ExecPolicy::candle_only`).
+    candle_only: bool,
 }
 
 fn raw_size(raw: &RawTensor) -> usize {
@@ -476,13 +500,23 @@ fn raw_size(raw: &RawTensor) -> usize {
     }
 }
 
-fn dense(raw: RawTensor, resident: &mut usize) -> Result<Tensor> {
+fn dense(raw: RawTensor, resident: &mut usize, device: &Device) -> Result<Tensor> {
     let t = match raw {
-        RawTensor::Quantized(q) => q.dequantize(&Device::Cpu)?,
-        RawTensor::Dense(t) => t,
+        RawTensor::Quantized(q) => q.dequantize(device)?,
+        RawTensor::Dense(t) => t.to_device(device)?,
     };
     *resident += t.elem_count() * 4;
     Ok(t)
+}
+
+/// A stored matrix (read onto the CPU) moved onto `device` in its own
+/// block format: the GPU's quantized kernels read the blocks as stored.
+fn onto(q: QTensor, device: &Device) -> Result<QTensor> {
+    if device.is_cpu() {
+        return Ok(q);
+    }
+    let storage = candle_core::quantized::QStorage::from_data(q.data()?, device, q.dtype())?;
+    Ok(QTensor::new(storage, q.shape().clone())?)
 }
 
 /// Rotary embedding tables: cosines and sines per position and frequency.
@@ -495,7 +529,7 @@ struct Rope {
 impl Rope {
     /// Tables for base `theta`, positions divided by `scale` (linear
     /// scaling), up to the slice's context.
-    fn new(config: &ModelConfig, theta: f32, scale: f32) -> Result<Self> {
+    fn new(config: &ModelConfig, theta: f32, scale: f32, device: &Device) -> Result<Self> {
         let positions = config.context.clamp(1, MAX_ENGINE_CONTEXT);
         let half = config.head_dim / 2;
         let inv_freq: Vec<f32> = (0..half)
@@ -507,8 +541,8 @@ impl Rope {
             .reshape((positions, 1))?;
         let freqs = t.matmul(&inv_freq)?;
         Ok(Self {
-            cos: freqs.cos()?,
-            sin: freqs.sin()?,
+            cos: freqs.cos()?.to_device(device)?,
+            sin: freqs.sin()?.to_device(device)?,
         })
     }
 
@@ -524,6 +558,15 @@ impl Rope {
     }
 }
 
+/// How a batch's rows are laid out: each step's first row and row count
+/// (`spans`), the steps as the matrices see them (`matrix_spans`: a step
+/// whose rows go alone is one step per row), and which steps those are.
+struct BatchRows<'a> {
+    spans: &'a [(usize, usize)],
+    matrix_spans: &'a [(usize, usize)],
+    rows_alone: &'a [bool],
+}
+
 impl LayerSlice {
     /// Load layers `range` (and the embedding / head at the ends) from `source`.
     pub fn load(
@@ -531,13 +574,14 @@ impl LayerSlice {
         config: &ModelConfig,
         range: Range<u32>,
         policy: ExecPolicy,
+        device: &Device,
     ) -> Result<Self> {
         let head_use = if range.end == config.layers {
             HeadUse::InForward
         } else {
             HeadUse::Without
         };
-        Self::load_with_head(source, config, range, policy, head_use)
+        Self::load_with_head(source, config, range, policy, head_use, device)
     }
 
     /// `load`, with the output head where `head_use` says (`InForward` holds
@@ -548,6 +592,7 @@ impl LayerSlice {
         range: Range<u32>,
         policy: ExecPolicy,
         head_use: HeadUse,
+        device: &Device,
     ) -> Result<Self> {
         if range.start >= range.end || range.end > config.layers {
             return Err(EngineError::BadRange {
@@ -583,8 +628,8 @@ impl LayerSlice {
             let raw = read(names.embedding)?;
             resident += raw_size(&raw);
             Some(match raw {
-                RawTensor::Quantized(q) => Embedding::Quantized(q),
-                RawTensor::Dense(t) => Embedding::Dense(t),
+                RawTensor::Quantized(q) => Embedding::Quantized(onto(q, device)?),
+                RawTensor::Dense(t) => Embedding::Dense(t.to_device(device)?),
             })
         } else {
             None
@@ -593,30 +638,30 @@ impl LayerSlice {
         let mut blocks = Vec::with_capacity((range.end - range.start) as usize);
         for i in range.clone() {
             let mut part = |p: &str| read(&names.block(i, p));
-            let attn_norm = dense(part("attn_norm.weight")?, &mut resident)?;
+            let attn_norm = dense(part("attn_norm.weight")?, &mut resident, device)?;
             let qkv = vec![
                 part("attn_q.weight")?,
                 part("attn_k.weight")?,
                 part("attn_v.weight")?,
             ];
-            let qkv = Projections::from_raw(qkv, policy, &mut resident)?;
+            let qkv = Projections::from_raw(qkv, policy, &mut resident, device)?;
             let (q_bias, k_bias, v_bias) = if config.qkv_bias {
                 (
-                    Some(dense(part("attn_q.bias")?, &mut resident)?),
-                    Some(dense(part("attn_k.bias")?, &mut resident)?),
-                    Some(dense(part("attn_v.bias")?, &mut resident)?),
+                    Some(dense(part("attn_q.bias")?, &mut resident, device)?),
+                    Some(dense(part("attn_k.bias")?, &mut resident, device)?),
+                    Some(dense(part("attn_v.bias")?, &mut resident, device)?),
                 )
             } else {
                 (None, None, None)
             };
-            let o = Linear::from_raw(part("attn_output.weight")?, policy, &mut resident)?;
-            let ffn_norm = dense(part("ffn_norm.weight")?, &mut resident)?;
+            let o = Linear::from_raw(part("attn_output.weight")?, policy, &mut resident, device)?;
+            let ffn_norm = dense(part("ffn_norm.weight")?, &mut resident, device)?;
             let gate_up = vec![part("ffn_gate.weight")?, part("ffn_up.weight")?];
-            let gate_up = Projections::from_raw(gate_up, policy, &mut resident)?;
-            let down = Linear::from_raw(part("ffn_down.weight")?, policy, &mut resident)?;
+            let gate_up = Projections::from_raw(gate_up, policy, &mut resident, device)?;
+            let down = Linear::from_raw(part("ffn_down.weight")?, policy, &mut resident, device)?;
             let mut gemma_norm = |p: &str| -> Result<Option<Tensor>> {
                 if gemma {
-                    Ok(Some(dense(part(p)?, &mut resident)?))
+                    Ok(Some(dense(part(p)?, &mut resident, device)?))
                 } else {
                     Ok(None)
                 }
@@ -643,18 +688,18 @@ impl LayerSlice {
             });
         }
         let head = if holds_head {
-            let norm = dense(read(names.output_norm)?, &mut resident)?;
+            let norm = dense(read(names.output_norm)?, &mut resident, device)?;
             Some(Head {
                 norm,
-                output: Linear::from_raw(read(head_matrix)?, policy, &mut resident)?,
+                output: Linear::from_raw(read(head_matrix)?, policy, &mut resident, device)?,
             })
         } else {
             None
         };
-        let rope = Rope::new(config, config.rope_theta, config.rope_scale)?;
+        let rope = Rope::new(config, config.rope_theta, config.rope_scale, device)?;
         let local_rope = match config.sliding_window {
             Some(window) if blocks.iter().any(|b| b.local) => {
-                Some(Rope::new(config, window.rope_theta, 1.0)?)
+                Some(Rope::new(config, window.rope_theta, 1.0, device)?)
             }
             _ => None,
         };
@@ -670,6 +715,8 @@ impl LayerSlice {
             weights_digest: *hasher.finalize().as_bytes(),
             stored_bytes,
             resident_bytes: resident,
+            device: device.clone(),
+            candle_only: policy.candle_only || !device.is_cpu(),
         })
     }
 
@@ -771,7 +818,8 @@ impl LayerSlice {
         // split their work with rayon, and called from outside the pool
         // each of them (five per layer) hands its work to a pool thread and
         // sleeps until it is done, two context switches apiece.
-        Device::Cpu.with_context(|| self.forward_checked(jobs, rows_alone))
+        self.device
+            .with_context(|| self.forward_checked(jobs, rows_alone))
     }
 
     /// The logits of each row of `hidden` (final hidden states, as a chain's
@@ -790,8 +838,8 @@ impl LayerSlice {
                 "was given hidden states of the wrong shape for the head",
             ));
         }
-        let rows = Tensor::from_slice(&hidden.values, (hidden.rows, hidden.cols), &Device::Cpu)?;
-        Device::Cpu.with_context(|| self.apply_head(head, &rows))
+        let rows = Tensor::from_slice(&hidden.values, (hidden.rows, hidden.cols), &self.device)?;
+        self.device.with_context(|| self.apply_head(head, &rows))
     }
 
     /// Final norm and output matrix over `rows`, each row its own step.
@@ -847,7 +895,12 @@ impl LayerSlice {
             Tensor::cat(&inputs, 0)?
         };
         for (layer, block) in self.blocks.iter().enumerate() {
-            x = self.block_forward(block, &x, &spans, &matrix_spans, jobs, layer)?;
+            let rows = BatchRows {
+                spans: &spans,
+                matrix_spans: &matrix_spans,
+                rows_alone,
+            };
+            x = self.block_forward(block, &x, &rows, jobs, layer)?;
         }
         for ((_, cache), (_, seq)) in jobs.iter_mut().zip(&spans) {
             cache.position += seq;
@@ -970,7 +1023,7 @@ impl LayerSlice {
     fn input_rows(&self, input: &SliceInput<'_>) -> Result<Tensor> {
         Ok(match (input, &self.embedding) {
             (SliceInput::Tokens(ids), Some(embedding)) => {
-                let ids = Tensor::new(*ids, &Device::Cpu)?;
+                let ids = Tensor::new(*ids, &self.device)?;
                 let rows = match embedding {
                     Embedding::Quantized(q) => q.embedding(&ids)?,
                     Embedding::Dense(t) => t.index_select(&ids, 0)?,
@@ -982,7 +1035,7 @@ impl LayerSlice {
                 }
             }
             (SliceInput::Hidden(a), None) => {
-                Tensor::from_slice(&a.values, (a.rows, a.cols), &Device::Cpu)?
+                Tensor::from_slice(&a.values, (a.rows, a.cols), &self.device)?
             }
             _ => return Err(EngineError::WrongInput("was given the wrong kind of input")),
         })
@@ -995,11 +1048,11 @@ impl LayerSlice {
         &self,
         b: &Block,
         x: &Tensor,
-        spans: &[(usize, usize)],
-        matrix_spans: &[(usize, usize)],
+        rows: &BatchRows<'_>,
         jobs: &mut [(SliceInput<'_>, &mut SliceCache)],
         layer: usize,
     ) -> Result<Tensor> {
+        let (spans, matrix_spans) = (rows.spans, rows.matrix_spans);
         let c = &self.config;
         let eps = c.rms_eps as f32;
         let h = candle_nn::ops::rms_norm(x, &b.attn_norm, eps)?;
@@ -1018,7 +1071,7 @@ impl LayerSlice {
         let k = with_bias(k, &b.k_bias)?;
         let v = with_bias(v, &b.v_bias)?;
         let mut attended = Vec::with_capacity(spans.len());
-        for ((offset, seq), (_, cache)) in spans.iter().zip(jobs.iter_mut()) {
+        for (step, ((offset, seq), (_, cache))) in spans.iter().zip(jobs.iter_mut()).enumerate() {
             let position = cache.position;
             let kv = cache.layers.get_mut(layer).ok_or(EngineError::WrongInput(
                 "was given a cache of another slice",
@@ -1030,6 +1083,7 @@ impl LayerSlice {
                 &v.narrow(0, *offset, *seq)?,
                 kv,
                 position,
+                rows.rows_alone.get(step).copied().unwrap_or(false),
             )?);
         }
         let attended = if attended.len() == 1 {
@@ -1058,13 +1112,20 @@ impl LayerSlice {
             .map_err(|_| EngineError::WrongInput("has a malformed feed-forward projection"))?;
         let gated = match c.block_style {
             BlockStyle::Llama => (candle_nn::ops::silu(&gate)? * up)?,
+            // On a GPU the table would cost two copies to the host per
+            // layer: candle's kernel computes the same tanh approximation
+            // there, in f32.
+            BlockStyle::Gemma3 if self.candle_only => (gate.gelu()? * up)?,
             BlockStyle::Gemma3 => gelu_gated(&gate, &up)?,
         };
         let ffn_out = post_norm(b.down.forward_rows(&gated, matrix_spans)?, &b.post_ffn_norm)?;
         Ok((x + ffn_out)?)
     }
     /// One request's attention over its own cache: `q`, `k`, `v` are its
-    /// rows of the projections, at positions `position..`.
+    /// rows of the projections, at positions `position..`; with
+    /// `rows_alone` each row attends as the one-row decode step it would be
+    /// (the engine's own attention always does).
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         b: &Block,
@@ -1073,6 +1134,7 @@ impl LayerSlice {
         v: &Tensor,
         kv: &mut KvRows,
         position: usize,
+        rows_alone: bool,
     ) -> Result<Tensor> {
         let c = &self.config;
         let eps = c.rms_eps as f32;
@@ -1101,9 +1163,45 @@ impl LayerSlice {
             _ => usize::MAX,
         };
         let span = attention::Span { position, window };
-        if let Some(attended) = attention::attend(&q, &k_all, &v_all, c.query_scale as f32, span)? {
+        if !self.candle_only
+            && let Some(attended) =
+                attention::attend(&q, &k_all, &v_all, c.query_scale as f32, span)?
+        {
             return Ok(attended);
         }
+        if rows_alone && seq > 1 {
+            // Row i sees the keys up to its own position, as when decoded.
+            let rows = (0..seq)
+                .map(|i| {
+                    let known = position + i + 1;
+                    self.candle_attention(
+                        &q.narrow(2, i, 1)?,
+                        &k_all.narrow(2, 0, known)?,
+                        &v_all.narrow(2, 0, known)?,
+                        position + i,
+                        window,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Tensor::cat(&rows, 0)?);
+        }
+        self.candle_attention(&q, &k_all, &v_all, position, window)
+    }
+
+    /// candle's route (the one a GPU takes): `q` `(1, heads, seq,
+    /// head_dim)` at positions `position..` over every key held, through a
+    /// matmul for the scores, a mask for a prompt, softmax and a matmul for
+    /// the values; `(seq, attention_width)` out.
+    fn candle_attention(
+        &self,
+        q: &Tensor,
+        k_all: &Tensor,
+        v_all: &Tensor,
+        position: usize,
+        window: usize,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let seq = q.dim(2)?;
         let (k_all, v_all, first_key) = {
             let total = k_all.dim(2)?;
             let first_key = (position + 1).saturating_sub(window).min(total);
@@ -1114,7 +1212,7 @@ impl LayerSlice {
                     first_key,
                 )
             } else {
-                (k_all, v_all, 0)
+                (k_all.clone(), v_all.clone(), 0)
             }
         };
         let total = k_all.dim(2)?;
@@ -1136,7 +1234,7 @@ impl LayerSlice {
                     })
                 })
                 .collect();
-            let mask = Tensor::from_vec(mask, (group * seq, total), &Device::Cpu)?;
+            let mask = Tensor::from_vec(mask, (group * seq, total), q.device())?;
             scores.broadcast_add(&mask)?
         } else {
             scores

@@ -77,6 +77,17 @@ fn splits_on_either_side_of_a_global_layer_are_bit_identical() {
     }
 }
 
+#[test]
+fn the_route_a_gpu_takes_gives_the_engines_logits() {
+    let Some(path) = model_path() else { return };
+    let handle = ModelHandle::open(&path).unwrap();
+    let ids = handle
+        .text()
+        .encode("The history of the Roman Empire")
+        .unwrap();
+    common::gpu_route_agrees(&handle, &ids, &[0..6, 6..12, 12..18], 8, 0.2);
+}
+
 /// Past the 512-position window, a prompt prefilled at once (the window
 /// applied by a mask) and one fed a position at a time (the cache narrowed
 /// to the window) give the same next token and logits within the rounding
@@ -133,12 +144,19 @@ fn the_sliding_window_is_the_same_in_prefill_and_in_decode() {
 
 /// Past the 512-position window, a draft verified in one step (each row
 /// alone through the matrices) gives every position the bits decoding it
-/// alone gives: the window narrows each row's keys the same way.
+/// alone gives: the window narrows each row's keys the same way. On the
+/// engine's own route and on the one a GPU takes.
 #[test]
 fn a_draft_verified_past_the_window_has_the_bits_of_decoding() {
     let Some(path) = model_path() else { return };
     let handle = ModelHandle::open(&path).unwrap();
-    let whole = handle.load_chain_slice(0..18, true).unwrap();
+    for policy in [mesh_stage::ExecPolicy::default(), common::CANDLE_ONLY] {
+        draft_has_the_bits_of_decoding(&handle, policy);
+    }
+}
+
+fn draft_has_the_bits_of_decoding(handle: &ModelHandle, policy: mesh_stage::ExecPolicy) {
+    let whole = handle.load_chain_slice_with(0..18, true, policy).unwrap();
     let text = "the river and the mountain, the city and the old stone road; ".repeat(60);
     let ids = handle.text().encode(&text).unwrap();
     let (prompt, draft) = (&ids[..520], &ids[520..526]);
@@ -178,5 +196,5 @@ fn a_draft_verified_past_the_window_has_the_bits_of_decoding() {
             .remove(0),
     );
     let rows: Vec<Vec<u32>> = verified.values.chunks(verified.cols).map(bits).collect();
-    assert_eq!(rows, decoded);
+    assert_eq!(rows, decoded, "{policy:?}");
 }

@@ -86,6 +86,17 @@ fn splits_of_1_2_3_and_5_are_bit_identical() {
 }
 
 #[test]
+fn the_route_a_gpu_takes_gives_the_engines_logits() {
+    let Some(path) = model_path() else { return };
+    let handle = ModelHandle::open(&path).unwrap();
+    let ids = handle
+        .text()
+        .encode("The history of the Roman Empire")
+        .unwrap();
+    common::gpu_route_agrees(&handle, &ids, &[0..10, 10..20, 20..30], 16, 0.2);
+}
+
+#[test]
 fn a_third_of_the_layers_holds_about_a_third_of_the_weights() {
     let Some(path) = model_path() else { return };
     let handle = ModelHandle::open(&path).unwrap();

@@ -11,7 +11,7 @@ use mesh_stage::frame::WireDType;
 use mesh_stage::pipeline::{Generation, Pipeline};
 use mesh_stage::sampling::{Sampler, SamplingParams};
 use mesh_stage::synthetic::{SyntheticModel, SyntheticSpec, write_synthetic};
-use mesh_stage::{EngineError, ModelHandle, SliceInput, SliceOutput};
+use mesh_stage::{EngineError, ExecPolicy, ModelHandle, SliceInput, SliceOutput};
 
 fn model(types: &[GgmlDType]) -> (tempfile::TempDir, SyntheticModel) {
     let dir = tempfile::tempdir().unwrap();
@@ -20,9 +20,19 @@ fn model(types: &[GgmlDType]) -> (tempfile::TempDir, SyntheticModel) {
 }
 
 fn run(handle: &ModelHandle, ranges: &[Range<u32>], prompt: &str, wire: WireDType) -> Generation {
+    run_with(handle, ranges, prompt, wire, ExecPolicy::default())
+}
+
+fn run_with(
+    handle: &ModelHandle,
+    ranges: &[Range<u32>],
+    prompt: &str,
+    wire: WireDType,
+    policy: ExecPolicy,
+) -> Generation {
     let slices = ranges
         .iter()
-        .map(|r| handle.load_slice(r.clone()).unwrap())
+        .map(|r| handle.load_slice_with(r.clone(), policy).unwrap())
         .collect();
     let pipeline = Pipeline::new(slices, wire).unwrap();
     let ids = handle.text().encode(prompt).unwrap();
@@ -188,6 +198,64 @@ fn every_supported_quantization_loads_and_runs() {
         assert_eq!(out.tokens.len(), 12, "{dtype:?}");
         assert!(out.last_logits.iter().all(|v| v.is_finite()), "{dtype:?}");
     }
+}
+
+/// The route a GPU takes (every operation on candle's kernels), checked on
+/// the CPU for every stored type: its split runs give its unsplit run's
+/// bits, and its logits for a prompt are the engine's own route's up to
+/// rounding (root mean square of the difference within 20 % of the
+/// centred logits', as the real-model tests check).
+#[test]
+fn the_route_a_gpu_takes_runs_every_type_and_splits_bit_identically() {
+    let (_dir, model) = model(&EVERY_TYPE);
+    let candle_only = ExecPolicy {
+        candle_only: true,
+        ..ExecPolicy::default()
+    };
+    let mut routes_differ = false;
+    for dtype in EVERY_TYPE {
+        let handle = ModelHandle::open(model.gguf(dtype).unwrap()).unwrap();
+        let whole = run_with(&handle, &[0..6], "abc", WireDType::F32, candle_only);
+        let parts = run_with(
+            &handle,
+            &[0..1, 1..4, 4..6],
+            "abc",
+            WireDType::F32,
+            candle_only,
+        );
+        assert_eq!(parts.tokens, whole.tokens, "{dtype:?}");
+        assert_eq!(
+            bits(&parts.last_logits),
+            bits(&whole.last_logits),
+            "{dtype:?}"
+        );
+        let ids = handle.text().encode("abc").unwrap();
+        let logits = |policy| {
+            let slice = handle.load_slice_with(0..6, policy).unwrap();
+            let mut cache = slice.new_cache(ids.len()).unwrap();
+            match slice.forward(SliceInput::Tokens(&ids), &mut cache).unwrap() {
+                SliceOutput::Logits(logits) => logits,
+                SliceOutput::Hidden(_) => panic!("a whole model returns logits"),
+            }
+        };
+        let (own, gpu) = (logits(ExecPolicy::default()), logits(candle_only));
+        let mean = own.iter().sum::<f32>() / own.len() as f32;
+        let spread = own.iter().map(|x| (x - mean).powi(2)).sum::<f32>().sqrt();
+        let apart = own
+            .iter()
+            .zip(&gpu)
+            .map(|(x, y)| (x - y).powi(2))
+            .sum::<f32>()
+            .sqrt();
+        assert!(
+            apart <= 0.2 * spread,
+            "{dtype:?}: {:.3} of the spread apart",
+            apart / spread
+        );
+        routes_differ |= bits(&own) != bits(&gpu);
+    }
+    // Else the check above compared the engine's route with itself.
+    assert!(routes_differ, "the candle-only route was not taken");
 }
 
 #[test]
@@ -631,10 +699,25 @@ fn a_verified_draft_gives_each_position_its_decode_bits_and_a_cut_goes_on_cleanl
     let prompt: &[u32] = &[1, 2, 3, 4, 5];
     let draft: &[u32] = &[20, 21, 22, 23, 24, 25, 26];
     let mut differ = Vec::new();
-    for dtype in types {
-        let handle = ModelHandle::open(model.gguf(dtype).unwrap()).unwrap();
-        let first = handle.load_chain_slice(0..3, true).unwrap();
-        let last = handle.load_chain_slice(3..6, false).unwrap();
+    // The engine's own route, and the one a GPU takes (checked here on the
+    // CPU): each gives a verified row its own decode bits.
+    let candle_only = ExecPolicy {
+        candle_only: true,
+        ..ExecPolicy::default()
+    };
+    for (stored, policy) in types
+        .into_iter()
+        .flat_map(|stored| [(stored, ExecPolicy::default()), (stored, candle_only)])
+    {
+        let route = if policy.candle_only {
+            " candle-only"
+        } else {
+            ""
+        };
+        let dtype = format!("{stored:?}{route}");
+        let handle = ModelHandle::open(model.gguf(stored).unwrap()).unwrap();
+        let first = handle.load_chain_slice_with(0..3, true, policy).unwrap();
+        let last = handle.load_chain_slice_with(3..6, false, policy).unwrap();
         let hidden = |output: SliceOutput| match output {
             SliceOutput::Hidden(a) => a,
             _ => panic!("a split slice returns hidden states"),
@@ -729,11 +812,11 @@ fn a_verified_draft_gives_each_position_its_decode_bits_and_a_cut_goes_on_cleanl
             .map(hidden);
         let (verified, other_batched) = (outputs.next().unwrap(), outputs.next().unwrap());
         if bits(&other_batched.values) != other_alone {
-            differ.push(format!("{dtype:?} the request batched with the draft"));
+            differ.push(format!("{dtype} the request batched with the draft"));
         }
         let rows: Vec<Vec<u32>> = verified.values.chunks(verified.cols).map(bits).collect();
         if rows != decoded {
-            differ.push(format!("{dtype:?} verified"));
+            differ.push(format!("{dtype} verified"));
         }
         // Two of the seven accepted: the cut, then the next token decoded
         // on both caches.
@@ -761,7 +844,7 @@ fn a_verified_draft_gives_each_position_its_decode_bits_and_a_cut_goes_on_cleanl
             bits(&hidden(last.forward(SliceInput::Hidden(&state), l).unwrap()).values)
         };
         if next(&mut all_first, &mut all_last) != next(&mut straight_first, &mut straight_last) {
-            differ.push(format!("{dtype:?} after the cut"));
+            differ.push(format!("{dtype} after the cut"));
         }
     }
     assert!(differ.is_empty(), "verified bits differ: {differ:?}");

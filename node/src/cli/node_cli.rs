@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use mesh_protocol::block::ReturnMode;
 use mesh_protocol::mesh1::Fidelity;
+use mesh_stage::DeviceChoice;
 use mesh_stage::frame::WireDType;
 use mesh_stage::sampling::SamplingParams;
 use serde::Deserialize;
@@ -71,6 +72,9 @@ pub struct ServeConfig {
     pub max_resumes: Option<usize>,
     /// Activation encoding between stages: f32 (default), f16, bf16.
     pub wire: Option<String>,
+    /// Where slices compute: `cpu` (default), `cuda` or `cuda:N` (a binary
+    /// built with the `cuda` feature).
+    pub device: Option<String>,
     /// Estimator power when no hardware meter is live (default 35000 mW).
     pub estimator_milliwatts: Option<u64>,
     /// The fidelity this coordinator rates its model at, F0..F4 (default
@@ -149,6 +153,10 @@ pub struct ServeArgs {
     /// f32 (default), f16 or bf16 activations between stages.
     #[arg(long)]
     pub wire: Option<String>,
+    /// Where this node's slices compute: cpu (default), cuda or cuda:N (a
+    /// binary built with `--features cuda`).
+    #[arg(long)]
+    pub device: Option<DeviceChoice>,
     /// The fidelity this coordinator rates its model at, F0..F4 (default
     /// F2): the router refuses a request whose floor is above it.
     #[arg(long)]
@@ -309,6 +317,14 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             settings
         });
     let wire = args.wire.or(file.wire).unwrap_or_else(|| "f32".into());
+    let device = match (args.device, file.device) {
+        (Some(device), _) => device,
+        (None, Some(text)) => text
+            .parse::<DeviceChoice>()
+            .context("the configuration's `device`")?,
+        (None, None) => DeviceChoice::Cpu,
+    };
+    let device = device.open()?;
     let (meter, why) = select_meter(
         Path::new(POWERCAP_ROOT),
         EstimatorMeter {
@@ -326,6 +342,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 7420))),
         advertise: args.advertise.or(file.advertise),
         model,
+        device,
         data: args
             .data
             .or(file.data)
@@ -399,6 +416,10 @@ pub struct JoinArgs {
     /// mesh.
     #[arg(long = "coordinator")]
     pub coordinators: Vec<String>,
+    /// Where this node's slices compute: cpu (default), cuda or cuda:N (a
+    /// binary built with `--features cuda`).
+    #[arg(long)]
+    pub device: Option<DeviceChoice>,
     #[command(flatten)]
     pub mesh: MeshArgs,
 }
@@ -448,6 +469,7 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         step_timeout_ms: None,
         request_timeout_ms: None,
         wire: None,
+        device: args.device,
         fidelity: None,
         no_record_checkpoints: false,
         prefill_chunk_tokens: None,
@@ -624,6 +646,10 @@ pub struct DemoArgs {
     /// keep the nodes up after the first answer (until Ctrl-C).
     #[arg(long)]
     pub http: Option<SocketAddr>,
+    /// Where the nodes compute: cpu (default), cuda or cuda:N (a binary
+    /// built with `--features cuda`); they share it.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
 }
 
 pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
@@ -649,6 +675,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         )
     };
     let stages = args.stages.clamp(2, layers.max(2));
+    let device = args.device.open()?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     if !args.quiet {
@@ -677,6 +704,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
             model: model.clone(),
+            device: device.clone(),
             data: args.out.join(format!("node-{k}")),
             peers,
             coordinators: vec![coordinator_key.verifying_key().to_bytes()],
@@ -857,9 +885,11 @@ pub async fn bench_split(
     tokens: usize,
     prompt_tokens: Option<usize>,
     rounds: usize,
+    device: DeviceChoice,
 ) -> anyhow::Result<serde_json::Value> {
     use crate::tools::bench::median;
     anyhow::ensure!(rounds >= 1, "--rounds must be at least 1");
+    let opened = device.open()?;
     let model = match model {
         Some(model) => model,
         None => crate::cli::engine_cli::synthetic_model_path()?,
@@ -885,10 +915,10 @@ pub async fn bench_split(
             let Some(&(stages, return_mode)) =
                 place.checked_sub(1).and_then(|i| configurations.get(i))
             else {
-                unsplit = Some(unsplit_generation(&model, &prompt, chat, tokens).await?);
+                unsplit = Some(unsplit_generation(&model, &prompt, chat, tokens, &opened).await?);
                 continue;
             };
-            let split = BenchSplit::start(&model, stages, None, return_mode).await?;
+            let split = BenchSplit::start(&model, stages, None, return_mode, &opened).await?;
             let coordinator = &split.coordinator;
             let request = GenerateRequest {
                 chat,
@@ -965,6 +995,7 @@ pub async fn bench_split(
     }
     Ok(serde_json::json!({
         "model": model.display().to_string(),
+        "device": device.to_string(),
         "decode_tokens": tokens,
         "rounds": rounds,
         "rows": rows,
@@ -998,10 +1029,11 @@ pub(crate) async fn unsplit_generation(
     prompt: &str,
     chat: bool,
     tokens: usize,
+    device: &mesh_stage::Device,
 ) -> anyhow::Result<UnsplitRun> {
-    let (model, prompt) = (model.to_path_buf(), prompt.to_string());
+    let (model, prompt, device) = (model.to_path_buf(), prompt.to_string(), device.clone());
     tokio::task::spawn_blocking(move || -> anyhow::Result<UnsplitRun> {
-        let handle = mesh_stage::ModelHandle::open(&model)?;
+        let handle = mesh_stage::ModelHandle::open(&model)?.on_device(device);
         let layers = handle.config().layers;
         let pipeline = mesh_stage::pipeline::Pipeline::new(
             vec![handle.load_slice(0..layers)?],
@@ -1102,13 +1134,15 @@ pub struct BenchSplit {
 }
 
 impl BenchSplit {
+    /// Every node of the split computes on `device`.
     pub async fn start(
         model: &Path,
         stages: usize,
         http: Option<SocketAddr>,
         return_mode: ReturnMode,
+        device: &mesh_stage::Device,
     ) -> anyhow::Result<Self> {
-        Self::start_with(model, stages, http, return_mode, None, (0, None)).await
+        Self::start_with(model, stages, (http, return_mode), device, None, (0, None)).await
     }
 
     /// Every node behind its own [`DelayProxy`] shaped `shape` (seeded from
@@ -1125,8 +1159,8 @@ impl BenchSplit {
         Self::start_with(
             model,
             stages,
-            None,
-            return_mode,
+            (None, return_mode),
+            &mesh_stage::Device::Cpu,
             Some((shape, seed)),
             drafts,
         )
@@ -1136,8 +1170,8 @@ impl BenchSplit {
     async fn start_with(
         model: &Path,
         stages: usize,
-        http: Option<SocketAddr>,
-        return_mode: ReturnMode,
+        (http, return_mode): (Option<SocketAddr>, ReturnMode),
+        device: &mesh_stage::Device,
         links: Option<(LinkShape, u64)>,
         (draft_tokens, draft_model): (usize, Option<&Path>),
     ) -> anyhow::Result<Self> {
@@ -1148,14 +1182,9 @@ impl BenchSplit {
         let mut proxies = Vec::new();
         let mut peers = Vec::new();
         for k in 1..stages {
-            let node = Node::start(bench_options(
-                model,
-                &scratch,
-                k,
-                Vec::new(),
-                &coordinator_key,
-            )?)
-            .await?;
+            let mut options = bench_options(model, &scratch, k, Vec::new(), &coordinator_key)?;
+            options.device = device.clone();
+            let node = Node::start(options).await?;
             let addr = match links {
                 Some((shape, seed)) => {
                     let proxy = DelayProxy::bind(shape, seed.wrapping_add(k as u64))?;
@@ -1178,6 +1207,7 @@ impl BenchSplit {
             .map(|(shape, seed)| DelayProxy::bind(shape, seed))
             .transpose()?;
         let mut options = bench_options(model, &scratch, 0, peers, &coordinator_key)?;
+        options.device = device.clone();
         options.http = http;
         options.return_mode = return_mode;
         options.draft_tokens = draft_tokens;
@@ -1237,6 +1267,7 @@ pub(crate) fn bench_options(
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         advertise: None,
         model: model.to_path_buf(),
+        device: mesh_stage::Device::Cpu,
         data: scratch.join(format!("node-{k}")),
         peers,
         coordinators: vec![coordinator_key.verifying_key().to_bytes()],

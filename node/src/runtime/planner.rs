@@ -173,10 +173,11 @@ pub fn measure_decode_us_per_layer(model: &ModelHandle) -> anyhow::Result<u64> {
     Ok(per_layer.max(1))
 }
 
-/// The node's decode speed for `model`: measured once per model and thread
-/// count, then read from `data/speed-PACKAGE.json`.
+/// The node's decode speed for `model`: measured once per model, device and
+/// thread count, then read from `data/speed-PACKAGE.json`.
 pub fn decode_speed(model: &ModelHandle, data: &Path) -> anyhow::Result<u64> {
     let threads = mesh_stage::compute_threads();
+    let device = format!("{:?}", model.device().location());
     let path = data.join(format!(
         "speed-{}.json",
         &mesh_protocol::hex::encode(&model.package_id())[..16]
@@ -184,17 +185,22 @@ pub fn decode_speed(model: &ModelHandle, data: &Path) -> anyhow::Result<u64> {
     if let Ok(text) = std::fs::read_to_string(&path)
         && let Ok(cached) = serde_json::from_str::<serde_json::Value>(&text)
         && cached["threads"].as_u64() == Some(threads as u64)
+        && cached["device"].as_str() == Some(device.as_str())
         && let Some(us) = cached["decode_us_per_layer"].as_u64().filter(|us| *us > 0)
     {
         return Ok(us);
     }
     eprintln!("measuring this node's decode speed on the model (once per model)...");
     let us = measure_decode_us_per_layer(model)?;
-    eprintln!("  {us} us per layer per token on {threads} thread(s)");
+    eprintln!("  {us} us per layer per token on {device}, {threads} thread(s)");
     std::fs::create_dir_all(data).with_context(|| format!("creating {}", data.display()))?;
     std::fs::write(
         &path,
-        serde_json::to_vec(&json!({ "decode_us_per_layer": us, "threads": threads }))?,
+        serde_json::to_vec(&json!({
+            "decode_us_per_layer": us,
+            "threads": threads,
+            "device": device,
+        }))?,
     )
     .with_context(|| format!("writing {}", path.display()))?;
     Ok(us)

@@ -349,13 +349,14 @@ pub fn bench_engine(
     model: &std::path::Path,
     prompt_tokens: usize,
     decode_tokens: usize,
+    device: mesh_stage::DeviceChoice,
 ) -> anyhow::Result<serde_json::Value> {
     use mesh_stage::frame::WireDType;
     use mesh_stage::pipeline::Pipeline;
     use mesh_stage::sampling::{Sampler, SamplingParams};
     use mesh_stage::{ExecPolicy, ModelHandle};
 
-    let handle = ModelHandle::open(model)?;
+    let handle = ModelHandle::open(model)?.on_device(device.open()?);
     let layers = handle.config().layers;
     // A prompt of exactly `prompt_tokens` ids, as llama-bench's -p uses.
     let text = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of Constantinople. ".repeat(64);
@@ -373,7 +374,13 @@ pub fn bench_engine(
     let mut whole_bytes = 0;
     for (execution, policy) in [
         ("stored quantization", ExecPolicy::default()),
-        ("dense f32", ExecPolicy { dense_f32: true }),
+        (
+            "dense f32",
+            ExecPolicy {
+                dense_f32: true,
+                ..ExecPolicy::default()
+            },
+        ),
     ] {
         for parts in [1u32, 3] {
             let slices = mesh_stage::even_split(layers, parts)
@@ -421,6 +428,7 @@ pub fn bench_engine(
     let quantized = "stored quantization";
     Ok(serde_json::json!({
         "model": model.display().to_string(),
+        "device": device.to_string(),
         "threads": mesh_stage::compute_threads(),
         "prompt_tokens": prompt.len(),
         "decode_tokens": decode_tokens,
@@ -447,8 +455,9 @@ pub fn render_engine(report: &serde_json::Value) -> String {
     let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
     let _ = writeln!(
         out,
-        "model {}  threads {}  prompt {} tokens, decode {} tokens",
+        "model {}  device {}  threads {}  prompt {} tokens, decode {} tokens",
         report["model"].as_str().unwrap_or(""),
+        report["device"].as_str().unwrap_or("cpu"),
         report["threads"],
         report["prompt_tokens"],
         report["decode_tokens"]

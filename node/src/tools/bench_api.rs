@@ -104,6 +104,7 @@ pub async fn bench_api(model: &Path, tokens: usize, rounds: usize) -> anyhow::Re
         3,
         Some(SocketAddr::from(([127, 0, 0, 1], 0))),
         mesh_protocol::block::ReturnMode::Relayed,
+        &mesh_stage::Device::Cpu,
     )
     .await?;
     let coordinator = &split.coordinator;

@@ -105,7 +105,14 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
     // unsplit is measured once per round: this machine's speed drifts.
     let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); configurations.len()];
     for round in 0..bench.rounds {
-        let unsplit = unsplit_generation(&bench.model, &prompt, true, bench.tokens).await?;
+        let unsplit = unsplit_generation(
+            &bench.model,
+            &prompt,
+            true,
+            bench.tokens,
+            &mesh_stage::Device::Cpu,
+        )
+        .await?;
         let compute_ms = 1e3 / unsplit.decode_tokens_per_s.max(1e-9);
         for (i, &(rtt, stages, return_mode, drafts)) in configurations.iter().enumerate() {
             // The baseline is the proxies alone: no delay, jitter or loss.

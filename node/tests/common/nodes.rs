@@ -119,6 +119,7 @@ impl<'a> Setup<'a> {
             listen: "127.0.0.1:0".parse().unwrap(),
             advertise: None,
             model: self.model.to_path_buf(),
+            device: mesh_stage::Device::Cpu,
             data: self.data,
             peers: self.peers,
             coordinators: self.coordinators,

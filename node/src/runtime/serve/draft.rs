@@ -54,7 +54,8 @@ impl DraftModel {
         context: usize,
     ) -> anyhow::Result<Self> {
         let handle = ModelHandle::open(path)
-            .with_context(|| format!("the draft model {}", path.display()))?;
+            .with_context(|| format!("the draft model {}", path.display()))?
+            .on_device(target.device().clone());
         let (ours, theirs) = (handle.config().vocab, target.config().vocab);
         let shared = ours.min(theirs);
         if shared * 100 < ours.max(theirs) * 95 {

@@ -132,6 +132,9 @@ pub struct NodeOptions {
     /// The address other nodes reach this one at (default: the bound address).
     pub advertise: Option<SocketAddr>,
     pub model: PathBuf,
+    /// Where this node's slices compute (opened once, by whoever starts the
+    /// node; the nodes of one process share it).
+    pub device: mesh_stage::Device,
     pub data: PathBuf,
     pub peers: Vec<PeerAddr>,
     /// Coordinators whose assignments this node accepts as a stage (by key).
@@ -514,7 +517,7 @@ impl Node {
     pub async fn start(options: NodeOptions) -> anyhow::Result<Node> {
         tls::install_provider();
         let tls = TlsIdentity::new(&options.key)?;
-        let model = crate::runtime::open_model(&options.model)?;
+        let model = crate::runtime::open_model(&options.model)?.on_device(options.device.clone());
         let training = declared_training(&model);
         let draft_model = match options
             .draft_model

@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# The engine on an NVIDIA GPU (issue 12, item 6): build mesh-node with the
+# `cuda` feature, then run `bench engine --json` and `bench split --json`
+# on `--device cuda`, beside the same benches on the host's CPU.
+#
+#   scripts/device-check.sh            build, then run (a machine with cargo
+#                                      and a GPU)
+#   scripts/device-check.sh build      build here and pack .device/ for a GPU
+#                                      machine without cargo (the device tool)
+#   scripts/device-check.sh run [OUT]  run the stashed binary (see below); the
+#                                      reports go to OUT (default $OUT, else
+#                                      ./device-report)
+#
+# Building needs no GPU and no CUDA install: without `nvcc` on PATH, CUDA
+# 13.0's compiler is fetched from PyPI (the driver on the device machines
+# is CUDA 13.0's, and PTX from a newer nvcc would not load there), and
+# candle's kernels are compiled to PTX for compute capability
+# $CUDA_COMPUTE_CAP (default 90: Hopper). Linking needs the CUDA libraries'
+# names only: without them, stub libraries with the real sonames are made
+# from cudarc's bindings; the real ones are found at run time.
+#
+# The device tool carries at most 64 MiB a call. `build` packs the stripped
+# binary and the model in parts of at most 48 MiB, each in its own folder
+# .device/N; carry one per call, in order, each call running
+#   bash scripts/device-check.sh stash N
+# then, in the call that carries the last part, `... stash N && bash
+# scripts/device-check.sh run`. `build` prints the calls. A warm machine
+# keeps what the earlier calls stashed (in $MESH_DEVICE_STASH, default
+# ~/mesh-device); a machine that went back must be given every part again.
+#
+#   MESH_MODEL          model to bench (default: SmolLM2-135M Q4_1, fetched)
+#   CUDA_COMPUTE_CAP    default 90
+#   MESH_CUDA_CACHE     where the fetched toolkit goes
+#                       (default ~/.cache/mesh-node/cuda-13.0)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-all}"
+cap="${CUDA_COMPUTE_CAP:-90}"
+stash="${MESH_DEVICE_STASH:-$HOME/mesh-device}"
+part_bytes=$((48 * 1024 * 1024))
+
+toolkit() {
+  if command -v nvcc > /dev/null && nvcc --version | grep -q 'release 13\.0,'; then
+    CUDA_ROOT="${CUDA_ROOT:-$(cd "$(dirname "$(command -v nvcc)")/.." && pwd)}"
+    export CUDA_ROOT
+    return
+  fi
+  local root="${MESH_CUDA_CACHE:-$HOME/.cache/mesh-node/cuda-13.0}"
+  if [[ ! -x "$root/nvidia/cu13/bin/nvcc" ]]; then
+    echo "device-check: fetching CUDA 13.0's nvcc from PyPI into $root" >&2
+    local wheels
+    wheels="$(mktemp -d)"
+    python3 -m pip download --quiet --no-deps -d "$wheels" \
+      nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
+      nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 >&2
+    mkdir -p "$root"
+    for wheel in "$wheels"/*.whl; do
+      python3 -m zipfile -e "$wheel" "$root"
+    done
+    rm -rf "$wheels"
+    chmod +x "$root"/nvidia/cu13/bin/* "$root"/nvidia/cu13/nvvm/bin/*
+  fi
+  export PATH="$root/nvidia/cu13/bin:$PATH"
+  export CUDA_ROOT="$root/nvidia/cu13"
+}
+
+# Stub libcuda, libcublas, libcublasLt, libcurand and libnvrtc, exporting
+# every function cudarc binds, under the sonames of CUDA 13's libraries:
+# enough to link; the binary loads the real ones on the GPU machine. The
+# kernels' own library links libcudart, which the fetched toolkit holds.
+link_stubs() {
+  local stubs="${CUDA_ROOT:?}/lib/stubs"
+  mkdir -p "$stubs"
+  if [[ -f "$CUDA_ROOT/lib/libcudart.so.13" && ! -e "$CUDA_ROOT/lib/libcudart.so" ]]; then
+    ln -s libcudart.so.13 "$CUDA_ROOT/lib/libcudart.so"
+  fi
+  if ldconfig -p 2> /dev/null | grep 'libcublas\.so ' > /dev/null; then
+    return
+  fi
+  local cudarc
+  cudarc="$(cargo metadata --locked --all-features --format-version 1 --manifest-path Cargo.toml |
+    python3 -c 'import json,sys,os; m=json.load(sys.stdin); print(next(os.path.dirname(p["manifest_path"]) for p in m["packages"] if p["name"]=="cudarc"))')"
+  local spec name soname sys
+  for spec in cuda:libcuda.so.1:driver cublas:libcublas.so.13:cublas \
+    cublasLt:libcublasLt.so.13:cublaslt curand:libcurand.so.10:curand \
+    nvrtc:libnvrtc.so.13:nvrtc; do
+    IFS=: read -r name soname sys <<< "$spec"
+    grep -oE 'pub unsafe fn [A-Za-z0-9_]+' "$cudarc/src/$sys/sys/mod.rs" |
+      awk '{print "void " $4 "(void) {}"}' | sort -u > "$stubs/$name.c"
+    cc -shared -fPIC -Wl,-soname,"$soname" -o "$stubs/lib$name.so" "$stubs/$name.c"
+  done
+}
+
+build() {
+  if ! command -v cargo > /dev/null; then
+    echo "device-check: no cargo here: build on a machine with Rust (\`$0 build\`), then \`stash\` and \`run\` here" >&2
+    exit 2
+  fi
+  toolkit
+  link_stubs
+  echo "device-check: building mesh-node --features cuda (PTX for sm_$cap)" >&2
+  CUDA_COMPUTE_CAP="$cap" CARGO_PROFILE_RELEASE_DEBUG=0 \
+    cargo build --release --locked -p mesh-node --features cuda --target-dir target-cuda >&2
+}
+
+model_path() {
+  if [[ -n "${MESH_MODEL:-}" ]]; then
+    echo "$MESH_MODEL"
+  else
+    scripts/fetch-smollm2.sh
+  fi
+}
+
+pack() {
+  local model
+  model="$(model_path)"
+  rm -rf .device
+  mkdir -p .device/pack
+  cp target-cuda/release/mesh-node .device/pack/mesh-node
+  strip .device/pack/mesh-node
+  cp "$model" .device/pack/model.gguf
+  (cd .device/pack && sha256sum mesh-node model.gguf > SHA256SUMS &&
+    tar czf - mesh-node model.gguf SHA256SUMS | split -b "$part_bytes" -d -a 2 - part.)
+  local n=0
+  for part in .device/pack/part.*; do
+    n=$((n + 1))
+    mkdir -p ".device/$n"
+    mv "$part" ".device/$n/"
+  done
+  rm -rf .device/pack
+  echo "device-check: packed $n parts; on the device tool make these calls in turn:" >&2
+  for i in $(seq 1 "$n"); do
+    local last=""
+    [[ $i == "$n" ]] && last=" && bash scripts/device-check.sh run"
+    echo "  run(carry=[\".device/$i\"], command=\"bash scripts/device-check.sh stash $i$last\")" >&2
+  done
+}
+
+stash_part() {
+  local n="$1"
+  if [[ $n == 1 ]]; then
+    rm -rf "$stash"
+  fi
+  mkdir -p "$stash"
+  cp ".device/$n"/part.* "$stash/"
+  ls -la "$stash" >&2
+}
+
+# The CUDA libraries the binary links, where a GPU machine's image keeps
+# them: the loader's cache first (the driver's libcuda, never CUDA's compat
+# copy), then CUDA's folders and Python packages'.
+library_path() {
+  local dirs="" lib found
+  for lib in libcuda.so.1 libcudart.so.13 libcublas.so.13 libcublasLt.so.13 \
+    libcurand.so.10 libnvrtc.so.13; do
+    found="$( (ldconfig -p 2> /dev/null || true) | awk -v l="$lib" '$1 == l {print $NF}' |
+      grep -v compat | head -1 || true)"
+    if [[ -z "$found" ]]; then
+      found="$(find /usr/local/nvidia /usr/lib /usr/local/cuda* /opt /usr/local/lib \
+        -name "$lib" 2> /dev/null | grep -v compat | head -1 || true)"
+    fi
+    if [[ -n "$found" ]]; then
+      dirs="$dirs:$(dirname "$found")"
+    else
+      echo "device-check: $lib not found" >&2
+    fi
+  done
+  echo "${dirs#:}"
+}
+
+# The benches on the GPU and on the host's CPU, each in its own report;
+# exits 1 when any of them failed. Four benches fit the device tool's
+# 10-minute call with room to spare.
+run_benches() {
+  local built="$1" out="${2:-${OUT:-device-report}}" bin model failed=0
+  mkdir -p "$out"
+  if [[ $built == built ]]; then
+    bin=target-cuda/release/mesh-node
+    model="$(model_path)"
+  else
+    mkdir -p "$stash/unpacked"
+    cat "$stash"/part.* | tar xzf - -C "$stash/unpacked"
+    (cd "$stash/unpacked" && sha256sum -c SHA256SUMS) >&2
+    bin="$stash/unpacked/mesh-node"
+    model="$stash/unpacked/model.gguf"
+  fi
+  LD_LIBRARY_PATH="$(library_path)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH
+  if ldd "$bin" | grep 'not found' >&2; then
+    echo "device-check: $bin cannot load the libraries above" >&2
+    exit 1
+  fi
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+    ldd "$bin" | grep -E 'cuda|cublas|curand|nvrtc' || true
+    nproc
+  } 2>&1 | tee "$out/machine.txt" >&2
+  local step
+  for step in "engine cuda" "engine cpu" "split cuda" "split cpu"; do
+    read -r bench device <<< "$step"
+    echo "device-check: bench $bench --device $device" >&2
+    local extra=(--json)
+    if [[ $bench == split ]]; then
+      extra+=(--tokens 128 --rounds 2)
+    fi
+    if ! timeout 120 "$bin" bench "$bench" --model "$model" --device "$device" "${extra[@]}" \
+      > "$out/$bench-$device.json" 2> "$out/$bench-$device.log"; then
+      echo "device-check: bench $bench --device $device failed: see $out/$bench-$device.log" >&2
+      failed=1
+    fi
+    tail -3 "$out/$bench-$device.log" >&2
+  done
+  ls -la "$out" >&2
+  return "$failed"
+}
+
+case "$mode" in
+  # Each function is a command of its own: `set -e` does not reach into
+  # one called from an && list.
+  all)
+    build
+    run_benches built "${2:-}"
+    ;;
+  build)
+    build
+    pack
+    ;;
+  stash) stash_part "${2:?which part}" ;;
+  run) run_benches stashed "${2:-}" ;;
+  *)
+    echo "usage: $0 [build | stash N | run [OUT]]" >&2
+    exit 2
+    ;;
+esac

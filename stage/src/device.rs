@@ -1,0 +1,120 @@
+//! Where the engine computes: chosen once per process (`--device`), opened
+//! once, and handed to every slice the model loads.
+
+use std::fmt;
+use std::str::FromStr;
+
+use candle_core::Device;
+
+use crate::error::{EngineError, Result};
+
+/// A compute device as a user names it: `cpu`, `cuda` (the first GPU) or
+/// `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    #[default]
+    Cpu,
+    Cuda(usize),
+}
+
+/// Most GPU ordinals a name may give: far above any one machine's count,
+/// so a typo is refused here rather than by the driver.
+pub const MAX_CUDA_ORDINAL: usize = 255;
+
+impl FromStr for DeviceChoice {
+    type Err = EngineError;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let text = text.trim();
+        let wrong = || {
+            EngineError::Device(format!(
+                "`{text}` names no device: name `cpu`, `cuda` or `cuda:N` (N a GPU's ordinal, 0 the first)"
+            ))
+        };
+        match text.split_once(':') {
+            None if text.eq_ignore_ascii_case("cpu") => Ok(Self::Cpu),
+            None if text.eq_ignore_ascii_case("cuda") => Ok(Self::Cuda(0)),
+            Some((kind, ordinal)) if kind.eq_ignore_ascii_case("cuda") => {
+                match ordinal.parse::<usize>() {
+                    Ok(n) if n <= MAX_CUDA_ORDINAL => Ok(Self::Cuda(n)),
+                    _ => Err(wrong()),
+                }
+            }
+            _ => Err(wrong()),
+        }
+    }
+}
+
+impl fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl DeviceChoice {
+    /// Whether this binary can compute on such a device at all.
+    pub fn compiled_in(self) -> bool {
+        match self {
+            Self::Cpu => true,
+            Self::Cuda(_) => candle_core::utils::cuda_is_available(),
+        }
+    }
+
+    /// Open the device: for a GPU this creates its context and stream, once.
+    /// A binary built without the `cuda` feature says how to get one that
+    /// has it.
+    pub fn open(self) -> Result<Device> {
+        match self {
+            Self::Cpu => Ok(Device::Cpu),
+            Self::Cuda(_) if !self.compiled_in() => Err(EngineError::Device(format!(
+                "device {self}: this mesh-node was built without GPU support; rebuild it with \
+                 `cargo build --release -p mesh-node --features cuda` (needs CUDA's nvcc), \
+                 or run on `--device cpu`"
+            ))),
+            Self::Cuda(ordinal) => Device::new_cuda(ordinal).map_err(|error| {
+                EngineError::Device(format!(
+                    "device {self}: cannot open the GPU ({}); check `nvidia-smi` lists it and the \
+                     driver matches the CUDA the binary was built with",
+                    crate::error::candle_message(&error)
+                ))
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_print_back() {
+        for (text, choice) in [
+            ("cpu", DeviceChoice::Cpu),
+            ("CPU", DeviceChoice::Cpu),
+            ("cuda", DeviceChoice::Cuda(0)),
+            ("cuda:0", DeviceChoice::Cuda(0)),
+            (" cuda:3 ", DeviceChoice::Cuda(3)),
+        ] {
+            assert_eq!(text.parse::<DeviceChoice>().unwrap(), choice, "{text}");
+            assert_eq!(choice.to_string().parse::<DeviceChoice>().unwrap(), choice);
+        }
+        for bad in [
+            "", "gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:256", "cpu:0", "metal",
+        ] {
+            let error = bad.parse::<DeviceChoice>().unwrap_err().to_string();
+            assert!(error.contains("cuda:N"), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn the_cpu_always_opens_and_a_gpu_only_when_built_in() {
+        assert!(DeviceChoice::Cpu.open().unwrap().is_cpu());
+        if !DeviceChoice::Cuda(0).compiled_in() {
+            let error = DeviceChoice::Cuda(0).open().unwrap_err().to_string();
+            assert!(error.contains("--features cuda"), "{error}");
+        }
+    }
+}
