@@ -1222,19 +1222,28 @@ impl LayerSlice {
         let q = q.reshape((1, c.kv_heads, group * seq, c.head_dim))?;
         let scores = (q.matmul(&k_all.t()?)? * c.query_scale)?;
         let scores = if seq > 1 {
-            let mask: Vec<f32> = (0..group * seq)
-                .flat_map(|row| {
-                    let query = position + row % seq;
-                    (first_key..first_key + total).map(move |key| {
-                        if key <= query && query - key < window {
-                            0.0
-                        } else {
-                            f32::NEG_INFINITY
-                        }
-                    })
-                })
+            // Built where the scores are from each row's and each key's
+            // position: a GPU is sent a few thousand positions per layer,
+            // not the whole (rows x keys) mask.
+            let device = q.device();
+            let position_of = |p: usize| u32::try_from(p).unwrap_or(u32::MAX);
+            let queries: Vec<u32> = (0..group * seq)
+                .map(|row| position_of(position + row % seq))
                 .collect();
-            let mask = Tensor::from_vec(mask, (group * seq, total), q.device())?;
+            let keys: Vec<u32> = (first_key..first_key + total).map(position_of).collect();
+            // A key is seen while `query - key < window`: `key + window > query`.
+            let key_ends: Vec<u32> = (first_key..first_key + total)
+                .map(|key| position_of(key.saturating_add(window)))
+                .collect();
+            let queries = Tensor::from_vec(queries, (group * seq, 1), device)?;
+            let keys = Tensor::from_vec(keys, (1, total), device)?;
+            let key_ends = Tensor::from_vec(key_ends, (1, total), device)?;
+            let seen = (keys.broadcast_le(&queries)? * key_ends.broadcast_gt(&queries)?)?;
+            let shape = (group * seq, total);
+            let mask = seen.where_cond(
+                &Tensor::zeros(shape, DType::F32, device)?,
+                &Tensor::full(f32::NEG_INFINITY, shape, device)?,
+            )?;
             scores.broadcast_add(&mask)?
         } else {
             scores

@@ -91,12 +91,23 @@ fn the_route_a_gpu_takes_gives_the_engines_logits() {
 /// Past the 512-position window, a prompt prefilled at once (the window
 /// applied by a mask) and one fed a position at a time (the cache narrowed
 /// to the window) give the same next token and logits within the rounding
-/// that prefill and decode show without any window.
+/// that prefill and decode show without any window. On the engine's own
+/// route and on the one a GPU takes (whose prompt mask is built from
+/// positions on the device).
 #[test]
 fn the_sliding_window_is_the_same_in_prefill_and_in_decode() {
     let Some(path) = model_path() else { return };
     let handle = ModelHandle::open(&path).unwrap();
-    let whole = handle.load_slice(0..18).unwrap();
+    for policy in [mesh_stage::ExecPolicy::default(), common::CANDLE_ONLY] {
+        window_is_the_same_in_prefill_and_in_decode(&handle, policy);
+    }
+}
+
+fn window_is_the_same_in_prefill_and_in_decode(
+    handle: &ModelHandle,
+    policy: mesh_stage::ExecPolicy,
+) {
+    let whole = handle.load_slice_with(0..18, policy).unwrap();
     let text = "the river and the mountain, the city and the old stone road; ".repeat(60);
     let ids = handle.text().encode(&text).unwrap();
     let ids = &ids[..600];
@@ -134,12 +145,17 @@ fn the_sliding_window_is_the_same_in_prefill_and_in_decode() {
         .zip(&b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0f32, f32::max);
-    assert_eq!(argmax(&a), argmax(&b));
-    // Prefill and decode sum in different orders, and Gemma's large
-    // activations make that show: 0.79 for 400 positions, where no window
-    // applies, 0.85 for these 600. Decode steps that ignored the window
-    // measured 18.5.
-    assert!(largest_gap < 2.0, "logits differ by up to {largest_gap}");
+    assert_eq!(argmax(&a), argmax(&b), "{policy:?}");
+    // The engine's own attention gives a row the same bits in prefill and
+    // in decode (0 apart). On candle's route they sum in different orders,
+    // and Gemma's large activations make that show: 0.79 for 400
+    // positions, where no window applies, 0.84 for these 600. Decode steps
+    // that ignored the window measured 18.5.
+    assert!(
+        largest_gap < 2.0,
+        "{policy:?}: logits differ by up to {largest_gap}"
+    );
+    eprintln!("{policy:?}: prefill and decode logits differ by up to {largest_gap}");
 }
 
 /// Past the 512-position window, a draft verified in one step (each row

@@ -95,6 +95,18 @@ impl ServeConfig {
     }
 }
 
+/// The device `--device` names, else the configuration's `device`, else
+/// the CPU.
+fn device_choice(flag: Option<DeviceChoice>, file: Option<&str>) -> anyhow::Result<DeviceChoice> {
+    Ok(match (flag, file) {
+        (Some(device), _) => device,
+        (None, Some(text)) => text
+            .parse::<DeviceChoice>()
+            .context("the configuration's `device`")?,
+        (None, None) => DeviceChoice::Cpu,
+    })
+}
+
 /// A fidelity level as an operator or requester writes it (`F2`, `f2`, `2`).
 pub fn parse_fidelity(text: &str) -> anyhow::Result<Fidelity> {
     Fidelity::parse(text)
@@ -317,14 +329,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             settings
         });
     let wire = args.wire.or(file.wire).unwrap_or_else(|| "f32".into());
-    let device = match (args.device, file.device) {
-        (Some(device), _) => device,
-        (None, Some(text)) => text
-            .parse::<DeviceChoice>()
-            .context("the configuration's `device`")?,
-        (None, None) => DeviceChoice::Cpu,
-    };
-    let device = device.open()?;
+    let device = device_choice(args.device, file.device.as_deref())?.open()?;
     let (meter, why) = select_meter(
         Path::new(POWERCAP_ROOT),
         EstimatorMeter {
@@ -1403,7 +1408,7 @@ mod tests {
             &path,
             "key = \"node.key\"\nlisten = \"127.0.0.1:7420\"\n\
              peers = [\"did:key:z6Mk@127.0.0.1:7421\"]\nmax_slices = 3\n\
-             slice_idle_s = 60\nwire = \"f16\"\n",
+             slice_idle_s = 60\nwire = \"f16\"\ndevice = \"cuda:1\"\n",
         )
         .unwrap();
         let config = ServeConfig::load(&path).unwrap();
@@ -1413,6 +1418,20 @@ mod tests {
         assert_eq!(config.max_slices, Some(3));
         assert_eq!(config.slice_idle_s, Some(60));
         assert_eq!(config.wire.as_deref(), Some("f16"));
+        assert_eq!(config.device.as_deref(), Some("cuda:1"));
+        // The flag wins over the file; the file over the default, the CPU.
+        let file = config.device.as_deref();
+        assert_eq!(device_choice(None, file).unwrap(), DeviceChoice::Cuda(1));
+        assert_eq!(
+            device_choice(Some(DeviceChoice::Cpu), file).unwrap(),
+            DeviceChoice::Cpu
+        );
+        assert_eq!(device_choice(None, None).unwrap(), DeviceChoice::Cpu);
+        let error = format!("{:#}", device_choice(None, Some("gpu")).unwrap_err());
+        assert!(
+            error.contains("configuration's `device`") && error.contains("cuda:N"),
+            "{error}"
+        );
 
         std::fs::write(&path, "listen = \"127.0.0.1:7420\"\nlisen = 1\n").unwrap();
         let error = format!("{:#}", ServeConfig::load(&path).unwrap_err());
