@@ -119,8 +119,8 @@ pub struct ExecPolicy {
 
 impl Linear {
     /// Build the executable form on `device`; `resident` grows by the
-    /// bytes it holds. The engine's own kernels run on the CPU only: on a
-    /// GPU every block format runs on candle's kernels.
+    /// bytes it holds. The engine's own kernels run on the CPU only: a
+    /// slice off the CPU loads with `candle_only` set.
     fn from_raw(
         raw: RawTensor,
         policy: ExecPolicy,
@@ -135,7 +135,7 @@ impl Linear {
             }
             RawTensor::Quantized(q) => match q.shape().dims2().ok().and_then(|(rows, cols)| {
                 own_kernel(q.dtype(), rows, cols)
-                    .filter(|_| device.is_cpu() && !policy.candle_only)
+                    .filter(|_| !policy.candle_only)
                     .map(|format| (format, rows, cols))
             }) {
                 Some((format, rows, cols)) => {
@@ -594,6 +594,12 @@ impl LayerSlice {
         head_use: HeadUse,
         device: &Device,
     ) -> Result<Self> {
+        // The engine's own kernels and attention read CPU memory: anywhere
+        // else every operation runs on candle's.
+        let policy = ExecPolicy {
+            candle_only: policy.candle_only || !device.is_cpu(),
+            ..policy
+        };
         if range.start >= range.end || range.end > config.layers {
             return Err(EngineError::BadRange {
                 start: range.start,
@@ -716,7 +722,7 @@ impl LayerSlice {
             stored_bytes,
             resident_bytes: resident,
             device: device.clone(),
-            candle_only: policy.candle_only || !device.is_cpu(),
+            candle_only: policy.candle_only,
         })
     }
 
@@ -894,12 +900,12 @@ impl LayerSlice {
         } else {
             Tensor::cat(&inputs, 0)?
         };
+        let rows = BatchRows {
+            spans: &spans,
+            matrix_spans: &matrix_spans,
+            rows_alone,
+        };
         for (layer, block) in self.blocks.iter().enumerate() {
-            let rows = BatchRows {
-                spans: &spans,
-                matrix_spans: &matrix_spans,
-                rows_alone,
-            };
             x = self.block_forward(block, &x, &rows, jobs, layer)?;
         }
         for ((_, cache), (_, seq)) in jobs.iter_mut().zip(&spans) {
@@ -1223,7 +1229,7 @@ impl LayerSlice {
         let scores = (q.matmul(&k_all.t()?)? * c.query_scale)?;
         let scores = if seq > 1 {
             // Built where the scores are from each row's and each key's
-            // position: a GPU is sent a few thousand positions per layer,
+            // position: a GPU is sent rows + 2 x keys positions per layer,
             // not the whole (rows x keys) mask.
             let device = q.device();
             let position_of = |p: usize| u32::try_from(p).unwrap_or(u32::MAX);

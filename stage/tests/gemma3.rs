@@ -81,11 +81,13 @@ fn splits_on_either_side_of_a_global_layer_are_bit_identical() {
 fn the_route_a_gpu_takes_gives_the_engines_logits() {
     let Some(path) = model_path() else { return };
     let handle = ModelHandle::open(&path).unwrap();
-    let ids = handle
-        .text()
-        .encode("The history of the Roman Empire")
-        .unwrap();
-    common::gpu_route_agrees(&handle, &ids, &[0..6, 6..12, 12..18], 8, 0.2);
+    common::gpu_route_agrees(
+        &handle,
+        "The history of the Roman Empire",
+        &[0..6, 6..12, 12..18],
+        8,
+        0.2,
+    );
 }
 
 /// Past the 512-position window, a prompt prefilled at once (the window
@@ -98,7 +100,7 @@ fn the_route_a_gpu_takes_gives_the_engines_logits() {
 fn the_sliding_window_is_the_same_in_prefill_and_in_decode() {
     let Some(path) = model_path() else { return };
     let handle = ModelHandle::open(&path).unwrap();
-    for policy in [mesh_stage::ExecPolicy::default(), common::CANDLE_ONLY] {
+    for policy in common::ROUTES {
         window_is_the_same_in_prefill_and_in_decode(&handle, policy);
     }
 }
@@ -178,7 +180,7 @@ fn window_is_the_same_in_prefill_and_in_decode(
 fn a_draft_verified_past_the_window_has_the_bits_of_decoding() {
     let Some(path) = model_path() else { return };
     let handle = ModelHandle::open(&path).unwrap();
-    for policy in [mesh_stage::ExecPolicy::default(), common::CANDLE_ONLY] {
+    for policy in common::ROUTES {
         draft_has_the_bits_of_decoding(&handle, policy);
     }
 }

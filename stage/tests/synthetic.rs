@@ -3,6 +3,8 @@
 //! unsplit run, the safetensors copy agrees with the GGUF copies, every
 //! supported quantization loads and runs, and bad inputs fail cleanly.
 
+mod common;
+
 use std::ops::Range;
 
 use candle_core::quantized::GgmlDType;
@@ -208,10 +210,7 @@ fn every_supported_quantization_loads_and_runs() {
 #[test]
 fn the_route_a_gpu_takes_runs_every_type_and_splits_bit_identically() {
     let (_dir, model) = model(&EVERY_TYPE);
-    let candle_only = ExecPolicy {
-        candle_only: true,
-        ..ExecPolicy::default()
-    };
+    let candle_only = common::CANDLE_ONLY;
     let mut routes_differ = false;
     for dtype in EVERY_TYPE {
         let handle = ModelHandle::open(model.gguf(dtype).unwrap()).unwrap();
@@ -233,25 +232,11 @@ fn the_route_a_gpu_takes_runs_every_type_and_splits_bit_identically() {
         let logits = |policy| {
             let slice = handle.load_slice_with(0..6, policy).unwrap();
             let mut cache = slice.new_cache(ids.len()).unwrap();
-            match slice.forward(SliceInput::Tokens(&ids), &mut cache).unwrap() {
-                SliceOutput::Logits(logits) => logits,
-                SliceOutput::Hidden(_) => panic!("a whole model returns logits"),
-            }
+            common::whole_logits(&slice, &mut cache, &ids)
         };
         let (own, gpu) = (logits(ExecPolicy::default()), logits(candle_only));
-        let mean = own.iter().sum::<f32>() / own.len() as f32;
-        let spread = own.iter().map(|x| (x - mean).powi(2)).sum::<f32>().sqrt();
-        let apart = own
-            .iter()
-            .zip(&gpu)
-            .map(|(x, y)| (x - y).powi(2))
-            .sum::<f32>()
-            .sqrt();
-        assert!(
-            apart <= 0.2 * spread,
-            "{dtype:?}: {:.3} of the spread apart",
-            apart / spread
-        );
+        let apart = common::spread_apart(&own, &gpu);
+        assert!(apart <= 0.2, "{dtype:?}: {apart:.3} of the spread apart");
         routes_differ |= bits(&own) != bits(&gpu);
     }
     // Else the check above compared the engine's route with itself.
@@ -701,13 +686,9 @@ fn a_verified_draft_gives_each_position_its_decode_bits_and_a_cut_goes_on_cleanl
     let mut differ = Vec::new();
     // The engine's own route, and the one a GPU takes (checked here on the
     // CPU): each gives a verified row its own decode bits.
-    let candle_only = ExecPolicy {
-        candle_only: true,
-        ..ExecPolicy::default()
-    };
     for (stored, policy) in types
         .into_iter()
-        .flat_map(|stored| [(stored, ExecPolicy::default()), (stored, candle_only)])
+        .flat_map(|stored| common::ROUTES.map(|policy| (stored, policy)))
     {
         let route = if policy.candle_only {
             " candle-only"
