@@ -40,6 +40,9 @@ use std::sync::Mutex;
 use half::f16;
 
 mod grouped;
+mod pages;
+
+pub use pages::WeightPages;
 
 /// Weights per block, in every format here.
 pub const BLOCK_ELEMS: usize = 32;
@@ -96,6 +99,8 @@ pub enum KernelError {
     },
     #[error("an input of {len} values is not rows of {cols}")]
     WrongInput { len: usize, cols: usize },
+    #[error("the matrix's weight pages were never sealed (its slice did not finish loading)")]
+    Unsealed,
 }
 
 /// A `rows x cols` weight matrix (`rows` outputs, each the dot product of
@@ -105,7 +110,15 @@ pub struct BlockMatrix {
     format: BlockFormat,
     rows: usize,
     cols: usize,
-    blocks: Vec<u8>,
+    blocks: Storage,
+}
+
+/// Where a matrix's grouped blocks are held.
+#[derive(Debug)]
+enum Storage {
+    Heap(Vec<u8>),
+    /// In its slice's weight pages (huge pages where the kernel gives them).
+    Pages(pages::Placed),
 }
 
 /// One activation block, quantized as llama.cpp's `quantize_row_q8_1` does
@@ -128,30 +141,37 @@ impl BlockMatrix {
         cols: usize,
         blocks: Vec<u8>,
     ) -> Result<Self, KernelError> {
-        if !cols.is_multiple_of(BLOCK_ELEMS) {
-            return Err(KernelError::RaggedRow { format, cols });
-        }
-        let expected = rows
-            .checked_mul(cols / BLOCK_ELEMS)
-            .and_then(|blocks| blocks.checked_mul(format.block_bytes()));
-        if expected != Some(blocks.len()) {
-            let expected = expected.unwrap_or(usize::MAX);
-            return Err(KernelError::WrongSize {
-                format,
-                rows,
-                cols,
-                expected,
-                actual: blocks.len(),
-            });
-        }
-        // Every format runs as groups of eight rows (`grouped`): the same
-        // bytes, rearranged once here.
-        let row_blocks = cols / BLOCK_ELEMS;
-        let blocks = match format {
-            BlockFormat::Q4_0 => grouped::group_rows::<grouped::Q4_0>(&blocks, rows, row_blocks),
-            BlockFormat::Q4_1 => grouped::group_rows::<grouped::Q4_1>(&blocks, rows, row_blocks),
-            BlockFormat::Q5_0 => grouped::group_rows::<grouped::Q5_0>(&blocks, rows, row_blocks),
-            BlockFormat::Q8_0 => grouped::group_rows::<grouped::Q8_0>(&blocks, rows, row_blocks),
+        let len = grouped_len(format, rows, cols, blocks.len())?;
+        let mut grouped = vec![0u8; len];
+        group_rows(format, &blocks, rows, cols, &mut grouped);
+        Ok(Self {
+            format,
+            rows,
+            cols,
+            blocks: Storage::Heap(grouped),
+        })
+    }
+
+    /// `new`, grouped straight into `pages` where they have room (on the
+    /// heap where not). The matrix runs once `pages` are sealed.
+    pub fn new_in(
+        format: BlockFormat,
+        rows: usize,
+        cols: usize,
+        stored: &[u8],
+        pages: &mut WeightPages,
+    ) -> Result<Self, KernelError> {
+        let len = grouped_len(format, rows, cols, stored.len())?;
+        let blocks = match pages.take(len) {
+            Some((placed, bytes)) => {
+                group_rows(format, stored, rows, cols, bytes);
+                Storage::Pages(placed)
+            }
+            None => {
+                let mut grouped = vec![0u8; len];
+                group_rows(format, stored, rows, cols, &mut grouped);
+                Storage::Heap(grouped)
+            }
         };
         Ok(Self {
             format,
@@ -159,6 +179,28 @@ impl BlockMatrix {
             cols,
             blocks,
         })
+    }
+
+    /// The grouped blocks; `None` while in unsealed pages.
+    fn blocks(&self) -> Option<&[u8]> {
+        match &self.blocks {
+            Storage::Heap(bytes) => Some(bytes),
+            Storage::Pages(placed) => placed.bytes(),
+        }
+    }
+
+    /// The bytes a `rows x cols` matrix in `format` takes grouped: what it
+    /// needs of weight pages (`WeightPages::room_for`).
+    pub fn grouped_bytes(format: BlockFormat, rows: usize, cols: usize) -> usize {
+        let row_bytes = cols / BLOCK_ELEMS * format.block_bytes();
+        rows.div_ceil(grouped::GROUP)
+            .saturating_mul(grouped::GROUP)
+            .saturating_mul(row_bytes)
+    }
+
+    /// Whether the blocks are held in weight pages rather than the heap.
+    pub fn in_pages(&self) -> bool {
+        matches!(self.blocks, Storage::Pages(_))
     }
 
     pub fn format(&self) -> BlockFormat {
@@ -176,12 +218,16 @@ impl BlockMatrix {
     /// Bytes the matrix holds: the file's (and, for the grouped formats,
     /// up to seven rows of zero blocks filling the last group).
     pub fn storage_bytes(&self) -> usize {
-        self.blocks.len()
+        match &self.blocks {
+            Storage::Heap(bytes) => bytes.len(),
+            Storage::Pages(placed) => placed.len(),
+        }
     }
 
     /// The stored blocks of rows `rows`, in order (`None` past the end):
     /// what a tied embedding reads a token's row from.
     pub fn rows_blocks(&self, rows: &[usize]) -> Option<Vec<u8>> {
+        let blocks = self.blocks()?;
         let row_bytes = self.cols / BLOCK_ELEMS * self.format.block_bytes();
         let mut out = Vec::with_capacity(rows.len() * row_bytes);
         let stored_row = match self.format {
@@ -194,7 +240,7 @@ impl BlockMatrix {
             if row >= self.rows {
                 return None;
             }
-            stored_row(&self.blocks, row, self.cols / BLOCK_ELEMS, &mut out);
+            stored_row(blocks, row, self.cols / BLOCK_ELEMS, &mut out);
         }
         Some(out)
     }
@@ -225,17 +271,18 @@ impl BlockMatrix {
                 cols: self.cols,
             });
         }
-        match self.format {
-            BlockFormat::Q4_0 => Ok(self.matmul_grouped::<grouped::Q4_0>(input)),
-            BlockFormat::Q4_1 => Ok(self.matmul_grouped::<grouped::Q4_1>(input)),
-            BlockFormat::Q5_0 => Ok(self.matmul_grouped::<grouped::Q5_0>(input)),
-            BlockFormat::Q8_0 => Ok(self.matmul_grouped::<grouped::Q8_0>(input)),
-        }
+        let blocks = self.blocks().ok_or(KernelError::Unsealed)?;
+        Ok(match self.format {
+            BlockFormat::Q4_0 => self.matmul_grouped::<grouped::Q4_0>(blocks, input),
+            BlockFormat::Q4_1 => self.matmul_grouped::<grouped::Q4_1>(blocks, input),
+            BlockFormat::Q5_0 => self.matmul_grouped::<grouped::Q5_0>(blocks, input),
+            BlockFormat::Q8_0 => self.matmul_grouped::<grouped::Q8_0>(blocks, input),
+        })
     }
 
     /// A product on row groups. Each output's bits depend only on its
     /// weight row and activation row, so the steps need no plan.
-    fn matmul_grouped<F: grouped::Grouped>(&self, input: &[f32]) -> Vec<f32> {
+    fn matmul_grouped<F: grouped::Grouped>(&self, blocks: &[u8], input: &[f32]) -> Vec<f32> {
         let m = input.len() / self.cols;
         if m == 0 || self.rows == 0 {
             return Vec::new();
@@ -266,8 +313,7 @@ impl BlockMatrix {
                     };
                     let (first_group, out) = &mut *guard;
                     for (index, out) in out.chunks_exact_mut(m * grouped::GROUP).enumerate() {
-                        let group =
-                            &self.blocks[(*first_group + index) * group_bytes..][..group_bytes];
+                        let group = &blocks[(*first_group + index) * group_bytes..][..group_bytes];
                         // Up to four input rows at a time share each
                         // weight block's unpacking (a batch of two or
                         // three decode steps unpacks once, not per step).
@@ -305,6 +351,46 @@ impl BlockMatrix {
             }
         }
         out
+    }
+}
+
+/// The bytes a `rows x cols` matrix's blocks take grouped (every format
+/// runs as groups of eight rows, `grouped`: the same bytes, rearranged,
+/// the last group filled with zero rows), once `stored_len` is checked
+/// to be the matrix's stored size.
+fn grouped_len(
+    format: BlockFormat,
+    rows: usize,
+    cols: usize,
+    stored_len: usize,
+) -> Result<usize, KernelError> {
+    if !cols.is_multiple_of(BLOCK_ELEMS) {
+        return Err(KernelError::RaggedRow { format, cols });
+    }
+    let row_bytes = cols / BLOCK_ELEMS * format.block_bytes();
+    let expected = rows.checked_mul(row_bytes);
+    if expected != Some(stored_len) {
+        return Err(KernelError::WrongSize {
+            format,
+            rows,
+            cols,
+            expected: expected.unwrap_or(usize::MAX),
+            actual: stored_len,
+        });
+    }
+    // At most the stored bytes plus seven rows, which fit where the
+    // stored bytes did.
+    Ok(BlockMatrix::grouped_bytes(format, rows, cols))
+}
+
+/// Group checked stored blocks into `out` (zeroed, `grouped_len` bytes).
+fn group_rows(format: BlockFormat, stored: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
+    let row_blocks = cols / BLOCK_ELEMS;
+    match format {
+        BlockFormat::Q4_0 => grouped::group_rows::<grouped::Q4_0>(stored, rows, row_blocks, out),
+        BlockFormat::Q4_1 => grouped::group_rows::<grouped::Q4_1>(stored, rows, row_blocks, out),
+        BlockFormat::Q5_0 => grouped::group_rows::<grouped::Q5_0>(stored, rows, row_blocks, out),
+        BlockFormat::Q8_0 => grouped::group_rows::<grouped::Q8_0>(stored, rows, row_blocks, out),
     }
 }
 
@@ -466,6 +552,51 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// A matrix grouped into weight pages gives the bits of the same
+    /// matrix on the heap, and runs only once its pages are sealed; two
+    /// matrices share one set of pages, and one that does not fit goes on
+    /// the heap.
+    #[test]
+    fn paged_matrices_give_the_heap_bits_once_sealed() {
+        for format in FORMATS {
+            let (rows, cols) = (37, 96);
+            let (q, heap) = stored(format, rows, cols, 11);
+            let (q2, heap2) = stored(format, rows, cols, 12);
+            let room = WeightPages::room_for(BlockMatrix::grouped_bytes(format, rows, cols));
+            let mut pages = WeightPages::reserve(2 * room);
+            let paged =
+                BlockMatrix::new_in(format, rows, cols, &q.data().unwrap(), &mut pages).unwrap();
+            let paged2 =
+                BlockMatrix::new_in(format, rows, cols, &q2.data().unwrap(), &mut pages).unwrap();
+            assert!(paged.in_pages() && paged2.in_pages(), "{format:?}");
+            assert_eq!(paged.storage_bytes(), heap.storage_bytes());
+            let input: Vec<f32> = (0..3 * cols).map(|i| (i % 13) as f32 - 6.0).collect();
+            assert_eq!(paged.matmul(&input), Err(KernelError::Unsealed));
+            assert_eq!(paged.rows_blocks(&[0]), None);
+            pages.seal();
+            let bits = |out: Vec<f32>| out.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(paged.matmul(&input).unwrap()),
+                bits(heap.matmul(&input).unwrap()),
+                "{format:?}"
+            );
+            assert_eq!(
+                bits(paged2.matmul(&input).unwrap()),
+                bits(heap2.matmul(&input).unwrap()),
+                "{format:?}"
+            );
+            assert_eq!(paged.rows_blocks(&[0, 36]), heap.rows_blocks(&[0, 36]));
+            let mut full = WeightPages::reserve(0);
+            let spilled =
+                BlockMatrix::new_in(format, rows, cols, &q.data().unwrap(), &mut full).unwrap();
+            assert!(!spilled.in_pages());
+            assert_eq!(
+                bits(spilled.matmul(&input).unwrap()),
+                bits(heap.matmul(&input).unwrap())
+            );
         }
     }
 

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use crate::attention;
 use crate::error::{EngineError, Result};
 use crate::frame::Activations;
-use crate::kernels::{BlockFormat, BlockMatrix};
+use crate::kernels::{BlockFormat, BlockMatrix, WeightPages};
 use crate::source::{BlockStyle, ModelConfig, RawTensor, RopeLayout, Source};
 
 /// Longest context a slice prepares rotary tables for.
@@ -118,15 +118,17 @@ pub struct ExecPolicy {
 }
 
 impl Linear {
-    /// Build the executable form on `device`; `resident` grows by the
-    /// bytes it holds. The engine's own kernels run on the CPU only: a
-    /// slice off the CPU loads with `candle_only` set.
+    /// Build the executable form on `device`, its blocks in `held`'s
+    /// pages where it runs on the engine's own kernels; `held.resident`
+    /// grows by the bytes it holds. The engine's own kernels run on the
+    /// CPU only: a slice off the CPU loads with `candle_only` set.
     fn from_raw(
         raw: RawTensor,
         policy: ExecPolicy,
-        resident: &mut usize,
+        held: &mut Held,
         device: &Device,
     ) -> Result<Self> {
+        let resident = &mut held.resident;
         Ok(match raw {
             RawTensor::Quantized(q) if policy.dense_f32 => {
                 let dense = q.dequantize(device)?;
@@ -139,9 +141,13 @@ impl Linear {
                     .map(|format| (format, rows, cols))
             }) {
                 Some((format, rows, cols)) => {
-                    let matrix = BlockMatrix::new(format, rows, cols, q.data()?.into_owned())
-                        .map_err(|e| EngineError::Compute(e.to_string()))?;
+                    let matrix =
+                        BlockMatrix::new_in(format, rows, cols, &q.data()?, &mut held.pages)
+                            .map_err(|e| EngineError::Compute(e.to_string()))?;
                     *resident += matrix.storage_bytes();
+                    if matrix.in_pages() {
+                        held.paged += matrix.storage_bytes();
+                    }
                     Linear::Blocks(matrix)
                 }
                 None => {
@@ -224,7 +230,7 @@ impl Projections {
     fn from_raw(
         raws: Vec<RawTensor>,
         policy: ExecPolicy,
-        resident: &mut usize,
+        held: &mut Held,
         device: &Device,
     ) -> Result<Self> {
         let widths: Vec<usize> = raws
@@ -257,7 +263,7 @@ impl Projections {
         if !same {
             return Ok(Projections::Separate(
                 raws.into_iter()
-                    .map(|r| Linear::from_raw(r, policy, resident, device))
+                    .map(|r| Linear::from_raw(r, policy, held, device))
                     .collect::<Result<_>>()?,
             ));
         }
@@ -290,7 +296,7 @@ impl Projections {
             RawTensor::Quantized(QTensor::new(storage, (widths.iter().sum::<usize>(), cols))?)
         };
         Ok(Projections::Stacked {
-            linear: Linear::from_raw(stacked, policy, resident, device)?,
+            linear: Linear::from_raw(stacked, policy, held, device)?,
             widths,
         })
     }
@@ -486,6 +492,8 @@ pub struct LayerSlice {
     weights_digest: [u8; 32],
     stored_bytes: usize,
     resident_bytes: usize,
+    /// Of which grouped into the slice's weight pages (`kernels::WeightPages`).
+    paged_bytes: usize,
     /// Where its weights, caches and arithmetic live.
     device: Device,
     /// Every operation on candle's kernels: on a GPU, or when asked
@@ -498,6 +506,39 @@ fn raw_size(raw: &RawTensor) -> usize {
         RawTensor::Quantized(q) => q.storage_size_in_bytes(),
         RawTensor::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
     }
+}
+
+/// What a loading slice holds so far: the bytes, and the pages its
+/// matrices on the engine's own kernels are grouped into.
+#[derive(Debug)]
+struct Held {
+    resident: usize,
+    /// Of which in `pages`.
+    paged: usize,
+    pages: WeightPages,
+}
+
+/// The most a slice's weight pages can take: every matrix among
+/// `matrices` stored in a format the engine's own kernels run, grouped.
+/// (Some of them, Q8_0 that candle tiles, stay on candle's kernels; their
+/// room is never written, so it takes no memory.)
+fn pages_bound(source: &Source, matrices: &[String]) -> usize {
+    let Some(content) = source.gguf() else {
+        return 0;
+    };
+    matrices
+        .iter()
+        .filter_map(|name| {
+            let info = content.tensor_infos.get(name)?;
+            let (rows, cols) = info.shape.dims2().ok()?;
+            // Any shape: Q8_0 whose shape candle tiles alone can stack
+            // with others into one the engine runs.
+            let format = own_kernel(info.ggml_dtype, 1, 1)?;
+            Some(WeightPages::room_for(BlockMatrix::grouped_bytes(
+                format, rows, cols,
+            )))
+        })
+        .fold(0, usize::saturating_add)
 }
 
 fn dense(raw: RawTensor, resident: &mut usize, device: &Device) -> Result<Tensor> {
@@ -611,12 +652,6 @@ impl LayerSlice {
         let mut hasher = blake3::Hasher::new();
         hasher.update(b"mesh-node slice weights v1");
         let mut stored_bytes = 0usize;
-        let mut resident = 0usize;
-        let mut read = |name: &str| -> Result<RawTensor> {
-            let raw = source.read(name, &mut hasher)?;
-            stored_bytes += raw_size(&raw);
-            Ok(raw)
-        };
         let first = range.start == 0;
         let last = range.end == config.layers;
         let holds_head = match head_use {
@@ -627,12 +662,43 @@ impl LayerSlice {
         // A model without an output matrix ties its head to the embedding:
         // a slice holding both holds that matrix once.
         let head_matrix = source.head_matrix();
+        let pages = if policy.candle_only || policy.dense_f32 {
+            WeightPages::none()
+        } else {
+            const MATRICES: [&str; 7] = [
+                "attn_q.weight",
+                "attn_k.weight",
+                "attn_v.weight",
+                "attn_output.weight",
+                "ffn_gate.weight",
+                "ffn_up.weight",
+                "ffn_down.weight",
+            ];
+            let mut matrices: Vec<String> = range
+                .clone()
+                .flat_map(|i| MATRICES.map(|part| names.block(i, part)))
+                .collect();
+            if holds_head {
+                matrices.push(head_matrix.to_string());
+            }
+            WeightPages::reserve(pages_bound(source, &matrices))
+        };
+        let mut held = Held {
+            resident: 0,
+            paged: 0,
+            pages,
+        };
+        let mut read = |name: &str| -> Result<RawTensor> {
+            let raw = source.read(name, &mut hasher)?;
+            stored_bytes += raw_size(&raw);
+            Ok(raw)
+        };
         let tied = head_matrix == names.embedding;
         let embedding = if first && holds_head && tied {
             Some(Embedding::Head)
         } else if first {
             let raw = read(names.embedding)?;
-            resident += raw_size(&raw);
+            held.resident += raw_size(&raw);
             Some(match raw {
                 RawTensor::Quantized(q) => Embedding::Quantized(onto(q, device)?),
                 RawTensor::Dense(t) => Embedding::Dense(t.to_device(device)?),
@@ -644,30 +710,30 @@ impl LayerSlice {
         let mut blocks = Vec::with_capacity((range.end - range.start) as usize);
         for i in range.clone() {
             let mut part = |p: &str| read(&names.block(i, p));
-            let attn_norm = dense(part("attn_norm.weight")?, &mut resident, device)?;
+            let attn_norm = dense(part("attn_norm.weight")?, &mut held.resident, device)?;
             let qkv = vec![
                 part("attn_q.weight")?,
                 part("attn_k.weight")?,
                 part("attn_v.weight")?,
             ];
-            let qkv = Projections::from_raw(qkv, policy, &mut resident, device)?;
+            let qkv = Projections::from_raw(qkv, policy, &mut held, device)?;
             let (q_bias, k_bias, v_bias) = if config.qkv_bias {
                 (
-                    Some(dense(part("attn_q.bias")?, &mut resident, device)?),
-                    Some(dense(part("attn_k.bias")?, &mut resident, device)?),
-                    Some(dense(part("attn_v.bias")?, &mut resident, device)?),
+                    Some(dense(part("attn_q.bias")?, &mut held.resident, device)?),
+                    Some(dense(part("attn_k.bias")?, &mut held.resident, device)?),
+                    Some(dense(part("attn_v.bias")?, &mut held.resident, device)?),
                 )
             } else {
                 (None, None, None)
             };
-            let o = Linear::from_raw(part("attn_output.weight")?, policy, &mut resident, device)?;
-            let ffn_norm = dense(part("ffn_norm.weight")?, &mut resident, device)?;
+            let o = Linear::from_raw(part("attn_output.weight")?, policy, &mut held, device)?;
+            let ffn_norm = dense(part("ffn_norm.weight")?, &mut held.resident, device)?;
             let gate_up = vec![part("ffn_gate.weight")?, part("ffn_up.weight")?];
-            let gate_up = Projections::from_raw(gate_up, policy, &mut resident, device)?;
-            let down = Linear::from_raw(part("ffn_down.weight")?, policy, &mut resident, device)?;
+            let gate_up = Projections::from_raw(gate_up, policy, &mut held, device)?;
+            let down = Linear::from_raw(part("ffn_down.weight")?, policy, &mut held, device)?;
             let mut gemma_norm = |p: &str| -> Result<Option<Tensor>> {
                 if gemma {
-                    Ok(Some(dense(part(p)?, &mut resident, device)?))
+                    Ok(Some(dense(part(p)?, &mut held.resident, device)?))
                 } else {
                     Ok(None)
                 }
@@ -694,10 +760,10 @@ impl LayerSlice {
             });
         }
         let head = if holds_head {
-            let norm = dense(read(names.output_norm)?, &mut resident, device)?;
+            let norm = dense(read(names.output_norm)?, &mut held.resident, device)?;
             Some(Head {
                 norm,
-                output: Linear::from_raw(read(head_matrix)?, policy, &mut resident, device)?,
+                output: Linear::from_raw(read(head_matrix)?, policy, &mut held, device)?,
             })
         } else {
             None
@@ -709,6 +775,7 @@ impl LayerSlice {
             }
             _ => None,
         };
+        held.pages.seal();
         Ok(Self {
             range,
             config: config.clone(),
@@ -720,7 +787,8 @@ impl LayerSlice {
             local_rope,
             weights_digest: *hasher.finalize().as_bytes(),
             stored_bytes,
-            resident_bytes: resident,
+            resident_bytes: held.resident,
+            paged_bytes: held.paged,
             device: device.clone(),
             candle_only: policy.candle_only,
         })
@@ -749,6 +817,11 @@ impl LayerSlice {
     /// Bytes of weights this slice holds in memory, as executed.
     pub fn weight_bytes(&self) -> usize {
         self.resident_bytes
+    }
+    /// Of `weight_bytes`, those in the slice's weight pages, one mapping
+    /// advised for huge pages (`kernels::WeightPages`).
+    pub fn paged_weight_bytes(&self) -> usize {
+        self.paged_bytes
     }
     /// Bytes of weights this slice read from the model file(s).
     pub fn stored_bytes(&self) -> usize {

@@ -202,6 +202,27 @@ fn every_supported_quantization_loads_and_runs() {
     }
 }
 
+/// Matrices on the engine's own kernels are grouped into the slice's
+/// weight pages; those on candle's kernels, and every matrix on the route a
+/// GPU takes, are not.
+#[test]
+fn own_kernel_matrices_live_in_the_slices_weight_pages() {
+    let types = [GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q4K];
+    let (_dir, model) = model(&types);
+    for dtype in types {
+        let handle = ModelHandle::open(model.gguf(dtype).unwrap()).unwrap();
+        let own = handle.load_slice(2..4).unwrap();
+        let gpu_route = handle.load_slice_with(2..4, common::CANDLE_ONLY).unwrap();
+        assert_eq!(gpu_route.paged_weight_bytes(), 0, "{dtype:?}");
+        if dtype == GgmlDType::Q4K {
+            assert_eq!(own.paged_weight_bytes(), 0, "candle runs Q4_K");
+        } else {
+            assert!(own.paged_weight_bytes() > 0, "{dtype:?}");
+            assert!(own.paged_weight_bytes() <= own.weight_bytes(), "{dtype:?}");
+        }
+    }
+}
+
 /// The route a GPU takes (every operation on candle's kernels), checked on
 /// the CPU for every stored type: its split runs give its unsplit run's
 /// bits, and its logits for a prompt are the engine's own route's up to

@@ -135,12 +135,17 @@ fn unsigned_quants<F: Grouped>(block: &[u8]) -> [u8; BLOCK_ELEMS] {
     quants
 }
 
-/// `rows` stored rows of `row_blocks` blocks each, as groups.
-pub(super) fn group_rows<F: Grouped>(stored: &[u8], rows: usize, row_blocks: usize) -> Vec<u8> {
+/// `rows` stored rows of `row_blocks` blocks each, as groups, into
+/// `grouped` (zeroed, whole groups long).
+pub(super) fn group_rows<F: Grouped>(
+    stored: &[u8],
+    rows: usize,
+    row_blocks: usize,
+    grouped: &mut [u8],
+) {
     if row_blocks == 0 {
-        return Vec::new();
+        return;
     }
-    let mut grouped = vec![0u8; rows.div_ceil(GROUP) * row_blocks * F::GROUP_BLOCK_BYTES];
     for (row, stored_row) in stored
         .chunks_exact(row_blocks * F::STORED_BYTES)
         .enumerate()
@@ -177,7 +182,6 @@ pub(super) fn group_rows<F: Grouped>(stored: &[u8], rows: usize, row_blocks: usi
             }
         }
     }
-    grouped
 }
 
 /// Row `row`'s stored blocks, as the file holds them, appended to `out`.
@@ -536,6 +540,13 @@ mod tests {
     use candle_core::quantized::QTensor;
     use proptest::prelude::*;
 
+    /// `group_rows` into a buffer of its own.
+    fn grouped_vec<F: Grouped>(stored: &[u8], rows: usize, row_blocks: usize) -> Vec<u8> {
+        let mut grouped = vec![0u8; rows.div_ceil(GROUP) * row_blocks * F::GROUP_BLOCK_BYTES];
+        group_rows::<F>(stored, rows, row_blocks, &mut grouped);
+        grouped
+    }
+
     fn stored<F: Grouped>(rows: usize, cols: usize, seed: u64) -> QTensor {
         crate::kernels::tests::quantized(F::FORMAT, rows, cols, seed)
     }
@@ -575,7 +586,7 @@ mod tests {
                 .unwrap()
                 .to_vec2::<f32>()
                 .unwrap();
-            let grouped = group_rows::<F>(&q.data().unwrap(), rows, cols / BLOCK_ELEMS);
+            let grouped = grouped_vec::<F>(&q.data().unwrap(), rows, cols / BLOCK_ELEMS);
             for (row, weights) in dense.iter().enumerate() {
                 let (group, r) = (row / GROUP, row % GROUP);
                 for b in 0..cols / BLOCK_ELEMS {
@@ -608,7 +619,7 @@ mod tests {
         fn check<F: Grouped>() {
             let (rows, cols) = (13, 160);
             let q = stored::<F>(rows, cols, 9);
-            let mut grouped = group_rows::<F>(&q.data().unwrap(), rows, cols / BLOCK_ELEMS);
+            let mut grouped = grouped_vec::<F>(&q.data().unwrap(), rows, cols / BLOCK_ELEMS);
             if F::EIGHT_BITS {
                 // Row 0's first block at -128, which candle never writes:
                 // the AVX2 path takes its magnitude, 128, as an unsigned
@@ -690,7 +701,7 @@ mod tests {
         let stored: Vec<u8> = (0..rows * row_blocks * F::STORED_BYTES)
             .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed).to_le_bytes()[3])
             .collect();
-        let grouped = group_rows::<F>(&stored, rows, row_blocks);
+        let grouped = grouped_vec::<F>(&stored, rows, row_blocks);
         assert_eq!(
             grouped.len(),
             rows.div_ceil(GROUP) * GROUP * row_blocks * F::STORED_BYTES
