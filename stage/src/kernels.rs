@@ -99,6 +99,8 @@ pub enum KernelError {
     },
     #[error("an input of {len} values is not rows of {cols}")]
     WrongInput { len: usize, cols: usize },
+    #[error("row {row} asked of a matrix of {rows} rows")]
+    RowPastEnd { row: usize, rows: usize },
     #[error("the matrix's weight pages were never sealed (its slice did not finish loading)")]
     Unsealed,
 }
@@ -192,7 +194,8 @@ impl BlockMatrix {
     /// The bytes a `rows x cols` matrix in `format` takes grouped: what it
     /// needs of weight pages (`WeightPages::room_for`).
     pub fn grouped_bytes(format: BlockFormat, rows: usize, cols: usize) -> usize {
-        let row_bytes = cols / BLOCK_ELEMS * format.block_bytes();
+        // The shape may come from an untrusted file's index.
+        let row_bytes = (cols / BLOCK_ELEMS).saturating_mul(format.block_bytes());
         rows.div_ceil(grouped::GROUP)
             .saturating_mul(grouped::GROUP)
             .saturating_mul(row_bytes)
@@ -224,10 +227,10 @@ impl BlockMatrix {
         }
     }
 
-    /// The stored blocks of rows `rows`, in order (`None` past the end):
-    /// what a tied embedding reads a token's row from.
-    pub fn rows_blocks(&self, rows: &[usize]) -> Option<Vec<u8>> {
-        let blocks = self.blocks()?;
+    /// The stored blocks of rows `rows`, in order: what a tied embedding
+    /// reads a token's row from.
+    pub fn rows_blocks(&self, rows: &[usize]) -> Result<Vec<u8>, KernelError> {
+        let blocks = self.blocks().ok_or(KernelError::Unsealed)?;
         let row_bytes = self.cols / BLOCK_ELEMS * self.format.block_bytes();
         let mut out = Vec::with_capacity(rows.len() * row_bytes);
         let stored_row = match self.format {
@@ -238,11 +241,14 @@ impl BlockMatrix {
         };
         for &row in rows {
             if row >= self.rows {
-                return None;
+                return Err(KernelError::RowPastEnd {
+                    row,
+                    rows: self.rows,
+                });
             }
             stored_row(blocks, row, self.cols / BLOCK_ELEMS, &mut out);
         }
-        Some(out)
+        Ok(out)
     }
 
     /// The matching candle type, for dequantizing blocks as candle does.
@@ -367,8 +373,9 @@ fn grouped_len(
     if !cols.is_multiple_of(BLOCK_ELEMS) {
         return Err(KernelError::RaggedRow { format, cols });
     }
-    let row_bytes = cols / BLOCK_ELEMS * format.block_bytes();
-    let expected = rows.checked_mul(row_bytes);
+    let expected = (cols / BLOCK_ELEMS)
+        .checked_mul(format.block_bytes())
+        .and_then(|row_bytes| rows.checked_mul(row_bytes));
     if expected != Some(stored_len) {
         return Err(KernelError::WrongSize {
             format,
@@ -575,7 +582,7 @@ mod tests {
             assert_eq!(paged.storage_bytes(), heap.storage_bytes());
             let input: Vec<f32> = (0..3 * cols).map(|i| (i % 13) as f32 - 6.0).collect();
             assert_eq!(paged.matmul(&input), Err(KernelError::Unsealed));
-            assert_eq!(paged.rows_blocks(&[0]), None);
+            assert_eq!(paged.rows_blocks(&[0]), Err(KernelError::Unsealed));
             pages.seal();
             let bits = |out: Vec<f32>| out.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(
@@ -622,7 +629,7 @@ mod tests {
             assert_eq!(no_rows.matmul(&[0.5; 128]).unwrap(), Vec::<f32>::new());
             let no_cols = BlockMatrix::new(format, 3, 0, Vec::new()).unwrap();
             assert!(no_cols.matmul(&[0.5; 4]).is_err());
-            assert_eq!(no_cols.rows_blocks(&[2]), Some(Vec::new()));
+            assert_eq!(no_cols.rows_blocks(&[2]), Ok(Vec::new()));
         }
     }
 

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use crate::attention;
 use crate::error::{EngineError, Result};
 use crate::frame::Activations;
-use crate::kernels::{BlockFormat, BlockMatrix, WeightPages};
+use crate::kernels::{BlockFormat, BlockMatrix, KernelError, WeightPages};
 use crate::source::{BlockStyle, ModelConfig, RawTensor, RopeLayout, Source};
 
 /// Longest context a slice prepares rotary tables for.
@@ -518,27 +518,48 @@ struct Held {
     pages: WeightPages,
 }
 
-/// The most a slice's weight pages can take: every matrix among
-/// `matrices` stored in a format the engine's own kernels run, grouped.
-/// (Some of them, Q8_0 that candle tiles, stay on candle's kernels; their
-/// room is never written, so it takes no memory.)
-fn pages_bound(source: &Source, matrices: &[String]) -> usize {
+/// What a slice's weight pages need: the matrices among `projections`
+/// (each a set `Projections::from_raw` stacks into one matrix when its
+/// parts share a stored type and width, as q, k and v do, or gate and up;
+/// a single matrix is a set of one) that the engine's own kernels will run,
+/// grouped. It follows `Projections::from_raw` and `own_kernel`; were it
+/// short, a matrix past it would be held on the heap.
+fn pages_bound(source: &Source, projections: &[Vec<String>]) -> usize {
     let Some(content) = source.gguf() else {
         return 0;
     };
-    matrices
-        .iter()
-        .filter_map(|name| {
-            let info = content.tensor_infos.get(name)?;
-            let (rows, cols) = info.shape.dims2().ok()?;
-            // Any shape: Q8_0 whose shape candle tiles alone can stack
-            // with others into one the engine runs.
-            let format = own_kernel(info.ggml_dtype, 1, 1)?;
-            Some(WeightPages::room_for(BlockMatrix::grouped_bytes(
-                format, rows, cols,
-            )))
-        })
-        .fold(0, usize::saturating_add)
+    let room = |dtype: GgmlDType, rows: usize, cols: usize| {
+        own_kernel(dtype, rows, cols)
+            .map(|format| WeightPages::room_for(BlockMatrix::grouped_bytes(format, rows, cols)))
+            .unwrap_or(0)
+    };
+    let mut total = 0usize;
+    for set in projections {
+        let parts: Vec<(GgmlDType, usize, usize)> = set
+            .iter()
+            .filter_map(|name| {
+                let info = content.tensor_infos.get(name)?;
+                let (rows, cols) = info.shape.dims2().ok()?;
+                Some((info.ggml_dtype, rows, cols))
+            })
+            .collect();
+        let stacked = parts.len() > 1
+            && parts
+                .windows(2)
+                .all(|w| w[0].0 == w[1].0 && w[0].2 == w[1].2);
+        let need = match parts.first() {
+            Some(&(dtype, _, cols)) if stacked => {
+                let rows = parts.iter().map(|p| p.1).fold(0, usize::saturating_add);
+                room(dtype, rows, cols)
+            }
+            _ => parts
+                .iter()
+                .map(|&(dtype, rows, cols)| room(dtype, rows, cols))
+                .fold(0, usize::saturating_add),
+        };
+        total = total.saturating_add(need);
+    }
+    total
 }
 
 fn dense(raw: RawTensor, resident: &mut usize, device: &Device) -> Result<Tensor> {
@@ -560,43 +581,75 @@ fn onto(q: QTensor, device: &Device) -> Result<QTensor> {
     Ok(QTensor::new(storage, q.shape().clone())?)
 }
 
-/// Rotary embedding tables: cosines and sines per position and frequency.
+/// Rotary embeddings: the frequencies, and how many positions a slice
+/// serves. The cosines and sines of a step's positions are computed when it
+/// runs (`Rope::rows`), once for all the slice's layers: a table for every
+/// position was context x head_dim floats per slice (16 MiB for Gemma 3's
+/// two, more than a middle third's weights of the 270M model).
 #[derive(Debug)]
 struct Rope {
+    /// Each frequency pair's angle per position.
+    inv_freq: Vec<f32>,
+    positions: usize,
+}
+
+/// The cosines and sines of one step's positions, `(rows, head_dim / 2)`.
+#[derive(Debug)]
+struct RopeRows {
     cos: Tensor,
     sin: Tensor,
 }
 
 impl Rope {
-    /// Tables for base `theta`, positions divided by `scale` (linear
-    /// scaling), up to the slice's context.
-    fn new(config: &ModelConfig, theta: f32, scale: f32, device: &Device) -> Result<Self> {
-        let positions = config.context.clamp(1, MAX_ENGINE_CONTEXT);
-        let half = config.head_dim / 2;
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / theta.powf((2 * i) as f32 / config.head_dim as f32) / scale)
-            .collect();
-        let inv_freq = Tensor::from_vec(inv_freq, (1, half), &Device::Cpu)?;
-        let t = Tensor::arange(0u32, positions as u32, &Device::Cpu)?
-            .to_dtype(DType::F32)?
-            .reshape((positions, 1))?;
-        let freqs = t.matmul(&inv_freq)?;
-        Ok(Self {
-            cos: freqs.cos()?.to_device(device)?,
-            sin: freqs.sin()?.to_device(device)?,
-        })
+    /// Base `theta`, positions divided by `scale` (linear scaling), up to
+    /// the slice's context.
+    fn new(head_dim: usize, context: usize, theta: f32, scale: f32) -> Self {
+        Self {
+            inv_freq: (0..head_dim / 2)
+                .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32) / scale)
+                .collect(),
+            positions: context.clamp(1, MAX_ENGINE_CONTEXT),
+        }
     }
 
-    /// Rotate `x` (1, heads, seq, head_dim) for positions `position..`.
-    fn apply(&self, x: &Tensor, position: usize, layout: RopeLayout) -> Result<Tensor> {
-        let seq = x.dim(2)?;
-        let cos = self.cos.narrow(0, position, seq)?;
-        let sin = self.sin.narrow(0, position, seq)?;
-        Ok(match layout {
-            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(x, &cos, &sin)?,
-            RopeLayout::Halves => candle_nn::rotary_emb::rope(x, &cos, &sin)?,
+    /// Positions `position..position + rows`. Each angle is the position
+    /// times the frequency, rounded once, as the table (an `(n, 1) x (1,
+    /// half)` product) held it, so the bits are the table's.
+    fn rows(&self, position: usize, rows: usize, device: &Device) -> Result<RopeRows> {
+        if position + rows > self.positions {
+            return Err(EngineError::ContextExceeded {
+                tokens: position + rows,
+                max_new: 0,
+                context: self.positions,
+            });
+        }
+        let half = self.inv_freq.len();
+        let angles = (position..position + rows)
+            .flat_map(|p| self.inv_freq.iter().map(move |f| p as f32 * f));
+        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.map(|a| (a.cos(), a.sin())).unzip();
+        Ok(RopeRows {
+            cos: Tensor::from_vec(cos, (rows, half), device)?,
+            sin: Tensor::from_vec(sin, (rows, half), device)?,
         })
     }
+}
+
+impl RopeRows {
+    /// Rotate `x` (1, heads, seq, head_dim): these rows' positions.
+    fn apply(&self, x: &Tensor, layout: RopeLayout) -> Result<Tensor> {
+        Ok(match layout {
+            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(x, &self.cos, &self.sin)?,
+            RopeLayout::Halves => candle_nn::rotary_emb::rope(x, &self.cos, &self.sin)?,
+        })
+    }
+}
+
+/// One step's rotations: the global layers', and the local (sliding
+/// window) layers' where they have their own base.
+#[derive(Debug)]
+struct StepRope {
+    global: RopeRows,
+    local: Option<RopeRows>,
 }
 
 /// How a batch's rows are laid out: each step's first row and row count
@@ -606,6 +659,8 @@ struct BatchRows<'a> {
     spans: &'a [(usize, usize)],
     matrix_spans: &'a [(usize, usize)],
     rows_alone: &'a [bool],
+    /// Each step's rotations, for every layer.
+    ropes: &'a [StepRope],
 }
 
 impl LayerSlice {
@@ -665,23 +720,23 @@ impl LayerSlice {
         let pages = if policy.candle_only || policy.dense_f32 {
             WeightPages::none()
         } else {
-            const MATRICES: [&str; 7] = [
-                "attn_q.weight",
-                "attn_k.weight",
-                "attn_v.weight",
-                "attn_output.weight",
-                "ffn_gate.weight",
-                "ffn_up.weight",
-                "ffn_down.weight",
+            // As each block loads them below.
+            const PROJECTIONS: [&[&str]; 4] = [
+                &["attn_q.weight", "attn_k.weight", "attn_v.weight"],
+                &["attn_output.weight"],
+                &["ffn_gate.weight", "ffn_up.weight"],
+                &["ffn_down.weight"],
             ];
-            let mut matrices: Vec<String> = range
+            let mut projections: Vec<Vec<String>> = range
                 .clone()
-                .flat_map(|i| MATRICES.map(|part| names.block(i, part)))
+                .flat_map(|i| {
+                    PROJECTIONS.map(|set| set.iter().map(|part| names.block(i, part)).collect())
+                })
                 .collect();
             if holds_head {
-                matrices.push(head_matrix.to_string());
+                projections.push(vec![head_matrix.to_string()]);
             }
-            WeightPages::reserve(pages_bound(source, &matrices))
+            WeightPages::reserve(pages_bound(source, &projections))
         };
         let mut held = Held {
             resident: 0,
@@ -768,11 +823,19 @@ impl LayerSlice {
         } else {
             None
         };
-        let rope = Rope::new(config, config.rope_theta, config.rope_scale, device)?;
+        let rope = Rope::new(
+            config.head_dim,
+            config.context,
+            config.rope_theta,
+            config.rope_scale,
+        );
         let local_rope = match config.sliding_window {
-            Some(window) if blocks.iter().any(|b| b.local) => {
-                Some(Rope::new(config, window.rope_theta, 1.0, device)?)
-            }
+            Some(window) if blocks.iter().any(|b| b.local) => Some(Rope::new(
+                config.head_dim,
+                config.context,
+                window.rope_theta,
+                1.0,
+            )),
             _ => None,
         };
         held.pages.seal();
@@ -830,7 +893,7 @@ impl LayerSlice {
 
     /// A fresh cache for one request of at most `max_tokens` positions.
     pub fn new_cache(&self, max_tokens: usize) -> Result<SliceCache> {
-        let limit = self.rope.cos.dim(0)?;
+        let limit = self.rope.positions;
         if max_tokens > limit {
             return Err(EngineError::ContextExceeded {
                 tokens: max_tokens,
@@ -973,10 +1036,24 @@ impl LayerSlice {
         } else {
             Tensor::cat(&inputs, 0)?
         };
+        let ropes = jobs
+            .iter()
+            .zip(&spans)
+            .map(|((_, cache), (_, seq))| {
+                Ok(StepRope {
+                    global: self.rope.rows(cache.position, *seq, &self.device)?,
+                    local: match &self.local_rope {
+                        Some(local) => Some(local.rows(cache.position, *seq, &self.device)?),
+                        None => None,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let rows = BatchRows {
             spans: &spans,
             matrix_spans: &matrix_spans,
             rows_alone,
+            ropes: &ropes,
         };
         for (layer, block) in self.blocks.iter().enumerate() {
             x = self.block_forward(block, &x, &rows, jobs, layer)?;
@@ -1083,9 +1160,12 @@ impl LayerSlice {
             Linear::Dense(l) => l.weight().index_select(&ids, 0)?,
             Linear::Blocks(matrix) => {
                 let rows: Vec<usize> = ids.to_vec1::<u32>()?.iter().map(|i| *i as usize).collect();
-                let blocks = matrix
-                    .rows_blocks(&rows)
-                    .ok_or(EngineError::WrongInput("a token past the vocabulary"))?;
+                let blocks = matrix.rows_blocks(&rows).map_err(|e| match e {
+                    KernelError::RowPastEnd { .. } => {
+                        EngineError::WrongInput("a token past the vocabulary")
+                    }
+                    other => EngineError::Compute(other.to_string()),
+                })?;
                 candle_core::quantized::ggml_file::qtensor_from_ggml(
                     matrix.ggml_dtype(),
                     &blocks,
@@ -1155,15 +1235,20 @@ impl LayerSlice {
             let kv = cache.layers.get_mut(layer).ok_or(EngineError::WrongInput(
                 "was given a cache of another slice",
             ))?;
-            attended.push(self.attend(
-                b,
-                &q.narrow(0, *offset, *seq)?,
-                &k.narrow(0, *offset, *seq)?,
-                &v.narrow(0, *offset, *seq)?,
-                kv,
-                position,
-                rows.rows_alone.get(step).copied().unwrap_or(false),
-            )?);
+            attended.push(
+                self.attend(
+                    b,
+                    &q.narrow(0, *offset, *seq)?,
+                    &k.narrow(0, *offset, *seq)?,
+                    &v.narrow(0, *offset, *seq)?,
+                    kv,
+                    position,
+                    rows.ropes
+                        .get(step)
+                        .ok_or(EngineError::WrongInput("has no rotation for a step"))?,
+                    rows.rows_alone.get(step).copied().unwrap_or(false),
+                )?,
+            );
         }
         let attended = if attended.len() == 1 {
             attended
@@ -1213,6 +1298,7 @@ impl LayerSlice {
         v: &Tensor,
         kv: &mut KvRows,
         position: usize,
+        rope: &StepRope,
         rows_alone: bool,
     ) -> Result<Tensor> {
         let c = &self.config;
@@ -1229,12 +1315,12 @@ impl LayerSlice {
         let q = heads(q, c.heads, &b.q_norm)?;
         let k = heads(k, c.kv_heads, &b.k_norm)?;
         let v = heads(v, c.kv_heads, &None)?;
-        let rope = match (&self.local_rope, b.local) {
+        let rope = match (&rope.local, b.local) {
             (Some(local), true) => local,
-            _ => &self.rope,
+            _ => &rope.global,
         };
-        let q = rope.apply(&q, position, c.rope_layout)?;
-        let k = rope.apply(&k, position, c.rope_layout)?;
+        let q = rope.apply(&q, c.rope_layout)?;
+        let k = rope.apply(&k, c.rope_layout)?;
         let (k_all, v_all) = kv.append(&k, &v)?;
         // A local layer's query sees the last `window` positions only.
         let window = match c.sliding_window {
@@ -1334,5 +1420,54 @@ impl LayerSlice {
             .transpose(1, 2)?
             .reshape((seq, c.attention_width()))?;
         Ok(attended)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A step's rotations are the bits of the whole-context table the
+    /// engine held before (positions as f32 times the frequencies through
+    /// candle's matmul, then candle's cos and sin), at every position.
+    #[test]
+    fn step_rotations_are_the_tables_bits() {
+        for (head_dim, theta, scale) in [
+            (64, 100_000.0, 1.0),
+            (256, 1_000_000.0, 1.0),
+            (256, 10_000.0, 1.0),
+            (128, 500_000.0, 8.0),
+        ] {
+            let rope = Rope::new(head_dim, MAX_ENGINE_CONTEXT, theta, scale);
+            let half = head_dim / 2;
+            let inv_freq =
+                Tensor::from_vec(rope.inv_freq.clone(), (1, half), &Device::Cpu).unwrap();
+            let t = Tensor::arange(0u32, MAX_ENGINE_CONTEXT as u32, &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .reshape((MAX_ENGINE_CONTEXT, 1))
+                .unwrap();
+            let freqs = t.matmul(&inv_freq).unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            let (cos, sin) = (freqs.cos().unwrap(), freqs.sin().unwrap());
+            let whole = rope.rows(0, MAX_ENGINE_CONTEXT, &Device::Cpu).unwrap();
+            assert_eq!(bits(&whole.cos), bits(&cos), "{head_dim} {theta}");
+            assert_eq!(bits(&whole.sin), bits(&sin), "{head_dim} {theta}");
+            let step = rope.rows(4000, 3, &Device::Cpu).unwrap();
+            assert_eq!(bits(&step.cos), bits(&cos.narrow(0, 4000, 3).unwrap()));
+            assert!(matches!(
+                rope.rows(MAX_ENGINE_CONTEXT - 1, 2, &Device::Cpu),
+                Err(EngineError::ContextExceeded { .. })
+            ));
+        }
     }
 }

@@ -14,7 +14,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use memmap2::{Advice, MmapMut, MmapOptions};
+use memmap2::{MmapMut, MmapOptions};
 
 /// A transparent huge page on x86-64 and most aarch64 kernels.
 const HUGE_PAGE: usize = 2 << 20;
@@ -58,11 +58,21 @@ impl WeightPages {
         let map = bytes
             .checked_next_multiple_of(HUGE_PAGE)
             .filter(|len| *len > 0)
-            .and_then(|len| MmapOptions::new().len(len).map_anon().ok());
+            // Not charged against the commit limit: the bound counts
+            // matrices candle may end up running, whose room stays unwritten.
+            .and_then(|len| {
+                MmapOptions::new()
+                    .len(len)
+                    .no_reserve_swap()
+                    .map_anon()
+                    .ok()
+            });
+        // A kernel without transparent huge pages refuses the advice, and
+        // other systems have none to give: the mapping then holds ordinary
+        // pages.
+        #[cfg(target_os = "linux")]
         if let Some(map) = &map {
-            // A kernel without transparent huge pages refuses the advice;
-            // the mapping then holds ordinary pages.
-            let _ = map.advise(Advice::HugePage);
+            let _ = map.advise(memmap2::Advice::HugePage);
         }
         Self {
             map,
@@ -100,11 +110,6 @@ impl WeightPages {
             len,
         };
         Some((placed, bytes))
-    }
-
-    /// Bytes taken so far.
-    pub fn used(&self) -> usize {
-        self.used
     }
 
     /// Every matrix placed in these pages becomes readable.
