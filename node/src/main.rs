@@ -66,6 +66,11 @@ enum Command {
         /// `generate --json` output.
         #[arg(long)]
         output_file: Option<PathBuf>,
+        /// Where to re-execute: cpu (default), cuda or cuda:N. A serve
+        /// computed on GPUs replays on a GPU of the same kind; on another
+        /// device its rounding differs and it reads as diverged.
+        #[arg(long, default_value = "cpu")]
+        device: mesh_stage::DeviceChoice,
         #[arg(long)]
         json: bool,
     },
@@ -802,6 +807,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             chat,
             opening,
             output_file,
+            device,
             json,
         } => {
             let replayed = mesh_node::cli::replay::replay(&mesh_node::cli::replay::ReplayArgs {
@@ -811,6 +817,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 chat,
                 opening: opening.as_deref(),
                 output_file: output_file.as_deref(),
+                device,
                 json,
             });
             // Exit 1 means diverged: input that cannot be read is 2.

@@ -85,6 +85,35 @@ impl DeviceChoice {
     }
 }
 
+/// How an opened device is named, as `--device` names it: `cpu`, or
+/// `cuda:N` (what a node advertises to a mesh as its device).
+pub fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => DeviceChoice::Cpu.to_string(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => DeviceChoice::Cuda(gpu_id).to_string(),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// Bytes free now on a GPU, for the weights and caches a mesh planner may
+/// place there; `None` for the CPU, whose memory is the host's.
+pub fn gpu_free_memory(device: &Device) -> Result<Option<u64>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(cuda) => {
+            let (free, _total) = cuda
+                .cuda_stream()
+                .context()
+                .mem_get_info()
+                .map_err(|error| {
+                    EngineError::Device(format!("cannot read the GPU's free memory: {error}"))
+                })?;
+            Ok(Some(free as u64))
+        }
+        _ => Ok(None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,7 +140,10 @@ mod tests {
 
     #[test]
     fn the_cpu_always_opens_and_a_gpu_only_when_built_in() {
-        assert!(DeviceChoice::Cpu.open().unwrap().is_cpu());
+        let cpu = DeviceChoice::Cpu.open().unwrap();
+        assert!(cpu.is_cpu());
+        assert_eq!(device_name(&cpu), "cpu");
+        assert_eq!(gpu_free_memory(&cpu).unwrap(), None);
         if !DeviceChoice::Cuda(0).compiled_in() {
             let error = DeviceChoice::Cuda(0).open().unwrap_err().to_string();
             assert!(error.contains("--features cuda"), "{error}");

@@ -24,6 +24,8 @@ pub struct ReplayArgs<'a> {
     pub chat: bool,
     pub opening: Option<&'a str>,
     pub output_file: Option<&'a Path>,
+    /// Where to re-execute.
+    pub device: mesh_stage::DeviceChoice,
     pub json: bool,
 }
 
@@ -59,7 +61,7 @@ pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
         })
         .transpose()?;
     let disclosed = args.output_file.map(read_output).transpose()?;
-    let handle = mesh_stage::ModelHandle::open(args.model)?;
+    let handle = mesh_stage::ModelHandle::open(args.model)?.on_device(args.device.open()?);
     let prompt = std::fs::read_to_string(args.prompt_file)
         .with_context(|| format!("reading {}", args.prompt_file.display()))?;
     let text = if args.chat {

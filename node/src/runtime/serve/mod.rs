@@ -2614,10 +2614,16 @@ async fn start_mesh(
         Some(us) => us.max(1),
         None => tokio::task::block_in_place(|| planner::decode_speed(model, data))?,
     };
-    let memory = settings
-        .memory_bytes
-        .or_else(planner::available_memory)
-        .context("cannot tell this machine's free memory: give --memory-mib")?;
+    // A GPU node holds its slices in the GPU's memory, not the host's.
+    let device = model.device();
+    let memory = match settings.memory_bytes {
+        Some(bytes) => Some(bytes),
+        None => match mesh_stage::gpu_free_memory(device)? {
+            Some(gpu) => Some(gpu),
+            None => planner::available_memory(),
+        },
+    }
+    .context("cannot tell this machine's free memory: give --memory-mib")?;
     let weak = Arc::downgrade(inner);
     let base = mesh_protocol::advert::Advert {
         node_id: inner.tls.public_key,
@@ -2625,7 +2631,7 @@ async fn start_mesh(
         issued_ms: 0,
         ttl_ms: 0,
         quic: inner.advertise.to_string(),
-        device: "cpu".into(),
+        device: mesh_stage::device_name(device),
         memory_bytes: memory,
         load: 0,
         models: vec![mesh_protocol::advert::AdvertModel {
