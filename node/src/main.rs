@@ -67,8 +67,8 @@ enum Command {
         #[arg(long)]
         output_file: Option<PathBuf>,
         /// Where to re-execute: cpu (default), cuda or cuda:N. A serve
-        /// computed on GPUs replays on a GPU of the same kind; on another
-        /// device its rounding differs and it reads as diverged.
+        /// computed on GPUs reads as diverged on the CPU (other rounding);
+        /// on a GPU it may match (docs/engine.md, "Devices").
         #[arg(long, default_value = "cpu")]
         device: mesh_stage::DeviceChoice,
         #[arg(long)]

@@ -101,6 +101,22 @@ fn a_device_the_binary_cannot_use_is_refused_with_what_to_do() {
     let stderr = String::from_utf8_lossy(&gpu.stderr);
     assert!(!gpu.status.success());
     assert!(stderr.contains("--features cuda"), "{stderr}");
+    // replay refuses it before reading anything: input it cannot act on.
+    let replay = Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+        .args([
+            "replay",
+            "no-bundle",
+            "--model",
+            "no-model",
+            "--prompt-file",
+            "no-prompt",
+        ])
+        .args(["--device", "cuda"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&replay.stderr);
+    assert_eq!(replay.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--features cuda"), "{stderr}");
     assert!(
         !dir.path().join("out").join("bundle.json").exists(),
         "no node ran"

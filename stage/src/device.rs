@@ -101,13 +101,20 @@ pub fn gpu_free_memory(device: &Device) -> Result<Option<u64>> {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(cuda) => {
+            let unreadable = |error: String| {
+                EngineError::Device(format!("cannot read the GPU's free memory: {error}"))
+            };
+            // Freed memory goes back to the stream's pool asynchronously:
+            // a slice dropped just before (the speed measurement's) counts
+            // as free only once the stream has caught up.
+            device
+                .synchronize()
+                .map_err(|e| unreadable(crate::error::candle_message(&e)))?;
             let (free, _total) = cuda
                 .cuda_stream()
                 .context()
                 .mem_get_info()
-                .map_err(|error| {
-                    EngineError::Device(format!("cannot read the GPU's free memory: {error}"))
-                })?;
+                .map_err(|e| unreadable(e.to_string()))?;
             Ok(Some(free as u64))
         }
         _ => Ok(None),

@@ -14,7 +14,7 @@ use crate::frame::Activations;
 use crate::kernels::{BlockFormat, BlockMatrix, KernelError, WeightPages};
 use crate::source::{BlockStyle, ModelConfig, RawTensor, RopeLayout, Source};
 
-/// Longest context a slice prepares rotary tables for.
+/// Longest context a slice serves (positions it rotates).
 pub const MAX_ENGINE_CONTEXT: usize = 8192;
 /// Most rows several requests share one matrix product with: from 32 rows
 /// candle may switch to another kernel (AMX for Q4_K), whose bits differ
@@ -350,7 +350,7 @@ struct Block {
     k_norm: Option<Tensor>,
     post_attention_norm: Option<Tensor>,
     post_ffn_norm: Option<Tensor>,
-    /// Attends through the sliding window, with the local RoPE tables.
+    /// Attends through the sliding window, with the local RoPE base.
     local: bool,
 }
 
@@ -485,9 +485,9 @@ pub struct LayerSlice {
     blocks: Vec<Block>,
     head: Option<Head>,
     head_use: HeadUse,
-    /// RoPE tables of the global layers (all layers of most models).
+    /// RoPE of the global layers (all layers of most models).
     rope: Rope,
-    /// RoPE tables of the local (sliding-window) layers, when there are any.
+    /// RoPE of the local (sliding-window) layers, when they have their own base.
     local_rope: Option<Rope>,
     weights_digest: [u8; 32],
     stored_bytes: usize,
@@ -585,7 +585,7 @@ fn onto(q: QTensor, device: &Device) -> Result<QTensor> {
 /// serves. The cosines and sines of a step's positions are computed when it
 /// runs (`Rope::rows`), once for all the slice's layers: a table for every
 /// position was context x head_dim floats per slice (16 MiB for Gemma 3's
-/// two, more than a middle third's weights of the 270M model).
+/// two, three quarters of the weights of the 270M model's middle third).
 #[derive(Debug)]
 struct Rope {
     /// Each frequency pair's angle per position.
@@ -624,9 +624,17 @@ impl Rope {
             });
         }
         let half = self.inv_freq.len();
-        let angles = (position..position + rows)
-            .flat_map(|p| self.inv_freq.iter().map(move |f| p as f32 * f));
-        let (cos, sin): (Vec<f32>, Vec<f32>) = angles.map(|a| (a.cos(), a.sin())).unzip();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(rows * half),
+            Vec::with_capacity(rows * half),
+        );
+        for p in position..position + rows {
+            for f in &self.inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
         Ok(RopeRows {
             cos: Tensor::from_vec(cos, (rows, half), device)?,
             sin: Tensor::from_vec(sin, (rows, half), device)?,

@@ -51,6 +51,8 @@ fn read_output(path: &Path) -> anyhow::Result<Vec<u32>> {
 
 /// `mesh-node replay`: exit 0 verified, 1 diverged, 3 not replayable.
 pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
+    // A device this binary cannot use is refused before any file is read.
+    let device = args.device.open()?;
     let sealed = read_receipt(args.bundle).map_err(anyhow::Error::msg)?;
     let receipt = &sealed.receipt;
     let opening = args
@@ -61,7 +63,7 @@ pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
         })
         .transpose()?;
     let disclosed = args.output_file.map(read_output).transpose()?;
-    let handle = mesh_stage::ModelHandle::open(args.model)?.on_device(args.device.open()?);
+    let handle = mesh_stage::ModelHandle::open(args.model)?.on_device(device);
     let prompt = std::fs::read_to_string(args.prompt_file)
         .with_context(|| format!("reading {}", args.prompt_file.display()))?;
     let text = if args.chat {
