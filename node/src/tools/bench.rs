@@ -447,6 +447,9 @@ pub fn bench_engine(
     Ok(serde_json::json!({
         "model": model.display().to_string(),
         "device": device.to_string(),
+        // What a node on this device advertises to a mesh's planner (null
+        // on the CPU, whose node reads the host's memory).
+        "gpu_free_bytes": mesh_stage::gpu_free_memory(handle.device())?,
         "threads": mesh_stage::compute_threads(),
         "prompt_tokens": prompt.len(),
         "decode_tokens": decode_tokens,
@@ -472,9 +475,13 @@ pub fn render_engine(report: &serde_json::Value) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let f = |v: &serde_json::Value| v.as_f64().unwrap_or(0.0);
+    let free = report["gpu_free_bytes"]
+        .as_u64()
+        .map(|bytes| format!(" ({} MiB free)", bytes >> 20))
+        .unwrap_or_default();
     let _ = writeln!(
         out,
-        "model {}  device {}  threads {}  prompt {} tokens, decode {} tokens",
+        "model {}  device {}{free}  threads {}  prompt {} tokens, decode {} tokens",
         report["model"].as_str().unwrap_or(""),
         report["device"].as_str().unwrap_or("cpu"),
         report["threads"],
