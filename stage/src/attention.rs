@@ -454,15 +454,7 @@ mod tests {
             )
             .unwrap()
             .unwrap();
-            let bits = |t: &Tensor| -> Vec<u32> {
-                t.flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect()
-            };
+            let bits = crate::tensor_bits;
             assert_eq!(bits(&all.narrow(0, row, 1).unwrap()), bits(&alone), "{row}");
         }
     }
@@ -486,11 +478,9 @@ mod tests {
             let last_q = q.narrow(2, seq - 1, 1).unwrap();
             let last_span = Span { position: cached - 1, window };
             let alone = attend(&last_q, &k, &v, 0.25, last_span).unwrap().unwrap();
-            let all_last: Vec<f32> = all.narrow(0, seq - 1, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-            let alone: Vec<f32> = alone.flatten_all().unwrap().to_vec1().unwrap();
             prop_assert_eq!(
-                all_last.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                crate::tensor_bits(&all.narrow(0, seq - 1, 1).unwrap()),
+                crate::tensor_bits(&alone)
             );
         }
     }

@@ -215,7 +215,7 @@ mod tests {
             let frame = encode_frame(values, rows, cols, WireDType::F32).unwrap();
             let (decoded, dtype) = decode_frame(&frame, cols).unwrap();
             prop_assert_eq!(dtype, WireDType::F32);
-            prop_assert_eq!(decoded.values.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), values.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            prop_assert_eq!(crate::bits(&decoded.values), crate::bits(values));
         }
 
         #[test]

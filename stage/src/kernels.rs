@@ -143,15 +143,7 @@ impl BlockMatrix {
         cols: usize,
         blocks: Vec<u8>,
     ) -> Result<Self, KernelError> {
-        let len = grouped_len(format, rows, cols, blocks.len())?;
-        let mut grouped = vec![0u8; len];
-        group_rows(format, &blocks, rows, cols, &mut grouped);
-        Ok(Self {
-            format,
-            rows,
-            cols,
-            blocks: Storage::Heap(grouped),
-        })
+        Self::new_in(format, rows, cols, &blocks, &mut WeightPages::none())
     }
 
     /// `new`, grouped straight into `pages` where they have room (on the
@@ -584,7 +576,7 @@ mod tests {
             assert_eq!(paged.matmul(&input), Err(KernelError::Unsealed));
             assert_eq!(paged.rows_blocks(&[0]), Err(KernelError::Unsealed));
             pages.seal();
-            let bits = |out: Vec<f32>| out.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let bits = |out: Vec<f32>| crate::bits(&out);
             assert_eq!(
                 bits(paged.matmul(&input).unwrap()),
                 bits(heap.matmul(&input).unwrap()),
@@ -682,10 +674,7 @@ mod tests {
             let mut first = 0;
             for &step in &steps {
                 let alone = matrix.matmul(&input[first * cols..][..step * cols]).unwrap();
-                let batched: Vec<u32> =
-                    all[first * rows..][..step * rows].iter().map(|v| v.to_bits()).collect();
-                let alone: Vec<u32> = alone.iter().map(|v| v.to_bits()).collect();
-                prop_assert_eq!(batched, alone);
+                prop_assert_eq!(crate::bits(&all[first * rows..][..step * rows]), crate::bits(&alone));
                 first += step;
             }
         }

@@ -358,6 +358,18 @@ pub fn parse_split(spec: &str, layers: u32) -> Result<Vec<Range<u32>>> {
     Ok(ranges)
 }
 
+/// Each value's bits, for tests that assert bit identity.
+#[cfg(test)]
+pub(crate) fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// `bits` of a tensor's values, in order.
+#[cfg(test)]
+pub(crate) fn tensor_bits(t: &candle_core::Tensor) -> Vec<u32> {
+    bits(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

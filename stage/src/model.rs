@@ -254,9 +254,7 @@ impl Projections {
                 RawTensor::Dense(t) => t.dims().get(1).copied(),
             })
             .collect();
-        // Only parts of one type and one input width stack into one matrix.
-        let same =
-            dtypes.windows(2).all(|w| w[0] == w[1]) && columns.windows(2).all(|w| w[0] == w[1]);
+        let same = stack_into_one(&dtypes, &columns);
         let Some(first) = dtypes.first().copied() else {
             return Ok(Projections::Separate(Vec::new()));
         };
@@ -518,12 +516,25 @@ struct Held {
     pages: WeightPages,
 }
 
+/// Whether projections of these stored types and input widths stack into
+/// one matrix: only parts of one type and one input width do.
+fn stack_into_one<T: PartialEq, W: PartialEq>(types: &[T], widths: &[W]) -> bool {
+    types.windows(2).all(|w| w[0] == w[1]) && widths.windows(2).all(|w| w[0] == w[1])
+}
+
+/// The projections of a block, in the order it reads them, as
+/// `Projections::from_raw` takes them (GGUF part names).
+const QKV: [&str; 3] = ["attn_q.weight", "attn_k.weight", "attn_v.weight"];
+const ATTENTION_OUTPUT: &str = "attn_output.weight";
+const GATE_UP: [&str; 2] = ["ffn_gate.weight", "ffn_up.weight"];
+const FFN_DOWN: &str = "ffn_down.weight";
+
 /// What a slice's weight pages need: the matrices among `projections`
 /// (each a set `Projections::from_raw` stacks into one matrix when its
-/// parts share a stored type and width, as q, k and v do, or gate and up;
-/// a single matrix is a set of one) that the engine's own kernels will run,
-/// grouped. It follows `Projections::from_raw` and `own_kernel`; were it
-/// short, a matrix past it would be held on the heap.
+/// parts share a stored type and width (`stack_into_one`), as q, k and v
+/// do, or gate and up; a single matrix is a set of one) that the engine's
+/// own kernels will run (`own_kernel`), grouped. Were it short, a matrix
+/// past it would be held on the heap.
 fn pages_bound(source: &Source, projections: &[Vec<String>]) -> usize {
     let Some(content) = source.gguf() else {
         return 0;
@@ -543,10 +554,9 @@ fn pages_bound(source: &Source, projections: &[Vec<String>]) -> usize {
                 Some((info.ggml_dtype, rows, cols))
             })
             .collect();
-        let stacked = parts.len() > 1
-            && parts
-                .windows(2)
-                .all(|w| w[0].0 == w[1].0 && w[0].2 == w[1].2);
+        let types: Vec<GgmlDType> = parts.iter().map(|p| p.0).collect();
+        let widths: Vec<usize> = parts.iter().map(|p| p.2).collect();
+        let stacked = parts.len() > 1 && stack_into_one(&types, &widths);
         let need = match parts.first() {
             Some(&(dtype, _, cols)) if stacked => {
                 let rows = parts.iter().map(|p| p.1).fold(0, usize::saturating_add);
@@ -728,13 +738,7 @@ impl LayerSlice {
         let pages = if policy.candle_only || policy.dense_f32 {
             WeightPages::none()
         } else {
-            // As each block loads them below.
-            const PROJECTIONS: [&[&str]; 4] = [
-                &["attn_q.weight", "attn_k.weight", "attn_v.weight"],
-                &["attn_output.weight"],
-                &["ffn_gate.weight", "ffn_up.weight"],
-                &["ffn_down.weight"],
-            ];
+            const PROJECTIONS: [&[&str]; 4] = [&QKV, &[ATTENTION_OUTPUT], &GATE_UP, &[FFN_DOWN]];
             let mut projections: Vec<Vec<String>> = range
                 .clone()
                 .flat_map(|i| {
@@ -774,11 +778,7 @@ impl LayerSlice {
         for i in range.clone() {
             let mut part = |p: &str| read(&names.block(i, p));
             let attn_norm = dense(part("attn_norm.weight")?, &mut held.resident, device)?;
-            let qkv = vec![
-                part("attn_q.weight")?,
-                part("attn_k.weight")?,
-                part("attn_v.weight")?,
-            ];
+            let qkv = QKV.iter().map(|p| part(p)).collect::<Result<Vec<_>>>()?;
             let qkv = Projections::from_raw(qkv, policy, &mut held, device)?;
             let (q_bias, k_bias, v_bias) = if config.qkv_bias {
                 (
@@ -789,11 +789,14 @@ impl LayerSlice {
             } else {
                 (None, None, None)
             };
-            let o = Linear::from_raw(part("attn_output.weight")?, policy, &mut held, device)?;
+            let o = Linear::from_raw(part(ATTENTION_OUTPUT)?, policy, &mut held, device)?;
             let ffn_norm = dense(part("ffn_norm.weight")?, &mut held.resident, device)?;
-            let gate_up = vec![part("ffn_gate.weight")?, part("ffn_up.weight")?];
+            let gate_up = GATE_UP
+                .iter()
+                .map(|p| part(p))
+                .collect::<Result<Vec<_>>>()?;
             let gate_up = Projections::from_raw(gate_up, policy, &mut held, device)?;
-            let down = Linear::from_raw(part("ffn_down.weight")?, policy, &mut held, device)?;
+            let down = Linear::from_raw(part(FFN_DOWN)?, policy, &mut held, device)?;
             let mut gemma_norm = |p: &str| -> Result<Option<Tensor>> {
                 if gemma {
                     Ok(Some(dense(part(p)?, &mut held.resident, device)?))
@@ -1457,15 +1460,7 @@ mod tests {
                 .reshape((MAX_ENGINE_CONTEXT, 1))
                 .unwrap();
             let freqs = t.matmul(&inv_freq).unwrap();
-            let bits = |t: &Tensor| -> Vec<u32> {
-                t.flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect()
-            };
+            let bits = crate::tensor_bits;
             let (cos, sin) = (freqs.cos().unwrap(), freqs.sin().unwrap());
             let whole = rope.rows(0, MAX_ENGINE_CONTEXT, &Device::Cpu).unwrap();
             assert_eq!(bits(&whole.cos), bits(&cos), "{head_dim} {theta}");

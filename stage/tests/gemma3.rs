@@ -9,7 +9,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::run;
+use common::{bits, run};
 use mesh_stage::ModelHandle;
 use mesh_stage::source::BlockStyle;
 
@@ -61,7 +61,6 @@ fn splits_on_either_side_of_a_global_layer_are_bit_identical() {
         .encode("The history of the Roman Empire")
         .unwrap();
     let whole = run(&handle, &[0..18], &ids, 8);
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for split in [
         vec![0..5, 5..18],
         vec![0..6, 6..12, 12..18],
@@ -194,7 +193,6 @@ fn draft_has_the_bits_of_decoding(handle: &ModelHandle, policy: mesh_stage::Exec
         mesh_stage::SliceOutput::Hidden(a) => a,
         _ => panic!("a slice holding its head apart returns hidden states"),
     };
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let mut one = whole.new_cache(600).unwrap();
     whole
         .forward(mesh_stage::SliceInput::Tokens(prompt), &mut one)

@@ -7,7 +7,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::run;
+use common::{bits, run};
 use mesh_stage::ModelHandle;
 use mesh_stage::frame::WireDType;
 use mesh_stage::pipeline::Pipeline;
@@ -76,7 +76,6 @@ fn splits_of_1_2_3_and_5_are_bit_identical() {
     ] {
         let parts = run(&handle, &split, &ids, 16);
         assert_eq!(parts.tokens, whole.tokens, "split {split:?}");
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(&parts.last_logits),
             bits(&whole.last_logits),

@@ -8,6 +8,7 @@ mod common;
 use std::ops::Range;
 
 use candle_core::quantized::GgmlDType;
+use common::bits;
 use mesh_stage::frame::Activations;
 use mesh_stage::frame::WireDType;
 use mesh_stage::pipeline::{Generation, Pipeline};
@@ -56,10 +57,6 @@ const EVERY_TYPE: [GgmlDType; 9] = [
     GgmlDType::F16,
     GgmlDType::F32,
 ];
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
 
 #[test]
 fn splits_are_bit_identical_to_the_unsplit_run() {

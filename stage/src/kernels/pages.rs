@@ -58,8 +58,8 @@ impl WeightPages {
         let map = bytes
             .checked_next_multiple_of(HUGE_PAGE)
             .filter(|len| *len > 0)
-            // Not charged against the commit limit: the bound counts
-            // matrices candle may end up running, whose room stays unwritten.
+            // Not charged against the commit limit: the room past the last
+            // matrix, up to a whole huge page, is never written.
             .and_then(|len| {
                 MmapOptions::new()
                     .len(len)
@@ -76,8 +76,7 @@ impl WeightPages {
         }
         Self {
             map,
-            used: 0,
-            sealed: Arc::new(OnceLock::new()),
+            ..Self::none()
         }
     }
 

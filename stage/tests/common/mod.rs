@@ -25,6 +25,11 @@ pub const ROUTES: [ExecPolicy; 2] = [
     CANDLE_ONLY,
 ];
 
+/// Each value's bits, for asserting bit identity.
+pub fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|x| x.to_bits()).collect()
+}
+
 /// How far `other`'s logits are from `own`'s: the root mean square of the
 /// difference over that of `own`'s centred logits (their spread).
 pub fn spread_apart(own: &[f32], other: &[f32]) -> f32 {
@@ -87,7 +92,7 @@ pub fn gpu_route_agrees(
             "step {step}: the GPU route's logits are {apart:.3} of their spread apart"
         );
         farthest = farthest.max(apart);
-        bits_differ |= a.iter().zip(&b).any(|(x, y)| x.to_bits() != y.to_bits());
+        bits_differ |= bits(&a) != bits(&b);
         input = vec![*next];
     }
     eprintln!("the GPU route's logits: at most {farthest:.3} of their spread apart");
@@ -96,7 +101,6 @@ pub fn gpu_route_agrees(
     let gpu = run_with(handle, &[0..layers], prompt, max_new, CANDLE_ONLY);
     let parts = run_with(handle, split, prompt, max_new, CANDLE_ONLY);
     assert_eq!(parts.tokens, gpu.tokens, "split {split:?}");
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(
         bits(&parts.last_logits),
         bits(&gpu.last_logits),
