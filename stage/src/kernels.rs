@@ -21,19 +21,21 @@
 //! Every activation row is quantized to 8-bit blocks as llama.cpp's
 //! `quantize_row_q8_1` does (an f16 scale, the f16 of scale times the
 //! quants' sum, 32 signed bytes, rounded half to even). The weights are
-//! held as groups of eight rows (module `grouped`: the file's bytes
+//! held as groups of sixteen rows (module `grouped`: the file's bytes
 //! rearranged once at load), so that one instruction multiplies four
-//! quants of each of eight rows by four activation quants. Each output
+//! quants of each of sixteen rows (eight without AVX-512) by four
+//! activation quants. Each output
 //! sums `(d_w * d_a) * isum` (plus `m_w * s_a` for Q4_1) block by block,
 //! `isum` the block's exact integer product, so its bits depend on its
 //! weight and input rows alone: a batch of requests gets the bits each
 //! gets alone, and a split the bits of the whole model.
 //!
-//! The SIMD loops are two `#[target_feature]` functions (AVX-VNNI, and
-//! AVX2 with FMA and F16C), entered through the engine's only `unsafe`
-//! blocks once their features are detected (`grouped::simd`, which also
-//! holds the prefetch hint, baseline SSE). A CPU without them takes the
-//! scalar path, which gives the same bits.
+//! The SIMD loops are three `#[target_feature]` functions (AVX-512 VNNI,
+//! AVX-VNNI, and AVX2 with FMA and F16C), entered through the engine's
+//! only `unsafe` blocks once their features are detected (`grouped::simd`,
+//! which also holds the prefetch hint, baseline SSE, and the AVX-512 loop's
+//! 64-byte loads). A CPU without them takes the scalar path, which gives
+//! the same bits.
 
 use std::sync::Mutex;
 
@@ -211,7 +213,7 @@ impl BlockMatrix {
     }
 
     /// Bytes the matrix holds: the file's (and, for the grouped formats,
-    /// up to seven rows of zero blocks filling the last group).
+    /// up to fifteen rows of zero blocks filling the last group).
     pub fn storage_bytes(&self) -> usize {
         match &self.blocks {
             Storage::Heap(bytes) => bytes.len(),
@@ -353,7 +355,7 @@ impl BlockMatrix {
 }
 
 /// The bytes a `rows x cols` matrix's blocks take grouped (every format
-/// runs as groups of eight rows, `grouped`: the same bytes, rearranged,
+/// runs as groups of sixteen rows, `grouped`: the same bytes, rearranged,
 /// the last group filled with zero rows), once `stored_len` is checked
 /// to be the matrix's stored size.
 fn grouped_len(
@@ -377,8 +379,8 @@ fn grouped_len(
             actual: stored_len,
         });
     }
-    // At most the stored bytes plus seven rows, which fit where the
-    // stored bytes did.
+    // At most the stored bytes plus fifteen rows of them (and
+    // `grouped_bytes` saturates rather than wraps).
     Ok(BlockMatrix::grouped_bytes(format, rows, cols))
 }
 

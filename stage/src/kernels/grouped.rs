@@ -1,27 +1,28 @@
-//! Q4_0, Q4_1, Q5_0 and Q8_0 matrices held as groups of eight weight rows, so
-//! that one SIMD instruction works on eight outputs at once
-//! (docs/engine.md).
+//! Q4_0, Q4_1, Q5_0 and Q8_0 matrices held as groups of sixteen weight
+//! rows, so that one SIMD instruction works on eight or sixteen outputs at
+//! once (docs/engine.md).
 //!
 //! A row-by-row kernel (the engine's until 2026-12-03) spends, per
 //! 32-weight block and activation row, about seven instructions on 32
 //! products: three to multiply and sum the bytes, then a conversion, a
 //! scale and a fused add, all for one output.
-//! Here each i32 lane of a register belongs to one of the group's eight
-//! rows: a lane takes four of its row's quants times the same four
-//! activation quants (broadcast), so one `vpdpbusd` (AVX-VNNI; `maddubs`
-//! and `madd` on AVX2) does 32 products for eight outputs, and the
-//! conversion, scale and add happen once per block for eight outputs.
+//! Here each i32 lane of a register belongs to one of the group's rows: a
+//! lane takes four of its row's quants times the same four activation
+//! quants (broadcast), so one `vpdpbusd` does 64 products for sixteen
+//! outputs on AVX-512, and 32 for eight on AVX-VNNI (`maddubs` and `madd`
+//! on AVX2), which take a group as two halves of eight rows; the
+//! conversion, scale and add happen once per block for all of them.
 //!
-//! A group's block is the eight stored blocks' bytes rearranged, not
-//! widened: the eight f16 scales, the eight f16 minimums (Q4_1), four
-//! 32-byte chunks of low nibbles (chunk `c`, byte `4r + t`: row `r`'s quant
+//! A group's block is the sixteen stored blocks' bytes rearranged, not
+//! widened: the sixteen f16 scales, the sixteen f16 minimums (Q4_1), four
+//! 64-byte chunks of nibbles (chunk `c`, byte `4r + t`: row `r`'s quant
 //! `4c + t` in the low nibble, quant `16 + 4c + t` in the high one), and
-//! for Q5_0 32 bytes of fifth bits (byte `4r + t`, bit `j`: the fifth bit
+//! for Q5_0 64 bytes of fifth bits (byte `4r + t`, bit `j`: the fifth bit
 //! of row `r`'s quant `4j + t`); Q8_0's block is the scales and eight
-//! 32-byte chunks of its signed quants (chunk `j`, byte `4r + t`: row `r`'s
-//! quant `4j + t`). A last group short of eight rows is
-//! filled with zero blocks (scale 0), which add nothing and are never read
-//! out.
+//! 64-byte chunks of its signed quants (chunk `j`, byte `4r + t`: row `r`'s
+//! quant `4j + t`). So a chunk's first 32 bytes are rows 0-7, its last 32
+//! rows 8-15. A last group short of sixteen rows is filled with zero
+//! blocks (scale 0), which add nothing and are never read out.
 //!
 //! Each output is, block after block, `acc = (d_w * d_a) * isum + acc`
 //! then (Q4_1) `acc = m_w * s_a + acc`, each one fused multiply-add, where
@@ -31,14 +32,16 @@
 //! so the unsigned quants give the signed sum; the AVX2 path takes Q8_0's
 //! signed bytes by magnitude and sign instead, from 0).
 //! So an output's bits depend on its weight row and activation row alone,
-//! not on which rows share a group or a pass, and the scalar path gives
-//! the same bits.
+//! not on which rows share a group or a pass, and every path gives the
+//! scalar path's bits.
 
 use super::{ActivationBlock, BLOCK_ELEMS, BlockFormat};
 use half::f16;
 
 /// Weight rows per group.
-pub(super) const GROUP: usize = 8;
+pub(super) const GROUP: usize = 16;
+/// Bytes of a chunk of a group's block: four quants of each row.
+const CHUNK: usize = 4 * GROUP;
 /// How far ahead of the block it reads the first pass over a group asks
 /// for weights (bytes): measured on SmolLM2's decode, 4 to 32 KiB all gave
 /// the same 10 % over none; a few groups of its widest rows.
@@ -70,7 +73,7 @@ pub(super) trait Grouped {
     /// Where the quants start: four 32-byte chunks of nibbles, or eight
     /// of bytes.
     const NIBBLES: usize = if Self::HAS_MIN { 4 * GROUP } else { 2 * GROUP };
-    const HIGH: usize = Self::NIBBLES + 4 * 32;
+    const HIGH: usize = Self::NIBBLES + 4 * CHUNK;
     /// Where the stored block's quant bytes start.
     const STORED_QUANTS: usize;
 }
@@ -162,7 +165,7 @@ pub(super) fn group_rows<F: Grouped>(
             if F::EIGHT_BITS {
                 // Chunk j, byte 4r + t: row r's quant 4j + t, as stored.
                 for j in 0..8 {
-                    out[F::NIBBLES + 32 * j + 4 * r..][..4]
+                    out[F::NIBBLES + CHUNK * j + 4 * r..][..4]
                         .copy_from_slice(&block[F::STORED_QUANTS + 4 * j..][..4]);
                 }
                 continue;
@@ -170,7 +173,7 @@ pub(super) fn group_rows<F: Grouped>(
             let quants = unsigned_quants::<F>(block);
             for c in 0..4 {
                 for t in 0..4 {
-                    out[F::NIBBLES + 32 * c + 4 * r + t] =
+                    out[F::NIBBLES + CHUNK * c + 4 * r + t] =
                         (quants[4 * c + t] & 0x0F) | ((quants[16 + 4 * c + t] & 0x0F) << 4);
                 }
             }
@@ -226,14 +229,14 @@ fn quants_of<F: Grouped>(block: &[u8], r: usize) -> [u8; BLOCK_ELEMS] {
     if F::EIGHT_BITS {
         for j in 0..8 {
             for t in 0..4 {
-                quants[4 * j + t] = block[F::NIBBLES + 32 * j + 4 * r + t] ^ 0x80;
+                quants[4 * j + t] = block[F::NIBBLES + CHUNK * j + 4 * r + t] ^ 0x80;
             }
         }
         return quants;
     }
     for c in 0..4 {
         for t in 0..4 {
-            let nibbles = block[F::NIBBLES + 32 * c + 4 * r + t];
+            let nibbles = block[F::NIBBLES + CHUNK * c + 4 * r + t];
             quants[4 * c + t] = nibbles & 0x0F;
             quants[16 + 4 * c + t] = nibbles >> 4;
         }
@@ -290,28 +293,33 @@ fn dot_scalar<F: Grouped>(group: &[u8], r: usize, activations: &[ActivationBlock
     acc
 }
 
-/// The SIMD paths. Safe code but for the two calls into `#[target_feature]`
+/// The SIMD paths. Safe code but for the calls into `#[target_feature]`
 /// functions, each made only once the features it enables were detected
-/// on this CPU, and the prefetch hint, whose intrinsic takes a raw
-/// address: no safe SIMD crate wraps `vpdpbusd` (pulp's tokens stop at
-/// AVX-512's base sets), and F16C, which reads the eight scales at once,
-/// is not part of pulp's x86-64-v3 token. Issue 12 allows `unsafe` here,
-/// with a safety comment and tests of the bits against the scalar path.
+/// on this CPU, the prefetch hint, whose intrinsic takes a raw address,
+/// and the AVX-512 path's 64-byte loads from bounds-checked slices: no
+/// safe SIMD crate wraps `vpdpbusd` (pulp's tokens stop at AVX-512's base
+/// sets), and F16C, which reads a group's scales at once, is not part of
+/// pulp's x86-64-v3 token. Issue 12 allows `unsafe` here, with a safety
+/// comment and tests of the bits against the scalar path.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 pub(super) mod simd {
-    use super::{GROUP, Grouped, SCALES};
+    use super::{CHUNK, GROUP, Grouped, SCALES};
     use crate::kernels::ActivationBlock;
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
 
-    /// Which loop this CPU runs.
+    /// Which loop this CPU runs, from the least to the most it asks of it.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub(in crate::kernels) enum Path {
-        /// AVX2, FMA and F16C.
+        /// AVX2, FMA and F16C, on each half of a group in turn.
         Avx2,
         /// And AVX-VNNI.
         Vnni,
+        /// AVX2, FMA, F16C and AVX-512 (F, BW, VNNI): a register holds
+        /// four quants of each of the group's sixteen rows, so one
+        /// `vpdpbusd` does 64 products for sixteen outputs.
+        Avx512,
     }
 
     /// The best path this CPU has, detected once.
@@ -321,12 +329,34 @@ pub(super) mod simd {
             let base = is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c");
-            match (base, is_x86_feature_detected!("avxvnni")) {
-                (false, _) => None,
-                (true, false) => Some(Path::Avx2),
-                (true, true) => Some(Path::Vnni),
+            let avx512 = is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni");
+            match (base, avx512, is_x86_feature_detected!("avxvnni")) {
+                (false, _, _) => None,
+                (true, true, _) => Some(Path::Avx512),
+                (true, false, true) => Some(Path::Vnni),
+                (true, false, false) => Some(Path::Avx2),
             }
         })
+    }
+
+    /// Every path this CPU can run, for the tests that hold each to the
+    /// scalar path's bits.
+    #[cfg(test)]
+    pub(in crate::kernels) fn available() -> Vec<Path> {
+        let Some(best) = detected() else {
+            return Vec::new();
+        };
+        let mut paths = vec![Path::Avx2];
+        // A CPU with AVX-512 VNNI need not have AVX-VNNI (Ice Lake has not).
+        if is_x86_feature_detected!("avxvnni") {
+            paths.push(Path::Vnni);
+        }
+        if best == Path::Avx512 {
+            paths.push(Path::Avx512);
+        }
+        paths
     }
 
     /// `group_dots` on `path` if this CPU has it, else on the best path
@@ -339,16 +369,31 @@ pub(super) mod simd {
     ) -> [[f32; GROUP]; N] {
         let available = detected();
         match path {
-            // SAFETY: `dots_vnni` enables AVX2, FMA, F16C and AVX-VNNI;
-            // `detected()` found all four on this CPU.
-            Path::Vnni if available == Some(Path::Vnni) => unsafe {
-                dots_vnni::<F, N>(group, activations, prefetch)
+            // SAFETY: `dots_avx512` enables AVX2, FMA, F16C, AVX-512F,
+            // AVX-512BW and AVX-512 VNNI; `detected()` found all six on
+            // this CPU (it says `Avx512` only then).
+            Path::Avx512 if available == Some(Path::Avx512) => unsafe {
+                dots_avx512::<F, N>(group, activations, prefetch)
             },
+            // SAFETY: `dots_vnni` enables AVX2, FMA, F16C and AVX-VNNI:
+            // `detected()` found the first three (it is `Some` only then)
+            // and the fourth is checked here.
+            Path::Vnni | Path::Avx512
+                if available.is_some() && is_x86_feature_detected!("avxvnni") =>
+            unsafe { dots_vnni::<F, N>(group, activations, prefetch) },
             // SAFETY: `dots_avx2` enables AVX2, FMA and F16C; `detected()`
             // found them on this CPU (it is `Some` only then).
             _ if available.is_some() => unsafe { dots_avx2::<F, N>(group, activations, prefetch) },
             _ => activations.map(|a| std::array::from_fn(|r| super::dot_scalar::<F>(group, r, a))),
         }
+    }
+
+    /// A group's two halves of eight rows, one after the other.
+    fn halves<const N: usize>(
+        mut half: impl FnMut(usize) -> [[f32; GROUP / 2]; N],
+    ) -> [[f32; GROUP]; N] {
+        let (low, high) = (half(0), half(1));
+        std::array::from_fn(|r| std::array::from_fn(|i| [low[r], high[r]].as_flattened()[i]))
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
@@ -358,21 +403,24 @@ pub(super) mod simd {
         prefetch: bool,
     ) -> [[f32; GROUP]; N] {
         let sign_bit = _mm256_set1_epi8(0x80u8 as i8);
-        dots::<F, N>(
-            group,
-            activations,
-            prefetch,
-            F::OFFSET,
-            // Q8_0's signed bytes plus 128: the sign bit flipped.
-            |weights| {
-                if F::EIGHT_BITS {
-                    _mm256_xor_si256(weights, sign_bit)
-                } else {
-                    weights
-                }
-            },
-            |sum, weights, activation| _mm256_dpbusd_avx_epi32(sum, weights, activation),
-        )
+        halves(|half| {
+            dots::<F, N>(
+                group,
+                half,
+                activations,
+                prefetch && half == 0,
+                F::OFFSET,
+                // Q8_0's signed bytes plus 128: the sign bit flipped.
+                |weights| {
+                    if F::EIGHT_BITS {
+                        _mm256_xor_si256(weights, sign_bit)
+                    } else {
+                        weights
+                    }
+                },
+                |sum, weights, activation| _mm256_dpbusd_avx_epi32(sum, weights, activation),
+            )
+        })
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -388,24 +436,27 @@ pub(super) mod simd {
         // (at most 128) times the activation with the weight's sign
         // (32,512 at most), and needs no offset.
         let offset = if F::EIGHT_BITS { 0 } else { F::OFFSET };
-        dots::<F, N>(
-            group,
-            activations,
-            prefetch,
-            offset,
-            |weights| weights,
-            |sum, weights, activation| {
-                let pairs = if F::EIGHT_BITS {
-                    _mm256_maddubs_epi16(
-                        _mm256_sign_epi8(weights, weights),
-                        _mm256_sign_epi8(activation, weights),
-                    )
-                } else {
-                    _mm256_maddubs_epi16(weights, activation)
-                };
-                _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones))
-            },
-        )
+        halves(|half| {
+            dots::<F, N>(
+                group,
+                half,
+                activations,
+                prefetch && half == 0,
+                offset,
+                |weights| weights,
+                |sum, weights, activation| {
+                    let pairs = if F::EIGHT_BITS {
+                        _mm256_maddubs_epi16(
+                            _mm256_sign_epi8(weights, weights),
+                            _mm256_sign_epi8(activation, weights),
+                        )
+                    } else {
+                        _mm256_maddubs_epi16(weights, activation)
+                    };
+                    _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones))
+                },
+            )
+        })
     }
 
     /// Asks for the bytes `PREFETCH_AHEAD` past `block` of `group`. A
@@ -436,6 +487,16 @@ pub(super) mod simd {
         bytemuck::cast(array)
     }
 
+    /// The first 64 bytes of `bytes` (which must hold them).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn load_64(bytes: &[u8]) -> __m512i {
+        let bytes = &bytes[..64];
+        // SAFETY: `bytes` holds 64 bytes (the slice above panics if not),
+        // and an unaligned load reads exactly those; AVX-512F is enabled.
+        unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) }
+    }
+
     /// Eight f16 values as f32.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
@@ -445,30 +506,36 @@ pub(super) mod simd {
         _mm256_cvtph_ps(bytemuck::cast(array))
     }
 
-    /// The loop both paths share: `prepare` turns a register of weight
-    /// bytes into what `dot` takes, `dot` adds four weight bytes times four
+    /// The loop the 256-bit paths share, over the group's rows
+    /// `8 * half..8 * half + 8`: `prepare` turns a register of weight bytes
+    /// into what `dot` takes, `dot` adds four weight bytes times four
     /// activation bytes into each i32 lane, and each lane starts at
     /// `-offset` times the activation quants' sum.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     fn dots<F: Grouped, const N: usize>(
         group: &[u8],
+        half: usize,
         activations: [&[ActivationBlock]; N],
         prefetch: bool,
         offset: i32,
         prepare: impl Fn(__m256i) -> __m256i,
         dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
-    ) -> [[f32; GROUP]; N] {
+    ) -> [[f32; GROUP / 2]; N] {
         let low_nibble = _mm256_set1_epi8(0x0F);
         let fifth_bit = _mm256_set1_epi8(0x10);
+        // Where this half's bytes start in a scale or minimum list, and
+        // in a chunk.
+        let (values, chunk) = (2 * (GROUP / 2) * half, 4 * (GROUP / 2) * half);
         let mut acc = [_mm256_setzero_ps(); N];
         for (b, block) in group.chunks_exact(F::GROUP_BLOCK_BYTES).enumerate() {
             if prefetch {
                 prefetch_ahead(group, b * F::GROUP_BLOCK_BYTES, F::GROUP_BLOCK_BYTES);
             }
-            let scales = eight_f16(&block[SCALES..]);
+            let scales = eight_f16(&block[SCALES + values..]);
             let high = if F::FIVE_BITS {
-                load_32(&block[F::HIGH..])
+                load_32(&block[F::HIGH + chunk..])
             } else {
                 _mm256_setzero_si256()
             };
@@ -481,12 +548,12 @@ pub(super) mod simd {
                 // every row.
                 let (mut first, mut second);
                 if F::EIGHT_BITS {
-                    first = load_32(&block[F::NIBBLES + 32 * c..]);
-                    second = load_32(&block[F::NIBBLES + 32 * (c + 4)..]);
+                    first = load_32(&block[F::NIBBLES + CHUNK * c + chunk..]);
+                    second = load_32(&block[F::NIBBLES + CHUNK * (c + 4) + chunk..]);
                 } else {
-                    let chunk = load_32(&block[F::NIBBLES + 32 * c..]);
-                    first = _mm256_and_si256(chunk, low_nibble);
-                    second = _mm256_and_si256(_mm256_srli_epi16::<4>(chunk), low_nibble);
+                    let nibbles = load_32(&block[F::NIBBLES + CHUNK * c + chunk..]);
+                    first = _mm256_and_si256(nibbles, low_nibble);
+                    second = _mm256_and_si256(_mm256_srli_epi16::<4>(nibbles), low_nibble);
                 }
                 if F::FIVE_BITS {
                     // Quants 4c.. take bit c of the high bytes, quants 16 +
@@ -515,7 +582,7 @@ pub(super) mod simd {
                 }
             }
             let mins = if F::HAS_MIN {
-                eight_f16(&block[F::MINS..])
+                eight_f16(&block[F::MINS + values..])
             } else {
                 _mm256_setzero_ps()
             };
@@ -529,6 +596,99 @@ pub(super) mod simd {
             }
         }
         acc.map(bytemuck::cast)
+    }
+
+    /// The loop of `dots` on 512-bit registers, all sixteen rows at once:
+    /// each i32 lane is a row's, and takes four of its quants times the
+    /// same four activation quants (broadcast from memory, so no shuffle).
+    /// Two chains of integer sums per input row (quants `4c..` and
+    /// `16 + 4c..`; Q8_0's chunks `j < 4` and `j >= 4`) meet at the block's
+    /// end: each output gets the exact `isum` of the other paths and the
+    /// same float operations after it, so the same bits.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    fn dots_avx512<F: Grouped, const N: usize>(
+        group: &[u8],
+        activations: [&[ActivationBlock]; N],
+        prefetch: bool,
+    ) -> [[f32; GROUP]; N] {
+        let low_nibble = _mm512_set1_epi8(0x0F);
+        let fifth_bit = _mm512_set1_epi8(0x10);
+        let sign_bit = _mm512_set1_epi8(0x80u8 as i8);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for (b, block) in group.chunks_exact(F::GROUP_BLOCK_BYTES).enumerate() {
+            if prefetch {
+                prefetch_ahead(group, b * F::GROUP_BLOCK_BYTES, F::GROUP_BLOCK_BYTES);
+            }
+            let high = if F::FIVE_BITS {
+                load_64(&block[F::HIGH..])
+            } else {
+                _mm512_setzero_si512()
+            };
+            let mut firsts: [__m512i; N] =
+                std::array::from_fn(|r| _mm512_set1_epi32(-F::OFFSET * activations[r][b].sum));
+            let mut seconds = [_mm512_setzero_si512(); N];
+            let words: [&[i32; 8]; N] =
+                std::array::from_fn(|r| bytemuck::cast_ref(&activations[r][b].qs));
+            for c in 0..4 {
+                let (mut first, mut second);
+                if F::EIGHT_BITS {
+                    first = _mm512_xor_si512(load_64(&block[F::NIBBLES + CHUNK * c..]), sign_bit);
+                    second =
+                        _mm512_xor_si512(load_64(&block[F::NIBBLES + CHUNK * (c + 4)..]), sign_bit);
+                } else {
+                    let nibbles = load_64(&block[F::NIBBLES + CHUNK * c..]);
+                    first = _mm512_and_si512(nibbles, low_nibble);
+                    second = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), low_nibble);
+                }
+                if F::FIVE_BITS {
+                    // As in `dots`.
+                    first = _mm512_or_si512(
+                        first,
+                        _mm512_and_si512(
+                            _mm512_sll_epi16(high, _mm_cvtsi32_si128(4 - c as i32)),
+                            fifth_bit,
+                        ),
+                    );
+                    second = _mm512_or_si512(
+                        second,
+                        _mm512_and_si512(
+                            _mm512_srl_epi16(high, _mm_cvtsi32_si128(c as i32)),
+                            fifth_bit,
+                        ),
+                    );
+                }
+                for r in 0..N {
+                    firsts[r] =
+                        _mm512_dpbusd_epi32(firsts[r], first, _mm512_set1_epi32(words[r][c]));
+                    seconds[r] =
+                        _mm512_dpbusd_epi32(seconds[r], second, _mm512_set1_epi32(words[r][c + 4]));
+                }
+            }
+            let scales = _mm512_cvtph_ps(load_32(&block[SCALES..]));
+            let mins = if F::HAS_MIN {
+                _mm512_cvtph_ps(load_32(&block[F::MINS..]))
+            } else {
+                _mm512_setzero_ps()
+            };
+            for r in 0..N {
+                let a = &activations[r][b];
+                let isum = _mm512_add_epi32(firsts[r], seconds[r]);
+                let scale = _mm512_mul_ps(scales, _mm512_set1_ps(a.d));
+                acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[r]);
+                if F::HAS_MIN {
+                    acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.s), acc[r]);
+                }
+            }
+        }
+        acc.map(|acc| {
+            let halves: [[f32; GROUP / 2]; 2] = [
+                bytemuck::cast(_mm512_castps512_ps256(acc)),
+                bytemuck::cast(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                    _mm512_castps_pd(acc),
+                ))),
+            ];
+            std::array::from_fn(|i| halves.as_flattened()[i])
+        })
     }
 }
 
@@ -617,7 +777,7 @@ mod tests {
     #[test]
     fn simd_and_scalar_paths_agree() {
         fn check<F: Grouped>() {
-            let (rows, cols) = (13, 160);
+            let (rows, cols) = (29, 160);
             let q = stored::<F>(rows, cols, 9);
             let mut grouped = grouped_vec::<F>(&q.data().unwrap(), rows, cols / BLOCK_ELEMS);
             if F::EIGHT_BITS {
@@ -625,22 +785,19 @@ mod tests {
                 // the AVX2 path takes its magnitude, 128, as an unsigned
                 // byte.
                 for j in 0..8 {
-                    grouped[F::NIBBLES + 32 * j..][..4].fill(0x80);
+                    grouped[F::NIBBLES + CHUNK * j..][..4].fill(0x80);
                 }
             }
             let inputs = activations(4, cols);
             let group_bytes = cols / BLOCK_ELEMS * F::GROUP_BLOCK_BYTES;
             #[cfg(target_arch = "x86_64")]
-            let paths: Vec<simd::Path> = match simd::detected() {
-                None => {
-                    eprintln!(
-                        "SKIP the SIMD half of simd_and_scalar_paths_agree: no AVX2, FMA and F16C"
-                    );
-                    Vec::new()
-                }
-                Some(simd::Path::Avx2) => vec![simd::Path::Avx2],
-                Some(simd::Path::Vnni) => vec![simd::Path::Avx2, simd::Path::Vnni],
-            };
+            let paths = simd::available();
+            #[cfg(target_arch = "x86_64")]
+            if paths.is_empty() {
+                eprintln!(
+                    "SKIP the SIMD half of simd_and_scalar_paths_agree: no AVX2, FMA and F16C"
+                );
+            }
             for group in grouped.chunks_exact(group_bytes) {
                 let scalar: Vec<[f32; GROUP]> = inputs
                     .iter()
