@@ -11,6 +11,17 @@
 //! - Q8_0: 34-byte blocks (an f16 scale `d`, 32 signed bytes). It holds
 //!   the embedding and output head of SmolLM2 and Gemma 3 (45 % of Gemma
 //!   3's decode).
+//! - Q4_K: 144-byte superblocks of 256 weights (f16 `d` and `dmin`, eight
+//!   6-bit scales and minimums packed in 12 bytes, 128 bytes of 4-bit
+//!   quants); the weight is `d * sc * q - dmin * m`, `sc` and `m` those of
+//!   its 32-weight sub-block.
+//! - Q6_K: 210-byte superblocks of 256 weights (128 bytes of low nibbles,
+//!   64 of high bit pairs, sixteen signed 8-bit scales, an f16 `d`); the
+//!   weight is `d * sc * (q - 32)`, `sc` that of its 16 weights.
+//!
+//! candle repacks Q4_K and Q6_K into tiles of its own on first use and
+//! keeps the stored blocks too, so a Q4_K_M stage held its K-quants twice
+//! (Gemma 3's middle third at 1.87x its weights).
 //!
 //! candle's dot products for Q4_1 and Q5_0 are scalar, 5x slower than its
 //! Q8_0 one, which is why the engine used to requantize Q4_1 to Q8_0: 1.7x
@@ -20,7 +31,9 @@
 //!
 //! Every activation row is quantized to 8-bit blocks as llama.cpp's
 //! `quantize_row_q8_1` does (an f16 scale, the f16 of scale times the
-//! quants' sum, 32 signed bytes, rounded half to even). The weights are
+//! quants' sum, 32 signed bytes, rounded half to even), and for the
+//! K-quants as its `quantize_row_q8_K` does (one f32 scale per 256
+//! values, as llama.cpp's K-quant dot products take them). The weights are
 //! held as groups of sixteen rows (module `grouped`: the file's bytes
 //! rearranged once at load), so that one instruction multiplies four
 //! quants of each of sixteen rows (eight without AVX-512) by four
@@ -60,6 +73,8 @@ pub enum BlockFormat {
     Q4_1,
     Q5_0,
     Q8_0,
+    Q4K,
+    Q6K,
 }
 
 impl BlockFormat {
@@ -72,6 +87,8 @@ impl BlockFormat {
             BlockFormat::Q4_1 => GgmlDType::Q4_1,
             BlockFormat::Q5_0 => GgmlDType::Q5_0,
             BlockFormat::Q8_0 => GgmlDType::Q8_0,
+            BlockFormat::Q4K => GgmlDType::Q4K,
+            BlockFormat::Q6K => GgmlDType::Q6K,
         }
     }
 
@@ -82,6 +99,16 @@ impl BlockFormat {
             BlockFormat::Q4_1 => 20,
             BlockFormat::Q5_0 => 22,
             BlockFormat::Q8_0 => 34,
+            BlockFormat::Q4K => 144,
+            BlockFormat::Q6K => 210,
+        }
+    }
+
+    /// Weights of one stored block.
+    pub const fn block_elems(self) -> usize {
+        match self {
+            BlockFormat::Q4K | BlockFormat::Q6K => 256,
+            _ => BLOCK_ELEMS,
         }
     }
 }
@@ -89,7 +116,7 @@ impl BlockFormat {
 /// Why a matrix could not be built from stored bytes, or run.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KernelError {
-    #[error("a {format:?} row of {cols} weights is not a whole number of 32-weight blocks")]
+    #[error("a {format:?} row of {cols} weights is not a whole number of its blocks")]
     RaggedRow { format: BlockFormat, cols: usize },
     #[error("a {rows}x{cols} {format:?} matrix holds {expected} bytes, not {actual}")]
     WrongSize {
@@ -126,8 +153,10 @@ enum Storage {
 }
 
 /// One activation block, quantized as llama.cpp's `quantize_row_q8_1` does
-/// (its `quantize_row_q8_0` gives the same `d` and quants, without `s`).
-/// `d` and `s` are held as the f32 values of their f16 roundings.
+/// (its `quantize_row_q8_0` gives the same `d` and quants, without `s`):
+/// `d` and `s` are held as the f32 values of their f16 roundings. For the
+/// K-quants, as its `quantize_row_q8_K` does (`quantize_activations_k`):
+/// `d` an f32 shared by a superblock's eight blocks.
 #[derive(Debug, Clone, Copy)]
 struct ActivationBlock {
     d: f32,
@@ -135,6 +164,8 @@ struct ActivationBlock {
     qs: [i8; BLOCK_ELEMS],
     /// The quants' sum.
     sum: i32,
+    /// The sum of the first 16 quants (Q6_K's scales change every 16).
+    half_sum: i32,
 }
 
 impl BlockMatrix {
@@ -189,10 +220,10 @@ impl BlockMatrix {
     /// needs of weight pages (`WeightPages::room_for`).
     pub fn grouped_bytes(format: BlockFormat, rows: usize, cols: usize) -> usize {
         // The shape may come from an untrusted file's index.
-        let row_bytes = (cols / BLOCK_ELEMS).saturating_mul(format.block_bytes());
+        let row_blocks = cols / format.block_elems();
         rows.div_ceil(grouped::GROUP)
-            .saturating_mul(grouped::GROUP)
-            .saturating_mul(row_bytes)
+            .saturating_mul(row_blocks)
+            .saturating_mul(grouped::group_block_bytes(format))
     }
 
     /// Whether the blocks are held in weight pages rather than the heap.
@@ -225,13 +256,15 @@ impl BlockMatrix {
     /// reads a token's row from.
     pub fn rows_blocks(&self, rows: &[usize]) -> Result<Vec<u8>, KernelError> {
         let blocks = self.blocks().ok_or(KernelError::Unsealed)?;
-        let row_bytes = self.cols / BLOCK_ELEMS * self.format.block_bytes();
-        let mut out = Vec::with_capacity(rows.len() * row_bytes);
+        let row_blocks = self.cols / self.format.block_elems();
+        let mut out = Vec::with_capacity(rows.len() * row_blocks * self.format.block_bytes());
         let stored_row = match self.format {
             BlockFormat::Q4_0 => grouped::stored_row::<grouped::Q4_0>,
             BlockFormat::Q4_1 => grouped::stored_row::<grouped::Q4_1>,
             BlockFormat::Q5_0 => grouped::stored_row::<grouped::Q5_0>,
             BlockFormat::Q8_0 => grouped::stored_row::<grouped::Q8_0>,
+            BlockFormat::Q4K => grouped::stored_row::<grouped::Q4K>,
+            BlockFormat::Q6K => grouped::stored_row::<grouped::Q6K>,
         };
         for &row in rows {
             if row >= self.rows {
@@ -240,7 +273,7 @@ impl BlockMatrix {
                     rows: self.rows,
                 });
             }
-            stored_row(blocks, row, self.cols / BLOCK_ELEMS, &mut out);
+            stored_row(blocks, row, row_blocks, &mut out);
         }
         Ok(out)
     }
@@ -277,6 +310,8 @@ impl BlockMatrix {
             BlockFormat::Q4_1 => self.matmul_grouped::<grouped::Q4_1>(blocks, input),
             BlockFormat::Q5_0 => self.matmul_grouped::<grouped::Q5_0>(blocks, input),
             BlockFormat::Q8_0 => self.matmul_grouped::<grouped::Q8_0>(blocks, input),
+            BlockFormat::Q4K => self.matmul_grouped::<grouped::Q4K>(blocks, input),
+            BlockFormat::Q6K => self.matmul_grouped::<grouped::Q6K>(blocks, input),
         })
     }
 
@@ -290,9 +325,13 @@ impl BlockMatrix {
         let row_blocks = self.cols / BLOCK_ELEMS;
         let mut activations = Vec::with_capacity(m * row_blocks);
         for row in input.chunks_exact(self.cols) {
-            quantize_activations(row, &mut activations);
+            if F::SUB_BLOCKS > 1 {
+                quantize_activations_k(row, &mut activations);
+            } else {
+                quantize_activations(row, &mut activations);
+            }
         }
-        let group_bytes = row_blocks * F::GROUP_BLOCK_BYTES;
+        let group_bytes = self.cols / F::FORMAT.block_elems() * F::GROUP_BLOCK_BYTES;
         let groups = self.rows.div_ceil(grouped::GROUP);
         // Outputs group major (`[group][input row][lane]`), so that each
         // piece of work owns one contiguous run of them, then laid out.
@@ -364,10 +403,10 @@ fn grouped_len(
     cols: usize,
     stored_len: usize,
 ) -> Result<usize, KernelError> {
-    if !cols.is_multiple_of(BLOCK_ELEMS) {
+    if !cols.is_multiple_of(format.block_elems()) {
         return Err(KernelError::RaggedRow { format, cols });
     }
-    let expected = (cols / BLOCK_ELEMS)
+    let expected = (cols / format.block_elems())
         .checked_mul(format.block_bytes())
         .and_then(|row_bytes| rows.checked_mul(row_bytes));
     if expected != Some(stored_len) {
@@ -386,12 +425,14 @@ fn grouped_len(
 
 /// Group checked stored blocks into `out` (zeroed, `grouped_len` bytes).
 fn group_rows(format: BlockFormat, stored: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
-    let row_blocks = cols / BLOCK_ELEMS;
+    let row_blocks = cols / format.block_elems();
     match format {
         BlockFormat::Q4_0 => grouped::group_rows::<grouped::Q4_0>(stored, rows, row_blocks, out),
         BlockFormat::Q4_1 => grouped::group_rows::<grouped::Q4_1>(stored, rows, row_blocks, out),
         BlockFormat::Q5_0 => grouped::group_rows::<grouped::Q5_0>(stored, rows, row_blocks, out),
         BlockFormat::Q8_0 => grouped::group_rows::<grouped::Q8_0>(stored, rows, row_blocks, out),
+        BlockFormat::Q4K => grouped::group_rows::<grouped::Q4K>(stored, rows, row_blocks, out),
+        BlockFormat::Q6K => grouped::group_rows::<grouped::Q6K>(stored, rows, row_blocks, out),
     }
 }
 
@@ -480,7 +521,43 @@ fn quantize_activations(row: &[f32], out: &mut Vec<ActivationBlock>) {
             s: f16::from_f32(d * sum as f32).to_f32(),
             qs,
             sum,
+            half_sum: qs[..BLOCK_ELEMS / 2].iter().map(|q| i32::from(*q)).sum(),
         });
+    }
+}
+
+/// Append one row's activation blocks (`row.len()` a multiple of 256) as
+/// llama.cpp quantizes them for the K-quants' dot products
+/// (`quantize_row_q8_K`): one f32 scale for each 256 values, the value of
+/// largest magnitude over -127 (so it may be negative), shared by their
+/// eight blocks, and quants rounded half to even. A run whose inverse
+/// scale is not finite (all zeros, or below about 1e-36) adds 0.
+fn quantize_activations_k(row: &[f32], out: &mut Vec<ActivationBlock>) {
+    const SUPER: usize = 256;
+    for values in row.chunks_exact(SUPER) {
+        let max = values
+            .iter()
+            .fold(0f32, |max, v| if v.abs() > max.abs() { *v } else { max });
+        let inverse = match -127.0 / max {
+            inverse if max != 0.0 && inverse.is_finite() => inverse,
+            _ => 0.0,
+        };
+        let d = if inverse == 0.0 { 0.0 } else { 1.0 / inverse };
+        for values in values.chunks_exact(BLOCK_ELEMS) {
+            let mut qs = [0i8; BLOCK_ELEMS];
+            for (q, v) in qs.iter_mut().zip(values) {
+                // |v| <= |max|, so |v * inverse| rounds to at most 127.
+                *q = (v * inverse).round_ties_even().clamp(-127.0, 127.0) as i8;
+            }
+            let sum = qs.iter().map(|q| i32::from(*q)).sum::<i32>();
+            out.push(ActivationBlock {
+                d,
+                s: d * sum as f32,
+                qs,
+                sum,
+                half_sum: qs[..BLOCK_ELEMS / 2].iter().map(|q| i32::from(*q)).sum(),
+            });
+        }
     }
 }
 
@@ -491,12 +568,19 @@ mod tests {
     use candle_core::{Device, Tensor};
     use proptest::prelude::*;
 
-    const FORMATS: [BlockFormat; 4] = [
+    const FORMATS: [BlockFormat; 6] = [
         BlockFormat::Q4_0,
         BlockFormat::Q4_1,
         BlockFormat::Q5_0,
         BlockFormat::Q8_0,
+        BlockFormat::Q4K,
+        BlockFormat::Q6K,
     ];
+
+    /// A row width of three blocks of `format`.
+    fn three_blocks(format: BlockFormat) -> usize {
+        3 * format.block_elems()
+    }
 
     /// `rows x cols` seeded weights, quantized to `format` by candle.
     pub(super) fn quantized(format: BlockFormat, rows: usize, cols: usize, seed: u64) -> QTensor {
@@ -523,7 +607,7 @@ mod tests {
         for format in FORMATS {
             // A last group of five rows; five input rows, four of them
             // through the four-row path.
-            let (rows, cols, m) = (37, 96, 5);
+            let (rows, cols, m) = (37, three_blocks(format), 5);
             let (q, matrix) = stored(format, rows, cols, 7);
             let dense = q
                 .dequantize(&Device::Cpu)
@@ -563,7 +647,7 @@ mod tests {
     #[test]
     fn paged_matrices_give_the_heap_bits_once_sealed() {
         for format in FORMATS {
-            let (rows, cols) = (37, 96);
+            let (rows, cols) = (37, three_blocks(format));
             let (q, heap) = stored(format, rows, cols, 11);
             let (q2, heap2) = stored(format, rows, cols, 12);
             let room = WeightPages::room_for(BlockMatrix::grouped_bytes(format, rows, cols));
@@ -619,8 +703,12 @@ mod tests {
     #[test]
     fn empty_shapes_run() {
         for format in FORMATS {
-            let no_rows = BlockMatrix::new(format, 0, 64, Vec::new()).unwrap();
-            assert_eq!(no_rows.matmul(&[0.5; 128]).unwrap(), Vec::<f32>::new());
+            let cols = format.block_elems();
+            let no_rows = BlockMatrix::new(format, 0, cols, Vec::new()).unwrap();
+            assert_eq!(
+                no_rows.matmul(&vec![0.5; 2 * cols]).unwrap(),
+                Vec::<f32>::new()
+            );
             let no_cols = BlockMatrix::new(format, 3, 0, Vec::new()).unwrap();
             assert!(no_cols.matmul(&[0.5; 4]).is_err());
             assert_eq!(no_cols.rows_blocks(&[2]), Ok(Vec::new()));
@@ -663,10 +751,10 @@ mod tests {
         fn steps_are_independent(
             steps in proptest::collection::vec(prop_oneof![Just(1usize), 1usize..12], 1..8),
             seed in any::<u64>(),
-            which in 0usize..4,
+            which in 0usize..6,
         ) {
             let format = FORMATS[which];
-            let (rows, cols) = (37, 64);
+            let (rows, cols) = (37, 2 * format.block_elems());
             let (_, matrix) = stored(format, rows, cols, seed);
             let m: usize = steps.iter().sum();
             let input: Vec<f32> = (0..m * cols)
@@ -685,14 +773,15 @@ mod tests {
         /// give an answer of the right length and no panic.
         #[test]
         fn never_panics(
-            blocks in proptest::collection::vec(any::<u8>(), 3 * 2 * 34),
-            input in proptest::collection::vec(-1e30f32..1e30, 64),
-            which in 0usize..4,
+            blocks in proptest::collection::vec(any::<u8>(), 3 * 210),
+            input in proptest::collection::vec(-1e30f32..1e30, 256),
+            which in 0usize..6,
         ) {
             let format = FORMATS[which];
-            let bytes = blocks[..3 * 2 * format.block_bytes()].to_vec();
-            let matrix = BlockMatrix::new(format, 3, 64, bytes).unwrap();
-            let out = matrix.matmul(&input).unwrap();
+            let cols = format.block_elems().max(64);
+            let bytes = blocks[..3 * cols / format.block_elems() * format.block_bytes()].to_vec();
+            let matrix = BlockMatrix::new(format, 3, cols, bytes).unwrap();
+            let out = matrix.matmul(&input[..cols]).unwrap();
             prop_assert_eq!(out.len(), 3);
         }
     }

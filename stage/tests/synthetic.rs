@@ -201,7 +201,7 @@ fn every_supported_quantization_loads_and_runs() {
 
 /// Every matrix on the engine's own kernels is grouped into the slice's
 /// weight pages (none spills to the heap: the reservation covers them
-/// all); those on candle's kernels (K-quants, Q8_0 that candle tiles), and
+/// all); those on candle's kernels (Q5_K, Q8_0 that candle tiles), and
 /// every matrix on the route a GPU takes, are not.
 #[test]
 fn own_kernel_matrices_live_in_the_slices_weight_pages() {
@@ -211,6 +211,8 @@ fn own_kernel_matrices_live_in_the_slices_weight_pages() {
         GgmlDType::Q4_0,
         GgmlDType::Q8_0,
         GgmlDType::Q4K,
+        GgmlDType::Q6K,
+        GgmlDType::Q5K,
     ];
     let (_dir, model) = model(&types);
     for dtype in types {
@@ -219,11 +221,11 @@ fn own_kernel_matrices_live_in_the_slices_weight_pages() {
         let gpu_route = handle.load_slice_with(2..4, common::CANDLE_ONLY).unwrap();
         assert_eq!(gpu_route.paged_weight_bytes(), 0, "{dtype:?}");
         // Two blocks' two f32 norms are all the middle slice holds besides
-        // its matrices, whose row counts are whole groups of eight.
+        // its matrices, whose row counts are whole groups of sixteen.
         let norms = 2 * 2 * handle.config().hidden * 4;
         let paged = match dtype {
             // Every matrix of the synthetic model is a shape candle tiles.
-            GgmlDType::Q4K | GgmlDType::Q8_0 => 0,
+            GgmlDType::Q5K | GgmlDType::Q8_0 => 0,
             _ => own.weight_bytes() - norms,
         };
         assert_eq!(own.paged_weight_bytes(), paged, "{dtype:?}");

@@ -286,19 +286,28 @@ pub fn resident_bytes() -> Option<u64> {
 }
 
 /// `mesh-node bench kernels`: each block format on the engine's kernel and
-/// on candle's, on the same stored blocks, at SmolLM2's shapes: one decode
-/// row, batches of two to four decode rows, and a 64-row prompt (one step).
+/// on candle's, on the same stored blocks: the 32-weight formats at
+/// SmolLM2's shapes, the K-quants at Gemma 3's (their rows are whole
+/// 256-weight superblocks); one decode row, batches of two to four decode
+/// rows, and a 64-row prompt (one step).
 pub fn bench_kernels() -> anyhow::Result<serde_json::Value> {
     use mesh_stage::kernels::{BlockFormat, time_against_candle};
-    let shapes = [(1536, 576), (576, 1536), (49_152, 576)];
+    let smollm2 = [(1536, 576), (576, 1536), (49_152, 576)];
+    let gemma3 = [(640, 2048), (640, 1024)];
     let mut rows = Vec::new();
     for format in [
         BlockFormat::Q4_0,
         BlockFormat::Q4_1,
         BlockFormat::Q5_0,
         BlockFormat::Q8_0,
+        BlockFormat::Q4K,
+        BlockFormat::Q6K,
     ] {
-        for shape in shapes {
+        let shapes: &[(usize, usize)] = match format {
+            BlockFormat::Q4K | BlockFormat::Q6K => &gemma3,
+            _ => &smollm2,
+        };
+        for &shape in shapes {
             for m in [1usize, 2, 3, 4, 64] {
                 // About 0.2 s of each kernel per figure.
                 let work = shape.0 * shape.1 * m;

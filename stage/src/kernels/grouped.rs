@@ -1,6 +1,8 @@
-//! Q4_0, Q4_1, Q5_0 and Q8_0 matrices held as groups of sixteen weight
-//! rows, so that one SIMD instruction works on eight or sixteen outputs at
-//! once (docs/engine.md).
+//! Matrices held as groups of sixteen weight rows, so that one SIMD
+//! instruction works on eight or sixteen outputs at once (docs/engine.md):
+//! Q4_0, Q4_1, Q5_0 and Q8_0 (blocks of 32 weights), and Q4_K and Q6_K
+//! (superblocks of 256 weights, eight sub-blocks of 32 with their own
+//! scales).
 //!
 //! A row-by-row kernel (the engine's until 2026-12-03) spends, per
 //! 32-weight block and activation row, about seven instructions on 32
@@ -11,26 +13,43 @@
 //! quants (broadcast), so one `vpdpbusd` does 64 products for sixteen
 //! outputs on AVX-512, and 32 for eight on AVX-VNNI (`maddubs` and `madd`
 //! on AVX2), which take a group as two halves of eight rows; the
-//! conversion, scale and add happen once per block for all of them.
+//! conversion, scale and add happen once per 32 weights for all of them.
 //!
-//! A group's block is the sixteen stored blocks' bytes rearranged, not
-//! widened: the sixteen f16 scales, the sixteen f16 minimums (Q4_1), four
-//! 64-byte chunks of nibbles (chunk `c`, byte `4r + t`: row `r`'s quant
-//! `4c + t` in the low nibble, quant `16 + 4c + t` in the high one), and
-//! for Q5_0 64 bytes of fifth bits (byte `4r + t`, bit `j`: the fifth bit
-//! of row `r`'s quant `4j + t`); Q8_0's block is the scales and eight
-//! 64-byte chunks of its signed quants (chunk `j`, byte `4r + t`: row `r`'s
-//! quant `4j + t`). So a chunk's first 32 bytes are rows 0-7, its last 32
-//! rows 8-15. A last group short of sixteen rows is filled with zero
-//! blocks (scale 0), which add nothing and are never read out.
+//! A group's block is its sixteen rows' stored blocks rearranged, not
+//! widened: a header, then one run of quants per 32-weight sub-block (one
+//! for the 32-weight formats, eight for the K-quants).
 //!
-//! Each output is, block after block, `acc = (d_w * d_a) * isum + acc`
-//! then (Q4_1) `acc = m_w * s_a + acc`, each one fused multiply-add, where
-//! `isum` is the block's exact integer product of the quants as the format
-//! means them (where a path takes the quants as unsigned bytes, each lane
-//! starts at minus the format's offset times the activation quants' sum,
-//! so the unsigned quants give the signed sum; the AVX2 path takes Q8_0's
-//! signed bytes by magnitude and sign instead, from 0).
+//! - The header: the sixteen f16 scales `d`; the sixteen f16 minimums
+//!   (Q4_1's `m`, Q4_K's `dmin`); Q4_K's 6-bit sub-block scales and
+//!   minimums unpacked to a byte each (`[sub-block][row]`); Q6_K's signed
+//!   scales of each 16 weights (`[sixteenth][row]`).
+//! - A sub-block's quants: four 64-byte chunks of nibbles (chunk `c`, byte
+//!   `4r + t`: row `r`'s quant `4c + t` in the low nibble, quant
+//!   `16 + 4c + t` in the high one); for Q5_0 then 64 bytes of fifth bits
+//!   (byte `4r + t`, bit `j`: the fifth bit of row `r`'s quant `4j + t`);
+//!   for Q6_K then two 64-byte planes of the two high bits (byte `4r + t`,
+//!   bits `2c, 2c + 1`: those of row `r`'s quant `4c + t`, in the first
+//!   plane, and of its quant `16 + 4c + t`, in the second). Q8_0's are
+//!   eight 64-byte chunks of its signed quants (chunk `j`, byte `4r + t`:
+//!   row `r`'s quant `4j + t`).
+//!
+//! So a chunk's first 32 bytes are rows 0-7 and its last 32 rows 8-15. The
+//! block is the stored bytes' size, but for Q4_K's unpacked sub-block
+//! scales (2,368 bytes for sixteen 144-byte blocks). A last group short of
+//! sixteen rows is filled with zero blocks (scale 0), which add nothing
+//! and are never read out.
+//!
+//! Each output is, sub-block after sub-block, `acc = (d_w * d_a) * isum +
+//! acc`, one fused multiply-add, where `d_w` is the row's scale (times the
+//! sub-block's scale for the K-quants, an exact product) and `isum` the
+//! exact integer product of the quants as the format means them (where a
+//! path takes the quants as unsigned bytes, each sum starts at minus the
+//! format's offset times the activation quants' sum, so the unsigned
+//! quants give the signed sum; the AVX2 path takes Q8_0's signed bytes by
+//! magnitude and sign instead, from 0). Then Q4_1 adds `m_w * s_a` and
+//! Q4_K subtracts `(dmin * m) * (d_a * sum_a)`, each one fused
+//! multiply-add; Q6_K, whose scales change every 16 weights, adds the two
+//! halves' products one after the other, each with its own scale.
 //! So an output's bits depend on its weight row and activation row alone,
 //! not on which rows share a group or a pass, and every path gives the
 //! scalar path's bits.
@@ -40,7 +59,7 @@ use half::f16;
 
 /// Weight rows per group.
 pub(super) const GROUP: usize = 16;
-/// Bytes of a chunk of a group's block: four quants of each row.
+/// Bytes of a chunk of a group's quants: four quants of each row.
 const CHUNK: usize = 4 * GROUP;
 /// How far ahead of the block it reads the first pass over a group asks
 /// for weights (bytes): measured on SmolLM2's decode, 4 to 32 KiB all gave
@@ -49,33 +68,49 @@ const CHUNK: usize = 4 * GROUP;
 const PREFETCH_AHEAD: usize = 16 * 1024;
 /// Where a group's block holds its scales.
 const SCALES: usize = 0;
+/// Where it holds its minimums (Q4_1, Q4_K).
+const MINS: usize = 2 * GROUP;
 
 /// What differs between the grouped formats.
 pub(super) trait Grouped {
     const FORMAT: BlockFormat;
-    /// How far the quants as unsigned bytes (4- and 5-bit quants as
+    /// How far the quants as unsigned bytes (4-, 5- and 6-bit quants as
     /// stored; Q8_0's with the sign bit flipped) are above the values
     /// meant.
     const OFFSET: i32;
-    /// Whether blocks carry a minimum (weight `d * q + m`).
+    /// Whether blocks carry a minimum (Q4_1: weight `d * q + m`; Q4_K:
+    /// `d * sc * q - dmin * m`).
     const HAS_MIN: bool;
-    /// Whether quants have a fifth bit.
-    const FIVE_BITS: bool;
+    /// Whether quants have a fifth bit (Q5_0).
+    const FIVE_BITS: bool = false;
+    /// Whether quants have two high bits (Q6_K).
+    const SIX_BITS: bool = false;
     /// Whether quants are whole signed bytes (Q8_0), stored as they are:
-    /// the offset (128) is applied on the way in, by the VNNI path (which
-    /// flips each byte's sign bit) and the scalar one.
+    /// the offset (128) is applied on the way in, by the VNNI paths (which
+    /// flip each byte's sign bit) and the scalar one.
     const EIGHT_BITS: bool = false;
+    /// 32-weight sub-blocks of a stored block: eight for the K-quants'
+    /// superblocks, whose sub-blocks have scales of their own.
+    const SUB_BLOCKS: usize = 1;
     /// Bytes of one stored block.
     const STORED_BYTES: usize = Self::FORMAT.block_bytes();
-    /// Bytes of one block of a group: eight stored blocks' worth.
-    const GROUP_BLOCK_BYTES: usize = GROUP * Self::STORED_BYTES;
-    const MINS: usize = 2 * GROUP;
-    /// Where the quants start: four 32-byte chunks of nibbles, or eight
-    /// of bytes.
-    const NIBBLES: usize = if Self::HAS_MIN { 4 * GROUP } else { 2 * GROUP };
-    const HIGH: usize = Self::NIBBLES + 4 * CHUNK;
-    /// Where the stored block's quant bytes start.
-    const STORED_QUANTS: usize;
+    /// Where the sub-block scales start (K-quants).
+    const SUB_SCALES: usize = 0;
+    /// Where Q4_K's sub-block minimums start.
+    const SUB_MINS: usize = 0;
+    /// Bytes of a group's block before its quants.
+    const HEADER: usize;
+    /// Bytes of a group's quants of one sub-block.
+    const SUB_BYTES: usize = CHUNK
+        * if Self::EIGHT_BITS {
+            8
+        } else {
+            4 + Self::FIVE_BITS as usize + 2 * Self::SIX_BITS as usize
+        };
+    /// Bytes of one block of a group.
+    const GROUP_BLOCK_BYTES: usize = Self::HEADER + Self::SUB_BLOCKS * Self::SUB_BYTES;
+    /// Where the stored block's quant bytes start (the 32-weight formats).
+    const STORED_QUANTS: usize = 0;
 }
 
 #[derive(Debug)]
@@ -86,12 +121,16 @@ pub(super) struct Q4_1;
 pub(super) struct Q5_0;
 #[derive(Debug)]
 pub(super) struct Q8_0;
+#[derive(Debug)]
+pub(super) struct Q4K;
+#[derive(Debug)]
+pub(super) struct Q6K;
 
 impl Grouped for Q4_0 {
     const FORMAT: BlockFormat = BlockFormat::Q4_0;
     const OFFSET: i32 = 8;
     const HAS_MIN: bool = false;
-    const FIVE_BITS: bool = false;
+    const HEADER: usize = 2 * GROUP;
     const STORED_QUANTS: usize = 2;
 }
 
@@ -99,7 +138,7 @@ impl Grouped for Q4_1 {
     const FORMAT: BlockFormat = BlockFormat::Q4_1;
     const OFFSET: i32 = 0;
     const HAS_MIN: bool = true;
-    const FIVE_BITS: bool = false;
+    const HEADER: usize = 4 * GROUP;
     const STORED_QUANTS: usize = 4;
 }
 
@@ -108,6 +147,7 @@ impl Grouped for Q5_0 {
     const OFFSET: i32 = 16;
     const HAS_MIN: bool = false;
     const FIVE_BITS: bool = true;
+    const HEADER: usize = 2 * GROUP;
     const STORED_QUANTS: usize = 6;
 }
 
@@ -115,27 +155,119 @@ impl Grouped for Q8_0 {
     const FORMAT: BlockFormat = BlockFormat::Q8_0;
     const OFFSET: i32 = 128;
     const HAS_MIN: bool = false;
-    const FIVE_BITS: bool = false;
     const EIGHT_BITS: bool = true;
+    const HEADER: usize = 2 * GROUP;
     const STORED_QUANTS: usize = 2;
 }
 
-/// A stored 4- or 5-bit block's 32 quants as unsigned values.
-fn unsigned_quants<F: Grouped>(block: &[u8]) -> [u8; BLOCK_ELEMS] {
-    let high = if F::FIVE_BITS {
-        u32::from_le_bytes([block[2], block[3], block[4], block[5]])
-    } else {
-        0
-    };
-    let mut quants = [0u8; BLOCK_ELEMS];
-    for (i, byte) in block[F::STORED_QUANTS..F::STORED_QUANTS + 16]
-        .iter()
-        .enumerate()
-    {
-        quants[i] = (byte & 0x0F) | ((((high >> i) & 1) as u8) << 4);
-        quants[i + 16] = (byte >> 4) | ((((high >> (i + 16)) & 1) as u8) << 4);
+impl Grouped for Q4K {
+    const FORMAT: BlockFormat = BlockFormat::Q4K;
+    const OFFSET: i32 = 0;
+    const HAS_MIN: bool = true;
+    const SUB_BLOCKS: usize = 8;
+    const SUB_SCALES: usize = 4 * GROUP;
+    const SUB_MINS: usize = Self::SUB_SCALES + 8 * GROUP;
+    const HEADER: usize = Self::SUB_MINS + 8 * GROUP;
+}
+
+impl Grouped for Q6K {
+    const FORMAT: BlockFormat = BlockFormat::Q6K;
+    const OFFSET: i32 = 32;
+    const HAS_MIN: bool = false;
+    const SIX_BITS: bool = true;
+    const SUB_BLOCKS: usize = 8;
+    const SUB_SCALES: usize = 2 * GROUP;
+    const HEADER: usize = Self::SUB_SCALES + 16 * GROUP;
+}
+
+/// The bytes of one block of a group in format `format`.
+pub(super) const fn group_block_bytes(format: BlockFormat) -> usize {
+    match format {
+        BlockFormat::Q4_0 => Q4_0::GROUP_BLOCK_BYTES,
+        BlockFormat::Q4_1 => Q4_1::GROUP_BLOCK_BYTES,
+        BlockFormat::Q5_0 => Q5_0::GROUP_BLOCK_BYTES,
+        BlockFormat::Q8_0 => Q8_0::GROUP_BLOCK_BYTES,
+        BlockFormat::Q4K => Q4K::GROUP_BLOCK_BYTES,
+        BlockFormat::Q6K => Q6K::GROUP_BLOCK_BYTES,
+    }
+}
+
+/// Weights of a K-quant superblock.
+const SUPER_ELEMS: usize = 256;
+
+/// A stored block's quants as unsigned values (Q8_0's as stored), its
+/// superblock's in order for the K-quants.
+fn stored_quants<F: Grouped>(block: &[u8]) -> [u8; SUPER_ELEMS] {
+    let mut quants = [0u8; SUPER_ELEMS];
+    match F::FORMAT {
+        BlockFormat::Q8_0 => {
+            quants[..BLOCK_ELEMS].copy_from_slice(&block[F::STORED_QUANTS..][..BLOCK_ELEMS]);
+        }
+        BlockFormat::Q4K => {
+            // Four 32-byte runs: run c's low nibbles are quants 64c..,
+            // its high nibbles quants 64c + 32...
+            for (c, run) in block[16..144].chunks_exact(32).enumerate() {
+                for (i, byte) in run.iter().enumerate() {
+                    quants[64 * c + i] = byte & 0x0F;
+                    quants[64 * c + 32 + i] = byte >> 4;
+                }
+            }
+        }
+        BlockFormat::Q6K => {
+            // ggml's layout: two halves of 128 quants, each from 64 bytes
+            // of low nibbles and 32 of high bit pairs.
+            for h in 0..2 {
+                let (low, high) = (&block[64 * h..][..64], &block[128 + 32 * h..][..32]);
+                for l in 0..32 {
+                    let q = &mut quants[128 * h..];
+                    q[l] = (low[l] & 0x0F) | ((high[l] & 3) << 4);
+                    q[l + 32] = (low[l + 32] & 0x0F) | (((high[l] >> 2) & 3) << 4);
+                    q[l + 64] = (low[l] >> 4) | (((high[l] >> 4) & 3) << 4);
+                    q[l + 96] = (low[l + 32] >> 4) | (((high[l] >> 6) & 3) << 4);
+                }
+            }
+        }
+        _ => {
+            let high = if F::FIVE_BITS {
+                u32::from_le_bytes([block[2], block[3], block[4], block[5]])
+            } else {
+                0
+            };
+            for (i, byte) in block[F::STORED_QUANTS..F::STORED_QUANTS + 16]
+                .iter()
+                .enumerate()
+            {
+                quants[i] = (byte & 0x0F) | ((((high >> i) & 1) as u8) << 4);
+                quants[i + 16] = (byte >> 4) | ((((high >> (i + 16)) & 1) as u8) << 4);
+            }
+        }
     }
     quants
+}
+
+/// ggml's 6-bit scale and minimum of Q4_K sub-block `j` from a
+/// superblock's 12 packed bytes.
+fn scale_min_k4(j: usize, packed: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (packed[j] & 63, packed[j + 4] & 63)
+    } else {
+        (
+            (packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4),
+            (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The 12 packed bytes of eight 6-bit scales and minimums: what
+/// `scale_min_k4` reads back.
+fn pack_scale_min_k4(scales: [u8; 8], mins: [u8; 8]) -> [u8; 12] {
+    let mut packed = [0u8; 12];
+    for j in 0..4 {
+        packed[j] = (scales[j] & 63) | ((scales[j + 4] >> 4) << 6);
+        packed[j + 4] = (mins[j] & 63) | ((mins[j + 4] >> 4) << 6);
+        packed[j + 8] = (scales[j + 4] & 0x0F) | ((mins[j + 4] & 0x0F) << 4);
+    }
+    packed
 }
 
 /// `rows` stored rows of `row_blocks` blocks each, as groups, into
@@ -158,31 +290,62 @@ pub(super) fn group_rows<F: Grouped>(
         for (b, block) in stored_row.chunks_exact(F::STORED_BYTES).enumerate() {
             let out = &mut grouped[(group * row_blocks + b) * F::GROUP_BLOCK_BYTES..]
                 [..F::GROUP_BLOCK_BYTES];
-            out[SCALES + 2 * r..][..2].copy_from_slice(&block[..2]);
-            if F::HAS_MIN {
-                out[F::MINS + 2 * r..][..2].copy_from_slice(&block[2..4]);
-            }
-            if F::EIGHT_BITS {
-                // Chunk j, byte 4r + t: row r's quant 4j + t, as stored.
-                for j in 0..8 {
-                    out[F::NIBBLES + CHUNK * j + 4 * r..][..4]
-                        .copy_from_slice(&block[F::STORED_QUANTS + 4 * j..][..4]);
+            match F::FORMAT {
+                BlockFormat::Q4K => {
+                    out[SCALES + 2 * r..][..2].copy_from_slice(&block[..2]);
+                    out[MINS + 2 * r..][..2].copy_from_slice(&block[2..4]);
+                    for j in 0..8 {
+                        let (scale, min) = scale_min_k4(j, &block[4..16]);
+                        out[F::SUB_SCALES + j * GROUP + r] = scale;
+                        out[F::SUB_MINS + j * GROUP + r] = min;
+                    }
                 }
-                continue;
-            }
-            let quants = unsigned_quants::<F>(block);
-            for c in 0..4 {
-                for t in 0..4 {
-                    out[F::NIBBLES + CHUNK * c + 4 * r + t] =
-                        (quants[4 * c + t] & 0x0F) | ((quants[16 + 4 * c + t] & 0x0F) << 4);
+                BlockFormat::Q6K => {
+                    out[SCALES + 2 * r..][..2].copy_from_slice(&block[208..210]);
+                    for (k, scale) in block[192..208].iter().enumerate() {
+                        out[F::SUB_SCALES + k * GROUP + r] = *scale;
+                    }
                 }
-            }
-            if F::FIVE_BITS {
-                for t in 0..4 {
-                    out[F::HIGH + 4 * r + t] =
-                        (0..8).fold(0u8, |bits, j| bits | (((quants[4 * j + t] >> 4) & 1) << j));
+                _ => {
+                    out[SCALES + 2 * r..][..2].copy_from_slice(&block[..2]);
+                    if F::HAS_MIN {
+                        out[MINS + 2 * r..][..2].copy_from_slice(&block[2..4]);
+                    }
                 }
             }
+            let quants = stored_quants::<F>(block);
+            for s in 0..F::SUB_BLOCKS {
+                let sub = &mut out[F::HEADER + s * F::SUB_BYTES..][..F::SUB_BYTES];
+                put_quants::<F>(sub, r, &quants[BLOCK_ELEMS * s..][..BLOCK_ELEMS]);
+            }
+        }
+    }
+}
+
+/// Row `r`'s 32 quants of a sub-block (unsigned; Q8_0's as stored) into
+/// the group's quants of that sub-block.
+fn put_quants<F: Grouped>(sub: &mut [u8], r: usize, quants: &[u8]) {
+    if F::EIGHT_BITS {
+        // Chunk j, byte 4r + t: row r's quant 4j + t, as stored.
+        for j in 0..8 {
+            sub[CHUNK * j + 4 * r..][..4].copy_from_slice(&quants[4 * j..][..4]);
+        }
+        return;
+    }
+    for c in 0..4 {
+        for t in 0..4 {
+            let (first, second) = (quants[4 * c + t], quants[16 + 4 * c + t]);
+            sub[CHUNK * c + 4 * r + t] = (first & 0x0F) | ((second & 0x0F) << 4);
+            if F::SIX_BITS {
+                sub[4 * CHUNK + 4 * r + t] |= ((first >> 4) & 3) << (2 * c);
+                sub[5 * CHUNK + 4 * r + t] |= ((second >> 4) & 3) << (2 * c);
+            }
+        }
+    }
+    if F::FIVE_BITS {
+        for t in 0..4 {
+            sub[4 * CHUNK + 4 * r + t] =
+                (0..8).fold(0u8, |bits, j| bits | (((quants[4 * j + t] >> 4) & 1) << j));
         }
     }
 }
@@ -198,52 +361,96 @@ pub(super) fn stored_row<F: Grouped>(
     for b in 0..row_blocks {
         let block =
             &grouped[(group * row_blocks + b) * F::GROUP_BLOCK_BYTES..][..F::GROUP_BLOCK_BYTES];
-        let quants = quants_of::<F>(block, r);
-        // Room for the widest stored block (Q8_0's).
-        let mut stored = [0u8; BlockFormat::Q8_0.block_bytes()];
-        stored[..2].copy_from_slice(&block[SCALES + 2 * r..][..2]);
-        if F::HAS_MIN {
-            stored[2..4].copy_from_slice(&block[F::MINS + 2 * r..][..2]);
+        let mut quants = [0u8; SUPER_ELEMS];
+        for s in 0..F::SUB_BLOCKS {
+            quants[BLOCK_ELEMS * s..][..BLOCK_ELEMS].copy_from_slice(&quants_of::<F>(
+                &block[F::HEADER + s * F::SUB_BYTES..][..F::SUB_BYTES],
+                r,
+            ));
         }
-        if F::FIVE_BITS {
-            let high =
-                (0..BLOCK_ELEMS).fold(0u32, |high, i| high | (u32::from(quants[i] >> 4) << i));
-            stored[2..6].copy_from_slice(&high.to_le_bytes());
-        }
-        if F::EIGHT_BITS {
-            for (stored, quant) in stored[F::STORED_QUANTS..].iter_mut().zip(quants) {
-                *stored = quant ^ 0x80;
+        // Room for the widest stored block (Q6_K's).
+        let mut stored = [0u8; BlockFormat::Q6K.block_bytes()];
+        match F::FORMAT {
+            BlockFormat::Q4K => {
+                stored[..2].copy_from_slice(&block[SCALES + 2 * r..][..2]);
+                stored[2..4].copy_from_slice(&block[MINS + 2 * r..][..2]);
+                let scales = std::array::from_fn(|j| block[F::SUB_SCALES + j * GROUP + r]);
+                let mins = std::array::from_fn(|j| block[F::SUB_MINS + j * GROUP + r]);
+                stored[4..16].copy_from_slice(&pack_scale_min_k4(scales, mins));
+                for (c, run) in stored[16..144].chunks_exact_mut(32).enumerate() {
+                    for (i, byte) in run.iter_mut().enumerate() {
+                        *byte = (quants[64 * c + i] & 0x0F) | (quants[64 * c + 32 + i] << 4);
+                    }
+                }
             }
-        } else {
-            for i in 0..16 {
-                stored[F::STORED_QUANTS + i] = (quants[i] & 0x0F) | ((quants[i + 16] & 0x0F) << 4);
+            BlockFormat::Q6K => {
+                for h in 0..2 {
+                    let q = &quants[128 * h..];
+                    for l in 0..32 {
+                        stored[64 * h + l] = (q[l] & 0x0F) | ((q[l + 64] & 0x0F) << 4);
+                        stored[64 * h + l + 32] = (q[l + 32] & 0x0F) | ((q[l + 96] & 0x0F) << 4);
+                        stored[128 + 32 * h + l] = (q[l] >> 4)
+                            | ((q[l + 32] >> 4) << 2)
+                            | ((q[l + 64] >> 4) << 4)
+                            | ((q[l + 96] >> 4) << 6);
+                    }
+                }
+                for k in 0..16 {
+                    stored[192 + k] = block[F::SUB_SCALES + k * GROUP + r];
+                }
+                stored[208..210].copy_from_slice(&block[SCALES + 2 * r..][..2]);
+            }
+            _ => {
+                stored[..2].copy_from_slice(&block[SCALES + 2 * r..][..2]);
+                if F::HAS_MIN {
+                    stored[2..4].copy_from_slice(&block[MINS + 2 * r..][..2]);
+                }
+                if F::FIVE_BITS {
+                    let high = (0..BLOCK_ELEMS)
+                        .fold(0u32, |high, i| high | (u32::from(quants[i] >> 4) << i));
+                    stored[2..6].copy_from_slice(&high.to_le_bytes());
+                }
+                if F::EIGHT_BITS {
+                    for (stored, quant) in stored[F::STORED_QUANTS..].iter_mut().zip(&quants) {
+                        *stored = quant ^ 0x80;
+                    }
+                } else {
+                    for i in 0..16 {
+                        stored[F::STORED_QUANTS + i] =
+                            (quants[i] & 0x0F) | ((quants[i + 16] & 0x0F) << 4);
+                    }
+                }
             }
         }
         out.extend_from_slice(&stored[..F::STORED_BYTES]);
     }
 }
 
-/// Row `r`'s 32 unsigned quants in a group's block.
-fn quants_of<F: Grouped>(block: &[u8], r: usize) -> [u8; BLOCK_ELEMS] {
+/// Row `r`'s 32 unsigned quants in a group's quants of one sub-block.
+fn quants_of<F: Grouped>(sub: &[u8], r: usize) -> [u8; BLOCK_ELEMS] {
     let mut quants = [0u8; BLOCK_ELEMS];
     if F::EIGHT_BITS {
         for j in 0..8 {
             for t in 0..4 {
-                quants[4 * j + t] = block[F::NIBBLES + CHUNK * j + 4 * r + t] ^ 0x80;
+                quants[4 * j + t] = sub[CHUNK * j + 4 * r + t] ^ 0x80;
             }
         }
         return quants;
     }
     for c in 0..4 {
         for t in 0..4 {
-            let nibbles = block[F::NIBBLES + CHUNK * c + 4 * r + t];
+            let nibbles = sub[CHUNK * c + 4 * r + t];
             quants[4 * c + t] = nibbles & 0x0F;
             quants[16 + 4 * c + t] = nibbles >> 4;
+            if F::SIX_BITS {
+                quants[4 * c + t] |= ((sub[4 * CHUNK + 4 * r + t] >> (2 * c)) & 3) << 4;
+                quants[16 + 4 * c + t] |= ((sub[5 * CHUNK + 4 * r + t] >> (2 * c)) & 3) << 4;
+            }
         }
     }
     if F::FIVE_BITS {
         for t in 0..4 {
-            let bits = block[F::HIGH + 4 * r + t];
+            let bits = sub[4 * CHUNK + 4 * r + t];
             for j in 0..8 {
                 quants[4 * j + t] |= ((bits >> j) & 1) << 4;
             }
@@ -256,10 +463,43 @@ fn f16_at(block: &[u8], offset: usize) -> f32 {
     f16::from_le_bytes([block[offset], block[offset + 1]]).to_f32()
 }
 
+/// Row `r`'s weight scale for sub-block `s` of a group's block, for its
+/// quants `16 * half..` (the halves differ for Q6_K alone): `d`, times the
+/// sub-block's scale for the K-quants (an exact product in f32).
+fn scale_of<F: Grouped>(block: &[u8], s: usize, half: usize, r: usize) -> f32 {
+    let d = f16_at(block, SCALES + 2 * r);
+    match F::FORMAT {
+        BlockFormat::Q4K => d * f32::from(block[F::SUB_SCALES + s * GROUP + r]),
+        BlockFormat::Q6K => d * f32::from(block[F::SUB_SCALES + (2 * s + half) * GROUP + r] as i8),
+        _ => d,
+    }
+}
+
+/// Row `r`'s minimum for sub-block `s`: Q4_1's `m`, Q4_K's `dmin * m`.
+fn min_of<F: Grouped>(block: &[u8], s: usize, r: usize) -> f32 {
+    let m = f16_at(block, MINS + 2 * r);
+    if F::SUB_BLOCKS > 1 {
+        m * f32::from(block[F::SUB_MINS + s * GROUP + r])
+    } else {
+        m
+    }
+}
+
+/// What a sub-block's minimum multiplies: Q4_1's `s_a` (as llama.cpp's
+/// `q4_1 x q8_1`), Q4_K's `d_a * sum_a` (llama.cpp's Q8_K sums are exact).
+fn min_activation<F: Grouped>(a: &ActivationBlock) -> f32 {
+    if F::SUB_BLOCKS > 1 {
+        a.d * a.sum as f32
+    } else {
+        a.s
+    }
+}
+
 /// One group's outputs for `N` activation rows: `[row][lane]`, lane `r`
 /// for the group's row `r`. `group` is the group's blocks, one per
-/// activation block of each row. `prefetch` on the first pass over a
-/// group (of a matrix read in order) asks for the groups ahead of it.
+/// stored block of each row (so `SUB_BLOCKS` activation blocks each).
+/// `prefetch` on the first pass over a group (of a matrix read in order)
+/// asks for the groups ahead of it.
 pub(super) fn group_dots<F: Grouped, const N: usize>(
     group: &[u8],
     activations: [&[ActivationBlock]; N],
@@ -277,17 +517,31 @@ pub(super) fn group_dots<F: Grouped, const N: usize>(
 /// The scalar path: row `r` of `group` against one activation row.
 fn dot_scalar<F: Grouped>(group: &[u8], r: usize, activations: &[ActivationBlock]) -> f32 {
     let mut acc = 0f32;
-    for (block, a) in group.chunks_exact(F::GROUP_BLOCK_BYTES).zip(activations) {
-        let d = f16_at(block, SCALES + 2 * r);
-        let isum = quants_of::<F>(block, r)
-            .iter()
-            .zip(a.qs)
-            .fold(-F::OFFSET * a.sum, |sum, (q, x)| {
-                sum + i32::from(*q) * i32::from(x)
-            });
-        acc = (d * a.d).mul_add(isum as f32, acc);
-        if F::HAS_MIN {
-            acc = f16_at(block, F::MINS + 2 * r).mul_add(a.s, acc);
+    let blocks = group
+        .chunks_exact(F::GROUP_BLOCK_BYTES)
+        .flat_map(|block| (0..F::SUB_BLOCKS).map(move |s| (block, s)));
+    for ((block, s), a) in blocks.zip(activations) {
+        let quants = quants_of::<F>(&block[F::HEADER + s * F::SUB_BYTES..][..F::SUB_BYTES], r);
+        let product = |from: usize| {
+            quants[from..from + 16]
+                .iter()
+                .zip(&a.qs[from..from + 16])
+                .fold(0i32, |sum, (q, x)| sum + i32::from(*q) * i32::from(*x))
+        };
+        let (first, second) = (product(0), product(16));
+        if F::SIX_BITS {
+            let first = first - F::OFFSET * a.half_sum;
+            let second = second - F::OFFSET * (a.sum - a.half_sum);
+            acc = (scale_of::<F>(block, s, 0, r) * a.d).mul_add(first as f32, acc);
+            acc = (scale_of::<F>(block, s, 1, r) * a.d).mul_add(second as f32, acc);
+            continue;
+        }
+        let isum = first + second - F::OFFSET * a.sum;
+        acc = (scale_of::<F>(block, s, 0, r) * a.d).mul_add(isum as f32, acc);
+        if F::SUB_BLOCKS > 1 && F::HAS_MIN {
+            acc = (-min_of::<F>(block, s, r)).mul_add(min_activation::<F>(a), acc);
+        } else if F::HAS_MIN {
+            acc = min_of::<F>(block, s, r).mul_add(min_activation::<F>(a), acc);
         }
     }
     acc
@@ -304,8 +558,9 @@ fn dot_scalar<F: Grouped>(group: &[u8], r: usize, activations: &[ActivationBlock
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 pub(super) mod simd {
-    use super::{CHUNK, GROUP, Grouped, SCALES};
+    use super::{CHUNK, GROUP, Grouped, MINS, SCALES, min_activation};
     use crate::kernels::ActivationBlock;
+    use crate::kernels::BlockFormat;
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
 
@@ -506,11 +761,50 @@ pub(super) mod simd {
         _mm256_cvtph_ps(bytemuck::cast(array))
     }
 
+    /// Eight bytes as f32, unsigned (`signed` false) or signed.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn eight_bytes(bytes: &[u8], signed: bool) -> __m256 {
+        let mut array = [0u8; 16];
+        array[..8].copy_from_slice(&bytes[..8]);
+        let bytes: __m128i = bytemuck::cast(array);
+        _mm256_cvtepi32_ps(if signed {
+            _mm256_cvtepi8_epi32(bytes)
+        } else {
+            _mm256_cvtepu8_epi32(bytes)
+        })
+    }
+
+    /// Sixteen bytes as f32, unsigned (`signed` false) or signed.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn sixteen_bytes(bytes: &[u8], signed: bool) -> __m512 {
+        let mut array = [0u8; 16];
+        array.copy_from_slice(&bytes[..16]);
+        let bytes: __m128i = bytemuck::cast(array);
+        _mm512_cvtepi32_ps(if signed {
+            _mm512_cvtepi8_epi32(bytes)
+        } else {
+            _mm512_cvtepu8_epi32(bytes)
+        })
+    }
+
+    /// Where a sub-block's two sums start for an activation block: minus
+    /// the offset times the sum of the quants each covers (Q6_K's halves
+    /// have scales of their own, so each sum covers its own half).
+    fn starts<F: Grouped>(offset: i32, a: &ActivationBlock) -> (i32, i32) {
+        if F::SIX_BITS {
+            (-offset * a.half_sum, -offset * (a.sum - a.half_sum))
+        } else {
+            (-offset * a.sum, 0)
+        }
+    }
+
     /// The loop the 256-bit paths share, over the group's rows
     /// `8 * half..8 * half + 8`: `prepare` turns a register of weight bytes
     /// into what `dot` takes, `dot` adds four weight bytes times four
-    /// activation bytes into each i32 lane, and each lane starts at
-    /// `-offset` times the activation quants' sum.
+    /// activation bytes into each i32 lane, and the sums start at
+    /// `-offset` times the activation quants' sum (`starts`).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
@@ -525,73 +819,153 @@ pub(super) mod simd {
     ) -> [[f32; GROUP / 2]; N] {
         let low_nibble = _mm256_set1_epi8(0x0F);
         let fifth_bit = _mm256_set1_epi8(0x10);
-        // Where this half's bytes start in a scale or minimum list, and
-        // in a chunk.
-        let (values, chunk) = (2 * (GROUP / 2) * half, 4 * (GROUP / 2) * half);
+        let high_pair = _mm256_set1_epi8(0x30);
+        // Where this half's rows start in a list of bytes, of f16s, and in
+        // a chunk.
+        let rows = (GROUP / 2) * half;
+        let (values, chunk) = (2 * rows, 4 * rows);
         let mut acc = [_mm256_setzero_ps(); N];
         for (b, block) in group.chunks_exact(F::GROUP_BLOCK_BYTES).enumerate() {
             if prefetch {
                 prefetch_ahead(group, b * F::GROUP_BLOCK_BYTES, F::GROUP_BLOCK_BYTES);
             }
-            let scales = eight_f16(&block[SCALES + values..]);
-            let high = if F::FIVE_BITS {
-                load_32(&block[F::HIGH + chunk..])
-            } else {
-                _mm256_setzero_si256()
-            };
-            let mut sums: [__m256i; N] =
-                std::array::from_fn(|r| _mm256_set1_epi32(-offset * activations[r][b].sum));
-            let words: [[i32; 8]; N] =
-                std::array::from_fn(|r| bytemuck::cast(activations[r][b].qs));
-            for c in 0..4 {
-                // The weights of quants 4c..4c+4 and 16+4c..16+4c+4 of
-                // every row.
-                let (mut first, mut second);
-                if F::EIGHT_BITS {
-                    first = load_32(&block[F::NIBBLES + CHUNK * c + chunk..]);
-                    second = load_32(&block[F::NIBBLES + CHUNK * (c + 4) + chunk..]);
-                } else {
-                    let nibbles = load_32(&block[F::NIBBLES + CHUNK * c + chunk..]);
-                    first = _mm256_and_si256(nibbles, low_nibble);
-                    second = _mm256_and_si256(_mm256_srli_epi16::<4>(nibbles), low_nibble);
-                }
-                if F::FIVE_BITS {
-                    // Quants 4c.. take bit c of the high bytes, quants 16 +
-                    // 4c.. bit c + 4, each moved to bit 4 of its byte by a
-                    // 16-bit shift: nothing crosses into bit 4 from the
-                    // neighbouring byte.
-                    first = _mm256_or_si256(
-                        first,
-                        _mm256_and_si256(
-                            _mm256_sll_epi16(high, _mm_cvtsi32_si128(4 - c as i32)),
-                            fifth_bit,
-                        ),
-                    );
-                    second = _mm256_or_si256(
-                        second,
-                        _mm256_and_si256(
-                            _mm256_srl_epi16(high, _mm_cvtsi32_si128(c as i32)),
-                            fifth_bit,
-                        ),
-                    );
-                }
-                let (first, second) = (prepare(first), prepare(second));
-                for r in 0..N {
-                    sums[r] = dot(sums[r], first, _mm256_set1_epi32(words[r][c]));
-                    sums[r] = dot(sums[r], second, _mm256_set1_epi32(words[r][c + 4]));
-                }
-            }
-            let mins = if F::HAS_MIN {
-                eight_f16(&block[F::MINS + values..])
+            let d = eight_f16(&block[SCALES + values..]);
+            let m = if F::HAS_MIN {
+                eight_f16(&block[MINS + values..])
             } else {
                 _mm256_setzero_ps()
             };
-            for r in 0..N {
-                let a = &activations[r][b];
-                let scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.d));
-                acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[r]), acc[r]);
-                if F::HAS_MIN {
-                    acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.s), acc[r]);
+            for s in 0..F::SUB_BLOCKS {
+                let sub = &block[F::HEADER + s * F::SUB_BYTES..][..F::SUB_BYTES];
+                let index = b * F::SUB_BLOCKS + s;
+                let high = if F::FIVE_BITS || F::SIX_BITS {
+                    load_32(&sub[4 * CHUNK + chunk..])
+                } else {
+                    _mm256_setzero_si256()
+                };
+                let high_second = if F::SIX_BITS {
+                    load_32(&sub[5 * CHUNK + chunk..])
+                } else {
+                    _mm256_setzero_si256()
+                };
+                let mut firsts: [__m256i; N] = std::array::from_fn(|r| {
+                    _mm256_set1_epi32(starts::<F>(offset, &activations[r][index]).0)
+                });
+                let mut seconds: [__m256i; N] = std::array::from_fn(|r| {
+                    _mm256_set1_epi32(starts::<F>(offset, &activations[r][index]).1)
+                });
+                let words: [[i32; 8]; N] =
+                    std::array::from_fn(|r| bytemuck::cast(activations[r][index].qs));
+                for c in 0..4 {
+                    // The weights of quants 4c..4c+4 and 16+4c..16+4c+4 of
+                    // every row.
+                    let (mut first, mut second);
+                    if F::EIGHT_BITS {
+                        first = load_32(&sub[CHUNK * c + chunk..]);
+                        second = load_32(&sub[CHUNK * (c + 4) + chunk..]);
+                    } else {
+                        let nibbles = load_32(&sub[CHUNK * c + chunk..]);
+                        first = _mm256_and_si256(nibbles, low_nibble);
+                        second = _mm256_and_si256(_mm256_srli_epi16::<4>(nibbles), low_nibble);
+                    }
+                    if F::FIVE_BITS {
+                        // Quants 4c.. take bit c of the high bytes, quants
+                        // 16 + 4c.. bit c + 4, each moved to bit 4 of its
+                        // byte by a 16-bit shift: nothing crosses into bit
+                        // 4 from the neighbouring byte.
+                        first = _mm256_or_si256(
+                            first,
+                            _mm256_and_si256(
+                                _mm256_sll_epi16(high, _mm_cvtsi32_si128(4 - c as i32)),
+                                fifth_bit,
+                            ),
+                        );
+                        second = _mm256_or_si256(
+                            second,
+                            _mm256_and_si256(
+                                _mm256_srl_epi16(high, _mm_cvtsi32_si128(c as i32)),
+                                fifth_bit,
+                            ),
+                        );
+                    }
+                    if F::SIX_BITS {
+                        // Bits 2c and 2c + 1 of each plane's bytes moved to
+                        // bits 4 and 5 (as for Q5_0, within each byte).
+                        let to_bit_4 = |planes: __m256i| match c {
+                            0 => _mm256_slli_epi16::<4>(planes),
+                            1 => _mm256_slli_epi16::<2>(planes),
+                            2 => planes,
+                            _ => _mm256_srli_epi16::<2>(planes),
+                        };
+                        first = _mm256_or_si256(first, _mm256_and_si256(to_bit_4(high), high_pair));
+                        second = _mm256_or_si256(
+                            second,
+                            _mm256_and_si256(to_bit_4(high_second), high_pair),
+                        );
+                    }
+                    let (first, second) = (prepare(first), prepare(second));
+                    for r in 0..N {
+                        firsts[r] = dot(firsts[r], first, _mm256_set1_epi32(words[r][c]));
+                        seconds[r] = dot(seconds[r], second, _mm256_set1_epi32(words[r][c + 4]));
+                    }
+                }
+                // The weight scales of the quants 0..16 and 16..32, and
+                // the minimums.
+                let (scale_first, scale_second, mins) = match F::FORMAT {
+                    BlockFormat::Q4K => {
+                        let scale = _mm256_mul_ps(
+                            d,
+                            eight_bytes(&block[F::SUB_SCALES + s * GROUP + rows..], false),
+                        );
+                        let min = _mm256_mul_ps(
+                            m,
+                            eight_bytes(&block[F::SUB_MINS + s * GROUP + rows..], false),
+                        );
+                        (scale, scale, min)
+                    }
+                    BlockFormat::Q6K => (
+                        _mm256_mul_ps(
+                            d,
+                            eight_bytes(&block[F::SUB_SCALES + 2 * s * GROUP + rows..], true),
+                        ),
+                        _mm256_mul_ps(
+                            d,
+                            eight_bytes(&block[F::SUB_SCALES + (2 * s + 1) * GROUP + rows..], true),
+                        ),
+                        m,
+                    ),
+                    _ => (d, d, m),
+                };
+                for r in 0..N {
+                    let a = &activations[r][index];
+                    let d_a = _mm256_set1_ps(a.d);
+                    if F::SIX_BITS {
+                        acc[r] = _mm256_fmadd_ps(
+                            _mm256_mul_ps(scale_first, d_a),
+                            _mm256_cvtepi32_ps(firsts[r]),
+                            acc[r],
+                        );
+                        acc[r] = _mm256_fmadd_ps(
+                            _mm256_mul_ps(scale_second, d_a),
+                            _mm256_cvtepi32_ps(seconds[r]),
+                            acc[r],
+                        );
+                        continue;
+                    }
+                    let isum = _mm256_add_epi32(firsts[r], seconds[r]);
+                    acc[r] = _mm256_fmadd_ps(
+                        _mm256_mul_ps(scale_first, d_a),
+                        _mm256_cvtepi32_ps(isum),
+                        acc[r],
+                    );
+                    if F::HAS_MIN {
+                        let times = _mm256_set1_ps(min_activation::<F>(a));
+                        acc[r] = if F::SUB_BLOCKS > 1 {
+                            _mm256_fnmadd_ps(mins, times, acc[r])
+                        } else {
+                            _mm256_fmadd_ps(mins, times, acc[r])
+                        };
+                    }
                 }
             }
         }
@@ -601,10 +975,10 @@ pub(super) mod simd {
     /// The loop of `dots` on 512-bit registers, all sixteen rows at once:
     /// each i32 lane is a row's, and takes four of its quants times the
     /// same four activation quants (broadcast from memory, so no shuffle).
-    /// Two chains of integer sums per input row (quants `4c..` and
-    /// `16 + 4c..`; Q8_0's chunks `j < 4` and `j >= 4`) meet at the block's
-    /// end: each output gets the exact `isum` of the other paths and the
-    /// same float operations after it, so the same bits.
+    /// The two sums per input row (quants `4c..` and `16 + 4c..`; Q8_0's
+    /// chunks `j < 4` and `j >= 4`) are what the 256-bit loop keeps: each
+    /// output gets the exact integer sums of the other paths and the same
+    /// float operations after them, so the same bits.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
     fn dots_avx512<F: Grouped, const N: usize>(
         group: &[u8],
@@ -613,70 +987,146 @@ pub(super) mod simd {
     ) -> [[f32; GROUP]; N] {
         let low_nibble = _mm512_set1_epi8(0x0F);
         let fifth_bit = _mm512_set1_epi8(0x10);
+        let high_pair = _mm512_set1_epi8(0x30);
         let sign_bit = _mm512_set1_epi8(0x80u8 as i8);
         let mut acc = [_mm512_setzero_ps(); N];
         for (b, block) in group.chunks_exact(F::GROUP_BLOCK_BYTES).enumerate() {
             if prefetch {
                 prefetch_ahead(group, b * F::GROUP_BLOCK_BYTES, F::GROUP_BLOCK_BYTES);
             }
-            let high = if F::FIVE_BITS {
-                load_64(&block[F::HIGH..])
-            } else {
-                _mm512_setzero_si512()
-            };
-            let mut firsts: [__m512i; N] =
-                std::array::from_fn(|r| _mm512_set1_epi32(-F::OFFSET * activations[r][b].sum));
-            let mut seconds = [_mm512_setzero_si512(); N];
-            let words: [&[i32; 8]; N] =
-                std::array::from_fn(|r| bytemuck::cast_ref(&activations[r][b].qs));
-            for c in 0..4 {
-                let (mut first, mut second);
-                if F::EIGHT_BITS {
-                    first = _mm512_xor_si512(load_64(&block[F::NIBBLES + CHUNK * c..]), sign_bit);
-                    second =
-                        _mm512_xor_si512(load_64(&block[F::NIBBLES + CHUNK * (c + 4)..]), sign_bit);
-                } else {
-                    let nibbles = load_64(&block[F::NIBBLES + CHUNK * c..]);
-                    first = _mm512_and_si512(nibbles, low_nibble);
-                    second = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), low_nibble);
-                }
-                if F::FIVE_BITS {
-                    // As in `dots`.
-                    first = _mm512_or_si512(
-                        first,
-                        _mm512_and_si512(
-                            _mm512_sll_epi16(high, _mm_cvtsi32_si128(4 - c as i32)),
-                            fifth_bit,
-                        ),
-                    );
-                    second = _mm512_or_si512(
-                        second,
-                        _mm512_and_si512(
-                            _mm512_srl_epi16(high, _mm_cvtsi32_si128(c as i32)),
-                            fifth_bit,
-                        ),
-                    );
-                }
-                for r in 0..N {
-                    firsts[r] =
-                        _mm512_dpbusd_epi32(firsts[r], first, _mm512_set1_epi32(words[r][c]));
-                    seconds[r] =
-                        _mm512_dpbusd_epi32(seconds[r], second, _mm512_set1_epi32(words[r][c + 4]));
-                }
-            }
-            let scales = _mm512_cvtph_ps(load_32(&block[SCALES..]));
-            let mins = if F::HAS_MIN {
-                _mm512_cvtph_ps(load_32(&block[F::MINS..]))
+            let d = _mm512_cvtph_ps(load_32(&block[SCALES..]));
+            let m = if F::HAS_MIN {
+                _mm512_cvtph_ps(load_32(&block[MINS..]))
             } else {
                 _mm512_setzero_ps()
             };
-            for r in 0..N {
-                let a = &activations[r][b];
-                let isum = _mm512_add_epi32(firsts[r], seconds[r]);
-                let scale = _mm512_mul_ps(scales, _mm512_set1_ps(a.d));
-                acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum), acc[r]);
-                if F::HAS_MIN {
-                    acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.s), acc[r]);
+            for s in 0..F::SUB_BLOCKS {
+                let sub = &block[F::HEADER + s * F::SUB_BYTES..][..F::SUB_BYTES];
+                let index = b * F::SUB_BLOCKS + s;
+                let high = if F::FIVE_BITS || F::SIX_BITS {
+                    load_64(&sub[4 * CHUNK..])
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let high_second = if F::SIX_BITS {
+                    load_64(&sub[5 * CHUNK..])
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let mut firsts: [__m512i; N] = std::array::from_fn(|r| {
+                    _mm512_set1_epi32(starts::<F>(F::OFFSET, &activations[r][index]).0)
+                });
+                let mut seconds: [__m512i; N] = std::array::from_fn(|r| {
+                    _mm512_set1_epi32(starts::<F>(F::OFFSET, &activations[r][index]).1)
+                });
+                let words: [&[i32; 8]; N] =
+                    std::array::from_fn(|r| bytemuck::cast_ref(&activations[r][index].qs));
+                for c in 0..4 {
+                    let (mut first, mut second);
+                    if F::EIGHT_BITS {
+                        first = _mm512_xor_si512(load_64(&sub[CHUNK * c..]), sign_bit);
+                        second = _mm512_xor_si512(load_64(&sub[CHUNK * (c + 4)..]), sign_bit);
+                    } else {
+                        let nibbles = load_64(&sub[CHUNK * c..]);
+                        first = _mm512_and_si512(nibbles, low_nibble);
+                        second = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), low_nibble);
+                    }
+                    if F::FIVE_BITS {
+                        // As in `dots`.
+                        first = _mm512_or_si512(
+                            first,
+                            _mm512_and_si512(
+                                _mm512_sll_epi16(high, _mm_cvtsi32_si128(4 - c as i32)),
+                                fifth_bit,
+                            ),
+                        );
+                        second = _mm512_or_si512(
+                            second,
+                            _mm512_and_si512(
+                                _mm512_srl_epi16(high, _mm_cvtsi32_si128(c as i32)),
+                                fifth_bit,
+                            ),
+                        );
+                    }
+                    if F::SIX_BITS {
+                        // As in `dots`.
+                        let to_bit_4 = |planes: __m512i| match c {
+                            0 => _mm512_slli_epi16::<4>(planes),
+                            1 => _mm512_slli_epi16::<2>(planes),
+                            2 => planes,
+                            _ => _mm512_srli_epi16::<2>(planes),
+                        };
+                        first = _mm512_or_si512(first, _mm512_and_si512(to_bit_4(high), high_pair));
+                        second = _mm512_or_si512(
+                            second,
+                            _mm512_and_si512(to_bit_4(high_second), high_pair),
+                        );
+                    }
+                    for r in 0..N {
+                        firsts[r] =
+                            _mm512_dpbusd_epi32(firsts[r], first, _mm512_set1_epi32(words[r][c]));
+                        seconds[r] = _mm512_dpbusd_epi32(
+                            seconds[r],
+                            second,
+                            _mm512_set1_epi32(words[r][c + 4]),
+                        );
+                    }
+                }
+                let (scale_first, scale_second, mins) = match F::FORMAT {
+                    BlockFormat::Q4K => {
+                        let scale = _mm512_mul_ps(
+                            d,
+                            sixteen_bytes(&block[F::SUB_SCALES + s * GROUP..], false),
+                        );
+                        let min = _mm512_mul_ps(
+                            m,
+                            sixteen_bytes(&block[F::SUB_MINS + s * GROUP..], false),
+                        );
+                        (scale, scale, min)
+                    }
+                    BlockFormat::Q6K => (
+                        _mm512_mul_ps(
+                            d,
+                            sixteen_bytes(&block[F::SUB_SCALES + 2 * s * GROUP..], true),
+                        ),
+                        _mm512_mul_ps(
+                            d,
+                            sixteen_bytes(&block[F::SUB_SCALES + (2 * s + 1) * GROUP..], true),
+                        ),
+                        m,
+                    ),
+                    _ => (d, d, m),
+                };
+                for r in 0..N {
+                    let a = &activations[r][index];
+                    let d_a = _mm512_set1_ps(a.d);
+                    if F::SIX_BITS {
+                        acc[r] = _mm512_fmadd_ps(
+                            _mm512_mul_ps(scale_first, d_a),
+                            _mm512_cvtepi32_ps(firsts[r]),
+                            acc[r],
+                        );
+                        acc[r] = _mm512_fmadd_ps(
+                            _mm512_mul_ps(scale_second, d_a),
+                            _mm512_cvtepi32_ps(seconds[r]),
+                            acc[r],
+                        );
+                        continue;
+                    }
+                    let isum = _mm512_add_epi32(firsts[r], seconds[r]);
+                    acc[r] = _mm512_fmadd_ps(
+                        _mm512_mul_ps(scale_first, d_a),
+                        _mm512_cvtepi32_ps(isum),
+                        acc[r],
+                    );
+                    if F::HAS_MIN {
+                        let times = _mm512_set1_ps(min_activation::<F>(a));
+                        acc[r] = if F::SUB_BLOCKS > 1 {
+                            _mm512_fnmadd_ps(mins, times, acc[r])
+                        } else {
+                            _mm512_fmadd_ps(mins, times, acc[r])
+                        };
+                    }
                 }
             }
         }
@@ -739,28 +1189,41 @@ mod tests {
     #[test]
     fn grouped_blocks_read_as_candle_dequantizes() {
         fn check<F: Grouped>() {
-            let (rows, cols) = (11, 96);
+            let (rows, cols) = (19, 512);
+            let row_blocks = cols / F::FORMAT.block_elems();
             let q = stored::<F>(rows, cols, 5);
             let dense = q
                 .dequantize(&Device::Cpu)
                 .unwrap()
                 .to_vec2::<f32>()
                 .unwrap();
-            let grouped = grouped_vec::<F>(&q.data().unwrap(), rows, cols / BLOCK_ELEMS);
+            let grouped = grouped_vec::<F>(&q.data().unwrap(), rows, row_blocks);
             for (row, weights) in dense.iter().enumerate() {
                 let (group, r) = (row / GROUP, row % GROUP);
-                for b in 0..cols / BLOCK_ELEMS {
-                    let block = &grouped
-                        [(group * (cols / BLOCK_ELEMS) + b) * F::GROUP_BLOCK_BYTES..]
+                for b in 0..row_blocks {
+                    let block = &grouped[(group * row_blocks + b) * F::GROUP_BLOCK_BYTES..]
                         [..F::GROUP_BLOCK_BYTES];
-                    let d = f16_at(block, SCALES + 2 * r);
-                    for (i, q) in quants_of::<F>(block, r).iter().enumerate() {
-                        let weight = if F::HAS_MIN {
-                            d * f32::from(*q) + f16_at(block, F::MINS + 2 * r)
-                        } else {
-                            d * (f32::from(*q) - F::OFFSET as f32)
-                        };
-                        assert_eq!(weight, weights[b * 32 + i], "{:?}", F::FORMAT);
+                    for s in 0..F::SUB_BLOCKS {
+                        let sub = &block[F::HEADER + s * F::SUB_BYTES..][..F::SUB_BYTES];
+                        for (i, q) in quants_of::<F>(sub, r).iter().enumerate() {
+                            let scale = scale_of::<F>(block, s, i / 16, r);
+                            let weight = match F::FORMAT {
+                                BlockFormat::Q4_1 => {
+                                    scale * f32::from(*q) + min_of::<F>(block, s, r)
+                                }
+                                BlockFormat::Q4K => {
+                                    scale * f32::from(*q) - min_of::<F>(block, s, r)
+                                }
+                                _ => scale * (f32::from(*q) - F::OFFSET as f32),
+                            };
+                            let at = (b * F::SUB_BLOCKS + s) * BLOCK_ELEMS + i;
+                            assert_eq!(
+                                weight,
+                                weights[at],
+                                "{:?} row {row} weight {at}",
+                                F::FORMAT
+                            );
+                        }
                     }
                 }
             }
@@ -769,6 +1232,8 @@ mod tests {
         check::<Q4_1>();
         check::<Q5_0>();
         check::<Q8_0>();
+        check::<Q4K>();
+        check::<Q6K>();
     }
 
     /// Every SIMD path this CPU has and the scalar one give the same bits,
@@ -777,19 +1242,20 @@ mod tests {
     #[test]
     fn simd_and_scalar_paths_agree() {
         fn check<F: Grouped>() {
-            let (rows, cols) = (29, 160);
+            let (rows, cols) = (29, 512);
             let q = stored::<F>(rows, cols, 9);
-            let mut grouped = grouped_vec::<F>(&q.data().unwrap(), rows, cols / BLOCK_ELEMS);
+            let row_blocks = cols / F::FORMAT.block_elems();
+            let mut grouped = grouped_vec::<F>(&q.data().unwrap(), rows, row_blocks);
             if F::EIGHT_BITS {
                 // Row 0's first block at -128, which candle never writes:
                 // the AVX2 path takes its magnitude, 128, as an unsigned
                 // byte.
                 for j in 0..8 {
-                    grouped[F::NIBBLES + CHUNK * j..][..4].fill(0x80);
+                    grouped[F::HEADER + CHUNK * j..][..4].fill(0x80);
                 }
             }
             let inputs = activations(4, cols);
-            let group_bytes = cols / BLOCK_ELEMS * F::GROUP_BLOCK_BYTES;
+            let group_bytes = row_blocks * F::GROUP_BLOCK_BYTES;
             #[cfg(target_arch = "x86_64")]
             let paths = simd::available();
             #[cfg(target_arch = "x86_64")]
@@ -852,6 +1318,24 @@ mod tests {
         check::<Q4_1>();
         check::<Q5_0>();
         check::<Q8_0>();
+        check::<Q4K>();
+        check::<Q6K>();
+    }
+
+    /// A group's block is its sixteen stored blocks' bytes, but for Q4_K's
+    /// sub-block scales and minimums, unpacked from 12 bytes to 16.
+    #[test]
+    fn group_blocks_hold_the_stored_bytes() {
+        for (format, bytes) in [
+            (BlockFormat::Q4_0, 16 * 18),
+            (BlockFormat::Q4_1, 16 * 20),
+            (BlockFormat::Q5_0, 16 * 22),
+            (BlockFormat::Q8_0, 16 * 34),
+            (BlockFormat::Q4K, 16 * (144 + 4)),
+            (BlockFormat::Q6K, 16 * 210),
+        ] {
+            assert_eq!(group_block_bytes(format), bytes, "{format:?}");
+        }
     }
 
     fn gives_every_row_back<F: Grouped>(rows: usize, row_blocks: usize, seed: u64) {
@@ -861,7 +1345,7 @@ mod tests {
         let grouped = grouped_vec::<F>(&stored, rows, row_blocks);
         assert_eq!(
             grouped.len(),
-            rows.div_ceil(GROUP) * GROUP * row_blocks * F::STORED_BYTES
+            rows.div_ceil(GROUP) * row_blocks * F::GROUP_BLOCK_BYTES
         );
         let mut back = Vec::new();
         for row in 0..rows {
@@ -883,6 +1367,8 @@ mod tests {
             gives_every_row_back::<Q4_1>(rows, row_blocks, seed);
             gives_every_row_back::<Q5_0>(rows, row_blocks, seed);
             gives_every_row_back::<Q8_0>(rows, row_blocks, seed);
+            gives_every_row_back::<Q4K>(rows, row_blocks, seed);
+            gives_every_row_back::<Q6K>(rows, row_blocks, seed);
         }
     }
 }
