@@ -1112,9 +1112,10 @@ async fn connections_past_the_bound_are_refused_but_known_peers_get_in() {
         .await
         .unwrap();
     // A generous bound: 512 handshakes on a loaded two-core machine can
-    // hold the node's answer back for seconds. What is checked is the
-    // reason it gives, which an idle close would not.
-    let closed = tokio::time::timeout(Duration::from_secs(20), extra.closed())
+    // hold the node's answer back for seconds (2.5 s alone, past 20 s once
+    // beside this file's other tests in a debug build). What is checked is
+    // the reason it gives, which an idle close would not.
+    let closed = tokio::time::timeout(Duration::from_secs(90), extra.closed())
         .await
         .expect("closed, not left open");
     assert!(

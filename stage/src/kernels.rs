@@ -15,13 +15,16 @@
 //!   6-bit scales and minimums packed in 12 bytes, 128 bytes of 4-bit
 //!   quants); the weight is `d * sc * q - dmin * m`, `sc` and `m` those of
 //!   its 32-weight sub-block.
+//! - Q5_K: 176-byte superblocks of 256 weights, Q4_K's with 32 bytes of
+//!   fifth bits; the weight is `d * sc * q - dmin * m` with 5-bit `q`.
 //! - Q6_K: 210-byte superblocks of 256 weights (128 bytes of low nibbles,
 //!   64 of high bit pairs, sixteen signed 8-bit scales, an f16 `d`); the
 //!   weight is `d * sc * (q - 32)`, `sc` that of its 16 weights.
 //!
 //! candle repacks Q4_K and Q6_K into tiles of its own on first use and
-//! keeps the stored blocks too, so a Q4_K_M stage held its K-quants twice
-//! (Gemma 3's middle third at 1.87x its weights).
+//! keeps the stored blocks too, so a Q4_K_M stage held its K-quants 2.3-2.5
+//! times (Gemma 3's middle third at 1.88x its weights once run); its Q5_K
+//! product is one row's dot products, 2-3x slower than the grouped one.
 //!
 //! candle's dot products for Q4_1 and Q5_0 are scalar, 5x slower than its
 //! Q8_0 one, which is why the engine used to requantize Q4_1 to Q8_0: 1.7x
@@ -38,8 +41,10 @@
 //! rearranged once at load), so that one instruction multiplies four
 //! quants of each of sixteen rows (eight without AVX-512) by four
 //! activation quants. Each output
-//! sums `(d_w * d_a) * isum` (plus `m_w * s_a` for Q4_1) block by block,
-//! `isum` the block's exact integer product, so its bits depend on its
+//! sums `(d_w * d_a) * isum` block by block (plus `m_w * s_a` for Q4_1,
+//! minus `(dmin * m) * (d_a * sum_a)` for Q4_K and Q5_K; Q6_K's two halves
+//! of 16 each with its scale), `isum` the block's exact integer product,
+//! so its bits depend on its
 //! weight and input rows alone: a batch of requests gets the bits each
 //! gets alone, and a split the bits of the whole model.
 //!
@@ -59,8 +64,11 @@ mod pages;
 
 pub use pages::WeightPages;
 
-/// Weights per block, in every format here.
+/// Weights per block of activations, and of the 32-weight formats.
 pub const BLOCK_ELEMS: usize = 32;
+/// Weight rows per group: a matrix of fewer rows would be held padded to
+/// this many.
+pub const GROUP_ROWS: usize = grouped::GROUP;
 /// Weight rows per unit of work handed to a thread: small enough that two
 /// threads share a 576-row matrix evenly, large enough that a unit is not
 /// all dispatch.
@@ -74,6 +82,7 @@ pub enum BlockFormat {
     Q5_0,
     Q8_0,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -88,6 +97,7 @@ impl BlockFormat {
             BlockFormat::Q5_0 => GgmlDType::Q5_0,
             BlockFormat::Q8_0 => GgmlDType::Q8_0,
             BlockFormat::Q4K => GgmlDType::Q4K,
+            BlockFormat::Q5K => GgmlDType::Q5K,
             BlockFormat::Q6K => GgmlDType::Q6K,
         }
     }
@@ -100,6 +110,7 @@ impl BlockFormat {
             BlockFormat::Q5_0 => 22,
             BlockFormat::Q8_0 => 34,
             BlockFormat::Q4K => 144,
+            BlockFormat::Q5K => 176,
             BlockFormat::Q6K => 210,
         }
     }
@@ -107,7 +118,7 @@ impl BlockFormat {
     /// Weights of one stored block.
     pub const fn block_elems(self) -> usize {
         match self {
-            BlockFormat::Q4K | BlockFormat::Q6K => 256,
+            BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K => 256,
             _ => BLOCK_ELEMS,
         }
     }
@@ -158,6 +169,7 @@ enum Storage {
 /// K-quants, as its `quantize_row_q8_K` does (`quantize_activations_k`):
 /// `d` an f32 shared by a superblock's eight blocks.
 #[derive(Debug, Clone, Copy)]
+#[repr(C)]
 struct ActivationBlock {
     d: f32,
     s: f32,
@@ -243,8 +255,9 @@ impl BlockMatrix {
         self.cols
     }
 
-    /// Bytes the matrix holds: the file's (and, for the grouped formats,
-    /// up to fifteen rows of zero blocks filling the last group).
+    /// Bytes the matrix holds: the file's (Q4_K's and Q5_K's a little more,
+    /// their sub-block scales unpacked), and up to fifteen rows of zero
+    /// blocks filling the last group.
     pub fn storage_bytes(&self) -> usize {
         match &self.blocks {
             Storage::Heap(bytes) => bytes.len(),
@@ -264,6 +277,7 @@ impl BlockMatrix {
             BlockFormat::Q5_0 => grouped::stored_row::<grouped::Q5_0>,
             BlockFormat::Q8_0 => grouped::stored_row::<grouped::Q8_0>,
             BlockFormat::Q4K => grouped::stored_row::<grouped::Q4K>,
+            BlockFormat::Q5K => grouped::stored_row::<grouped::Q5K>,
             BlockFormat::Q6K => grouped::stored_row::<grouped::Q6K>,
         };
         for &row in rows {
@@ -311,6 +325,7 @@ impl BlockMatrix {
             BlockFormat::Q5_0 => self.matmul_grouped::<grouped::Q5_0>(blocks, input),
             BlockFormat::Q8_0 => self.matmul_grouped::<grouped::Q8_0>(blocks, input),
             BlockFormat::Q4K => self.matmul_grouped::<grouped::Q4K>(blocks, input),
+            BlockFormat::Q5K => self.matmul_grouped::<grouped::Q5K>(blocks, input),
             BlockFormat::Q6K => self.matmul_grouped::<grouped::Q6K>(blocks, input),
         })
     }
@@ -394,9 +409,10 @@ impl BlockMatrix {
 }
 
 /// The bytes a `rows x cols` matrix's blocks take grouped (every format
-/// runs as groups of sixteen rows, `grouped`: the same bytes, rearranged,
-/// the last group filled with zero rows), once `stored_len` is checked
-/// to be the matrix's stored size.
+/// runs as groups of sixteen rows, `grouped`: the stored bytes rearranged,
+/// Q4_K's and Q5_K's sub-block scales unpacked, the last group filled with
+/// zero rows), once `stored_len` is checked to be the matrix's stored
+/// size.
 fn grouped_len(
     format: BlockFormat,
     rows: usize,
@@ -406,21 +422,24 @@ fn grouped_len(
     if !cols.is_multiple_of(format.block_elems()) {
         return Err(KernelError::RaggedRow { format, cols });
     }
-    let expected = (cols / format.block_elems())
+    let row_blocks = cols / format.block_elems();
+    let expected = row_blocks
         .checked_mul(format.block_bytes())
         .and_then(|row_bytes| rows.checked_mul(row_bytes));
-    if expected != Some(stored_len) {
-        return Err(KernelError::WrongSize {
+    let grouped = rows
+        .div_ceil(grouped::GROUP)
+        .checked_mul(row_blocks)
+        .and_then(|blocks| blocks.checked_mul(grouped::group_block_bytes(format)));
+    match (expected, grouped) {
+        (Some(expected), Some(grouped)) if expected == stored_len => Ok(grouped),
+        _ => Err(KernelError::WrongSize {
             format,
             rows,
             cols,
             expected: expected.unwrap_or(usize::MAX),
             actual: stored_len,
-        });
+        }),
     }
-    // At most the stored bytes plus fifteen rows of them (and
-    // `grouped_bytes` saturates rather than wraps).
-    Ok(BlockMatrix::grouped_bytes(format, rows, cols))
 }
 
 /// Group checked stored blocks into `out` (zeroed, `grouped_len` bytes).
@@ -432,6 +451,7 @@ fn group_rows(format: BlockFormat, stored: &[u8], rows: usize, cols: usize, out:
         BlockFormat::Q5_0 => grouped::group_rows::<grouped::Q5_0>(stored, rows, row_blocks, out),
         BlockFormat::Q8_0 => grouped::group_rows::<grouped::Q8_0>(stored, rows, row_blocks, out),
         BlockFormat::Q4K => grouped::group_rows::<grouped::Q4K>(stored, rows, row_blocks, out),
+        BlockFormat::Q5K => grouped::group_rows::<grouped::Q5K>(stored, rows, row_blocks, out),
         BlockFormat::Q6K => grouped::group_rows::<grouped::Q6K>(stored, rows, row_blocks, out),
     }
 }
@@ -526,12 +546,17 @@ fn quantize_activations(row: &[f32], out: &mut Vec<ActivationBlock>) {
     }
 }
 
+// The SIMD loops read the quants as four-byte words in place.
+const _: () = assert!(std::mem::offset_of!(ActivationBlock, qs) % 4 == 0);
+
 /// Append one row's activation blocks (`row.len()` a multiple of 256) as
 /// llama.cpp quantizes them for the K-quants' dot products
 /// (`quantize_row_q8_K`): one f32 scale for each 256 values, the value of
 /// largest magnitude over -127 (so it may be negative), shared by their
 /// eight blocks, and quants rounded half to even. A run whose inverse
-/// scale is not finite (all zeros, or below about 1e-36) adds 0.
+/// scale is not finite (all zeros, or its largest magnitude below about
+/// 3.7e-37) adds 0; one holding an infinity gives NaN, as the other
+/// formats' quantization does.
 fn quantize_activations_k(row: &[f32], out: &mut Vec<ActivationBlock>) {
     const SUPER: usize = 256;
     for values in row.chunks_exact(SUPER) {
@@ -542,7 +567,13 @@ fn quantize_activations_k(row: &[f32], out: &mut Vec<ActivationBlock>) {
             inverse if max != 0.0 && inverse.is_finite() => inverse,
             _ => 0.0,
         };
-        let d = if inverse == 0.0 { 0.0 } else { 1.0 / inverse };
+        let d = if max.is_infinite() {
+            f32::NAN
+        } else if inverse == 0.0 {
+            0.0
+        } else {
+            1.0 / inverse
+        };
         for values in values.chunks_exact(BLOCK_ELEMS) {
             let mut qs = [0i8; BLOCK_ELEMS];
             for (q, v) in qs.iter_mut().zip(values) {
@@ -568,12 +599,13 @@ mod tests {
     use candle_core::{Device, Tensor};
     use proptest::prelude::*;
 
-    const FORMATS: [BlockFormat; 6] = [
+    const FORMATS: [BlockFormat; 7] = [
         BlockFormat::Q4_0,
         BlockFormat::Q4_1,
         BlockFormat::Q5_0,
         BlockFormat::Q8_0,
         BlockFormat::Q4K,
+        BlockFormat::Q5K,
         BlockFormat::Q6K,
     ];
 
@@ -698,6 +730,66 @@ mod tests {
         assert_eq!(tiny, zero);
     }
 
+    /// The K-quants' activations are llama.cpp's `quantize_row_q8_K`:
+    /// candle's `BlockQ8K` is the same but for rounding ties away from zero,
+    /// which these inputs never reach; one scale a superblock, negative
+    /// where the value of largest magnitude is positive.
+    #[test]
+    fn k_quant_activations_are_q8_k() {
+        let mut input: Vec<f32> = (0..1024)
+            .map(|i| {
+                let scale = [1.0, -3.0, 1e-3, 0.0][i / 256];
+                ((i * 7 % 251) as f32 * 0.731 + 0.1).sin() * scale
+            })
+            .collect();
+        input[0] = 2.0;
+        input[300] = -9.0;
+        let mut ours = Vec::new();
+        quantize_activations_k(&input, &mut ours);
+        let theirs = QTensor::quantize(
+            &Tensor::from_vec(input.clone(), (4, 256), &Device::Cpu).unwrap(),
+            candle_core::quantized::GgmlDType::Q8K,
+        )
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+        assert_eq!(ours.len(), 32);
+        for (b, block) in ours.iter().enumerate() {
+            assert_eq!(block.d, ours[b / 8 * 8].d, "one scale a superblock");
+            let sum = |qs: &[i8]| qs.iter().map(|q| i32::from(*q)).sum::<i32>();
+            assert_eq!(block.sum, sum(&block.qs));
+            assert_eq!(block.half_sum, sum(&block.qs[..16]));
+            for (i, q) in block.qs.iter().enumerate() {
+                let at = b * BLOCK_ELEMS + i;
+                assert_eq!(block.d * f32::from(*q), theirs[at], "value {at}");
+            }
+        }
+        assert!(
+            ours[0].d < 0.0 && ours[8].d > 0.0,
+            "{} {}",
+            ours[0].d,
+            ours[8].d
+        );
+        assert_eq!(ours[24].d, 0.0);
+    }
+
+    /// An infinite activation gives NaN in every format, never a silent 0.
+    #[test]
+    fn an_infinite_activation_gives_nan() {
+        for format in FORMATS {
+            let cols = format.block_elems();
+            let (_, matrix) = stored(format, 16, cols, 3);
+            let mut input = vec![0.5f32; cols];
+            input[1] = f32::INFINITY;
+            let out = matrix.matmul(&input).unwrap();
+            assert!(out.iter().all(|v| v.is_nan()), "{format:?}: {out:?}");
+        }
+    }
+
     /// A matrix of no rows or no columns is taken and runs without a
     /// panic: no outputs, or a refused input.
     #[test]
@@ -751,7 +843,7 @@ mod tests {
         fn steps_are_independent(
             steps in proptest::collection::vec(prop_oneof![Just(1usize), 1usize..12], 1..8),
             seed in any::<u64>(),
-            which in 0usize..6,
+            which in 0usize..7,
         ) {
             let format = FORMATS[which];
             let (rows, cols) = (37, 2 * format.block_elems());
@@ -775,7 +867,7 @@ mod tests {
         fn never_panics(
             blocks in proptest::collection::vec(any::<u8>(), 3 * 210),
             input in proptest::collection::vec(-1e30f32..1e30, 256),
-            which in 0usize..6,
+            which in 0usize..7,
         ) {
             let format = FORMATS[which];
             let cols = format.block_elems().max(64);

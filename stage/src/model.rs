@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use crate::attention;
 use crate::error::{EngineError, Result};
 use crate::frame::Activations;
-use crate::kernels::{BlockFormat, BlockMatrix, KernelError, WeightPages};
+use crate::kernels::{BlockFormat, BlockMatrix, GROUP_ROWS, KernelError, WeightPages};
 use crate::source::{BlockStyle, ModelConfig, RawTensor, RopeLayout, Source};
 
 /// Longest context a slice serves (positions it rotates).
@@ -84,14 +84,21 @@ fn blocks_forward(matrix: &BlockMatrix, x: &Tensor, steps: &[usize]) -> Result<T
 /// with AVX-512 VNNI its tiled kernel is 1.3x the engine's grouped one
 /// (`mesh-node bench kernels`, 576x1536); otherwise candle runs Q8_0 one
 /// row at a time and the engine's kernel is 1.7-7x faster.
-/// Q4_K and Q6_K run on the engine's kernels: candle would hold them
-/// twice (its tiles beside the stored blocks).
+/// The K-quants run on the engine's kernels: candle would hold Q4_K and
+/// Q6_K twice (its tiles beside the stored blocks), and runs Q5_K one row
+/// at a time.
 fn own_kernel(dtype: GgmlDType, rows: usize, cols: usize) -> Option<BlockFormat> {
+    if rows < GROUP_ROWS {
+        // Padded to a whole group it would hold up to sixteen times its
+        // bytes (no real model's matrix is this small).
+        return None;
+    }
     match dtype {
         GgmlDType::Q4_0 => Some(BlockFormat::Q4_0),
         GgmlDType::Q4_1 => Some(BlockFormat::Q4_1),
         GgmlDType::Q5_0 => Some(BlockFormat::Q5_0),
         GgmlDType::Q4K => Some(BlockFormat::Q4K),
+        GgmlDType::Q5K => Some(BlockFormat::Q5K),
         GgmlDType::Q6K => Some(BlockFormat::Q6K),
         GgmlDType::Q8_0 if !(cols.is_multiple_of(256) && rows.is_multiple_of(16)) => {
             Some(BlockFormat::Q8_0)
@@ -103,7 +110,7 @@ fn own_kernel(dtype: GgmlDType, rows: usize, cols: usize) -> Option<BlockFormat>
 #[derive(Debug)]
 enum Linear {
     Quantized(QMatMul),
-    /// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K in their stored blocks
+    /// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K in their stored blocks
     /// (grouped sixteen rows at a time), on the engine's own kernels.
     Blocks(BlockMatrix),
     Dense(candle_nn::Linear),

@@ -201,7 +201,7 @@ fn every_supported_quantization_loads_and_runs() {
 
 /// Every matrix on the engine's own kernels is grouped into the slice's
 /// weight pages (none spills to the heap: the reservation covers them
-/// all); those on candle's kernels (Q5_K, Q8_0 that candle tiles), and
+/// all); those on candle's kernels (Q8_0 that candle tiles), and
 /// every matrix on the route a GPU takes, are not.
 #[test]
 fn own_kernel_matrices_live_in_the_slices_weight_pages() {
@@ -225,7 +225,7 @@ fn own_kernel_matrices_live_in_the_slices_weight_pages() {
         let norms = 2 * 2 * handle.config().hidden * 4;
         let paged = match dtype {
             // Every matrix of the synthetic model is a shape candle tiles.
-            GgmlDType::Q5K | GgmlDType::Q8_0 => 0,
+            GgmlDType::Q8_0 => 0,
             _ => own.weight_bytes() - norms,
         };
         assert_eq!(own.paged_weight_bytes(), paged, "{dtype:?}");

@@ -301,10 +301,11 @@ pub fn bench_kernels() -> anyhow::Result<serde_json::Value> {
         BlockFormat::Q5_0,
         BlockFormat::Q8_0,
         BlockFormat::Q4K,
+        BlockFormat::Q5K,
         BlockFormat::Q6K,
     ] {
         let shapes: &[(usize, usize)] = match format {
-            BlockFormat::Q4K | BlockFormat::Q6K => &gemma3,
+            BlockFormat::Q4K | BlockFormat::Q5K | BlockFormat::Q6K => &gemma3,
             _ => &smollm2,
         };
         for &shape in shapes {

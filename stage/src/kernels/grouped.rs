@@ -1,7 +1,7 @@
 //! Matrices held as groups of sixteen weight rows, so that one SIMD
 //! instruction works on eight or sixteen outputs at once (docs/engine.md):
-//! Q4_0, Q4_1, Q5_0 and Q8_0 (blocks of 32 weights), and Q4_K and Q6_K
-//! (superblocks of 256 weights, eight sub-blocks of 32 with their own
+//! Q4_0, Q4_1, Q5_0 and Q8_0 (blocks of 32 weights), and Q4_K, Q5_K and
+//! Q6_K (superblocks of 256 weights, eight sub-blocks of 32 with their own
 //! scales).
 //!
 //! A row-by-row kernel (the engine's until 2026-12-03) spends, per
@@ -20,12 +20,12 @@
 //! for the 32-weight formats, eight for the K-quants).
 //!
 //! - The header: the sixteen f16 scales `d`; the sixteen f16 minimums
-//!   (Q4_1's `m`, Q4_K's `dmin`); Q4_K's 6-bit sub-block scales and
+//!   (Q4_1's `m`, Q4_K's and Q5_K's `dmin`); their 6-bit sub-block scales and
 //!   minimums unpacked to a byte each (`[sub-block][row]`); Q6_K's signed
 //!   scales of each 16 weights (`[sixteenth][row]`).
 //! - A sub-block's quants: four 64-byte chunks of nibbles (chunk `c`, byte
 //!   `4r + t`: row `r`'s quant `4c + t` in the low nibble, quant
-//!   `16 + 4c + t` in the high one); for Q5_0 then 64 bytes of fifth bits
+//!   `16 + 4c + t` in the high one); for Q5_0 and Q5_K then 64 bytes of fifth bits
 //!   (byte `4r + t`, bit `j`: the fifth bit of row `r`'s quant `4j + t`);
 //!   for Q6_K then two 64-byte planes of the two high bits (byte `4r + t`,
 //!   bits `2c, 2c + 1`: those of row `r`'s quant `4c + t`, in the first
@@ -34,8 +34,9 @@
 //!   row `r`'s quant `4j + t`).
 //!
 //! So a chunk's first 32 bytes are rows 0-7 and its last 32 rows 8-15. The
-//! block is the stored bytes' size, but for Q4_K's unpacked sub-block
-//! scales (2,368 bytes for sixteen 144-byte blocks). A last group short of
+//! block is the stored bytes' size, but for Q4_K's and Q5_K's unpacked
+//! sub-block scales (2,368 bytes for sixteen 144-byte Q4_K blocks, 2,880
+//! for sixteen 176-byte Q5_K ones). A last group short of
 //! sixteen rows is filled with zero blocks (scale 0), which add nothing
 //! and are never read out.
 //!
@@ -47,7 +48,7 @@
 //! format's offset times the activation quants' sum, so the unsigned
 //! quants give the signed sum; the AVX2 path takes Q8_0's signed bytes by
 //! magnitude and sign instead, from 0). Then Q4_1 adds `m_w * s_a` and
-//! Q4_K subtracts `(dmin * m) * (d_a * sum_a)`, each one fused
+//! Q4_K and Q5_K subtract `(dmin * m) * (d_a * sum_a)`, each one fused
 //! multiply-add; Q6_K, whose scales change every 16 weights, adds the two
 //! halves' products one after the other, each with its own scale.
 //! So an output's bits depend on its weight row and activation row alone,
@@ -78,10 +79,10 @@ pub(super) trait Grouped {
     /// stored; Q8_0's with the sign bit flipped) are above the values
     /// meant.
     const OFFSET: i32;
-    /// Whether blocks carry a minimum (Q4_1: weight `d * q + m`; Q4_K:
-    /// `d * sc * q - dmin * m`).
+    /// Whether blocks carry a minimum (Q4_1: weight `d * q + m`; Q4_K and
+    /// Q5_K: `d * sc * q - dmin * m`).
     const HAS_MIN: bool;
-    /// Whether quants have a fifth bit (Q5_0).
+    /// Whether quants have a fifth bit (Q5_0, Q5_K).
     const FIVE_BITS: bool = false;
     /// Whether quants have two high bits (Q6_K).
     const SIX_BITS: bool = false;
@@ -96,7 +97,7 @@ pub(super) trait Grouped {
     const STORED_BYTES: usize = Self::FORMAT.block_bytes();
     /// Where the sub-block scales start (K-quants).
     const SUB_SCALES: usize = 0;
-    /// Where Q4_K's sub-block minimums start.
+    /// Where Q4_K's and Q5_K's sub-block minimums start.
     const SUB_MINS: usize = 0;
     /// Bytes of a group's block before its quants.
     const HEADER: usize;
@@ -123,6 +124,8 @@ pub(super) struct Q5_0;
 pub(super) struct Q8_0;
 #[derive(Debug)]
 pub(super) struct Q4K;
+#[derive(Debug)]
+pub(super) struct Q5K;
 #[derive(Debug)]
 pub(super) struct Q6K;
 
@@ -170,6 +173,17 @@ impl Grouped for Q4K {
     const HEADER: usize = Self::SUB_MINS + 8 * GROUP;
 }
 
+impl Grouped for Q5K {
+    const FORMAT: BlockFormat = BlockFormat::Q5K;
+    const OFFSET: i32 = 0;
+    const HAS_MIN: bool = true;
+    const FIVE_BITS: bool = true;
+    const SUB_BLOCKS: usize = 8;
+    const SUB_SCALES: usize = 4 * GROUP;
+    const SUB_MINS: usize = Self::SUB_SCALES + 8 * GROUP;
+    const HEADER: usize = Self::SUB_MINS + 8 * GROUP;
+}
+
 impl Grouped for Q6K {
     const FORMAT: BlockFormat = BlockFormat::Q6K;
     const OFFSET: i32 = 32;
@@ -188,6 +202,7 @@ pub(super) const fn group_block_bytes(format: BlockFormat) -> usize {
         BlockFormat::Q5_0 => Q5_0::GROUP_BLOCK_BYTES,
         BlockFormat::Q8_0 => Q8_0::GROUP_BLOCK_BYTES,
         BlockFormat::Q4K => Q4K::GROUP_BLOCK_BYTES,
+        BlockFormat::Q5K => Q5K::GROUP_BLOCK_BYTES,
         BlockFormat::Q6K => Q6K::GROUP_BLOCK_BYTES,
     }
 }
@@ -210,6 +225,17 @@ fn stored_quants<F: Grouped>(block: &[u8]) -> [u8; SUPER_ELEMS] {
                 for (i, byte) in run.iter().enumerate() {
                     quants[64 * c + i] = byte & 0x0F;
                     quants[64 * c + 32 + i] = byte >> 4;
+                }
+            }
+        }
+        BlockFormat::Q5K => {
+            // As Q4_K's, with 32 bytes of fifth bits: byte l's bit 2c is
+            // that of quant 64c + l, its bit 2c + 1 that of quant 64c + 32 + l.
+            let high = &block[16..48];
+            for (c, run) in block[48..176].chunks_exact(32).enumerate() {
+                for (i, byte) in run.iter().enumerate() {
+                    quants[64 * c + i] = (byte & 0x0F) | (((high[i] >> (2 * c)) & 1) << 4);
+                    quants[64 * c + 32 + i] = (byte >> 4) | (((high[i] >> (2 * c + 1)) & 1) << 4);
                 }
             }
         }
@@ -291,7 +317,7 @@ pub(super) fn group_rows<F: Grouped>(
             let out = &mut grouped[(group * row_blocks + b) * F::GROUP_BLOCK_BYTES..]
                 [..F::GROUP_BLOCK_BYTES];
             match F::FORMAT {
-                BlockFormat::Q4K => {
+                BlockFormat::Q4K | BlockFormat::Q5K => {
                     out[SCALES + 2 * r..][..2].copy_from_slice(&block[..2]);
                     out[MINS + 2 * r..][..2].copy_from_slice(&block[2..4]);
                     for j in 0..8 {
@@ -383,6 +409,20 @@ pub(super) fn stored_row<F: Grouped>(
                     }
                 }
             }
+            BlockFormat::Q5K => {
+                stored[..2].copy_from_slice(&block[SCALES + 2 * r..][..2]);
+                stored[2..4].copy_from_slice(&block[MINS + 2 * r..][..2]);
+                let scales = std::array::from_fn(|j| block[F::SUB_SCALES + j * GROUP + r]);
+                let mins = std::array::from_fn(|j| block[F::SUB_MINS + j * GROUP + r]);
+                stored[4..16].copy_from_slice(&pack_scale_min_k4(scales, mins));
+                for c in 0..4 {
+                    for i in 0..32 {
+                        let (low, high) = (quants[64 * c + i], quants[64 * c + 32 + i]);
+                        stored[48 + 32 * c + i] = (low & 0x0F) | ((high & 0x0F) << 4);
+                        stored[16 + i] |= ((low >> 4) << (2 * c)) | ((high >> 4) << (2 * c + 1));
+                    }
+                }
+            }
             BlockFormat::Q6K => {
                 for h in 0..2 {
                     let q = &quants[128 * h..];
@@ -469,13 +509,14 @@ fn f16_at(block: &[u8], offset: usize) -> f32 {
 fn scale_of<F: Grouped>(block: &[u8], s: usize, half: usize, r: usize) -> f32 {
     let d = f16_at(block, SCALES + 2 * r);
     match F::FORMAT {
-        BlockFormat::Q4K => d * f32::from(block[F::SUB_SCALES + s * GROUP + r]),
+        BlockFormat::Q4K | BlockFormat::Q5K => d * f32::from(block[F::SUB_SCALES + s * GROUP + r]),
         BlockFormat::Q6K => d * f32::from(block[F::SUB_SCALES + (2 * s + half) * GROUP + r] as i8),
         _ => d,
     }
 }
 
-/// Row `r`'s minimum for sub-block `s`: Q4_1's `m`, Q4_K's `dmin * m`.
+/// Row `r`'s minimum for sub-block `s`: Q4_1's `m`, Q4_K's and Q5_K's
+/// `dmin * m`.
 fn min_of<F: Grouped>(block: &[u8], s: usize, r: usize) -> f32 {
     let m = f16_at(block, MINS + 2 * r);
     if F::SUB_BLOCKS > 1 {
@@ -486,7 +527,8 @@ fn min_of<F: Grouped>(block: &[u8], s: usize, r: usize) -> f32 {
 }
 
 /// What a sub-block's minimum multiplies: Q4_1's `s_a` (as llama.cpp's
-/// `q4_1 x q8_1`), Q4_K's `d_a * sum_a` (llama.cpp's Q8_K sums are exact).
+/// `q4_1 x q8_1`), Q4_K's and Q5_K's `d_a * sum_a` (llama.cpp's Q8_K sums
+/// are exact).
 fn min_activation<F: Grouped>(a: &ActivationBlock) -> f32 {
     if F::SUB_BLOCKS > 1 {
         a.d * a.sum as f32
@@ -685,11 +727,11 @@ pub(super) mod simd {
         prefetch: bool,
     ) -> [[f32; GROUP]; N] {
         let ones = _mm256_set1_epi16(1);
-        // `maddubs` sums pairs into i16: 4- and 5-bit weight bytes are at
-        // most 31 and activations at most 127 in magnitude, so that fits
-        // with room; Q8_0's bytes are signed, so it takes their magnitude
-        // (at most 128) times the activation with the weight's sign
-        // (32,512 at most), and needs no offset.
+        // `maddubs` sums pairs into i16: 4-, 5- and 6-bit weight bytes are
+        // at most 63 and activations at most 127 in magnitude (16,002 a
+        // pair), so that fits with room; Q8_0's bytes are signed, so it
+        // takes their magnitude (at most 128) times the activation with the
+        // weight's sign (32,512 at most), and needs no offset.
         let offset = if F::EIGHT_BITS { 0 } else { F::OFFSET };
         halves(|half| {
             dots::<F, N>(
@@ -912,7 +954,7 @@ pub(super) mod simd {
                 // The weight scales of the quants 0..16 and 16..32, and
                 // the minimums.
                 let (scale_first, scale_second, mins) = match F::FORMAT {
-                    BlockFormat::Q4K => {
+                    BlockFormat::Q4K | BlockFormat::Q5K => {
                         let scale = _mm256_mul_ps(
                             d,
                             eight_bytes(&block[F::SUB_SCALES + s * GROUP + rows..], false),
@@ -1073,7 +1115,7 @@ pub(super) mod simd {
                     }
                 }
                 let (scale_first, scale_second, mins) = match F::FORMAT {
-                    BlockFormat::Q4K => {
+                    BlockFormat::Q4K | BlockFormat::Q5K => {
                         let scale = _mm512_mul_ps(
                             d,
                             sixteen_bytes(&block[F::SUB_SCALES + s * GROUP..], false),
@@ -1145,7 +1187,7 @@ pub(super) mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::quantize_activations;
+    use crate::kernels::{quantize_activations, quantize_activations_k};
     use candle_core::Device;
     use candle_core::quantized::QTensor;
     use proptest::prelude::*;
@@ -1161,7 +1203,10 @@ mod tests {
         crate::kernels::tests::quantized(F::FORMAT, rows, cols, seed)
     }
 
-    fn activations(rows: usize, cols: usize) -> Vec<Vec<ActivationBlock>> {
+    /// `rows` activation rows quantized as a product in format `F` takes
+    /// them (for the K-quants one scale a superblock, negative where the
+    /// value of largest magnitude is positive).
+    fn activations<F: Grouped>(rows: usize, cols: usize) -> Vec<Vec<ActivationBlock>> {
         (0..rows)
             .map(|row| {
                 let input: Vec<f32> = (0..cols)
@@ -1178,7 +1223,11 @@ mod tests {
                     })
                     .collect();
                 let mut out = Vec::new();
-                quantize_activations(&input, &mut out);
+                if F::SUB_BLOCKS > 1 {
+                    quantize_activations_k(&input, &mut out);
+                } else {
+                    quantize_activations(&input, &mut out);
+                }
                 out
             })
             .collect()
@@ -1211,7 +1260,7 @@ mod tests {
                                 BlockFormat::Q4_1 => {
                                     scale * f32::from(*q) + min_of::<F>(block, s, r)
                                 }
-                                BlockFormat::Q4K => {
+                                BlockFormat::Q4K | BlockFormat::Q5K => {
                                     scale * f32::from(*q) - min_of::<F>(block, s, r)
                                 }
                                 _ => scale * (f32::from(*q) - F::OFFSET as f32),
@@ -1233,11 +1282,12 @@ mod tests {
         check::<Q5_0>();
         check::<Q8_0>();
         check::<Q4K>();
+        check::<Q5K>();
         check::<Q6K>();
     }
 
     /// Every SIMD path this CPU has and the scalar one give the same bits,
-    /// one to four input rows at a time, on a last group short of eight
+    /// one to four input rows at a time, on a last group short of sixteen
     /// rows too.
     #[test]
     fn simd_and_scalar_paths_agree() {
@@ -1254,15 +1304,17 @@ mod tests {
                     grouped[F::HEADER + CHUNK * j..][..4].fill(0x80);
                 }
             }
-            let inputs = activations(4, cols);
+            let inputs = activations::<F>(4, cols);
             let group_bytes = row_blocks * F::GROUP_BLOCK_BYTES;
             #[cfg(target_arch = "x86_64")]
             let paths = simd::available();
             #[cfg(target_arch = "x86_64")]
-            if paths.is_empty() {
-                eprintln!(
-                    "SKIP the SIMD half of simd_and_scalar_paths_agree: no AVX2, FMA and F16C"
-                );
+            for path in [simd::Path::Avx2, simd::Path::Vnni, simd::Path::Avx512] {
+                if !paths.contains(&path) {
+                    eprintln!(
+                        "SKIP the {path:?} path of simd_and_scalar_paths_agree: this CPU lacks it"
+                    );
+                }
             }
             for group in grouped.chunks_exact(group_bytes) {
                 let scalar: Vec<[f32; GROUP]> = inputs
@@ -1319,11 +1371,13 @@ mod tests {
         check::<Q5_0>();
         check::<Q8_0>();
         check::<Q4K>();
+        check::<Q5K>();
         check::<Q6K>();
     }
 
     /// A group's block is its sixteen stored blocks' bytes, but for Q4_K's
-    /// sub-block scales and minimums, unpacked from 12 bytes to 16.
+    /// and Q5_K's sub-block scales and minimums, unpacked from 12 bytes to
+    /// 16.
     #[test]
     fn group_blocks_hold_the_stored_bytes() {
         for (format, bytes) in [
@@ -1332,6 +1386,7 @@ mod tests {
             (BlockFormat::Q5_0, 16 * 22),
             (BlockFormat::Q8_0, 16 * 34),
             (BlockFormat::Q4K, 16 * (144 + 4)),
+            (BlockFormat::Q5K, 16 * (176 + 4)),
             (BlockFormat::Q6K, 16 * 210),
         ] {
             assert_eq!(group_block_bytes(format), bytes, "{format:?}");
@@ -1368,6 +1423,7 @@ mod tests {
             gives_every_row_back::<Q5_0>(rows, row_blocks, seed);
             gives_every_row_back::<Q8_0>(rows, row_blocks, seed);
             gives_every_row_back::<Q4K>(rows, row_blocks, seed);
+            gives_every_row_back::<Q5K>(rows, row_blocks, seed);
             gives_every_row_back::<Q6K>(rows, row_blocks, seed);
         }
     }
