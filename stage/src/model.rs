@@ -79,15 +79,12 @@ fn blocks_forward(matrix: &BlockMatrix, x: &Tensor, steps: &[usize]) -> Result<T
 }
 
 /// The block formats the engine runs on its own kernels (`kernels`)
-/// rather than candle's, for a `rows x cols` matrix. Q8_0 stays on
-/// candle's when candle can tile it (columns a multiple of 256, rows of 16):
-/// with AVX-512 VNNI its tiled kernel is 1.3x the engine's grouped one
-/// (`mesh-node bench kernels`, 576x1536); otherwise candle runs Q8_0 one
-/// row at a time and the engine's kernel is 1.7-7x faster.
-/// The K-quants run on the engine's kernels: candle would hold Q4_K and
-/// Q6_K twice (its tiles beside the stored blocks), and runs Q5_K one row
-/// at a time.
-fn own_kernel(dtype: GgmlDType, rows: usize, cols: usize) -> Option<BlockFormat> {
+/// rather than candle's, for a matrix of `rows` rows: every block format
+/// but Q5_1, Q2_K, Q3_K and Q8_K. candle would hold Q4_K and Q6_K, and Q8_0 where it can
+/// tile it, twice once run (its tiles beside the stored blocks); its Q4_1,
+/// Q5_0 and Q5_K products are one row's dot products, 2-7x slower than
+/// the grouped ones (`mesh-node bench kernels`, docs/BENCHMARKS.md).
+fn own_kernel(dtype: GgmlDType, rows: usize) -> Option<BlockFormat> {
     if rows < GROUP_ROWS {
         // Padded to a whole group it would hold up to sixteen times its
         // bytes (no real model's matrix is this small).
@@ -100,9 +97,7 @@ fn own_kernel(dtype: GgmlDType, rows: usize, cols: usize) -> Option<BlockFormat>
         GgmlDType::Q4K => Some(BlockFormat::Q4K),
         GgmlDType::Q5K => Some(BlockFormat::Q5K),
         GgmlDType::Q6K => Some(BlockFormat::Q6K),
-        GgmlDType::Q8_0 if !(cols.is_multiple_of(256) && rows.is_multiple_of(16)) => {
-            Some(BlockFormat::Q8_0)
-        }
+        GgmlDType::Q8_0 => Some(BlockFormat::Q8_0),
         _ => None,
     }
 }
@@ -147,7 +142,7 @@ impl Linear {
                 Linear::Dense(candle_nn::Linear::new(dense, None))
             }
             RawTensor::Quantized(q) => match q.shape().dims2().ok().and_then(|(rows, cols)| {
-                own_kernel(q.dtype(), rows, cols)
+                own_kernel(q.dtype(), rows)
                     .filter(|_| !policy.candle_only)
                     .map(|format| (format, rows, cols))
             }) {
@@ -551,7 +546,7 @@ fn pages_bound(source: &Source, projections: &[Vec<String>]) -> usize {
         return 0;
     };
     let room = |dtype: GgmlDType, rows: usize, cols: usize| {
-        own_kernel(dtype, rows, cols)
+        own_kernel(dtype, rows)
             .map(|format| WeightPages::room_for(BlockMatrix::grouped_bytes(format, rows, cols)))
             .unwrap_or(0)
     };

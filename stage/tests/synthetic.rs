@@ -201,8 +201,7 @@ fn every_supported_quantization_loads_and_runs() {
 
 /// Every matrix on the engine's own kernels is grouped into the slice's
 /// weight pages (none spills to the heap: the reservation covers them
-/// all); those on candle's kernels (Q8_0 that candle tiles), and
-/// every matrix on the route a GPU takes, are not.
+/// all); every matrix on the route a GPU takes is not.
 #[test]
 fn own_kernel_matrices_live_in_the_slices_weight_pages() {
     let types = [
@@ -223,12 +222,11 @@ fn own_kernel_matrices_live_in_the_slices_weight_pages() {
         // Two blocks' two f32 norms are all the middle slice holds besides
         // its matrices, whose row counts are whole groups of sixteen.
         let norms = 2 * 2 * handle.config().hidden * 4;
-        let paged = match dtype {
-            // Every matrix of the synthetic model is a shape candle tiles.
-            GgmlDType::Q8_0 => 0,
-            _ => own.weight_bytes() - norms,
-        };
-        assert_eq!(own.paged_weight_bytes(), paged, "{dtype:?}");
+        assert_eq!(
+            own.paged_weight_bytes(),
+            own.weight_bytes() - norms,
+            "{dtype:?}"
+        );
     }
 }
 
