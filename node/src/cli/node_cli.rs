@@ -899,7 +899,13 @@ pub async fn bench_split(
         Some(model) => model,
         None => crate::cli::engine_cli::synthetic_model_path()?,
     };
-    let chat = prompt_tokens.is_none();
+    // A base model (no chat template, as Gemma 3 270M's file) completes
+    // the short prompt as written.
+    let chat = prompt_tokens.is_none()
+        && mesh_stage::ModelHandle::open(&model)?
+            .text()
+            .chat_template()
+            .is_some();
     let prompt = bench_prompt(&model, prompt_tokens)?;
     let configurations = [
         (2usize, ReturnMode::Relayed),
