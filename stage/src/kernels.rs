@@ -528,22 +528,26 @@ fn quantize_activations(row: &[f32], out: &mut Vec<ActivationBlock>) {
             _ => 0.0,
         };
         let mut qs = [0i8; BLOCK_ELEMS];
-        let mut sum = 0i32;
         for (q, v) in qs.iter_mut().zip(values) {
             // |v| <= max, so |v * 127 / max| rounds to at most 127 and
-            // the casts never saturate.
-            let rounded = (v * inverse).round_ties_even() as i32;
-            *q = rounded as i8;
-            sum += rounded;
+            // the cast never saturates.
+            *q = (v * inverse).round_ties_even() as i8;
         }
+        let (sum, half_sum) = quant_sums(&qs);
         out.push(ActivationBlock {
             d: f16::from_f32(d).to_f32(),
             s: f16::from_f32(d * sum as f32).to_f32(),
             qs,
             sum,
-            half_sum: qs[..BLOCK_ELEMS / 2].iter().map(|q| i32::from(*q)).sum(),
+            half_sum,
         });
     }
+}
+
+/// A block's quant sum, and that of its first 16 quants.
+fn quant_sums(qs: &[i8; BLOCK_ELEMS]) -> (i32, i32) {
+    let sum = |qs: &[i8]| qs.iter().map(|q| i32::from(*q)).sum::<i32>();
+    (sum(qs), sum(&qs[..BLOCK_ELEMS / 2]))
 }
 
 // The SIMD loops read the quants as four-byte words in place.
@@ -580,13 +584,13 @@ fn quantize_activations_k(row: &[f32], out: &mut Vec<ActivationBlock>) {
                 // |v| <= |max|, so |v * inverse| rounds to at most 127.
                 *q = (v * inverse).round_ties_even().clamp(-127.0, 127.0) as i8;
             }
-            let sum = qs.iter().map(|q| i32::from(*q)).sum::<i32>();
+            let (sum, half_sum) = quant_sums(&qs);
             out.push(ActivationBlock {
                 d,
                 s: d * sum as f32,
                 qs,
                 sum,
-                half_sum: qs[..BLOCK_ELEMS / 2].iter().map(|q| i32::from(*q)).sum(),
+                half_sum,
             });
         }
     }

@@ -218,21 +218,17 @@ fn stored_quants<F: Grouped>(block: &[u8]) -> [u8; SUPER_ELEMS] {
         BlockFormat::Q8_0 => {
             quants[..BLOCK_ELEMS].copy_from_slice(&block[F::STORED_QUANTS..][..BLOCK_ELEMS]);
         }
-        BlockFormat::Q4K => {
+        BlockFormat::Q4K | BlockFormat::Q5K => {
             // Four 32-byte runs: run c's low nibbles are quants 64c..,
-            // its high nibbles quants 64c + 32...
-            for (c, run) in block[16..144].chunks_exact(32).enumerate() {
-                for (i, byte) in run.iter().enumerate() {
-                    quants[64 * c + i] = byte & 0x0F;
-                    quants[64 * c + 32 + i] = byte >> 4;
-                }
-            }
-        }
-        BlockFormat::Q5K => {
-            // As Q4_K's, with 32 bytes of fifth bits: byte l's bit 2c is
-            // that of quant 64c + l, its bit 2c + 1 that of quant 64c + 32 + l.
-            let high = &block[16..48];
-            for (c, run) in block[48..176].chunks_exact(32).enumerate() {
+            // its high nibbles quants 64c + 32... Q5_K's 32 bytes of fifth
+            // bits come first: byte l's bit 2c is that of quant 64c + l,
+            // its bit 2c + 1 that of quant 64c + 32 + l.
+            let (high, runs) = if F::FIVE_BITS {
+                (&block[16..48], &block[48..176])
+            } else {
+                (&[0u8; 32][..], &block[16..144])
+            };
+            for (c, run) in runs.chunks_exact(32).enumerate() {
                 for (i, byte) in run.iter().enumerate() {
                     quants[64 * c + i] = (byte & 0x0F) | (((high[i] >> (2 * c)) & 1) << 4);
                     quants[64 * c + 32 + i] = (byte >> 4) | (((high[i] >> (2 * c + 1)) & 1) << 4);
@@ -397,29 +393,23 @@ pub(super) fn stored_row<F: Grouped>(
         // Room for the widest stored block (Q6_K's).
         let mut stored = [0u8; BlockFormat::Q6K.block_bytes()];
         match F::FORMAT {
-            BlockFormat::Q4K => {
+            BlockFormat::Q4K | BlockFormat::Q5K => {
                 stored[..2].copy_from_slice(&block[SCALES + 2 * r..][..2]);
                 stored[2..4].copy_from_slice(&block[MINS + 2 * r..][..2]);
                 let scales = std::array::from_fn(|j| block[F::SUB_SCALES + j * GROUP + r]);
                 let mins = std::array::from_fn(|j| block[F::SUB_MINS + j * GROUP + r]);
                 stored[4..16].copy_from_slice(&pack_scale_min_k4(scales, mins));
-                for (c, run) in stored[16..144].chunks_exact_mut(32).enumerate() {
-                    for (i, byte) in run.iter_mut().enumerate() {
-                        *byte = (quants[64 * c + i] & 0x0F) | (quants[64 * c + 32 + i] << 4);
-                    }
-                }
-            }
-            BlockFormat::Q5K => {
-                stored[..2].copy_from_slice(&block[SCALES + 2 * r..][..2]);
-                stored[2..4].copy_from_slice(&block[MINS + 2 * r..][..2]);
-                let scales = std::array::from_fn(|j| block[F::SUB_SCALES + j * GROUP + r]);
-                let mins = std::array::from_fn(|j| block[F::SUB_MINS + j * GROUP + r]);
-                stored[4..16].copy_from_slice(&pack_scale_min_k4(scales, mins));
+                // As `stored_quants` reads them: Q5_K's fifth bits, then
+                // the runs of nibbles.
+                let runs = if F::FIVE_BITS { 48 } else { 16 };
                 for c in 0..4 {
                     for i in 0..32 {
                         let (low, high) = (quants[64 * c + i], quants[64 * c + 32 + i]);
-                        stored[48 + 32 * c + i] = (low & 0x0F) | ((high & 0x0F) << 4);
-                        stored[16 + i] |= ((low >> 4) << (2 * c)) | ((high >> 4) << (2 * c + 1));
+                        stored[runs + 32 * c + i] = (low & 0x0F) | ((high & 0x0F) << 4);
+                        if F::FIVE_BITS {
+                            stored[16 + i] |=
+                                ((low >> 4) << (2 * c)) | ((high >> 4) << (2 * c + 1));
+                        }
                     }
                 }
             }
