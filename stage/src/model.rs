@@ -171,6 +171,15 @@ impl Linear {
             }
         })
     }
+    /// Whether its product splits its work over candle's barrier pool
+    /// (the engine's kernels and candle's block kernels), not rayon.
+    fn pool_free(&self) -> bool {
+        matches!(
+            self,
+            Linear::Blocks(_) | Linear::Quantized(QMatMul::QTensor(_))
+        )
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Linear::Quantized(q) => q.forward(x)?,
@@ -233,6 +242,13 @@ enum Projections {
 }
 
 impl Projections {
+    fn pool_free(&self) -> bool {
+        match self {
+            Projections::Stacked { linear, .. } => linear.pool_free(),
+            Projections::Separate(linears) => linears.iter().all(Linear::pool_free),
+        }
+    }
+
     fn from_raw(
         raws: Vec<RawTensor>,
         policy: ExecPolicy,
@@ -358,6 +374,15 @@ struct Block {
     local: bool,
 }
 
+impl Block {
+    fn pool_free(&self) -> bool {
+        self.qkv.pool_free()
+            && self.o.pool_free()
+            && self.gate_up.pool_free()
+            && self.down.pool_free()
+    }
+}
+
 #[derive(Debug)]
 struct Head {
     norm: Tensor,
@@ -384,6 +409,16 @@ pub enum SliceInput<'a> {
     Tokens(&'a [u32]),
     /// Hidden states from the previous slice.
     Hidden(&'a Activations),
+}
+
+impl SliceInput<'_> {
+    /// The positions this input brings.
+    pub fn rows(&self) -> usize {
+        match self {
+            SliceInput::Tokens(ids) => ids.len(),
+            SliceInput::Hidden(activations) => activations.rows,
+        }
+    }
 }
 
 /// What a slice gives back.
@@ -503,6 +538,11 @@ pub struct LayerSlice {
     /// Every operation on candle's kernels: on a GPU, or when asked
     /// (`ExecPolicy::candle_only`).
     candle_only: bool,
+    /// Every matrix (and the head's) on the engine's own kernels or
+    /// candle's block kernels, which split their work over candle's
+    /// barrier pool from whatever thread calls them: a one-row step then
+    /// needs nothing of candle's rayon pool (see `forward_batch_rows`).
+    pool_free_rows: bool,
 }
 
 fn raw_size(raw: &RawTensor) -> usize {
@@ -530,6 +570,9 @@ fn stack_into_one<T: PartialEq, W: PartialEq>(types: &[T], widths: &[W]) -> bool
 
 /// The projections of a block, in the order it reads them, as
 /// `Projections::from_raw` takes them (GGUF part names).
+/// The most rows candle's RMS norm (0.11) takes one by one, without rayon.
+const MAX_CALLING_THREAD_ROWS: usize = 32;
+
 const QKV: [&str; 3] = ["attn_q.weight", "attn_k.weight", "attn_v.weight"];
 const ATTENTION_OUTPUT: &str = "attn_output.weight";
 const GATE_UP: [&str; 2] = ["ffn_gate.weight", "ffn_up.weight"];
@@ -856,6 +899,10 @@ impl LayerSlice {
             _ => None,
         };
         held.pages.seal();
+        let pool_free_rows = device.is_cpu()
+            && !policy.candle_only
+            && blocks.iter().all(Block::pool_free)
+            && head.as_ref().is_none_or(|head| head.output.pool_free());
         Ok(Self {
             range,
             config: config.clone(),
@@ -871,6 +918,7 @@ impl LayerSlice {
             paged_bytes: held.paged,
             device: device.clone(),
             candle_only: policy.candle_only,
+            pool_free_rows,
         })
     }
 
@@ -976,9 +1024,31 @@ impl LayerSlice {
         // On candle's own thread pool: its norm, RoPE and softmax kernels
         // split their work with rayon, and called from outside the pool
         // each of them (five per layer) hands its work to a pool thread and
-        // sleeps until it is done, two context switches apiece.
+        // sleeps until it is done, two context switches apiece. Steps of
+        // one row each, up to the rows candle's norm takes one by one, need
+        // none of those: their matrices and attention split their work over
+        // candle's barrier pool from the calling thread, so they run here
+        // and spare the hand-off to the pool and back (two thread wake-ups
+        // a pass).
+        if self.runs_on_calling_thread(jobs.iter().map(|(input, _)| input.rows())) {
+            return self.forward_checked(jobs, rows_alone);
+        }
         self.device
             .with_context(|| self.forward_checked(jobs, rows_alone))
+    }
+
+    /// Whether a pass over steps of these row counts runs on the calling
+    /// thread, needing nothing of candle's rayon pool: steps of one row
+    /// each, at most as many as candle's norm takes one by one, through
+    /// matrices that split their work over the barrier pool. The head's
+    /// rows count as one-row steps.
+    pub fn runs_on_calling_thread(&self, rows: impl IntoIterator<Item = usize>) -> bool {
+        let mut steps = 0;
+        self.pool_free_rows
+            && rows.into_iter().all(|rows| {
+                steps += 1;
+                rows == 1 && steps <= MAX_CALLING_THREAD_ROWS
+            })
     }
 
     /// The logits of each row of `hidden` (final hidden states, as a chain's
@@ -998,6 +1068,9 @@ impl LayerSlice {
             ));
         }
         let rows = Tensor::from_slice(&hidden.values, (hidden.rows, hidden.cols), &self.device)?;
+        if self.runs_on_calling_thread(std::iter::repeat_n(1, hidden.rows)) {
+            return self.apply_head(head, &rows);
+        }
         self.device.with_context(|| self.apply_head(head, &rows))
     }
 

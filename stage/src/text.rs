@@ -20,6 +20,54 @@ pub struct TextCodec {
     has_template: bool,
 }
 
+/// The text of a growing list of token ids, as `TextCodec::decode` gives
+/// it for the whole list, worked out at each new id from the last few ids
+/// instead of the whole list, whose decoding costs a step more the longer
+/// the output grows.
+#[derive(Debug, Clone, Default)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    text: String,
+    /// The ids whose text ends on a whole character, and that text's
+    /// length: what a later id cannot change.
+    settled_ids: usize,
+    settled_len: usize,
+}
+
+/// Ids decoded again before the settled end, so that the new ones are
+/// decoded in context: a decoder drops the space of a list's first word,
+/// and a character's bytes can be split over several ids.
+const STREAM_CONTEXT: usize = 4;
+
+impl TextStream {
+    /// Add `id`, and return the whole text so far.
+    pub fn push(&mut self, codec: &TextCodec, id: u32) -> Result<&str> {
+        self.ids.push(id);
+        let from = self.settled_ids.saturating_sub(STREAM_CONTEXT);
+        let settled = codec.decode(&self.ids[from..self.settled_ids])?;
+        let now = codec.decode(&self.ids[from..])?;
+        match now.strip_prefix(settled.as_str()) {
+            Some(fresh) if !settled.ends_with('\u{FFFD}') => {
+                self.text.truncate(self.settled_len);
+                self.text.push_str(fresh);
+            }
+            // The new id changed text before it: decode the whole list.
+            _ => self.text = codec.decode(&self.ids)?,
+        }
+        // A character still missing bytes decodes as U+FFFD for now.
+        if !self.text.ends_with('\u{FFFD}') {
+            self.settled_ids = self.ids.len();
+            self.settled_len = self.text.len();
+        }
+        Ok(&self.text)
+    }
+
+    /// The text so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+}
+
 /// The two tokenizer kinds a model can carry.
 #[derive(Debug, Clone)]
 enum Vocabulary {

@@ -226,3 +226,9 @@ fn draft_has_the_bits_of_decoding(handle: &ModelHandle, policy: mesh_stage::Exec
     let rows: Vec<Vec<u32>> = verified.values.chunks(verified.cols).map(bits).collect();
     assert_eq!(rows, decoded, "{policy:?}");
 }
+
+#[test]
+fn the_text_stream_gives_the_whole_lists_text() {
+    let Some(path) = model_path() else { return };
+    common::text_stream_agrees(&ModelHandle::open(&path).unwrap());
+}

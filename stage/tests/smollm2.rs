@@ -130,3 +130,76 @@ fn a_third_of_the_layers_holds_about_a_third_of_the_weights() {
     );
     assert!(thirds.iter().all(|t| t / total < 0.45));
 }
+
+#[test]
+fn a_decode_step_gives_the_same_bits_on_the_calling_thread_as_in_candles_pool() {
+    use mesh_stage::{SliceInput, SliceOutput};
+    let Some(path) = model_path() else { return };
+    let handle = ModelHandle::open(&path).unwrap();
+    let ids = handle.text().encode("The old harbour town kept").unwrap();
+    // The whole model and a chain's middle third (hidden states in and out).
+    for (range, holds_head) in [(0..30, true), (10..20, false)] {
+        let slice = handle.load_chain_slice(range.clone(), holds_head).unwrap();
+        assert!(slice.runs_on_calling_thread([1]), "{range:?}");
+        assert!(!slice.runs_on_calling_thread([2]), "{range:?}");
+        let hidden = |rows: usize, salt: f32| mesh_stage::frame::Activations {
+            rows,
+            cols: 576,
+            values: (0..rows * 576)
+                .map(|i| (i as f32 * 0.37 + salt).sin())
+                .collect(),
+        };
+        let prompt = hidden(ids.len(), 0.0);
+        fn input<'a>(
+            first: bool,
+            step: usize,
+            ids: &'a [u32],
+            own: &'a mesh_stage::frame::Activations,
+        ) -> SliceInput<'a> {
+            match (first, step) {
+                (true, 0) => SliceInput::Tokens(ids),
+                (true, _) => SliceInput::Tokens(&ids[..1]),
+                (false, _) => SliceInput::Hidden(own),
+            }
+        }
+        let first = range.start == 0;
+        let mut here = slice.new_cache(64).unwrap();
+        let mut pool = slice.new_cache(64).unwrap();
+        for step in 0..6 {
+            let own = if step == 0 {
+                prompt.clone()
+            } else {
+                hidden(1, step as f32)
+            };
+            let a = slice
+                .forward(input(first, step, &ids, &own), &mut here)
+                .unwrap();
+            // A pool thread calling `forward`: the route every step took
+            // before one-row steps stayed on the calling thread.
+            let b = candle_core::Device::Cpu
+                .with_context(|| slice.forward(input(first, step, &ids, &own), &mut pool))
+                .unwrap();
+            let values = |out: SliceOutput| match out {
+                SliceOutput::Hidden(a) => a.values,
+                SliceOutput::Logits(l) => l,
+            };
+            assert_eq!(bits(&values(a)), bits(&values(b)), "{range:?} step {step}");
+        }
+        if holds_head {
+            let rows = hidden(3, 9.0);
+            let on_thread = slice.logits(&rows).unwrap();
+            let in_pool = candle_core::Device::Cpu
+                .with_context(|| slice.logits(&rows))
+                .unwrap();
+            for (a, b) in on_thread.iter().zip(&in_pool) {
+                assert_eq!(bits(a), bits(b));
+            }
+        }
+    }
+}
+
+#[test]
+fn the_text_stream_gives_the_whole_lists_text() {
+    let Some(path) = model_path() else { return };
+    common::text_stream_agrees(&ModelHandle::open(&path).unwrap());
+}

@@ -170,3 +170,25 @@ pub fn run_with(
         .generate(prompt, max_new, &mut sampler, &|_| false, &mut |_| {})
         .unwrap()
 }
+
+/// `TextStream` gives, id by id, the text the codec decodes from the whole
+/// list: over text with multi-byte characters split across ids, and over
+/// every id of a vocabulary's first thousand after the text (odd bytes
+/// and pieces among them).
+pub fn text_stream_agrees(handle: &mesh_stage::ModelHandle) {
+    let codec = handle.text();
+    let mut ids = codec
+        .encode(" The dragon 🐉 flew over Tōkyō (東京) — naïve café, 1,234.5!\n\n\tDone. ")
+        .unwrap();
+    ids.extend(0..1000u32);
+    ids.retain(|id| !codec.is_eos(*id));
+    let mut stream = mesh_stage::text::TextStream::default();
+    for end in 1..=ids.len() {
+        let streamed = stream.push(codec, ids[end - 1]).unwrap().to_string();
+        assert_eq!(
+            streamed,
+            codec.decode(&ids[..end]).unwrap(),
+            "after {end} ids"
+        );
+    }
+}

@@ -146,7 +146,19 @@ impl Batcher {
     }
 }
 
+/// The longest pass a batch worker runs on its async worker thread. The
+/// runtime's other workers take this thread's waiting tasks meanwhile; a
+/// pass expected to take longer goes through `block_in_place`, which hands
+/// this worker's queue to another thread first. That hand-off wakes a
+/// thread which then competes with the pass for the cores, and costs a
+/// split decode step more than the pass itself on a small machine
+/// (docs/BENCHMARKS.md, "A pass on the thread that received its step").
+const PASS_IN_PLACE_LIMIT: Duration = Duration::from_millis(20);
+
 async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: Arc<Counts>) {
+    // How long the last pass of one-row steps took, which the next is
+    // expected to take; none yet before the first.
+    let mut last_one_row_pass: Option<Duration> = None;
     while let Some(first) = queue.recv().await {
         let mut waiting = vec![first];
         while let Ok(work) = queue.try_recv() {
@@ -159,7 +171,17 @@ async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: A
                 Work::Head(job) => heads.push(job),
             }
         }
-        tokio::task::block_in_place(|| {
+        // Steps of one row each (decode steps without a draft) and the
+        // head's rows run on the calling thread without candle's pool
+        // (`LayerSlice::runs_on_calling_thread`).
+        let one_row = slice.runs_on_calling_thread(steps.iter().map(Job::rows))
+            && slice.runs_on_calling_thread(
+                heads
+                    .iter()
+                    .flat_map(|head| std::iter::repeat_n(1, head.hidden.rows)),
+            );
+        let mut run_all = || {
+            let start = Instant::now();
             for batch in batches(&slice, std::mem::take(&mut steps)) {
                 counts
                     .steps
@@ -170,7 +192,17 @@ async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: A
             if !heads.is_empty() {
                 run_heads(&slice, std::mem::take(&mut heads));
             }
-        });
+            start.elapsed()
+        };
+        let in_place = one_row && last_one_row_pass.is_some_and(|took| took <= PASS_IN_PLACE_LIMIT);
+        let took = if in_place {
+            run_all()
+        } else {
+            tokio::task::block_in_place(run_all)
+        };
+        if one_row {
+            last_one_row_pass = Some(took);
+        }
     }
 }
 

@@ -7,6 +7,7 @@ use mesh_protocol::control::{
 };
 use mesh_protocol::json::canonical_bytes;
 use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
+use mesh_stage::text::TextStream;
 use serde_json::json;
 
 /// What a requester asks for.
@@ -387,6 +388,7 @@ async fn serve_request(
     }
     let mut progress = Progress {
         tokens: Vec::new(),
+        text: TextStream::default(),
         printed: String::new(),
         finish_reason: "length",
         sampler: Sampler::new(request.sampling.clone()),
@@ -796,6 +798,8 @@ impl<'a> Admitted<'a> {
 /// and what it measured, over every chain it ran on.
 struct Progress {
     tokens: Vec<u32>,
+    /// The text of the tokens but end-of-sequence ones.
+    text: TextStream,
     printed: String,
     /// Why a completed generation ended, in OpenAI's words: `stop` for an
     /// end-of-sequence token or a stop sequence, `length` for max_tokens.
@@ -1144,6 +1148,7 @@ async fn drive(
     };
     let Progress {
         tokens,
+        text,
         printed,
         finish_reason,
         sampler,
@@ -1595,13 +1600,12 @@ async fn drive(
                     history.push(next);
                     let eos = codec.is_eos(next);
                     let last = eos || tokens.len() >= max_new;
-                    let visible: Vec<u32> = tokens
-                        .iter()
-                        .copied()
-                        .filter(|t| !codec.is_eos(*t))
-                        .collect();
-                    let decoded = codec.decode(&visible)?;
-                    let (end, stopped) = shown_end(&decoded, &request.stop, last);
+                    let decoded = if eos {
+                        text.text()
+                    } else {
+                        text.push(codec, next)?
+                    };
+                    let (end, stopped) = shown_end(decoded, &request.stop, last);
                     let shown = decoded.get(..end).unwrap_or("");
                     let piece = shown
                         .strip_prefix(printed.as_str())
