@@ -12,7 +12,16 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Threads of the async runtime (QUIC, HTTP, the mesh). One by default:
+    /// a node's steps then arrive, run and leave on one thread, with no
+    /// hand-off between threads per step; forward passes have their own
+    /// compute threads (CANDLE_NUM_THREADS).
+    #[arg(long, global = true, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
+    io_threads: u16,
 }
+
+/// `--io-threads`, set once before any runtime starts.
+static IO_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -1486,6 +1495,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(IO_THREADS.get().copied().unwrap_or(1))
         .enable_all()
         .build()
         .context("starting the async runtime")
@@ -1524,6 +1534,7 @@ fn bench_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let _ = IO_THREADS.set(usize::from(cli.io_threads));
     init_logging(&cli.command);
     match run(cli) {
         Ok(code) => code,

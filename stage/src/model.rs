@@ -562,6 +562,9 @@ struct Held {
     pages: WeightPages,
 }
 
+/// The most rows candle's RMS norm (0.11) takes one by one, without rayon.
+const MAX_CALLING_THREAD_ROWS: usize = 32;
+
 /// Whether projections of these stored types and input widths stack into
 /// one matrix: only parts of one type and one input width do.
 fn stack_into_one<T: PartialEq, W: PartialEq>(types: &[T], widths: &[W]) -> bool {
@@ -570,9 +573,6 @@ fn stack_into_one<T: PartialEq, W: PartialEq>(types: &[T], widths: &[W]) -> bool
 
 /// The projections of a block, in the order it reads them, as
 /// `Projections::from_raw` takes them (GGUF part names).
-/// The most rows candle's RMS norm (0.11) takes one by one, without rayon.
-const MAX_CALLING_THREAD_ROWS: usize = 32;
-
 const QKV: [&str; 3] = ["attn_q.weight", "attn_k.weight", "attn_v.weight"];
 const ATTENTION_OUTPUT: &str = "attn_output.weight";
 const GATE_UP: [&str; 2] = ["ffn_gate.weight", "ffn_up.weight"];

@@ -23,13 +23,15 @@ pub struct TextCodec {
 /// The text of a growing list of token ids, as `TextCodec::decode` gives
 /// it for the whole list, worked out at each new id from the last few ids
 /// instead of the whole list, whose decoding costs a step more the longer
-/// the output grows.
+/// the output grows. Where a new id changes text before the last few (a
+/// byte-fallback decoder turns a whole run of byte ids into U+FFFD while
+/// its last character is incomplete), the whole list is decoded instead.
 #[derive(Debug, Clone, Default)]
 pub struct TextStream {
     ids: Vec<u32>,
     text: String,
     /// The ids whose text ends on a whole character, and that text's
-    /// length: what a later id cannot change.
+    /// length: the start of `text` that the ids after them did not change.
     settled_ids: usize,
     settled_len: usize,
 }
@@ -39,20 +41,43 @@ pub struct TextStream {
 /// and a character's bytes can be split over several ids.
 const STREAM_CONTEXT: usize = 4;
 
+/// Further ids a window reaches back over while they decode to nothing
+/// (special tokens skipped), before the whole list is decoded instead.
+const STREAM_REACH: usize = 64;
+
 impl TextStream {
     /// Add `id`, and return the whole text so far.
     pub fn push(&mut self, codec: &TextCodec, id: u32) -> Result<&str> {
         self.ids.push(id);
-        let from = self.settled_ids.saturating_sub(STREAM_CONTEXT);
-        let settled = codec.decode(&self.ids[from..self.settled_ids])?;
-        let now = codec.decode(&self.ids[from..])?;
-        match now.strip_prefix(settled.as_str()) {
+        let mut from = self.settled_ids.saturating_sub(STREAM_CONTEXT);
+        let mut settled = codec.decode(&self.ids[from..self.settled_ids])?;
+        // The context must hold text for the new ids to be decoded after it.
+        let lowest = from.saturating_sub(STREAM_REACH);
+        while settled.is_empty() && from > lowest {
+            from -= 1;
+            settled = codec.decode(&self.ids[from..self.settled_ids])?;
+        }
+        let now = (!settled.is_empty() || from == 0)
+            .then(|| codec.decode(&self.ids[from..]))
+            .transpose()?;
+        match now
+            .as_deref()
+            .and_then(|now| now.strip_prefix(settled.as_str()))
+        {
             Some(fresh) if !settled.ends_with('\u{FFFD}') => {
                 self.text.truncate(self.settled_len);
                 self.text.push_str(fresh);
             }
-            // The new id changed text before it: decode the whole list.
-            _ => self.text = codec.decode(&self.ids)?,
+            _ => {
+                let whole = codec.decode(&self.ids)?;
+                if !whole.starts_with(&self.text[..self.settled_len]) {
+                    // What was settled changed: nothing is until the text
+                    // ends on a whole character again.
+                    self.settled_ids = 0;
+                    self.settled_len = 0;
+                }
+                self.text = whole;
+            }
         }
         // A character still missing bytes decodes as U+FFFD for now.
         if !self.text.ends_with('\u{FFFD}') {
@@ -380,6 +405,66 @@ impl TextCodec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `tokenizer.json` of Llama 2's kind: byte-fallback ids `<0x00>` to
+    /// `<0xFF>` (ids 0-255), words after them, and a decoder that turns a
+    /// run of byte ids into U+FFFD while its last character is incomplete.
+    fn byte_fallback_codec() -> TextCodec {
+        let mut vocab: Vec<String> = (0..=255u8)
+            .map(|b| format!("\"<0x{b:02X}>\": {b}"))
+            .collect();
+        for (i, word) in ["▁The", "▁dragon", "▁flew", "!", "<s>"].iter().enumerate() {
+            vocab.push(format!("\"{word}\": {}", 256 + i));
+        }
+        let json = format!(
+            r#"{{"version":"1.0","truncation":null,"padding":null,
+            "added_tokens":[{{"id":260,"content":"<s>","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}}],
+            "normalizer":null,"pre_tokenizer":null,"post_processor":null,
+            "decoder":{{"type":"Sequence","decoders":[
+                {{"type":"Replace","pattern":{{"String":"▁"}},"content":" "}},
+                {{"type":"ByteFallback"}},{{"type":"Fuse"}},
+                {{"type":"Strip","content":" ","start":1,"stop":0}}]}},
+            "model":{{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":null,
+                "end_of_word_suffix":null,"fuse_unk":false,"byte_fallback":true,
+                "vocab":{{{}}},"merges":[]}}}}"#,
+            vocab.join(",")
+        );
+        TextCodec {
+            tokenizer: Vocabulary::Hf(Box::new(json.parse().unwrap())),
+            eos: Vec::new(),
+            bos: None,
+            add_bos: false,
+            chat: None,
+            has_template: false,
+        }
+    }
+
+    #[test]
+    fn the_text_stream_follows_a_byte_fallback_decoder() {
+        let codec = byte_fallback_codec();
+        let (the, dragon, flew, bang, special) = (256, 257, 258, 259, 260);
+        // é, 東, 🐉 and 😀 in byte ids, two characters' runs back to back,
+        // a run longer than the window, and special tokens that decode to
+        // nothing between words.
+        let mut ids = vec![the, 0xC3, 0xA9, 0xE6, 0x9D, 0xB1, dragon];
+        ids.extend([0xF0, 0x9F, 0x90, 0x89, 0xF0, 0x9F, 0x98, 0x80, flew]);
+        ids.extend([special; 6]);
+        ids.extend([flew, bang, 0xE6, the, 0xA9, dragon]);
+        let mut stream = TextStream::default();
+        for end in 1..=ids.len() {
+            let streamed = stream.push(&codec, ids[end - 1]).unwrap().to_string();
+            assert_eq!(
+                streamed,
+                codec.decode(&ids[..end]).unwrap(),
+                "after {end} ids"
+            );
+        }
+        assert!(
+            stream.text().starts_with("Theé東 dragon🐉😀 flew flew!"),
+            "{}",
+            stream.text()
+        );
+    }
 
     #[test]
     fn recognises_smollm2s_template_and_its_default_system_message() {

@@ -147,18 +147,19 @@ impl Batcher {
 }
 
 /// The longest pass a batch worker runs on its async worker thread. The
-/// runtime's other workers take this thread's waiting tasks meanwhile; a
+/// runtime's other workers take this thread's queued tasks meanwhile; a
 /// pass expected to take longer goes through `block_in_place`, which hands
 /// this worker's queue to another thread first. That hand-off wakes a
-/// thread which then competes with the pass for the cores, and costs a
-/// split decode step more than the pass itself on a small machine
+/// thread which then competes with the pass for the cores, and cost a
+/// split decode step more than the wait it spares on a small machine
 /// (docs/BENCHMARKS.md, "A pass on the thread that received its step").
 const PASS_IN_PLACE_LIMIT: Duration = Duration::from_millis(20);
 
 async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: Arc<Counts>) {
-    // How long the last pass of one-row steps took, which the next is
-    // expected to take; none yet before the first.
-    let mut last_one_row_pass: Option<Duration> = None;
+    // The last pass of one-row steps: how long it took and over how many
+    // rows, from which the next one's time is expected; none before the
+    // first.
+    let mut last_one_row_pass: Option<(Duration, usize)> = None;
     while let Some(first) = queue.recv().await {
         let mut waiting = vec![first];
         while let Ok(work) = queue.try_recv() {
@@ -174,12 +175,10 @@ async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: A
         // Steps of one row each (decode steps without a draft) and the
         // head's rows run on the calling thread without candle's pool
         // (`LayerSlice::runs_on_calling_thread`).
+        let head_rows: usize = heads.iter().map(|head| head.hidden.rows).sum();
+        let rows = steps.len() + head_rows;
         let one_row = slice.runs_on_calling_thread(steps.iter().map(Job::rows))
-            && slice.runs_on_calling_thread(
-                heads
-                    .iter()
-                    .flat_map(|head| std::iter::repeat_n(1, head.hidden.rows)),
-            );
+            && slice.runs_on_calling_thread(std::iter::repeat_n(1, head_rows));
         let mut run_all = || {
             let start = Instant::now();
             for batch in batches(&slice, std::mem::take(&mut steps)) {
@@ -194,14 +193,21 @@ async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: A
             }
             start.elapsed()
         };
-        let in_place = one_row && last_one_row_pass.is_some_and(|took| took <= PASS_IN_PLACE_LIMIT);
-        let took = if in_place {
-            run_all()
+        let expected = last_one_row_pass.map(|(took, then)| {
+            took.saturating_mul(u32::try_from(rows).unwrap_or(u32::MAX)) / then.max(1) as u32
+        });
+        if one_row && expected.is_some_and(|expected| expected <= PASS_IN_PLACE_LIMIT) {
+            let took = run_all();
+            last_one_row_pass = Some((took, rows));
+            // The replies woke their requests' tasks onto this worker,
+            // where no other worker takes the first of them: let them run
+            // before the next pass.
+            tokio::task::yield_now().await;
         } else {
-            tokio::task::block_in_place(run_all)
-        };
-        if one_row {
-            last_one_row_pass = Some(took);
+            let took = tokio::task::block_in_place(run_all);
+            if one_row {
+                last_one_row_pass = Some((took, rows));
+            }
         }
     }
 }
