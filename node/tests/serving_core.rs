@@ -88,6 +88,31 @@ async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty()
     );
 }
 
+/// The runtime `mesh-node` starts by default (one async thread), a real
+/// model whose decode passes run in place on it, and several requests at
+/// once: each still gets its solo tokens, and every pool empties.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn concurrent_requests_on_one_async_thread_give_their_solo_tokens() {
+    let Some(model) =
+        common::smollm2("concurrent_requests_on_one_async_thread_give_their_solo_tokens")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let nodes = three_nodes_admitting(&model, dir.path(), 4).await;
+    let coordinator = nodes[0].peer_addr();
+    let prompts: Vec<String> = (0..4).map(|i| format!("Request number {i} says")).collect();
+    let (solo, together) = alone_then_at_once(&coordinator, &prompts, 8).await;
+    let text = |summaries: Vec<GenerateSummary>| -> Vec<String> {
+        summaries.into_iter().map(|s| s.text).collect()
+    };
+    assert_eq!(text(together), text(solo));
+    let stats = all_stats(&nodes).await;
+    assert_pools_empty(&stats);
+    assert_eq!(stats[0].requests_completed, 8);
+    assert_eq!(stats[0].requests_failed, 0);
+}
+
 /// How many requests each refusal test sends (the regression bar:
 /// four times the coordinator's 256 record slots and more).
 const REFUSALS: usize = 1000;

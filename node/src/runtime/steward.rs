@@ -702,7 +702,16 @@ impl Steward {
     /// records were cut after it left: refuse every grant from now on (the
     /// halt is journalled, so it survives a restart).
     pub fn witness(&mut self, envelope: &[u8], now_ms: u64) -> Result<bool, StewardError> {
-        let sealed = SealedReceipt::verify(envelope)?;
+        self.witness_verified(SealedReceipt::verify(envelope)?, now_ms)
+    }
+
+    /// `witness` of an envelope already verified (its signature checked
+    /// before the steward is locked, so a flood of them holds no lock).
+    pub fn witness_verified(
+        &mut self,
+        sealed: SealedReceipt,
+        now_ms: u64,
+    ) -> Result<bool, StewardError> {
         if sealed.receipt.steward != self.did {
             return Err(StewardError::Receipt(
                 mesh_protocol::mesh1::Mesh1Error::StewardMismatch,

@@ -156,10 +156,11 @@ impl Batcher {
 const PASS_IN_PLACE_LIMIT: Duration = Duration::from_millis(20);
 
 async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: Arc<Counts>) {
-    // The last pass of one-row steps: how long it took and over how many
-    // rows, from which the next one's time is expected; none before the
-    // first.
-    let mut last_one_row_pass: Option<(Duration, usize)> = None;
+    // What a one-row step's row and a head row took in the last pass of
+    // each kind (a coordinator's worker runs both, at different costs),
+    // from which the next pass's time is expected; none before the first.
+    let mut per_step_row: Option<Duration> = None;
+    let mut per_head_row: Option<Duration> = None;
     while let Some(first) = queue.recv().await {
         let mut waiting = vec![first];
         while let Ok(work) = queue.try_recv() {
@@ -175,8 +176,8 @@ async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: A
         // Steps of one row each (decode steps without a draft) and the
         // head's rows run on the calling thread without candle's pool
         // (`LayerSlice::runs_on_calling_thread`).
+        let step_rows = steps.len();
         let head_rows: usize = heads.iter().map(|head| head.hidden.rows).sum();
-        let rows = steps.len() + head_rows;
         let one_row = slice.runs_on_calling_thread(steps.iter().map(Job::rows))
             && slice.runs_on_calling_thread(std::iter::repeat_n(1, head_rows));
         let mut run_all = || {
@@ -188,26 +189,76 @@ async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: A
                 counts.passes.fetch_add(1, Ordering::Relaxed);
                 run(&slice, batch);
             }
+            let steps_took = start.elapsed();
             if !heads.is_empty() {
                 run_heads(&slice, std::mem::take(&mut heads));
             }
-            start.elapsed()
+            (steps_took, start.elapsed() - steps_took)
         };
-        let expected = last_one_row_pass.map(|(took, then)| {
-            took.saturating_mul(u32::try_from(rows).unwrap_or(u32::MAX)) / then.max(1) as u32
-        });
-        if one_row && expected.is_some_and(|expected| expected <= PASS_IN_PLACE_LIMIT) {
-            let took = run_all();
-            last_one_row_pass = Some((took, rows));
+        let expected = |per_row: Option<Duration>, rows: usize| match rows {
+            0 => Some(Duration::ZERO),
+            _ => per_row
+                .map(|per_row| per_row.saturating_mul(u32::try_from(rows).unwrap_or(u32::MAX))),
+        };
+        let in_place = one_row
+            && elsewhere::idle()
+            && expected(per_step_row, step_rows)
+                .zip(expected(per_head_row, head_rows))
+                .is_some_and(|(steps, head)| steps + head <= PASS_IN_PLACE_LIMIT);
+        let (steps_took, head_took) = if in_place {
+            run_all()
+        } else {
+            let _elsewhere = elsewhere::Pass::begin();
+            tokio::task::block_in_place(run_all)
+        };
+        if one_row {
+            let per_row =
+                |took: Duration, rows: usize| took / u32::try_from(rows).unwrap_or(u32::MAX);
+            if step_rows > 0 {
+                per_step_row = Some(per_row(steps_took, step_rows));
+            }
+            if head_rows > 0 {
+                per_head_row = Some(per_row(head_took, head_rows));
+            }
+        }
+        if in_place {
             // The replies woke their requests' tasks onto this worker,
             // where no other worker takes the first of them: let them run
             // before the next pass.
             tokio::task::yield_now().await;
-        } else {
-            let took = tokio::task::block_in_place(run_all);
-            if one_row {
-                last_one_row_pass = Some((took, rows));
-            }
+        }
+    }
+}
+
+/// Forward passes running off the async workers (through `block_in_place`,
+/// or a draft model's on a blocking thread). While one runs, candle's
+/// barrier pool may be held by it between its products, and a pass in
+/// place would wait for that on the async worker, stalling every task
+/// behind it: no pass runs in place meanwhile.
+pub(super) mod elsewhere {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    static RUNNING: AtomicUsize = AtomicUsize::new(0);
+
+    /// No pass runs off the async workers.
+    pub fn idle() -> bool {
+        RUNNING.load(Ordering::Acquire) == 0
+    }
+
+    /// A pass off the async workers, counted until dropped.
+    #[derive(Debug)]
+    pub struct Pass(());
+
+    impl Pass {
+        pub fn begin() -> Self {
+            RUNNING.fetch_add(1, Ordering::AcqRel);
+            Pass(())
+        }
+    }
+
+    impl Drop for Pass {
+        fn drop(&mut self) {
+            RUNNING.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }

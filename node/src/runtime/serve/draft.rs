@@ -191,6 +191,7 @@ impl Drafter {
         };
         let history = history.to_vec();
         drafter.away = Some(tokio::task::spawn_blocking(move || {
+            let _elsewhere = super::batch::elsewhere::Pass::begin();
             state.catch_up(&history);
             state
         }));
@@ -234,6 +235,7 @@ impl Drafter {
         }
         let history = history.to_vec();
         let done = tokio::task::spawn_blocking(move || {
+            let _elsewhere = super::batch::elsewhere::Pass::begin();
             let proposed = state.propose(&history, max);
             (state, proposed)
         })

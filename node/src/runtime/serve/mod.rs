@@ -635,7 +635,10 @@ impl Node {
             let card = node.model_card();
             let inner = node.inner.clone();
             let witness: crate::runtime::http::Witness = Arc::new(move |envelope: &[u8]| {
-                Ok(lock(&inner.steward).witness(envelope, now_ms())?)
+                // Verified before the steward is locked: every step takes
+                // that lock, on the node's one async thread by default.
+                let sealed = mesh_protocol::mesh1::SealedReceipt::verify(envelope)?;
+                Ok(lock(&inner.steward).witness_verified(sealed, now_ms())?)
             });
             node.http =
                 Some(crate::runtime::http::start(listen, node.peer_addr(), card, witness).await?);
@@ -2612,7 +2615,10 @@ async fn start_mesh(
     let model = &inner.model;
     let speed = match settings.decode_us_per_layer {
         Some(us) => us.max(1),
-        None => tokio::task::block_in_place(|| planner::decode_speed(model, data))?,
+        None => tokio::task::block_in_place(|| {
+            let _elsewhere = batch::elsewhere::Pass::begin();
+            planner::decode_speed(model, data)
+        })?,
     };
     // A GPU node holds its slices in the GPU's memory, not the host's.
     let device = model.device();
