@@ -12,16 +12,18 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
-    /// Threads of the async runtime (QUIC, HTTP, the mesh). One by default:
-    /// a node's steps then arrive, run and leave on one thread, with no
-    /// hand-off between threads per step; forward passes have their own
-    /// compute threads (CANDLE_NUM_THREADS).
-    #[arg(long, global = true, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
-    io_threads: u16,
+    /// Threads of the async runtime (QUIC, HTTP, the mesh); by default one
+    /// per core. Forward passes have their own compute threads
+    /// (CANDLE_NUM_THREADS). With 1, a node's decode steps arrive, run and
+    /// leave on one thread: faster over loopback, slower over delayed
+    /// links on a 2-core machine (docs/BENCHMARKS.md, "A pass on the
+    /// thread that received its step").
+    #[arg(long, global = true, value_parser = clap::value_parser!(u16).range(1..=256))]
+    io_threads: Option<u16>,
 }
 
 /// `--io-threads`, set once before any runtime starts.
-static IO_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+static IO_THREADS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -1494,8 +1496,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(IO_THREADS.get().copied().unwrap_or(1))
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = IO_THREADS.get().copied().flatten() {
+        builder.worker_threads(threads);
+    }
+    builder
         .enable_all()
         .build()
         .context("starting the async runtime")
@@ -1534,7 +1539,7 @@ fn bench_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let _ = IO_THREADS.set(usize::from(cli.io_threads));
+    let _ = IO_THREADS.set(cli.io_threads.map(usize::from));
     init_logging(&cli.command);
     match run(cli) {
         Ok(code) => code,

@@ -88,9 +88,9 @@ async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty()
     );
 }
 
-/// The runtime `mesh-node` starts by default (one async thread), a real
-/// model whose decode passes run in place on it, and several requests at
-/// once: each still gets its solo tokens, and every pool empties.
+/// One async thread (`mesh-node --io-threads 1`), a real model whose
+/// decode passes run in place on it, and several requests at once: each
+/// still gets its solo tokens, and every pool empties.
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn concurrent_requests_on_one_async_thread_give_their_solo_tokens() {
     let Some(model) =

@@ -332,9 +332,8 @@ async fn a_draft_model_keeps_the_greedy_tokens_of_the_synthetic_model() {
     a_draft_model_keeps_the_greedy_tokens(&model, &other, false, false).await;
 }
 
-/// On the runtime `mesh-node` starts by default (one async thread): the
-/// draft model's passes run off it while the chain's decode passes run in
-/// place on it.
+/// On one async thread (`mesh-node --io-threads 1`): the draft model's
+/// passes run off it while the chain's decode passes run in place on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn a_draft_model_keeps_the_greedy_tokens_of_smollm2() {
     let Some(model) = common::smollm2("a_draft_model_keeps_the_greedy_tokens_of_smollm2") else {
