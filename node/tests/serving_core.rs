@@ -36,6 +36,11 @@ async fn three_nodes_admitting(
     [a.start().await, b, c]
 }
 
+/// Each request's text, in the order given.
+fn texts(summaries: Vec<GenerateSummary>) -> Vec<String> {
+    summaries.into_iter().map(|s| s.text).collect()
+}
+
 fn assert_pools_empty(stats: &[NodeStats]) {
     for (i, s) in stats.iter().enumerate() {
         assert!(s.pools_empty(), "node {i}: {s:#?}");
@@ -51,12 +56,9 @@ async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty()
     let prompts: Vec<String> = (0..8).map(|i| format!("request number {i} says")).collect();
 
     let (solo, together) = alone_then_at_once(&coordinator, &prompts, 12).await;
-    let text = |summaries: Vec<GenerateSummary>| -> Vec<String> {
-        summaries.into_iter().map(|s| s.text).collect()
-    };
     assert_eq!(
-        text(together),
-        text(solo),
+        texts(together),
+        texts(solo),
         "each request's tokens are its solo tokens"
     );
 
@@ -103,10 +105,7 @@ async fn concurrent_requests_on_one_async_thread_give_their_solo_tokens() {
     let coordinator = nodes[0].peer_addr();
     let prompts: Vec<String> = (0..4).map(|i| format!("Request number {i} says")).collect();
     let (solo, together) = alone_then_at_once(&coordinator, &prompts, 8).await;
-    let text = |summaries: Vec<GenerateSummary>| -> Vec<String> {
-        summaries.into_iter().map(|s| s.text).collect()
-    };
-    assert_eq!(text(together), text(solo));
+    assert_eq!(texts(together), texts(solo));
     let stats = all_stats(&nodes).await;
     assert_pools_empty(&stats);
     assert_eq!(stats[0].requests_completed, 8);

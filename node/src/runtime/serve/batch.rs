@@ -321,10 +321,7 @@ fn run_heads(slice: &LayerSlice, jobs: Vec<HeadJob>) {
 
 impl Job {
     fn rows(&self) -> usize {
-        match &self.input {
-            StepInput::Tokens(ids) => ids.len(),
-            StepInput::Hidden(activations) => activations.rows,
-        }
+        self.input.as_input().rows()
     }
 }
 
