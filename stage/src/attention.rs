@@ -142,7 +142,7 @@ pub fn attend(
         }
     };
     if seq * cached >= PARALLEL_WORK {
-        candle_core::utils::barrier_pool().execute_chunked(pieces.len(), run);
+        crate::kernels::pool::pool().for_each_piece(pieces.len(), run);
     } else {
         run(0..pieces.len());
     }

@@ -49,11 +49,15 @@
 //! gets alone, and a split the bits of the whole model.
 //!
 //! The SIMD loops are three `#[target_feature]` functions (AVX-512 VNNI,
-//! AVX-VNNI, and AVX2 with FMA and F16C), entered through the engine's
-//! only `unsafe` blocks once their features are detected (`grouped::simd`,
+//! AVX-VNNI, and AVX2 with FMA and F16C), entered through `unsafe` blocks
+//! once their features are detected (`grouped::simd`,
 //! which also holds the prefetch hint, baseline SSE, and the AVX-512 loop's
 //! 64-byte loads). A CPU without them takes the scalar path, which gives
 //! the same bits.
+//!
+//! A product's rows are cut into pieces that the calling thread and the
+//! engine's compute workers take from one cursor (`pool`, the engine's
+//! other `unsafe`: the workers read the caller's closure in place).
 
 use std::sync::Mutex;
 
@@ -61,6 +65,10 @@ use half::f16;
 
 mod grouped;
 mod pages;
+// The pool's only `unsafe`: a product's closure, borrowed from the
+// caller's stack, read by the workers while the caller waits for them.
+#[allow(unsafe_code)]
+pub mod pool;
 
 pub use pages::WeightPages;
 
@@ -395,7 +403,7 @@ impl BlockMatrix {
                     }
                 }
             };
-            candle_core::utils::barrier_pool().execute_chunked(pieces.len(), run);
+            pool::pool().for_each_piece(pieces.len(), run);
         }
         let mut out = vec![0f32; self.rows * m];
         for (row, out_row) in out.chunks_exact_mut(self.rows).enumerate() {

@@ -37,7 +37,11 @@ pub use source::{FileDigests, Format, ModelConfig};
 /// Threads the engine computes on (`CANDLE_NUM_THREADS`, else
 /// `RAYON_NUM_THREADS`, else the physical cores).
 pub fn compute_threads() -> usize {
-    candle_core::utils::get_num_threads()
+    std::env::var("CANDLE_NUM_THREADS")
+        .ok()
+        .and_then(|threads| threads.parse::<usize>().ok())
+        .filter(|&threads| threads > 0)
+        .unwrap_or_else(candle_core::utils::get_num_threads)
 }
 
 /// An opened model: its metadata, tokenizer and file digests, with no

@@ -232,9 +232,11 @@ async fn work(slice: Arc<LayerSlice>, mut queue: mpsc::Receiver<Work>, counts: A
 
 /// Forward passes running off the async workers (through `block_in_place`,
 /// or a draft model's on a blocking thread). While one runs, candle's
-/// barrier pool may be held by it between its products, and a pass in
-/// place would wait for that on the async worker, stalling every task
-/// behind it: no pass runs in place meanwhile.
+/// barrier pool (candle's quantized matrices) may be held by it between
+/// its products, and a pass in place would wait for that on the async
+/// worker, stalling every task behind it; the engine's compute pool would
+/// not stall it, but would leave its products to the async worker alone.
+/// No pass runs in place meanwhile.
 pub(super) mod elsewhere {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
