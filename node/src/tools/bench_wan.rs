@@ -164,6 +164,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                         "dropped": c.dropped,
                         "mean_late_us": c.mean_late_us,
                         "max_late_us": c.max_late_us,
+                        "mean_read_wait_us": c.mean_read_wait_us,
                         "priority_raised": c.priority_raised,
                     })
                 })
