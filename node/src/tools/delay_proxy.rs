@@ -53,8 +53,10 @@ pub struct ProxyCounts {
     /// Mean time a datagram left after its due time.
     pub mean_late_us: f64,
     pub max_late_us: u64,
-    /// Mean time a datagram sat in the proxy's socket before its thread
-    /// read it (its delay runs from its arrival, so this is not lateness).
+    /// Mean time from a datagram's arrival at the proxy's socket to its
+    /// queueing for delivery (its thread's wake-up and read, mostly; its
+    /// delay runs from its arrival, so this is not lateness). About 0
+    /// where the kernel gives no arrival stamps.
     pub mean_read_wait_us: f64,
     /// Every one of its threads runs at raised priority (see `as_a_link`).
     pub priority_raised: bool,
@@ -157,7 +159,7 @@ impl DelayProxy {
     pub fn bind(shape: LinkShape, seed: u64) -> std::io::Result<Self> {
         let front = Arc::new(UdpSocket::bind(("127.0.0.1", 0))?);
         front.set_read_timeout(Some(POLL))?;
-        stamp_arrivals(&front)?;
+        stamp_arrivals(&front);
         let addr = front.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(Counters::default());
@@ -314,14 +316,15 @@ fn as_a_link(counters: &Counters) {
 /// Have the kernel stamp each datagram `socket` receives with the time it
 /// arrived: a link's delay runs from then, not from whenever the proxy's
 /// thread woke to read it (100 µs and more later on a busy 2-core VM,
-/// which the bench would charge to the mesh unseen).
-fn stamp_arrivals(socket: &UdpSocket) -> std::io::Result<()> {
+/// which the bench would charge to the mesh unseen). Best effort: where
+/// the kernel refuses, or a datagram comes unstamped, its delay runs from
+/// its read.
+fn stamp_arrivals(socket: &UdpSocket) {
     #[cfg(target_os = "linux")]
-    nix::sys::socket::setsockopt(socket, nix::sys::socket::sockopt::ReceiveTimestampns, &true)
-        .map_err(std::io::Error::from)?;
+    let _ =
+        nix::sys::socket::setsockopt(socket, nix::sys::socket::sockopt::ReceiveTimestampns, &true);
     #[cfg(not(target_os = "linux"))]
     let _ = socket;
-    Ok(())
 }
 
 /// Receive one datagram: its length, sender, and when it reached the
@@ -390,7 +393,7 @@ fn open_upstream(node: SocketAddr) -> std::io::Result<Arc<UdpSocket>> {
     let socket = UdpSocket::bind(("127.0.0.1", 0))?;
     socket.connect(node)?;
     socket.set_read_timeout(Some(POLL))?;
-    stamp_arrivals(&socket)?;
+    stamp_arrivals(&socket);
     Ok(Arc::new(socket))
 }
 
@@ -481,17 +484,25 @@ mod tests {
     #[test]
     fn a_datagram_is_stamped_when_it_reached_the_socket_not_when_it_was_read() {
         let socket = UdpSocket::bind(("127.0.0.1", 0)).unwrap();
-        stamp_arrivals(&socket).unwrap();
+        stamp_arrivals(&socket);
         let sender = UdpSocket::bind(("127.0.0.1", 0)).unwrap();
-        sender.send_to(b"hop", socket.local_addr().unwrap()).unwrap();
-        // Read well after it arrived (loopback delivers within the send).
-        std::thread::sleep(POLL * 3);
         let mut buffer = [0u8; 16];
-        let (n, from, arrived) = recv_stamped(&socket, &mut buffer).unwrap();
-        assert_eq!(&buffer[..n], b"hop");
-        assert_eq!(from, sender.local_addr().unwrap());
-        // Its wait counts, up to one poll of the reader.
-        assert!(arrived.elapsed() >= POLL);
+        // The host's first stamping socket turns stamping on a moment
+        // later (the kernel defers it): a datagram before that is
+        // stamped at its read. Later ones are stamped on arrival.
+        let stamped_on_arrival = (0..20).any(|_| {
+            sender
+                .send_to(b"hop", socket.local_addr().unwrap())
+                .unwrap();
+            // Read well after it arrived (loopback delivers within the send).
+            std::thread::sleep(POLL * 3);
+            let (n, from, arrived) = recv_stamped(&socket, &mut buffer).unwrap();
+            assert_eq!(&buffer[..n], b"hop");
+            assert_eq!(from, sender.local_addr().unwrap());
+            // Its wait counts, up to one poll of the reader.
+            arrived.elapsed() >= POLL
+        });
+        assert!(stamped_on_arrival, "no datagram carried its arrival stamp");
     }
 
     #[test]
