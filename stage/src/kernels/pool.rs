@@ -6,7 +6,7 @@
 //! caller spin until each worker signals its share done. Its worker sleeps
 //! whenever a chain waits on the network (a step every round trip), and
 //! every pass then began by waking it and waiting for it: over a 40 ms
-//! link the chain's passes took twice their time back to back (three to
+//! link the chain's passes took up to twice their time back to back (three to
 //! five times with one async thread; docs/BENCHMARKS.md). Here nobody owns
 //! a share: the caller takes pieces until none is left and waits only for
 //! workers already inside the product, which are running the piece they
@@ -23,8 +23,8 @@ use std::any::Any;
 use std::cell::Cell;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, TryLockError};
-use std::thread::{JoinHandle, Thread};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long an idle worker watches for the next product before sleeping:
@@ -108,8 +108,7 @@ struct Shared {
 /// one test.
 pub struct ComputePool {
     shared: Arc<Shared>,
-    workers: Vec<Thread>,
-    handles: Vec<JoinHandle<()>>,
+    workers: Vec<JoinHandle<()>>,
     /// Serializes products; holds the last generation used.
     calls: Mutex<u64>,
 }
@@ -141,7 +140,7 @@ impl ComputePool {
             panic: Mutex::new(None),
             stop: AtomicBool::new(false),
         });
-        let handles: Vec<JoinHandle<()>> = (0..workers)
+        let workers = (0..workers)
             .map_while(|index| {
                 let shared = Arc::clone(&shared);
                 std::thread::Builder::new()
@@ -152,8 +151,7 @@ impl ComputePool {
             .collect();
         Self {
             shared,
-            workers: handles.iter().map(|h| h.thread().clone()).collect(),
-            handles,
+            workers,
             calls: Mutex::new(0),
         }
     }
@@ -165,7 +163,7 @@ impl ComputePool {
 
     fn wake(&self) {
         for worker in &self.workers {
-            worker.unpark();
+            worker.thread().unpark();
         }
     }
 
@@ -221,17 +219,22 @@ impl Drop for ComputePool {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.wake();
-        for handle in self.handles.drain(..) {
-            let _ = handle.join();
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
         }
     }
 }
 
-fn take_panic(shared: &Shared) -> Option<Box<dyn Any + Send>> {
+/// The slot a worker's panic waits in (a poisoned lock still gives it).
+fn panic_slot(shared: &Shared) -> MutexGuard<'_, Option<Box<dyn Any + Send>>> {
     match shared.panic.lock() {
-        Ok(mut guard) => guard.take(),
-        Err(poisoned) => poisoned.into_inner().take(),
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
     }
+}
+
+fn take_panic(shared: &Shared) -> Option<Box<dyn Any + Send>> {
+    panic_slot(shared).take()
 }
 
 /// An open product: dropping it closes the product and waits until no
@@ -293,11 +296,7 @@ fn work(shared: &Shared) {
                     product.take_pieces()
                 }));
                 if let Err(payload) = taken {
-                    let mut slot = match shared.panic.lock() {
-                        Ok(guard) => guard,
-                        Err(poisoned) => poisoned.into_inner(),
-                    };
-                    slot.get_or_insert(payload);
+                    panic_slot(shared).get_or_insert(payload);
                 }
             }
             shared.inside.fetch_sub(1, Ordering::SeqCst);
@@ -349,16 +348,38 @@ mod tests {
         (0..items as u64).map(|i| i * i).sum()
     }
 
+    fn assert_each_item_runs_once(pool: &ComputePool, items: usize, context: &str) {
+        let (total, visits) = sum_of_squares(pool, items);
+        assert_eq!(total, expected(items), "{context}");
+        assert!(visits.iter().all(|&v| v == 1), "{context}");
+    }
+
+    /// Over `rounds`, a product of `items` whose `piece` panics fails on
+    /// its caller, and the next product runs whole.
+    fn assert_panics_reach_the_caller(
+        items: usize,
+        rounds: usize,
+        piece: impl Fn(Range<usize>) + Sync,
+    ) {
+        let pool = ComputePool::new(2);
+        for _ in 0..rounds {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                pool.for_each_piece(items, &piece)
+            }));
+            assert!(outcome.is_err());
+            assert_eq!(sum_of_squares(&pool, 300).0, expected(300));
+        }
+    }
+
     #[test]
     fn every_item_runs_exactly_once_on_any_pool() {
         for workers in [0, 1, 3] {
             let pool = ComputePool::new(workers);
             for items in [0, 1, 2, 7, 64, 1000] {
-                let (total, visits) = sum_of_squares(&pool, items);
-                assert_eq!(total, expected(items), "{workers} workers, {items} items");
-                assert!(
-                    visits.iter().all(|&v| v == 1),
-                    "{workers} workers, {items} items"
+                assert_each_item_runs_once(
+                    &pool,
+                    items,
+                    &format!("{workers} workers, {items} items"),
                 );
             }
         }
@@ -379,17 +400,10 @@ mod tests {
 
     #[test]
     fn a_panic_everywhere_surfaces_once_and_never_in_a_later_product() {
-        let pool = ComputePool::new(2);
-        for _ in 0..50 {
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                pool.for_each_piece(64, |_| {
-                    std::thread::sleep(Duration::from_micros(20));
-                    panic!("every piece fails");
-                })
-            }));
-            assert!(outcome.is_err());
-            assert_eq!(sum_of_squares(&pool, 300).0, expected(300));
-        }
+        assert_panics_reach_the_caller(64, 50, |_| {
+            std::thread::sleep(Duration::from_micros(20));
+            panic!("every piece fails");
+        });
     }
 
     #[test]
@@ -401,9 +415,7 @@ mod tests {
                 scope.spawn(move || {
                     for round in 0..300 {
                         let items = 1 + (caller * 37 + round * 11) % 200;
-                        let (total, visits) = sum_of_squares(pool, items);
-                        assert_eq!(total, expected(items));
-                        assert!(visits.iter().all(|&v| v == 1));
+                        assert_each_item_runs_once(pool, items, &format!("caller {caller}"));
                     }
                 });
             }
@@ -412,18 +424,11 @@ mod tests {
 
     #[test]
     fn a_panic_in_a_piece_reaches_the_caller_and_the_pool_still_works() {
-        let pool = ComputePool::new(2);
-        for _ in 0..20 {
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                pool.for_each_piece(400, |range| {
-                    if range.contains(&399) {
-                        panic!("piece failed");
-                    }
-                })
-            }));
-            assert!(outcome.is_err());
-            assert_eq!(sum_of_squares(&pool, 300).0, expected(300));
-        }
+        assert_panics_reach_the_caller(400, 20, |range| {
+            if range.contains(&399) {
+                panic!("piece failed");
+            }
+        });
     }
 
     #[test]
