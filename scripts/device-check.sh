@@ -168,9 +168,15 @@ library_path() {
   echo "${dirs#:}"
 }
 
-# The benches on the GPU and on the host's CPU, each in its own report;
-# exits 1 when any of them failed. Four benches fit the device tool's
-# 10-minute call with room to spare.
+# The benches on the GPU, then on the host's CPU; exits 1 when any of them
+# failed. The CPU runs use the device machine's spare cores: the engine at
+# 1 to 16 threads (does it scale to the cores given?), hop overhead
+# (`bench split`, also with one I/O thread) and the WAN delay proxies
+# (`bench wan`), measured where no other work shares the cores. The
+# reports go into one reports.json (name: report) and logs.txt (the
+# machine, then each bench's stderr): the device tool brings back at most
+# 8 files. MESH_DEVICE_STEPS (names, comma-separated) runs some of them;
+# six of them took 2 to 4 minutes of the tool's 10 a call on an H200 machine.
 run_benches() {
   local built="$1" out="${2:-${OUT:-device-report}}" bin model failed=0
   mkdir -p "$out"
@@ -194,22 +200,49 @@ run_benches() {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
     ldd "$bin" | grep -E 'cuda|cublas|curand|nvrtc' || true
     nproc
-  } 2>&1 | tee "$out/machine.txt" >&2
-  local step
-  for step in "engine cuda" "engine cpu" "split cuda" "split cpu"; do
-    read -r bench device <<< "$step"
-    echo "device-check: bench $bench --device $device" >&2
-    local extra=(--json)
-    if [[ $bench == split ]]; then
-      extra+=(--tokens 128 --rounds 2)
+    grep -m1 'model name' /proc/cpuinfo || true
+  } 2>&1 | tee "$out/logs.txt" >&2
+  local cpu_engine="bench engine --device cpu --decode-tokens 32"
+  # name | seconds allowed | environment | arguments
+  local steps=(
+    "engine-cuda|90||bench engine --device cuda"
+    "split-cuda|120||bench split --device cuda --tokens 128 --rounds 2"
+    "engine-cpu-t1|60|CANDLE_NUM_THREADS=1 RAYON_NUM_THREADS=1|$cpu_engine"
+    "engine-cpu-t2|60|CANDLE_NUM_THREADS=2 RAYON_NUM_THREADS=2|$cpu_engine"
+    "engine-cpu-t4|60|CANDLE_NUM_THREADS=4 RAYON_NUM_THREADS=4|$cpu_engine"
+    "engine-cpu-t8|60|CANDLE_NUM_THREADS=8 RAYON_NUM_THREADS=8|$cpu_engine"
+    "engine-cpu|60||$cpu_engine"
+    "engine-cpu-rayon1|60|RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=$(nproc)|$cpu_engine"
+    "split-cpu|90||bench split --device cpu --tokens 128 --rounds 2"
+    "split-cpu-io1|90||--io-threads 1 bench split --device cpu --tokens 128 --rounds 2"
+    "wan-cpu|150||bench wan --rtt-ms 40 --stages 2,3 --rounds 3"
+  )
+  local step name seconds environment args
+  local reports="$out/reports.json.tmp"
+  echo "{" > "$reports"
+  for step in "${steps[@]}"; do
+    IFS='|' read -r name seconds environment args <<< "$step"
+    if [[ -n ${MESH_DEVICE_STEPS:-} && ",$MESH_DEVICE_STEPS," != *",$name,"* ]]; then
+      continue
     fi
-    if ! timeout 120 "$bin" bench "$bench" --model "$model" --device "$device" "${extra[@]}" \
-      > "$out/$bench-$device.json" 2> "$out/$bench-$device.log"; then
-      echo "device-check: bench $bench --device $device failed: see $out/$bench-$device.log" >&2
+    echo "device-check: $name: $environment mesh-node $args" >&2
+    echo "== $name: $environment mesh-node $args" >> "$out/logs.txt"
+    # shellcheck disable=SC2086 # the environment and arguments are words
+    if ! timeout "$seconds" env $environment "$bin" $args --model "$model" --json \
+      > "$out/$name.json" 2> "$out/$name.log"; then
+      echo "device-check: $name failed: see $out/logs.txt" >&2
       failed=1
     fi
-    tail -3 "$out/$bench-$device.log" >&2
+    tail -3 "$out/$name.log" >&2
+    cat "$out/$name.log" >> "$out/logs.txt"
+    if [[ -s "$out/$name.json" ]]; then
+      [[ $(wc -l < "$reports") -gt 1 ]] && echo "," >> "$reports"
+      { printf '"%s": ' "$name"; cat "$out/$name.json"; } >> "$reports"
+    fi
+    rm -f "$out/$name.log" "$out/$name.json"
   done
+  echo "}" >> "$reports"
+  mv "$reports" "$out/reports.json"
   ls -la "$out" >&2
   return "$failed"
 }

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::Device;
 
@@ -63,9 +64,13 @@ impl DeviceChoice {
         }
     }
 
-    /// Open the device: for a GPU this creates its context and stream, once.
-    /// A binary built without the `cuda` feature says how to get one that
-    /// has it.
+    /// Open the device: for a GPU this creates its context and stream once
+    /// per process, and every later open of that ordinal shares them. A
+    /// context dropped mid-process would release the GPU's primary context,
+    /// and a thread that had it current would fail its next call with
+    /// `CUDA_ERROR_INVALID_CONTEXT` (the driver hands the same handle back,
+    /// so the binding looks current). A binary built without the `cuda`
+    /// feature says how to get one that has it.
     pub fn open(self) -> Result<Device> {
         match self {
             Self::Cpu => Ok(Device::Cpu),
@@ -74,13 +79,22 @@ impl DeviceChoice {
                  `cargo build --release -p mesh-node --features cuda` (needs CUDA's nvcc), \
                  or run on `--device cpu`"
             ))),
-            Self::Cuda(ordinal) => Device::new_cuda(ordinal).map_err(|error| {
-                EngineError::Device(format!(
-                    "device {self}: cannot open the GPU ({}); check `nvidia-smi` lists it and the \
-                     driver matches the CUDA the binary was built with",
-                    crate::error::candle_message(&error)
-                ))
-            }),
+            Self::Cuda(ordinal) => {
+                static OPENED: Mutex<Vec<(usize, Device)>> = Mutex::new(Vec::new());
+                let mut opened = OPENED.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some((_, device)) = opened.iter().find(|(n, _)| *n == ordinal) {
+                    return Ok(device.clone());
+                }
+                let device = Device::new_cuda(ordinal).map_err(|error| {
+                    EngineError::Device(format!(
+                        "device {self}: cannot open the GPU ({}); check `nvidia-smi` lists it and \
+                         the driver matches the CUDA the binary was built with",
+                        crate::error::candle_message(&error)
+                    ))
+                })?;
+                opened.push((ordinal, device.clone()));
+                Ok(device)
+            }
         }
     }
 }

@@ -892,7 +892,7 @@ pub async fn bench_split(
     rounds: usize,
     device: DeviceChoice,
 ) -> anyhow::Result<serde_json::Value> {
-    use crate::tools::bench::median;
+    use crate::tools::bench::{completed, median};
     anyhow::ensure!(rounds >= 1, "--rounds must be at least 1");
     let opened = device.open()?;
     let model = match model {
@@ -936,16 +936,19 @@ pub async fn bench_split(
                 ..GenerateRequest::greedy(&prompt, tokens)
             };
             // Warm up (assignment, slice loads), then measure.
-            generate_remote(
-                &coordinator.peer_addr(),
-                &GenerateRequest {
-                    max_tokens: 2,
-                    ..request.clone()
-                },
-                &mut |_| {},
-            )
-            .await?;
-            let summary = generate_remote(&coordinator.peer_addr(), &request, &mut |_| {}).await?;
+            completed(
+                generate_remote(
+                    &coordinator.peer_addr(),
+                    &GenerateRequest {
+                        max_tokens: 2,
+                        ..request.clone()
+                    },
+                    &mut |_| {},
+                )
+                .await?,
+            )?;
+            let summary =
+                completed(generate_remote(&coordinator.peer_addr(), &request, &mut |_| {}).await?)?;
             split.shutdown().await;
             measured.push((place - 1, summary.details));
         }

@@ -14,6 +14,21 @@ pub(crate) fn decode_tokens(details: &serde_json::Value) -> f64 {
     (details["generated_tokens"].as_f64().unwrap_or(0.0) - 1.0).max(1.0)
 }
 
+/// A benchmark's served request, or an error when it did not complete: a
+/// failed request is never folded into a figure.
+pub(crate) fn completed(
+    summary: crate::runtime::serve::GenerateSummary,
+) -> anyhow::Result<crate::runtime::serve::GenerateSummary> {
+    if summary.terminal_state != "completed" || summary.error.is_some() {
+        anyhow::bail!(
+            "the request ended {}: {}",
+            summary.terminal_state,
+            summary.error.as_deref().unwrap_or("no reason given")
+        );
+    }
+    Ok(summary)
+}
+
 /// The median (the mean of the middle two for an even count; 0 for none).
 pub fn median(values: impl IntoIterator<Item = f64>) -> f64 {
     let mut values: Vec<f64> = values.into_iter().collect();
@@ -533,4 +548,31 @@ pub fn render_engine(report: &serde_json::Value) -> String {
         m["middle_third_rss_delta_after_running_bytes"]
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::serve::GenerateSummary;
+
+    fn summary(terminal_state: &str, error: Option<&str>) -> GenerateSummary {
+        GenerateSummary {
+            text: String::new(),
+            terminal_state: terminal_state.to_string(),
+            error: error.map(str::to_string),
+            details: serde_json::json!({ "decode_tokens_per_s": 0.0 }),
+            bundle: None,
+        }
+    }
+
+    #[test]
+    fn only_a_completed_request_is_measured() {
+        assert!(completed(summary("completed", None)).is_ok());
+        let failed = completed(summary("failed", Some("a forward pass failed")))
+            .unwrap_err()
+            .to_string();
+        assert!(failed.contains("failed") && failed.contains("a forward pass failed"));
+        assert!(completed(summary("completed", Some("stage 1 went away"))).is_err());
+        assert!(completed(summary("cancelled", None)).is_err());
+    }
 }

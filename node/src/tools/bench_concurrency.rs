@@ -13,6 +13,7 @@ use anyhow::{Context, bail};
 use serde_json::{Value, json};
 
 use crate::runtime::serve::{GenerateRequest, PeerAddr, generate_remote, node_stats_remote};
+use crate::tools::bench::completed;
 
 /// A child process killed when dropped.
 struct Process(Child);
@@ -118,10 +119,7 @@ async fn mesh_level(coordinator: &PeerAddr, n: usize, tokens: usize) -> anyhow::
         .collect();
     let mut generated = 0;
     for task in tasks {
-        let summary = task.await??;
-        if let Some(error) = summary.error {
-            bail!("a request failed: {error}");
-        }
+        let summary = completed(task.await??)?;
         generated += summary.details["generated_tokens"].as_u64().unwrap_or(0);
     }
     Ok((generated, started.elapsed().as_secs_f64()))

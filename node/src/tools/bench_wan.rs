@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 use crate::cli::node_cli::{BenchSplit, bench_prompt, unsplit_generation};
 use crate::runtime::serve::{GenerateRequest, generate_remote, one_way_hops_per_step};
-use crate::tools::bench::{decode_tokens, median};
+use crate::tools::bench::{completed, decode_tokens, median};
 use crate::tools::delay_proxy::LinkShape;
 
 /// Mesh-LLM's published added time per stage boundary, beyond two round
@@ -150,8 +150,10 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                 &mut |_| {},
             )
             .await;
-            let measured = match warm {
-                Ok(_) => generate_remote(&requester, &request, &mut |_| {}).await,
+            let measured = match warm.and_then(completed) {
+                Ok(_) => generate_remote(&requester, &request, &mut |_| {})
+                    .await
+                    .and_then(completed),
                 Err(e) => Err(e),
             };
             let proxies = split
