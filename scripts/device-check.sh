@@ -9,7 +9,8 @@
 #                                      machine without cargo (the device tool)
 #   scripts/device-check.sh run [OUT]  run the stashed binary (see below); the
 #                                      reports go to OUT (default $OUT, else
-#                                      ./device-report)
+#                                      ./device-report): reports.json and
+#                                      logs.txt
 #
 # Building needs no GPU and no CUDA install: without `nvcc` on PATH, CUDA
 # 13.0's compiler is fetched from PyPI (the driver on the device machines
@@ -29,6 +30,8 @@
 # ~/mesh-device); a machine that went back must be given every part again.
 #
 #   MESH_MODEL          model to bench (default: SmolLM2-135M Q4_1, fetched)
+#   MESH_DEVICE_STEPS   which benches `run` runs, by name, comma-separated
+#                       (default: all; see run_benches)
 #   CUDA_COMPUTE_CAP    default 90
 #   MESH_CUDA_CACHE     where the fetched toolkit goes
 #                       (default ~/.cache/mesh-node/cuda-13.0)
@@ -217,9 +220,7 @@ run_benches() {
     "split-cpu-io1|90||--io-threads 1 bench split --device cpu --tokens 128 --rounds 2"
     "wan-cpu|150||bench wan --rtt-ms 40 --stages 2,3 --rounds 3"
   )
-  local step name seconds environment args
-  local reports="$out/reports.json.tmp"
-  echo "{" > "$reports"
+  local step name seconds environment args reports=()
   for step in "${steps[@]}"; do
     IFS='|' read -r name seconds environment args <<< "$step"
     if [[ -n ${MESH_DEVICE_STEPS:-} && ",$MESH_DEVICE_STEPS," != *",$name,"* ]]; then
@@ -228,21 +229,29 @@ run_benches() {
     echo "device-check: $name: $environment mesh-node $args" >&2
     echo "== $name: $environment mesh-node $args" >> "$out/logs.txt"
     # shellcheck disable=SC2086 # the environment and arguments are words
-    if ! timeout "$seconds" env $environment "$bin" $args --model "$model" --json \
+    if timeout "$seconds" env $environment "$bin" $args --model "$model" --json \
       > "$out/$name.json" 2> "$out/$name.log"; then
+      reports+=("$(printf '"%s": ' "$name"; cat "$out/$name.json")")
+    else
       echo "device-check: $name failed: see $out/logs.txt" >&2
       failed=1
     fi
     tail -3 "$out/$name.log" >&2
     cat "$out/$name.log" >> "$out/logs.txt"
-    if [[ -s "$out/$name.json" ]]; then
-      [[ $(wc -l < "$reports") -gt 1 ]] && echo "," >> "$reports"
-      { printf '"%s": ' "$name"; cat "$out/$name.json"; } >> "$reports"
-    fi
     rm -f "$out/$name.log" "$out/$name.json"
+    # Rewritten after every step: a call cut off at its limit still
+    # brings back the reports of the steps that finished.
+    {
+      echo "{"
+      local i
+      for i in "${!reports[@]}"; do
+        ((i > 0)) && echo ","
+        echo "${reports[$i]}"
+      done
+      echo "}"
+    } > "$out/reports.json.tmp"
+    mv "$out/reports.json.tmp" "$out/reports.json"
   done
-  echo "}" >> "$reports"
-  mv "$reports" "$out/reports.json"
   ls -la "$out" >&2
   return "$failed"
 }

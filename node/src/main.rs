@@ -15,9 +15,9 @@ struct Cli {
     /// Threads of the async runtime (QUIC, HTTP, the mesh); by default one
     /// per core. Forward passes have their own compute threads
     /// (CANDLE_NUM_THREADS). With 1, a node's decode steps arrive, run and
-    /// leave on one thread: faster over loopback, slower over delayed
-    /// links on a 2-core machine (docs/BENCHMARKS.md, "A pass on the
-    /// thread that received its step").
+    /// leave on one thread: faster on a 16-core machine, as fast over a
+    /// delayed link and slower in process on a 2-core one
+    /// (docs/operations.md, "I/O threads").
     #[arg(long, global = true, value_parser = clap::value_parser!(u16).range(1..=256))]
     io_threads: Option<u16>,
 }
@@ -1501,9 +1501,19 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         builder.worker_threads(threads);
     }
     builder
+        .on_thread_start(bind_gpu)
+        .on_thread_unpark(bind_gpu)
         .enable_all()
         .build()
         .context("starting the async runtime")
+}
+
+/// Binds the opened GPU's context to an async thread as it starts and wakes,
+/// so a GPU tensor it drops is freed (`mesh_stage::bind_opened_devices`).
+fn bind_gpu() {
+    if let Err(error) = mesh_stage::bind_opened_devices() {
+        tracing::warn!(%error, "binding the GPU's context to an async thread reported an error");
+    }
 }
 
 /// Logs go to stderr through `tracing`; `RUST_LOG` chooses what is shown.

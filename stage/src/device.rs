@@ -1,8 +1,10 @@
 //! Where the engine computes: chosen once per process (`--device`), opened
 //! once, and handed to every slice the model loads.
 
+use std::cell::Cell;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use candle_core::Device;
@@ -65,12 +67,11 @@ impl DeviceChoice {
     }
 
     /// Open the device: for a GPU this creates its context and stream once
-    /// per process, and every later open of that ordinal shares them. A
-    /// context dropped mid-process would release the GPU's primary context,
-    /// and a thread that had it current would fail its next call with
-    /// `CUDA_ERROR_INVALID_CONTEXT` (the driver hands the same handle back,
-    /// so the binding looks current). A binary built without the `cuda`
-    /// feature says how to get one that has it.
+    /// per process, and every later open of that ordinal shares them (a
+    /// bench's runs no longer make a context each), so the threads that
+    /// drop its tensors can be bound to it ([`bind_opened_devices`]). The
+    /// context lives until the process ends. A binary built without the
+    /// `cuda` feature says how to get one that has it.
     pub fn open(self) -> Result<Device> {
         match self {
             Self::Cpu => Ok(Device::Cpu),
@@ -80,7 +81,6 @@ impl DeviceChoice {
                  or run on `--device cpu`"
             ))),
             Self::Cuda(ordinal) => {
-                static OPENED: Mutex<Vec<(usize, Device)>> = Mutex::new(Vec::new());
                 let mut opened = OPENED.lock().unwrap_or_else(PoisonError::into_inner);
                 if let Some((_, device)) = opened.iter().find(|(n, _)| *n == ordinal) {
                     return Ok(device.clone());
@@ -93,10 +93,72 @@ impl DeviceChoice {
                     ))
                 })?;
                 opened.push((ordinal, device.clone()));
+                OPENED_COUNT.store(opened.len(), Ordering::Release);
                 Ok(device)
             }
         }
     }
+}
+
+/// The GPUs this process opened, by ordinal.
+static OPENED: Mutex<Vec<(usize, Device)>> = Mutex::new(Vec::new());
+
+/// How many GPUs are in [`OPENED`]: a thread that bound that many has
+/// nothing to do.
+static OPENED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// How many opened GPUs this thread has bound.
+    static BOUND: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Make the context of every GPU this process opened current on the
+/// calling thread; after the first call on a thread, one atomic load.
+///
+/// cudarc frees a GPU tensor's memory on the thread that drops it without
+/// binding the context there first (0.19's `CudaSlice::drop`). On a thread
+/// that never made the context current the free fails, the memory stays
+/// allocated, and the error is held for the next call on any thread: a
+/// forward pass then failed with `CUDA_ERROR_INVALID_CONTEXT` (seen once on
+/// an H200, `bench split --device cuda`). The async runtime's threads call
+/// this as they start and as they wake, so what they drop is freed. A
+/// process computes on one GPU (`--device`); with several, the last one
+/// opened would be current.
+///
+/// An error handed over while binding, held from an earlier call, comes
+/// back for the caller to report; the binding is still made.
+pub fn bind_opened_devices() -> std::result::Result<(), String> {
+    let opened = OPENED_COUNT.load(Ordering::Acquire);
+    if BOUND.with(Cell::get) == opened {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    let held = bind_cuda_contexts()?;
+    #[cfg(not(feature = "cuda"))]
+    let held = Ok(());
+    BOUND.with(|bound| bound.set(opened));
+    held
+}
+
+/// Bind every opened GPU's context to this thread: `Err` when one cannot
+/// be bound, else the error one handed over (held from an earlier call).
+#[cfg(feature = "cuda")]
+fn bind_cuda_contexts() -> std::result::Result<std::result::Result<(), String>, String> {
+    let mut held = Ok(());
+    for (ordinal, device) in OPENED.lock().unwrap_or_else(PoisonError::into_inner).iter() {
+        if let Device::Cuda(cuda) = device {
+            let context = cuda.cuda_stream().context().clone();
+            // `bind_to_thread` first hands over an error held from an
+            // earlier call, and then does not bind: bind again.
+            if let Err(error) = context.bind_to_thread() {
+                held = Err(format!("cuda:{ordinal}: {error}"));
+                context
+                    .bind_to_thread()
+                    .map_err(|error| format!("cuda:{ordinal}: cannot bind its context: {error}"))?;
+            }
+        }
+    }
+    Ok(held)
 }
 
 /// How an opened device is named, as `--device` names it: `cpu`, or

@@ -28,7 +28,7 @@ pub use candle_core::Device;
 /// GGUF block types, for callers that write or name them (the synthetic
 /// model's copies), so they need not depend on candle themselves.
 pub use candle_core::quantized::GgmlDType;
-pub use device::{DeviceChoice, device_name, gpu_free_memory};
+pub use device::{DeviceChoice, bind_opened_devices, device_name, gpu_free_memory};
 pub use error::{EngineError, Result};
 pub use mesh_protocol as protocol;
 pub use model::{ExecPolicy, LayerSlice, SliceCache, SliceInput, SliceOutput};

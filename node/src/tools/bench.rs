@@ -19,7 +19,9 @@ pub(crate) fn decode_tokens(details: &serde_json::Value) -> f64 {
 pub(crate) fn completed(
     summary: crate::runtime::serve::GenerateSummary,
 ) -> anyhow::Result<crate::runtime::serve::GenerateSummary> {
-    if summary.terminal_state != "completed" || summary.error.is_some() {
+    if summary.terminal_state != mesh_protocol::block::TerminalState::Completed.as_str()
+        || summary.error.is_some()
+    {
         anyhow::bail!(
             "the request ended {}: {}",
             summary.terminal_state,
@@ -567,12 +569,29 @@ mod tests {
 
     #[test]
     fn only_a_completed_request_is_measured() {
-        assert!(completed(summary("completed", None)).is_ok());
-        let failed = completed(summary("failed", Some("a forward pass failed")))
-            .unwrap_err()
-            .to_string();
-        assert!(failed.contains("failed") && failed.contains("a forward pass failed"));
-        assert!(completed(summary("completed", Some("stage 1 went away"))).is_err());
-        assert!(completed(summary("cancelled", None)).is_err());
+        use mesh_protocol::block::TerminalState;
+        assert!(completed(summary(TerminalState::Completed.as_str(), None)).is_ok());
+        let failed = completed(summary(
+            TerminalState::BackendError.as_str(),
+            Some("a forward pass failed"),
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(failed.contains("backend_error") && failed.contains("a forward pass failed"));
+        assert!(
+            completed(summary(
+                TerminalState::Completed.as_str(),
+                Some("stage 1 went away")
+            ))
+            .is_err()
+        );
+        for state in TerminalState::ALL {
+            if state != TerminalState::Completed {
+                assert!(
+                    completed(summary(state.as_str(), None)).is_err(),
+                    "{state:?}"
+                );
+            }
+        }
     }
 }

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 
 use crate::runtime::mesh::MemberView;
 use crate::runtime::serve::{GenerateRequest, MeshSettings, Node, generate_remote};
-use crate::tools::bench::median;
+use crate::tools::bench::{completed, median};
 
 /// What `bench plan` simulates.
 #[derive(Debug, Clone)]
@@ -215,7 +215,10 @@ pub async fn bench_join(model: &std::path::Path, rounds: usize) -> anyhow::Resul
             let joiner = Node::start(options).await?;
             loop {
                 let request = GenerateRequest::greedy("hello mesh", 4);
-                match generate_remote(&coordinator.peer_addr(), &request, &mut |_| {}).await {
+                match generate_remote(&coordinator.peer_addr(), &request, &mut |_| {})
+                    .await
+                    .and_then(completed)
+                {
                     Ok(_) => break,
                     Err(error) if started.elapsed() < Duration::from_secs(60) => {
                         tracing::debug!("not served yet: {error:#}");
@@ -354,7 +357,8 @@ pub async fn bench_resume(
                 &GenerateRequest::greedy("hello mesh", 2),
                 &mut |_| {},
             )
-            .await;
+            .await
+            .and_then(completed);
             if let Ok(summary) = warm
                 && members >= 3
                 && let Some(stewards) = summary

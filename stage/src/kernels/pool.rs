@@ -13,9 +13,9 @@
 //! took. A worker that wakes late finds the product done and leaves it
 //! alone.
 //!
-//! Idle workers watch for work for [`LINGER`], giving their core to any
-//! thread that waits for one, then sleep: nothing spins while the engine
-//! waits for its next step. Holding them watching through
+//! Idle workers watch for work for [`LINGER`], offering their core to the
+//! threads waiting for it every [`YIELD_EVERY`] spins, then sleep: nothing
+//! spins while the engine waits for its next step. Holding them watching through
 //! a whole pass (woken as it starts) measured slower on a 2-core machine,
 //! for decode over a delayed link and for prefill (beside candle's rayon
 //! threads, a worker that spins takes a core they need).
@@ -319,8 +319,8 @@ fn work(shared: &Shared) {
         // the free cores (several nodes on one machine, candle's rayon
         // threads at prefill): the caller and the workers inside a product
         // waited for cores idle workers spun on (8 threads on 2 cores
-        // decoded at 79 tok/s, 189 yielding). The clock is read as rarely:
-        // it costs more than a spin.
+        // decoded at 59-89 tok/s, 159-193 yielding). The clock is read as
+        // rarely: it costs more than a spin.
         std::thread::yield_now();
         if idle_since.elapsed() < LINGER {
             continue;
