@@ -1501,19 +1501,11 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         builder.worker_threads(threads);
     }
     builder
-        .on_thread_start(bind_gpu)
-        .on_thread_unpark(bind_gpu)
+        .on_thread_start(mesh_node::runtime::bind_gpu_to_this_thread)
+        .on_thread_unpark(mesh_node::runtime::bind_gpu_to_this_thread)
         .enable_all()
         .build()
         .context("starting the async runtime")
-}
-
-/// Binds the opened GPU's context to an async thread as it starts and wakes,
-/// so a GPU tensor it drops is freed (`mesh_stage::bind_opened_devices`).
-fn bind_gpu() {
-    if let Err(error) = mesh_stage::bind_opened_devices() {
-        tracing::warn!(%error, "binding the GPU's context to an async thread reported an error");
-    }
 }
 
 /// Logs go to stderr through `tracing`; `RUST_LOG` chooses what is shown.

@@ -125,40 +125,50 @@ thread_local! {
 /// process computes on one GPU (`--device`); with several, the last one
 /// opened would be current.
 ///
-/// An error handed over while binding, held from an earlier call, comes
-/// back for the caller to report; the binding is still made.
+/// Frees made this way run on the dropping thread's stream, not ordered
+/// after the producing thread's work. Every pass ends by copying its output
+/// to the host, which waits for that work, so a tensor dropped after its
+/// pass is idle.
+///
+/// An error met while binding comes back for the caller to report, once: an
+/// error held from an earlier call (the binding is then made anyway), or a
+/// binding that failed (not retried on this thread).
 pub fn bind_opened_devices() -> std::result::Result<(), String> {
     let opened = OPENED_COUNT.load(Ordering::Acquire);
     if BOUND.with(Cell::get) == opened {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
-    let held = bind_cuda_contexts()?;
-    #[cfg(not(feature = "cuda"))]
-    let held = Ok(());
     BOUND.with(|bound| bound.set(opened));
-    held
+    #[cfg(feature = "cuda")]
+    return bind_cuda_contexts();
+    #[cfg(not(feature = "cuda"))]
+    Ok(())
 }
 
-/// Bind every opened GPU's context to this thread: `Err` when one cannot
-/// be bound, else the error one handed over (held from an earlier call).
+/// Bind every opened GPU's context to this thread; the errors met, if any.
 #[cfg(feature = "cuda")]
-fn bind_cuda_contexts() -> std::result::Result<std::result::Result<(), String>, String> {
-    let mut held = Ok(());
+fn bind_cuda_contexts() -> std::result::Result<(), String> {
+    let mut errors = Vec::new();
     for (ordinal, device) in OPENED.lock().unwrap_or_else(PoisonError::into_inner).iter() {
         if let Device::Cuda(cuda) = device {
             let context = cuda.cuda_stream().context().clone();
             // `bind_to_thread` first hands over an error held from an
             // earlier call, and then does not bind: bind again.
             if let Err(error) = context.bind_to_thread() {
-                held = Err(format!("cuda:{ordinal}: {error}"));
-                context
-                    .bind_to_thread()
-                    .map_err(|error| format!("cuda:{ordinal}: cannot bind its context: {error}"))?;
+                errors.push(format!(
+                    "cuda:{ordinal}: held from an earlier call: {error}"
+                ));
+                if let Err(error) = context.bind_to_thread() {
+                    errors.push(format!("cuda:{ordinal}: cannot bind its context: {error}"));
+                }
             }
         }
     }
-    Ok(held)
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; "))
+    }
 }
 
 /// How an opened device is named, as `--device` names it: `cpu`, or

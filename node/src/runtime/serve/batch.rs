@@ -252,7 +252,10 @@ pub(super) mod elsewhere {
     pub struct Pass(());
 
     impl Pass {
+        /// Also binds the GPU's context here: a blocking thread runs only
+        /// the runtime's start hook, perhaps before the GPU was opened.
         pub fn begin() -> Self {
+            crate::runtime::bind_gpu_to_this_thread();
             RUNNING.fetch_add(1, Ordering::AcqRel);
             Pass(())
         }
