@@ -118,10 +118,11 @@ thread_local! {
 /// cudarc frees a GPU tensor's memory on the thread that drops it without
 /// binding the context there first (0.19's `CudaSlice::drop`). On a thread
 /// that never made the context current the free fails, the memory stays
-/// allocated, and the error is held for the next call on any thread: a
-/// forward pass then failed with `CUDA_ERROR_INVALID_CONTEXT` (seen once on
-/// an H200, `bench split --device cuda`). The async runtime's threads call
-/// this as they start and as they wake, so what they drop is freed. A
+/// allocated, and the error is held for the next call on any thread,
+/// presumably what failed a forward pass once on an H200 with
+/// `CUDA_ERROR_INVALID_CONTEXT` (`bench split --device cuda`). The async
+/// runtime's threads call this as they start and as they wake, and a pass
+/// run off them as it begins, so what they drop is freed. A
 /// process computes on one GPU (`--device`); with several, the last one
 /// opened would be current.
 ///
