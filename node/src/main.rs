@@ -300,6 +300,19 @@ enum JournalAction {
         /// The steward's data directory.
         dir: PathBuf,
     },
+    /// Go on without records the journal lost (its tail marker names a
+    /// record it no longer holds, so the node refuses to start): records
+    /// the loss in the journal, after which the node starts again. Restore
+    /// the journal from a copy instead when one holds them. Needs the node
+    /// stopped.
+    AcceptLoss {
+        /// The node's data directory (its journal is in DATA/steward).
+        #[arg(long)]
+        data: PathBuf,
+        /// The node's key file.
+        #[arg(long)]
+        key: PathBuf,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -420,6 +433,22 @@ enum StewardAction {
         key: PathBuf,
         #[arg(long)]
         json: bool,
+    },
+    /// Honour grants again after a halt (a witness showed a receipt this
+    /// steward signed that its journal does not hold): journalled with your
+    /// reason, then in force. Deal with the cause first: restore the
+    /// journal from a copy, or stop the second node that runs with this
+    /// key. Needs the node stopped (docs/operations.md, "A halted steward").
+    ClearHalt {
+        /// The node's data directory (its journal is in DATA/steward).
+        #[arg(long)]
+        data: PathBuf,
+        /// The node's key file.
+        #[arg(long)]
+        key: PathBuf,
+        /// Why grants may be honoured again: kept in the journal.
+        #[arg(long)]
+        reason: String,
     },
     /// Serve N requests on a CPU workload under a fixed grant, journalling
     /// and sealing each (a harness for the journal and receipt chain).
@@ -836,6 +865,41 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 eprintln!("mesh-node replay: {error:#}");
                 ExitCode::from(2)
             }))
+        }
+        Command::Journal {
+            action: JournalAction::AcceptLoss { data, key },
+        } => {
+            let key = mesh_node::runtime::keys::load(&key)?;
+            let (records, recorded) = mesh_node::runtime::journal::Journal::accept_loss(
+                &data.join("steward"),
+                key,
+                mesh_node::runtime::serve::now_ms(),
+            )?;
+            match recorded {
+                Some(record) => println!(
+                    "recorded the loss as record {}: the journal holds {} records before it, and the node starts again",
+                    record.seq,
+                    records.len()
+                ),
+                None => println!("the journal lost nothing: nothing recorded"),
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Steward {
+            action: StewardAction::ClearHalt { data, key, reason },
+        } => {
+            if reason.trim().is_empty() {
+                anyhow::bail!("give --reason: why grants may be honoured again (it is journalled)");
+            }
+            let key = mesh_node::runtime::keys::load(&key)?;
+            let mut steward = mesh_node::runtime::steward::Steward::open(
+                &data.join("steward"),
+                key,
+                Box::new(mesh_node::runtime::energy::EstimatorMeter::default()),
+            )?;
+            let was = steward.clear_halt(&reason, mesh_node::runtime::serve::now_ms())?;
+            println!("the steward honours grants again; it had halted because: {was}");
+            Ok(ExitCode::SUCCESS)
         }
         Command::Steward {
             action: StewardAction::Open { receipt, key, json },

@@ -237,6 +237,94 @@ fn bit_flips_in_the_journal_never_panic() {
     }
 }
 
+/// J1 (issue 37): some flips make redb fall back to its older commit slot,
+/// and the journal then reads as whole, its last record gone, under a head
+/// signed for the shorter chain ("replay: ok"). The tail marker written
+/// beside the database tells: every flip either reads every record or is
+/// refused, the lost tail named. The steward refuses to start on it, and
+/// `journal accept-loss` records the loss, after which it starts.
+#[test]
+fn a_journal_that_lost_its_tail_is_refused_never_read_as_whole() {
+    let scratch = tempfile::tempdir().unwrap();
+    let pristine = scratch.path().join("pristine");
+    fixed_journal(&pristine);
+    let original = std::fs::read(pristine.join("journal.redb")).unwrap();
+    let marker = std::fs::read(pristine.join("journal.tail")).ok();
+    let work = scratch.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    let flipped = |bit: u64, dir: &Path| {
+        let mut bytes = original.clone();
+        bytes[(bit / 8) as usize] ^= 1 << (bit % 8);
+        std::fs::write(dir.join("journal.redb"), &bytes).unwrap();
+        if let Some(marker) = &marker {
+            std::fs::write(dir.join("journal.tail"), marker).unwrap();
+        }
+    };
+    let mut dropped = Vec::new();
+    let mut lost = Vec::new();
+    for bit in positions(original.len() as u64) {
+        flipped(bit, &work);
+        match Journal::read(&work) {
+            Ok(records) if records.len() != 6 => dropped.push((bit, records.len())),
+            Err(mesh_node::runtime::journal::JournalError::TailLost { .. }) => lost.push(bit),
+            _ => {}
+        }
+    }
+    assert!(
+        dropped.is_empty(),
+        "read as whole with records missing (bit, records): {dropped:?}"
+    );
+    assert!(!lost.is_empty(), "no flip made redb fall back a commit");
+
+    let bit = lost[0];
+    flipped(bit, &work);
+    let output = inspect(&work);
+    let stderr = text(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "bit {bit}: {}",
+        text(&output.stdout)
+    );
+    assert!(!text(&output.stdout).contains("replay: ok"));
+    assert!(
+        stderr.contains("record 5 was written"),
+        "bit {bit}: {stderr}"
+    );
+    // The steward refuses to start on it; the operator's recorded choice
+    // lets it start again.
+    let data = scratch.path().join("node");
+    std::fs::create_dir_all(data.join("steward")).unwrap();
+    flipped(bit, &data.join("steward"));
+    let key = SigningKey::from_bytes(&[7; 32]);
+    let refused = Steward::open(
+        &data.join("steward"),
+        key.clone(),
+        Box::new(EstimatorMeter::default()),
+    );
+    assert!(
+        matches!(
+            refused,
+            Err(StewardError::Journal(
+                mesh_node::runtime::journal::JournalError::TailLost { written: 5, .. }
+            ))
+        ),
+        "{refused:?}"
+    );
+    let key_file = scratch.path().join("node.key");
+    std::fs::write(&key_file, mesh_protocol::hex::encode(&[7u8; 32])).unwrap();
+    let accepted = mesh_node()
+        .args(["journal", "accept-loss", "--data"])
+        .arg(&data)
+        .arg("--key")
+        .arg(&key_file)
+        .output()
+        .unwrap();
+    assert!(accepted.status.success(), "{}", text(&accepted.stderr));
+    drop(steward(&data.join("steward"), &key));
+    let shown = text(&inspect(&data.join("steward")).stdout);
+    assert!(shown.contains("TAIL LOST"), "{shown}");
+}
+
 /// Bits whose flip made redb panic (exit 101 from `journal inspect`) before
 /// the journal caught it, found by this test's sweep on the unfixed code.
 const PANICKED_BEFORE: [u64; 6] = [100, 180, 576, 33226, 393325, 399005];

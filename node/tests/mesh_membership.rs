@@ -809,6 +809,100 @@ fn a_member_that_refuses_its_assignment_is_planned_around_within_the_request() {
     assert!(log.contains(&refusing.did), "{log}");
 }
 
+/// Low (issue 37): a request that arrives while the members its plan needs
+/// are still joining (as while a restarted coordinator's members reconnect)
+/// waits for the mesh within its deadline, planning again as members come,
+/// instead of being refused after a few quick tries.
+#[test]
+fn a_request_waits_for_the_members_its_plan_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, _) = mesh_coordinator(dir.path(), &model, &["--stages", "3"]);
+    let _first = mesh_join(
+        dir.path(),
+        &model,
+        &coordinator.mesh,
+        "j0",
+        &["--decode-us-per-layer", "1000"],
+    );
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 2);
+    // Three stages need a third member, which joins 7 s after the request.
+    let asking = {
+        let (dir, peer) = (dir.path().to_path_buf(), coordinator.peer.clone());
+        std::thread::spawn(move || served(&dir, &peer, "waited"))
+    };
+    std::thread::sleep(Duration::from_secs(7));
+    let _second = mesh_join(
+        dir.path(),
+        &model,
+        &coordinator.mesh,
+        "j1",
+        &["--decode-us-per-layer", "1000"],
+    );
+    let chain = asking.join().expect("the request was served");
+    assert_eq!(chain.len(), 3, "{chain:?}");
+}
+
+/// M1 (issue 37): raw TCP connections to the mesh port that never
+/// handshake cannot keep members out. 32 held from one address take at
+/// most `MAX_PENDING_PER_ADDRESS` of the handshake slots (the rest are
+/// closed at once), each for at most `HANDSHAKE_TIMEOUT`, so a new member
+/// still joins and `mesh status` still reaches the mesh.
+#[test]
+fn raw_connections_that_never_handshake_do_not_keep_members_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, _) = mesh_coordinator(dir.path(), &model, &[]);
+    let port: u16 = coordinator
+        .mesh
+        .split('/')
+        .skip_while(|part| *part != "tcp")
+        .nth(1)
+        .and_then(|port| port.parse().ok())
+        .expect("a TCP mesh address");
+    let target = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let stranger = std::net::IpAddr::from([127, 0, 0, 9]);
+    // 32 raw connections, each opened again as soon as it is closed.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let holder = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut held: Vec<std::net::TcpStream> = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                held.retain(|stream| {
+                    let _ = stream.set_nonblocking(true);
+                    match stream.peek(&mut [0u8; 1]) {
+                        Ok(0) => false,
+                        Ok(_) => true,
+                        Err(error) => error.kind() == std::io::ErrorKind::WouldBlock,
+                    }
+                });
+                while held.len() < 32 {
+                    match common::http::connect_from(stranger, target) {
+                        Ok(stream) => held.push(stream),
+                        Err(_) => break,
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let joiner = mesh_join(
+        dir.path(),
+        &model,
+        &coordinator.mesh,
+        "joiner",
+        &["--decode-us-per-layer", "1000"],
+    );
+    let seen = members_until(&coordinator.mesh, Duration::from_secs(30), |m| {
+        m.contains(&joiner.did)
+    });
+    assert!(seen.contains(&coordinator.did), "{seen:?}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    holder.join().unwrap();
+}
+
 /// A coordinator pinned to three stages over a mesh of three joiners (one
 /// spare once a chain is planned), every member seen.
 fn three_stages_and_a_spare(dir: &Path, extra: &[&str]) -> (Running, Vec<Running>, PathBuf) {
@@ -876,7 +970,17 @@ fn chain_of(summary: &mesh_node::runtime::serve::GenerateSummary) -> Vec<String>
 /// shown, the loss declared in the receipt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
-    a_stage_killed_mid_request("hello mesh", &[]).await;
+    a_stage_killed_mid_request("hello mesh", &[], 1).await;
+}
+
+/// R1 (issue 37): the final stage SIGKILLed mid-request. The first resume
+/// keeps only the coordinator's cache (every remote stage rebuilds, the
+/// new final stage silently through the replay) and is not refused, so the
+/// request goes on at once with its reference tokens, and its bundle
+/// verifies with exit 0: two segments, no empty failed one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_final_stage_mid_request_resumes_and_verifies() {
+    a_stage_killed_mid_request("hello mesh", &[], 2).await;
 }
 
 /// The same with the coordinator drafting (prompt lookup, on a prompt the
@@ -886,7 +990,8 @@ async fn a_stage_killed_mid_request_costs_a_pause_not_the_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drafting_request_resumes_with_its_greedy_tokens() {
     let resumed =
-        a_stage_killed_mid_request("say 3333Q999999 3333Q999999", &["--draft-tokens", "4"]).await;
+        a_stage_killed_mid_request("say 3333Q999999 3333Q999999", &["--draft-tokens", "4"], 1)
+            .await;
     let proposed = resumed.details["spec_proposed"].as_u64().unwrap();
     let accepted = resumed.details["spec_accepted"].as_u64().unwrap();
     assert!(
@@ -895,9 +1000,12 @@ async fn a_drafting_request_resumes_with_its_greedy_tokens() {
     );
 }
 
+/// `prompt` through a three-stage chain over a mesh with a spare, stage
+/// `victim` of the chain SIGKILLed at the 10th token.
 async fn a_stage_killed_mid_request(
     prompt: &str,
     coordinator_args: &[&str],
+    victim_stage: usize,
 ) -> mesh_node::runtime::serve::GenerateSummary {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
@@ -920,7 +1028,7 @@ async fn a_stage_killed_mid_request(
     );
     let chain = chain_of(&reference);
     assert_eq!(chain.len(), 3);
-    let victim = nodes.iter().find(|n| n.did == chain[1]).unwrap();
+    let victim = nodes.iter().find(|n| n.did == chain[victim_stage]).unwrap();
     let victim_pid = victim.child.id();
 
     let (resumed, killed_at) = generate_killing(&address, &request, victim_pid, 10).await;
@@ -954,17 +1062,17 @@ async fn a_stage_killed_mid_request(
     let segments = report["resumed"]["segments"].as_array().unwrap();
     assert_eq!(segments.len(), 2);
     assert_eq!(segments[0]["lost"], serde_json::json!([victim.did]));
-    assert_eq!(segments[0]["nodes"][1], victim.did.as_str());
+    assert_eq!(segments[0]["nodes"][victim_stage], victim.did.as_str());
     let resumed_at = segments[1]["first_token"].as_u64().unwrap();
     assert!(resumed_at >= 10, "resumed at token {resumed_at}");
-    // The coordinator and the final stage kept the layers and caches they
-    // had: only the spare rebuilt its cache, from the prompt and every
-    // token but the last (which ran as a decode step through the chain).
-    assert_eq!(
-        segments[1]["kept"],
-        serde_json::json!([chain[0], chain[2]]),
-        "{report:#}"
-    );
+    // The coordinator (and, when the middle stage was lost, the final
+    // stage) kept the layers and caches they had: only the stages from the
+    // lost one on rebuilt theirs, from the prompt and every token but the
+    // last (which ran as a decode step through the chain).
+    let kept: Vec<&String> = std::iter::once(&chain[0])
+        .chain(chain[victim_stage + 1..].iter())
+        .collect();
+    assert_eq!(segments[1]["kept"], serde_json::json!(kept), "{report:#}");
     assert_eq!(
         segments[1]["prefilled"].as_u64().unwrap(),
         segments[0]["prefilled"].as_u64().unwrap() + resumed_at - 1,
@@ -989,8 +1097,9 @@ async fn a_stage_killed_mid_request(
     assert!(shown.contains("Segment 1 of 2"), "{shown}");
     assert!(shown.contains(&format!("lost {}", victim.did)), "{shown}");
     assert!(shown.contains("not received"), "{shown}");
+    let kept: Vec<&str> = kept.iter().map(|k| k.as_str()).collect();
     assert!(
-        shown.contains(&format!("caches kept by {}, {}", chain[0], chain[2])),
+        shown.contains(&format!("caches kept by {}", kept.join(", "))),
         "{shown}"
     );
     resumed

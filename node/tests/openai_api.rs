@@ -449,6 +449,141 @@ async fn grants_ride_on_the_binding_and_a_receipt_is_witnessed() {
     assert_eq!(status, 400, "{reply}");
 }
 
+/// W1 (issue 37): the witness decides on the bytes its steward sealed. The
+/// caller's own receipt re-encoded (tag 18 written `d8 12`: the same
+/// receipt, the signature still good) is refused with 400 and halts
+/// nothing, so granted requests are still served. A second receipt signed
+/// at a sequence the journal holds (forged here with the coordinator's own
+/// key, as a forked journal would have sealed it) halts the steward: 409,
+/// then every grant refused, across a restart, until an operator clears
+/// the halt with `mesh-node steward clear-halt`, which the journal keeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reencoded_receipt_halts_nothing_and_a_real_conflict_halts_until_cleared() {
+    use common::nodes::{grants, key};
+    use mesh_node::runtime::serve::GrantedServe;
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let b = Setup::stage(&model, dir.path(), "b", 2).start().await;
+    let c = Setup::stage(&model, dir.path(), "c", 3).start().await;
+    let start = || async {
+        let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c.peer_addr()]);
+        a.http = true;
+        let a = a.start().await;
+        let addr = a.http_addr().unwrap();
+        (a, addr)
+    };
+    let (a, addr) = start().await;
+    let model_id = a.model_card().id;
+    let (shards, holder) = grants(dir.path(), &a, 900_000_000).await;
+    let post = |addr: SocketAddr, path: &'static str, body: Value| async move {
+        tokio::task::spawn_blocking(move || call(addr, "POST", path, Some(&body)).unwrap())
+            .await
+            .unwrap()
+    };
+    let granted_body = |n: usize| {
+        let prompt = format!("granted hello {n}");
+        let serve = GrantedServe::derive(&prompt, 2, prompt.len().div_ceil(4) as u32, 50_000_000);
+        let presentations: Vec<Value> =
+            mesh_node::cli::node_cli::presentations_for(&shards, &holder, &serve)
+                .unwrap()
+                .iter()
+                .map(|p| json!(mesh_protocol::hex::encode(p)))
+                .collect();
+        json!({
+            "model": model_id, "prompt": prompt, "max_tokens": 2, "temperature": 0,
+            "metadata": {"joule_ceiling_uj": "50000000"},
+            "jcp_presentation": presentations,
+        })
+    };
+    // The caller's own ungranted receipt.
+    let (status, reply) = post(
+        addr,
+        "/v1/completions",
+        json!({"model": model_id, "prompt": "mine", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200, "{reply}");
+    let envelope =
+        mesh_protocol::hex::decode(reply["usage"]["energy"]["envelope_hex"].as_str().unwrap())
+            .unwrap();
+    assert_eq!(envelope[0], 0xd2, "a tagged COSE_Sign1");
+    let mut reencoded = vec![0xd8, 0x12];
+    reencoded.extend_from_slice(&envelope[1..]);
+    let (status, reply) = post(
+        addr,
+        "/v1/mesh/witness",
+        json!({"envelope_hex": mesh_protocol::hex::encode(&reencoded)}),
+    )
+    .await;
+    assert_eq!(status, 400, "{reply}");
+    assert!(error_of(&reply).1.contains("deterministic CBOR"), "{reply}");
+    let (status, reply) = post(addr, "/v1/completions", granted_body(1)).await;
+    assert_eq!(
+        status, 200,
+        "a re-encoded receipt halted the steward: {reply}"
+    );
+
+    // A real conflict: another receipt under the steward's key at a
+    // sequence its journal holds.
+    let mut forged = mesh_protocol::mesh1::SealedReceipt::verify(&envelope)
+        .unwrap()
+        .receipt;
+    forged.recipe = "a receipt this journal never sealed".into();
+    let forged = forged.seal(&key(1)).unwrap();
+    let (status, reply) = post(
+        addr,
+        "/v1/mesh/witness",
+        json!({"envelope_hex": mesh_protocol::hex::encode(&forged.envelope)}),
+    )
+    .await;
+    assert_eq!(status, 409, "{reply}");
+    let (status, reply) = post(addr, "/v1/completions", granted_body(2)).await;
+    assert_eq!(status, 503, "{reply}");
+    assert!(error_of(&reply).1.contains("steward-halted"), "{reply}");
+
+    // Halted across a restart; cleared by the operator's journalled word.
+    a.shutdown().await;
+    let (a, addr) = start().await;
+    let (status, reply) = post(addr, "/v1/completions", granted_body(3)).await;
+    assert_eq!(status, 503, "the halt did not survive a restart: {reply}");
+    a.shutdown().await;
+    let key_file = dir.path().join("coordinator.key");
+    std::fs::write(&key_file, mesh_protocol::hex::encode(&[1u8; 32])).unwrap();
+    let cleared = Command::new(common::processes::bin())
+        .args([
+            "steward",
+            "clear-halt",
+            "--reason",
+            "the forked copy was found and retired",
+        ])
+        .arg("--data")
+        .arg(dir.path().join("a"))
+        .arg("--key")
+        .arg(&key_file)
+        .output()
+        .unwrap();
+    assert!(
+        cleared.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cleared.stderr)
+    );
+    assert!(String::from_utf8_lossy(&cleared.stdout).contains("forked log"));
+    let (a, addr) = start().await;
+    let (status, reply) = post(addr, "/v1/completions", granted_body(4)).await;
+    assert_eq!(status, 200, "{reply}");
+    a.shutdown().await;
+    let inspected = Command::new(common::processes::bin())
+        .args(["journal", "inspect"])
+        .arg(dir.path().join("a/steward"))
+        .output()
+        .unwrap();
+    let inspected = String::from_utf8_lossy(&inspected.stdout);
+    assert!(
+        inspected.contains("HALT CLEARED the forked copy was found and retired"),
+        "{inspected}"
+    );
+}
+
 /// Console event streams stay open as long as their page: past
 /// `MAX_CONSOLE_STREAMS` more are refused at once (503), so they cannot
 /// take every connection the API has; one that closes gives its place back.
@@ -495,4 +630,40 @@ async fn console_event_streams_are_capped_and_give_their_place_back() {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// Low (issue 37): every request that is not served leaves one line in its
+/// coordinator's log saying why (a request the mesh ended early came back
+/// 502 with nothing in any log). Here the last stage is killed after the
+/// split loaded, so the next request fails on the chain.
+#[test]
+fn a_request_that_fails_leaves_a_line_saying_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let b = stage(dir.path(), "b", &model, &[], &[]);
+    let mut c = stage(dir.path(), "c", &model, &[], &[]);
+    let coordinator = serve(
+        dir.path(),
+        "coord",
+        &model,
+        &[&b.peer, &c.peer],
+        &["--http", "127.0.0.1:0", "--step-timeout-ms", "3000"],
+        &[],
+    );
+    let addr = coordinator.api_addr();
+    let (_, models) = call(addr, "GET", "/v1/models", None).unwrap();
+    let body = json!({"model": models["data"][0]["id"], "prompt": "hello", "max_tokens": 4});
+    let (status, reply) = call(addr, "POST", "/v1/completions", Some(&body)).unwrap();
+    assert_eq!(status, 200, "{reply}");
+    c.child.kill().unwrap();
+    c.child.wait().unwrap();
+    let (status, reply) = call(addr, "POST", "/v1/completions", Some(&body)).unwrap();
+    assert_ne!(status, 200, "{reply}");
+    let log = std::fs::read_to_string(dir.path().join("coord.log")).unwrap();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("a request failed") || l.contains("a request refused"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    eprintln!("{}: {}", status, lines[0]);
 }

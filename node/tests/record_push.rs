@@ -116,6 +116,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),
         http: None,
+        http_access: Default::default(),
         mesh: None,
         stages: None,
         fidelity: mesh_node::runtime::serve::DEFAULT_FIDELITY,

@@ -90,6 +90,72 @@ async fn concurrent_requests_give_their_solo_tokens_and_leave_every_pool_empty()
     );
 }
 
+/// E1 (issue 37): eight granted 16-token requests at once, three rounds:
+/// each node's steward bills its power once, split among the serves it
+/// runs together, not once per serve. Over the whole run every node
+/// billed at most its power × the time (+5 %), and no request reached its
+/// 5 J ceiling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_granted_requests_share_each_nodes_power() {
+    use common::nodes::{granted, grants};
+    use mesh_node::runtime::journal::{Entry, Journal};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let [a, b, c] = three_nodes_admitting(&model, dir.path(), 8).await;
+    let (shards, holder) = grants(dir.path(), &a, 10_000_000_000).await;
+    let address = a.peer_addr();
+    let started = Instant::now();
+    for round in 0..3 {
+        let tasks: Vec<_> = (0..8)
+            .map(|i| {
+                let prompt = format!("round {round} request {i}");
+                let grant = granted(&shards, &holder, &prompt, 16, 5_000_000);
+                let request = request(&prompt, 16, Some(grant));
+                let address = address.clone();
+                tokio::spawn(async move {
+                    generate_remote(&address, &request, &mut |_| {})
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        for task in tasks {
+            let summary = task.await.unwrap();
+            assert_eq!(
+                summary.terminal_state, "completed",
+                "round {round}: {:?}",
+                summary.error
+            );
+        }
+    }
+    let wall = started.elapsed();
+    for node in [a, b, c] {
+        node.shutdown().await;
+    }
+    let power = mesh_node::runtime::energy::EstimatorMeter::default();
+    let most = power.estimate_uj(wall) * 105 / 100;
+    for name in ["a", "b", "c"] {
+        let records = Journal::read(&dir.path().join(name).join("steward")).unwrap();
+        let billed: Vec<u64> = records
+            .iter()
+            .filter_map(|r| match &r.entry {
+                Entry::Debited { energy, .. } => Some(energy.uj()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(billed.len(), 24, "node {name}: a debit per request");
+        let sum: u64 = billed.iter().sum();
+        let largest = billed.iter().max().copied().unwrap_or(0);
+        eprintln!(
+            "node {name}: billed {sum} µJ over {wall:?} (at most {most}), at most {largest} µJ a request"
+        );
+        assert!(
+            sum <= most,
+            "node {name} billed {sum} µJ in {wall:?}: more than its power × the time ({most} µJ)"
+        );
+    }
+}
+
 /// One async thread (`mesh-node --io-threads 1`), a real model whose
 /// decode passes run in place on it, and several requests at once: each
 /// still gets its solo tokens, and every pool empties.

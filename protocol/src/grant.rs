@@ -531,6 +531,12 @@ impl GrantGate {
         self.halted.as_deref()
     }
 
+    /// Honour grants again (an operator's recorded decision, after the
+    /// cause of a halt was dealt with); the reason the gate was halted for.
+    pub fn clear_halt(&mut self) -> Option<String> {
+        self.halted.take()
+    }
+
     /// Joules debited so far against a grant at this steward.
     pub fn spent(&self, grant_id: &ContentId) -> u64 {
         self.spent.get(grant_id).copied().unwrap_or(0)

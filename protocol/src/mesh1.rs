@@ -56,6 +56,10 @@ pub enum Mesh1Error {
     Header,
     #[error("envelope has no attached payload")]
     NoPayload,
+    #[error(
+        "the envelope is not in deterministic CBOR: a head is written in a longer form than it needs, so its bytes are not the ones its steward sealed"
+    )]
+    NotCanonical,
     #[error("the core's `steward` is not the did:key of the envelope's kid")]
     StewardMismatch,
     #[error("Ed25519 signature does not verify under the steward's key")]
@@ -841,6 +845,21 @@ pub(crate) fn open_sign1(envelope: &[u8]) -> Result<([u8; 32], Vec<u8>), Mesh1Er
             .map_err(|_| Mesh1Error::BadSignature)
     })?;
     let core = sign1.payload.ok_or(Mesh1Error::NoPayload)?;
+    // One content, one envelope: the bytes must be exactly those `sign1`
+    // writes for this key, core and signature. CBOR lets a head be written
+    // longer than it needs (tag 18 as `d8 12`, a length in more bytes),
+    // which changes the envelope's content id but not what is signed; a
+    // verifier that took such bytes would hold two ids for one receipt.
+    let canonical = CoseSign1Builder::new()
+        .protected(expected)
+        .payload(core.clone())
+        .signature(sign1.signature)
+        .build()
+        .to_tagged_vec()
+        .map_err(|e| Mesh1Error::Envelope(e.to_string()))?;
+    if canonical != envelope {
+        return Err(Mesh1Error::NotCanonical);
+    }
     Ok((kid, core))
 }
 

@@ -41,6 +41,10 @@ pub enum EngineError {
     Compute(String),
     #[error("{0}")]
     Device(String),
+    #[error(
+        "the model file {path} changed since this node opened it (tensor `{tensor}` reads other bytes now): restart the node to serve it, so its receipts name the weights it serves"
+    )]
+    ChangedOnDisk { path: String, tensor: String },
 }
 
 impl From<candle_core::Error> for EngineError {

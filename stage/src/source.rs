@@ -113,13 +113,20 @@ pub enum Source {
     Gguf {
         path: PathBuf,
         content: Box<gguf_file::Content>,
+        /// BLAKE3 of each tensor's stored bytes when the file was opened.
+        stored: BTreeMap<String, [u8; 32]>,
     },
     Safetensors {
         dir: PathBuf,
         files: BTreeMap<String, PathBuf>,
         tensors: BTreeMap<String, StEntry>,
+        /// BLAKE3 of each tensor's stored bytes when the files were opened.
+        stored: BTreeMap<String, [u8; 32]>,
     },
 }
+
+/// One tensor's bytes in a file: its name and absolute byte range.
+type Region = (String, u64, u64);
 
 /// Largest safetensors JSON header accepted.
 pub const MAX_SAFETENSORS_HEADER: u64 = 64 * 1024 * 1024;
@@ -190,7 +197,12 @@ fn read_safetensors_header(path: &Path, into: &mut BTreeMap<String, StEntry>) ->
 
 /// Read one tensor's bytes (its size was checked against its shape and dtype
 /// when the header was read) and widen it to f32.
-fn read_safetensor(name: &str, entry: &StEntry, hasher: &mut blake3::Hasher) -> Result<Tensor> {
+fn read_safetensor(
+    name: &str,
+    entry: &StEntry,
+    hasher: &mut blake3::Hasher,
+    stored: &BTreeMap<String, [u8; 32]>,
+) -> Result<Tensor> {
     use std::io::{Seek, SeekFrom};
     if !matches!(entry.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
         return Err(EngineError::UnsupportedType {
@@ -205,6 +217,7 @@ fn read_safetensor(name: &str, entry: &StEntry, hasher: &mut blake3::Hasher) -> 
         .map_err(|e| io_error(path, e))?;
     let mut bytes = vec![0u8; length as usize];
     file.read_exact(&mut bytes).map_err(|e| io_error(path, e))?;
+    check_stored(stored, path, name, &bytes)?;
     hasher.update(&length.to_le_bytes());
     hasher.update(&bytes);
     let view = TensorView::new(entry.dtype, entry.shape.clone(), &bytes)
@@ -236,31 +249,88 @@ pub struct FileDigests {
     pub file_bytes: Vec<u64>,
 }
 
-fn digest_files(files: &[(String, PathBuf)]) -> Result<FileDigests> {
+/// Stream `files` once: their digests, and BLAKE3 of the bytes of each
+/// tensor region of each file (`regions`, one list per file), so a slice
+/// loaded later can tell whether it read the bytes the digests name.
+fn digest_files(
+    files: &[(String, PathBuf)],
+    regions: &[Vec<Region>],
+) -> Result<(FileDigests, BTreeMap<String, [u8; 32]>)> {
     let mut package = Sha256::new();
     let mut per_file = Vec::new();
     let mut file_bytes = Vec::new();
+    let mut stored = BTreeMap::new();
     let mut buffer = vec![0u8; 1 << 20];
-    for (name, path) in files {
+    for (k, (name, path)) in files.iter().enumerate() {
         let mut reader = BufReader::new(File::open(path).map_err(|e| io_error(path, e))?);
         let mut blake = blake3::Hasher::new();
         let mut length = 0u64;
+        let mut regions: Vec<&Region> = regions.get(k).map_or(Vec::new(), |r| r.iter().collect());
+        regions.sort_by_key(|(_, start, _)| *start);
+        let mut open: Vec<(&Region, blake3::Hasher)> = Vec::new();
+        let mut next = 0;
         loop {
             let n = reader.read(&mut buffer).map_err(|e| io_error(path, e))?;
             if n == 0 {
                 break;
             }
-            package.update(&buffer[..n]);
-            blake.update(&buffer[..n]);
-            length += n as u64;
+            let chunk = &buffer[..n];
+            package.update(chunk);
+            blake.update(chunk);
+            let (from, to) = (length, length + n as u64);
+            while let Some(region) = regions.get(next).filter(|(_, start, _)| *start < to) {
+                open.push((region, blake3::Hasher::new()));
+                next += 1;
+            }
+            for ((_, start, end), hasher) in &mut open {
+                let (a, b) = ((*start).max(from), (*end).min(to));
+                if a < b {
+                    hasher.update(&chunk[(a - from) as usize..(b - from) as usize]);
+                }
+            }
+            open.retain(|((name, _, end), hasher)| {
+                let done = *end <= to;
+                if done {
+                    stored.insert(name.clone(), *hasher.finalize().as_bytes());
+                }
+                !done
+            });
+            length = to;
+        }
+        // Regions the file ended in or before (a truncated file, an empty
+        // tensor at its very end): what they got.
+        for ((name, _, _), hasher) in open {
+            stored.insert(name.clone(), *hasher.finalize().as_bytes());
+        }
+        for (name, _, _) in &regions[next..] {
+            stored.insert(name.clone(), *blake3::hash(&[]).as_bytes());
         }
         per_file.push((name.clone(), *blake.finalize().as_bytes()));
         file_bytes.push(length);
     }
-    Ok(FileDigests {
-        package_sha256: package.finalize().into(),
-        files: per_file,
-        file_bytes,
+    Ok((
+        FileDigests {
+            package_sha256: package.finalize().into(),
+            files: per_file,
+            file_bytes,
+        },
+        stored,
+    ))
+}
+
+/// The tensor `name` as read now must be the bytes digested at open.
+fn check_stored(
+    stored: &BTreeMap<String, [u8; 32]>,
+    path: &Path,
+    name: &str,
+    bytes: &[u8],
+) -> Result<()> {
+    if stored.get(name) == Some(blake3::hash(bytes).as_bytes()) {
+        return Ok(());
+    }
+    Err(EngineError::ChangedOnDisk {
+        path: path.display().to_string(),
+        tensor: name.to_string(),
     })
 }
 
@@ -431,11 +501,22 @@ impl Source {
         let name = path.file_name().map_or("model.gguf".to_string(), |n| {
             n.to_string_lossy().into_owned()
         });
-        let digests = digest_files(&[(name, path.to_path_buf())])?;
+        let regions: Vec<Region> = content
+            .tensor_infos
+            .iter()
+            .map(|(name, info)| {
+                let dtype = info.ggml_dtype;
+                let bytes = info.shape.elem_count() / dtype.block_size() * dtype.type_size();
+                let start = content.tensor_data_offset.saturating_add(info.offset);
+                (name.clone(), start, start.saturating_add(bytes as u64))
+            })
+            .collect();
+        let (digests, stored) = digest_files(&[(name, path.to_path_buf())], &[regions])?;
         Ok((
             Source::Gguf {
                 path: path.to_path_buf(),
                 content: Box::new(content),
+                stored,
             },
             config,
             digests,
@@ -527,12 +608,23 @@ impl Source {
         }
         let ordered: Vec<(String, PathBuf)> =
             files.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        let digests = digest_files(&ordered)?;
+        let regions: Vec<Vec<Region>> = ordered
+            .iter()
+            .map(|(_, path)| {
+                tensors
+                    .iter()
+                    .filter(|(_, entry)| entry.path == *path)
+                    .map(|(name, entry)| (name.clone(), entry.start, entry.end))
+                    .collect()
+            })
+            .collect();
+        let (digests, stored) = digest_files(&ordered, &regions)?;
         Ok((
             Source::Safetensors {
                 dir: dir.to_path_buf(),
                 files,
                 tensors,
+                stored,
             },
             config,
             digests,
@@ -560,7 +652,11 @@ impl Source {
         hasher.update(&(name.len() as u64).to_le_bytes());
         hasher.update(name.as_bytes());
         match self {
-            Source::Gguf { path, content } => {
+            Source::Gguf {
+                path,
+                content,
+                stored,
+            } => {
                 let mut file = File::open(path).map_err(|e| io_error(path, e))?;
                 let tensor = content.tensor(&mut file, name, &Device::Cpu).map_err(|e| {
                     let message = candle_message(&e);
@@ -574,16 +670,24 @@ impl Source {
                     }
                 })?;
                 let bytes = tensor.data()?;
+                check_stored(stored, path, name, &bytes)?;
                 hasher.update(&(bytes.len() as u64).to_le_bytes());
                 hasher.update(&bytes);
                 drop(bytes);
                 Ok(RawTensor::Quantized(tensor))
             }
-            Source::Safetensors { dir, tensors, .. } => {
+            Source::Safetensors {
+                dir,
+                tensors,
+                stored,
+                ..
+            } => {
                 let entry = tensors
                     .get(name)
                     .ok_or_else(|| bad(dir, format!("no tensor `{name}`")))?;
-                Ok(RawTensor::Dense(read_safetensor(name, entry, hasher)?))
+                Ok(RawTensor::Dense(read_safetensor(
+                    name, entry, hasher, stored,
+                )?))
             }
         }
     }

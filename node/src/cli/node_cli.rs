@@ -32,6 +32,14 @@ pub struct ServeConfig {
     pub advertise: Option<SocketAddr>,
     /// Serve the OpenAI-compatible HTTP API here (default: off).
     pub http: Option<SocketAddr>,
+    /// Host names the HTTP API answers besides IP addresses and localhost
+    /// (default: none; `.example.com` for any name under it, `*` for any).
+    #[serde(default)]
+    pub http_allow_hosts: Vec<String>,
+    /// Origins whose pages may call the HTTP API from a browser (CORS;
+    /// default: none, `*` for any).
+    #[serde(default)]
+    pub http_allow_origins: Vec<String>,
     /// GGUF file or safetensors directory.
     pub model: Option<PathBuf>,
     /// Data directory for the steward's journal (default ./mesh-node-data).
@@ -134,6 +142,17 @@ pub struct ServeArgs {
     /// default: off). Bind 127.0.0.1 unless the API should be public.
     #[arg(long)]
     pub http: Option<SocketAddr>,
+    /// A host name the HTTP API answers besides IP addresses and localhost,
+    /// e.g. the machine's name on the LAN; repeat for more (`.example.com`
+    /// for any name under it, `*` for any). Other names are refused (403):
+    /// a web page that rebinds its own name to this address sends it.
+    #[arg(long = "http-allow-host")]
+    pub http_allow_hosts: Vec<String>,
+    /// An origin whose web pages may call the HTTP API from a browser
+    /// (CORS), e.g. https://app.example.com; repeat for more, `*` for any.
+    /// Default: none.
+    #[arg(long = "http-allow-origin")]
+    pub http_allow_origins: Vec<String>,
     /// This node's copy of the model: a GGUF file or a safetensors directory.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -390,6 +409,10 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             .with_context(|| format!("wire `{wire}` is not f32, f16 or bf16"))?,
         meter,
         http: args.http.or(file.http),
+        http_access: crate::runtime::http::Access {
+            allow_hosts: [args.http_allow_hosts, file.http_allow_hosts].concat(),
+            allow_origins: [args.http_allow_origins, file.http_allow_origins].concat(),
+        },
         mesh,
         stages: args.mesh.stages,
         fidelity: match args.fidelity.as_deref().or(file.fidelity.as_deref()) {
@@ -464,6 +487,8 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         ),
         advertise: args.advertise,
         http: None,
+        http_allow_hosts: Vec::new(),
+        http_allow_origins: Vec::new(),
         model: Some(model),
         data: Some(data),
         peers: Vec::new(),
@@ -727,6 +752,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter::default()),
             http: if k == 0 { args.http } else { None },
+            http_access: Default::default(),
             mesh: None,
             stages: None,
             fidelity: crate::runtime::serve::DEFAULT_FIDELITY,
@@ -1300,6 +1326,7 @@ pub(crate) fn bench_options(
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),
         http: None,
+        http_access: Default::default(),
         mesh: None,
         stages: None,
         fidelity: crate::runtime::serve::DEFAULT_FIDELITY,

@@ -8,6 +8,14 @@
 //!   graded `Estimator`.
 //! - `NvmlMeter` (cargo feature `nvml`): NVIDIA's energy counter; it covers
 //!   only the GPU, so on its own it is never graded `HwShunt`.
+//!
+//! A meter reads the whole node, not one request. A steward therefore bills
+//! through [`Apportioned`]: the node's energy between any two events (a
+//! serve starting or ending a computation, a mark) is split evenly among
+//! the serves computing over it, so requests batched together share the
+//! node's draw instead of each paying all of it, a serve waiting on the
+//! network pays nothing, and the sum billed over any interval is at most
+//! what the node used in it.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -40,6 +48,238 @@ pub trait EnergyMeter: Send + Sync + std::fmt::Debug {
     /// The estimator it falls back to (the router's figure for work
     /// nothing was metered on yet).
     fn estimator(&self) -> EstimatorMeter;
+    /// The node's energy over a window of any length, as measured (when
+    /// this meter measures) and estimated µJ, never rounded up: the sums of
+    /// consecutive windows are the energy of their union.
+    fn window(&self, span: MeterSpan) -> (Option<u64>, u64) {
+        let energy = self.end(span);
+        (energy.measured_uj(), energy.estimated_uj())
+    }
+    /// A span's figure from its share of the node's measured and estimated
+    /// energy, graded as this meter grades a span of `elapsed`.
+    fn energy_of(&self, measured: Option<u64>, estimated: u64, _elapsed: Duration) -> Energy {
+        match measured {
+            Some(measured) => Energy::hw_shunt(measured, estimated),
+            None => Energy::estimator(estimated.max(1)),
+        }
+    }
+}
+
+/// Fixed-point scale of the shares [`Apportioned`] hands out (µJ × this).
+const SHARE_SCALE: u128 = 1 << 32;
+
+/// One span's account in the ledger.
+#[derive(Debug, Default)]
+struct Account {
+    /// Shares accrued in intervals it computed in (fixed point).
+    measured: u128,
+    estimated: u128,
+    /// While it computes: the ledger's totals when it started, the time,
+    /// and how many of its computations are open.
+    since: Option<(u128, u128, Instant)>,
+    depth: u32,
+    /// Time it computed, in all.
+    computed: Duration,
+}
+
+/// What [`Apportioned`] has handed out.
+#[derive(Debug)]
+struct Ledger {
+    /// The node's window since the last event.
+    window: MeterSpan,
+    /// Spans computing now: the node's energy is split among them.
+    computing: usize,
+    /// Per computing span, all the energy handed out (fixed point): a
+    /// span's share of an interval is what these grew by while it computed.
+    measured: u128,
+    estimated: u128,
+    /// Whether the meter measures (every window gave a measured figure).
+    measures: bool,
+    accounts: std::collections::HashMap<u64, Account>,
+    next: u64,
+}
+
+#[derive(Debug)]
+struct Core {
+    meter: Box<dyn EnergyMeter>,
+    ledger: std::sync::Mutex<Ledger>,
+}
+
+impl Core {
+    /// The ledger, brought up to now: the node's energy since the last
+    /// event split among the spans computing over it (none: not billed).
+    fn advance(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
+        let window = std::mem::replace(&mut ledger.window, self.meter.begin());
+        let (measured, estimated) = self.meter.window(window);
+        ledger.measures &= measured.is_some();
+        if ledger.computing > 0 {
+            let computing = ledger.computing as u128;
+            ledger.measured += u128::from(measured.unwrap_or(0)) * SHARE_SCALE / computing;
+            ledger.estimated += u128::from(estimated) * SHARE_SCALE / computing;
+        }
+        ledger
+    }
+
+    fn enter(&self, id: u64) {
+        let mut ledger = self.advance();
+        let (measured, estimated) = (ledger.measured, ledger.estimated);
+        let Some(account) = ledger.accounts.get_mut(&id) else {
+            return;
+        };
+        account.depth += 1;
+        if account.since.is_none() {
+            account.since = Some((measured, estimated, Instant::now()));
+            ledger.computing += 1;
+        }
+    }
+
+    fn leave(&self, id: u64) {
+        let mut ledger = self.advance();
+        let (measured, estimated) = (ledger.measured, ledger.estimated);
+        let Some(account) = ledger.accounts.get_mut(&id) else {
+            return;
+        };
+        account.depth = account.depth.saturating_sub(1);
+        if account.depth > 0 {
+            return;
+        }
+        if let Some((m, e, at)) = account.since.take() {
+            account.measured += measured - m;
+            account.estimated += estimated - e;
+            account.computed += at.elapsed();
+            ledger.computing -= 1;
+        }
+    }
+
+    /// A span's energy now (counting an open computation to now).
+    fn figure(&self, id: u64) -> Energy {
+        let ledger = self.advance();
+        let (mut measured, mut estimated, mut computed) = (0, 0, Duration::ZERO);
+        if let Some(account) = ledger.accounts.get(&id) {
+            (measured, estimated, computed) =
+                (account.measured, account.estimated, account.computed);
+            if let Some((m, e, at)) = account.since {
+                measured += ledger.measured - m;
+                estimated += ledger.estimated - e;
+                computed += at.elapsed();
+            }
+        }
+        let whole = |share: u128| u64::try_from(share / SHARE_SCALE).unwrap_or(u64::MAX);
+        self.meter.energy_of(
+            ledger.measures.then(|| whole(measured)),
+            whole(estimated),
+            computed,
+        )
+    }
+
+    fn close(&self, id: u64) {
+        let mut ledger = self.advance();
+        if let Some(account) = ledger.accounts.remove(&id)
+            && account.since.is_some()
+        {
+            ledger.computing -= 1;
+        }
+    }
+}
+
+/// A meter that bills each serve for the node's draw while it computes,
+/// split among the serves computing at the same time (those batched into
+/// one forward pass, and those waiting on it). A serve waiting on the
+/// network pays nothing; the node's idle draw is billed to no one. The sum
+/// billed over any interval is at most what the node used in it.
+#[derive(Debug, Clone)]
+pub struct Apportioned {
+    core: std::sync::Arc<Core>,
+}
+
+/// A serve's account (what a ticket holds): closed when ended or dropped.
+#[derive(Debug)]
+pub struct Share {
+    core: std::sync::Arc<Core>,
+    id: u64,
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        self.core.close(self.id);
+    }
+}
+
+/// A serve computing: its share of the node's draw accrues until this is
+/// dropped.
+#[derive(Debug)]
+pub struct Computing {
+    core: std::sync::Arc<Core>,
+    id: u64,
+}
+
+impl Drop for Computing {
+    fn drop(&mut self) {
+        self.core.leave(self.id);
+    }
+}
+
+impl Share {
+    /// The serve computes until the guard is dropped (around each of its
+    /// forward passes, and the wait in the batch queue for one).
+    pub fn computing(&self) -> Computing {
+        self.core.enter(self.id);
+        Computing {
+            core: self.core.clone(),
+            id: self.id,
+        }
+    }
+}
+
+impl Apportioned {
+    pub fn new(meter: Box<dyn EnergyMeter>) -> Self {
+        let window = meter.begin();
+        Self {
+            core: std::sync::Arc::new(Core {
+                meter,
+                ledger: std::sync::Mutex::new(Ledger {
+                    window,
+                    computing: 0,
+                    measured: 0,
+                    estimated: 0,
+                    measures: true,
+                    accounts: Default::default(),
+                    next: 0,
+                }),
+            }),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        self.core.meter.name()
+    }
+
+    pub fn estimator(&self) -> EstimatorMeter {
+        self.core.meter.estimator()
+    }
+
+    /// Open a serve's account.
+    pub fn begin(&self) -> Share {
+        let mut ledger = self.core.advance();
+        let id = ledger.next;
+        ledger.next += 1;
+        ledger.accounts.insert(id, Account::default());
+        Share {
+            core: self.core.clone(),
+            id,
+        }
+    }
+
+    /// The serve's energy so far; its account stays open.
+    pub fn so_far(&self, share: &Share) -> Energy {
+        share.core.figure(share.id)
+    }
+
+    /// Close the serve's account: its energy.
+    pub fn end(&self, share: Share) -> Energy {
+        share.core.figure(share.id)
+    }
 }
 
 /// Bills `milliwatts × span length`, at least 1 µJ.
@@ -59,9 +299,15 @@ impl Default for EstimatorMeter {
 impl EstimatorMeter {
     /// The estimate for a span of `elapsed`, never zero.
     pub fn estimate_uj(&self, elapsed: Duration) -> u64 {
+        self.exact_uj(elapsed).max(1)
+    }
+
+    /// The estimate for `elapsed`, rounded down (zero for a short enough
+    /// window).
+    fn exact_uj(&self, elapsed: Duration) -> u64 {
         // mW × ns / 10^6 = µJ
         let uj = u128::from(self.milliwatts) * elapsed.as_nanos() / 1_000_000;
-        u64::try_from(uj).unwrap_or(u64::MAX).max(1)
+        u64::try_from(uj).unwrap_or(u64::MAX)
     }
 }
 
@@ -80,6 +326,9 @@ impl EnergyMeter for EstimatorMeter {
     }
     fn estimator(&self) -> EstimatorMeter {
         self.clone()
+    }
+    fn window(&self, span: MeterSpan) -> (Option<u64>, u64) {
+        (None, self.exact_uj(span.started.elapsed()))
     }
 }
 
@@ -211,13 +460,19 @@ impl EnergyMeter for RaplMeter {
     }
     fn end(&self, span: MeterSpan) -> Energy {
         let elapsed = span.started.elapsed();
-        let after = self.read();
-        let estimate = self.estimator.estimate_uj(elapsed);
-        if elapsed < self.min_window {
+        let (measured, estimate) = self.window(span);
+        self.energy_of(measured, estimate, elapsed)
+    }
+    fn window(&self, span: MeterSpan) -> (Option<u64>, u64) {
+        let estimate = self.estimator.exact_uj(span.started.elapsed());
+        (Some(self.delta(&span.readings, &self.read())), estimate)
+    }
+    fn energy_of(&self, measured: Option<u64>, estimated: u64, elapsed: Duration) -> Energy {
+        match measured {
             // Below the counter's minimum window its delta is noise, often 0.
-            return Energy::estimator(estimate);
+            Some(measured) if elapsed >= self.min_window => Energy::hw_shunt(measured, estimated),
+            _ => Energy::estimator(estimated.max(1)),
         }
-        Energy::hw_shunt(self.delta(&span.readings, &after), estimate)
     }
 }
 
@@ -333,10 +588,11 @@ mod nvml {
         }
         fn end(&self, span: MeterSpan) -> Energy {
             let elapsed = span.started.elapsed();
-            let estimate = self.estimator.estimate_uj(elapsed);
-            if elapsed < NVML_MIN_WINDOW {
-                return Energy::estimator(estimate);
-            }
+            let (measured, estimate) = self.window(span);
+            self.energy_of(measured, estimate, elapsed)
+        }
+        fn window(&self, span: MeterSpan) -> (Option<u64>, u64) {
+            let estimate = self.estimator.exact_uj(span.started.elapsed());
             let (cpu_before, gpu_before) = span
                 .readings
                 .split_at(span.readings.len().saturating_sub(1));
@@ -344,12 +600,19 @@ mod nvml {
                 .gpu_mj()
                 .saturating_sub(gpu_before.first().copied().unwrap_or(0))
                 .saturating_mul(1000);
-            match &self.cpu {
-                Some(rapl) => Energy::hw_shunt(
-                    gpu_uj.saturating_add(rapl.delta(cpu_before, &rapl.read())),
-                    estimate,
-                ),
-                None => Energy::model_based(gpu_uj.saturating_add(estimate)),
+            let cpu_uj = self
+                .cpu
+                .as_ref()
+                .map_or(0, |rapl| rapl.delta(cpu_before, &rapl.read()));
+            (Some(gpu_uj.saturating_add(cpu_uj)), estimate)
+        }
+        fn energy_of(&self, measured: Option<u64>, estimated: u64, elapsed: Duration) -> Energy {
+            match (measured, &self.cpu) {
+                (Some(_), _) if elapsed < NVML_MIN_WINDOW => Energy::estimator(estimated.max(1)),
+                (Some(measured), Some(_)) => Energy::hw_shunt(measured, estimated),
+                // The GPU's reading plus the CPU's estimate.
+                (Some(gpu), None) => Energy::model_based(gpu.saturating_add(estimated)),
+                (None, _) => Energy::estimator(estimated.max(1)),
             }
         }
     }
@@ -446,6 +709,68 @@ mod tests {
             }
         };
         assert!(meter.probe_live(5, Duration::ZERO, &mut lumpy).is_err());
+    }
+
+    /// E1 (issue 37): eight serves computing at once share the node's
+    /// power: the sum billed is the node's draw over the time any computed,
+    /// not eight times it; one serve alone pays all of it.
+    #[test]
+    fn serves_computing_at_once_share_the_node_power() {
+        let watts = EstimatorMeter { milliwatts: 35_000 };
+        let meter = Apportioned::new(Box::new(watts.clone()));
+        let started = Instant::now();
+        let spans: Vec<Share> = (0..8).map(|_| meter.begin()).collect();
+        let computing: Vec<Computing> = spans.iter().map(Share::computing).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        drop(computing);
+        let billed: u64 = spans.into_iter().map(|span| meter.end(span).uj()).sum();
+        let node = watts.estimate_uj(started.elapsed());
+        assert!(
+            billed <= node,
+            "8 serves billed {billed} µJ, the node drew {node} µJ"
+        );
+        assert!(billed * 10 >= node * 9, "{billed} of {node} µJ billed");
+        // Alone, a serve pays the node's whole draw while it computes.
+        let started = Instant::now();
+        let alone = meter.begin();
+        let computing = alone.computing();
+        std::thread::sleep(Duration::from_millis(50));
+        drop(computing);
+        let billed = meter.end(alone).uj();
+        assert!(billed <= watts.estimate_uj(started.elapsed()));
+        assert!(billed >= watts.estimate_uj(Duration::from_millis(50)));
+    }
+
+    #[test]
+    fn a_serve_pays_only_while_it_computes_and_its_share_of_each_interval() {
+        let watts = EstimatorMeter { milliwatts: 10_000 };
+        let meter = Apportioned::new(Box::new(watts));
+        let first = meter.begin();
+        let second = meter.begin();
+        let alone = first.computing();
+        std::thread::sleep(Duration::from_millis(100));
+        let peek = meter.so_far(&first).uj();
+        let together = second.computing();
+        std::thread::sleep(Duration::from_millis(100));
+        drop((alone, together));
+        // Neither computes: waiting on the network is not billed.
+        std::thread::sleep(Duration::from_millis(100));
+        let first = meter.end(first).uj();
+        let second = meter.end(second).uj();
+        // The first paid 100 ms alone and half of the next 100 ms.
+        assert!((1_000_000..=1_200_000).contains(&peek), "{peek}");
+        assert!((1_400_000..=1_700_000).contains(&first), "{first}");
+        assert!((450_000..=650_000).contains(&second), "{second}");
+        // A serve dropped while computing stops sharing.
+        let dropped = meter.begin();
+        let computing = dropped.computing();
+        drop(dropped);
+        drop(computing);
+        let alone = meter.begin();
+        let computing = alone.computing();
+        std::thread::sleep(Duration::from_millis(20));
+        drop(computing);
+        assert!(meter.end(alone).uj() >= 200_000);
     }
 
     #[test]

@@ -41,6 +41,13 @@ pub const MAX_KEPT_ENVELOPE_BYTES: usize = 192 * 1024;
 /// The database file and the lock file in a journal directory.
 pub const JOURNAL_FILE: &str = "journal.redb";
 pub const LOCK_FILE: &str = "journal.lock";
+/// The tail marker: the last record a write was confirmed for, written
+/// beside the database after each commit. redb keeps two commit slots and
+/// falls back to the older one when the newer is damaged: the database
+/// then reads as whole, one transaction shorter, under a head signed for
+/// that shorter chain. The marker is what tells.
+pub const TAIL_FILE: &str = "journal.tail";
+const TAIL_DOMAIN: &[u8] = b"mesh-node journal tail v1";
 
 /// One journal entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,6 +89,17 @@ pub enum Entry {
     /// The steward stopped honouring grants (a witness showed a receipt this
     /// journal lacks).
     Halted { reason: String, at_ms: u64 },
+    /// The journal's tail was lost (`written` was confirmed, the journal
+    /// ends at `last`) and an operator chose to go on without it
+    /// (`mesh-node journal accept-loss`).
+    TailLost {
+        last: Option<u64>,
+        written: u64,
+        at_ms: u64,
+    },
+    /// An operator made the steward honour grants again after a halt
+    /// (`mesh-node steward clear-halt`), saying why.
+    HaltCleared { reason: String, at_ms: u64 },
     /// An entry of a backend's weights change record (SPEC §6.5): its
     /// envelope, sealed by this steward and checked against the record
     /// before it was written.
@@ -135,6 +153,111 @@ pub enum JournalError {
     Malformed { seq: u64, why: String },
     #[error("journal records do not form one chain at record {seq}: {why}")]
     Broken { seq: u64, why: String },
+    #[error(
+        "the journal in {path} ends {}, but record {written} was written (its tail marker, {TAIL_FILE}, says so): the last records were lost to a damaged file or a rollback. Restore the journal from a copy; to go on without them, stop the node and run `mesh-node journal accept-loss --data DATA --key KEYFILE`, which records the loss in the journal",
+        .last.map_or("before its first record".to_string(), |last| format!("at record {last}"))
+    )]
+    TailLost {
+        path: PathBuf,
+        last: Option<u64>,
+        written: u64,
+    },
+}
+
+/// What the tail marker says: the last record confirmed written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TailMark {
+    seq: u64,
+    hash: ContentId,
+}
+
+impl TailMark {
+    /// `seq` (u64 BE) ‖ hash ‖ BLAKE3(domain ‖ seq ‖ hash): a marker that
+    /// is garbled reads as none, never as a claim.
+    fn encode(&self) -> Vec<u8> {
+        let mut bytes = self.seq.to_be_bytes().to_vec();
+        bytes.extend_from_slice(&self.hash);
+        let check = Self::check(&bytes);
+        bytes.extend_from_slice(&check);
+        bytes
+    }
+
+    fn check(body: &[u8]) -> [u8; 32] {
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(TAIL_DOMAIN);
+        hasher.update(body);
+        hasher.finalize().into()
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Self> {
+        let (body, check) = bytes.split_at_checked(40)?;
+        if check != Self::check(body) {
+            return None;
+        }
+        let (seq, hash) = body.split_at(8);
+        Some(Self {
+            seq: u64::from_be_bytes(seq.try_into().ok()?),
+            hash: hash.try_into().ok()?,
+        })
+    }
+
+    /// The marker in `dir`; none when there is none or it is garbled (a
+    /// write cut short by a crash), which checks nothing.
+    fn read(dir: &Path) -> Option<Self> {
+        let bytes = std::fs::read(dir.join(TAIL_FILE)).ok()?;
+        let mark = Self::decode(&bytes);
+        if mark.is_none() {
+            tracing::warn!(
+                "the journal's tail marker in {} is unreadable: the journal's end is not checked",
+                dir.display()
+            );
+        }
+        mark
+    }
+
+    /// Replace the marker (a new file renamed over the old, so a reader
+    /// sees the old or the new whole). Not synced: written after the
+    /// commit, it can only lag the database, never lead it, so a crash
+    /// that loses it loses a check, not a record.
+    fn write(&self, dir: &Path) {
+        let temporary = dir.join(format!("{TAIL_FILE}.new"));
+        let written = private_file(&temporary)
+            .and_then(|mut file| {
+                use std::io::Write;
+                file.set_len(0)?;
+                file.write_all(&self.encode())
+            })
+            .and_then(|()| std::fs::rename(&temporary, dir.join(TAIL_FILE)));
+        if let Err(error) = written {
+            tracing::warn!("the journal's tail marker was not written: {error}");
+        }
+    }
+
+    /// The journal's records against the marker: the record it names must
+    /// be there, and be the one written.
+    fn check_records(
+        mark: Option<Self>,
+        dir: &Path,
+        records: &[Record],
+    ) -> Result<(), JournalError> {
+        let Some(mark) = mark else {
+            return Ok(());
+        };
+        match usize::try_from(mark.seq).ok().and_then(|k| records.get(k)) {
+            Some(record) if record.hash() == mark.hash => Ok(()),
+            Some(_) => Err(JournalError::Broken {
+                seq: mark.seq,
+                why: format!(
+                    "it is not the record written (the tail marker, {TAIL_FILE}, names another)"
+                ),
+            }),
+            None => Err(JournalError::TailLost {
+                path: dir.join(JOURNAL_FILE),
+                last: records.last().map(|r| r.seq),
+                written: mark.seq,
+            }),
+        }
+    }
 }
 
 fn storage<E: std::fmt::Display>(error: E) -> JournalError {
@@ -355,6 +478,26 @@ impl Entry {
                 ("reason", Cbor::text(reason)),
                 ("at_ms", Cbor::Uint(*at_ms)),
             ]),
+            Entry::TailLost {
+                last,
+                written,
+                at_ms,
+            } => {
+                let mut fields = vec![
+                    ("kind", Cbor::text("tail_lost")),
+                    ("written", Cbor::Uint(*written)),
+                    ("at_ms", Cbor::Uint(*at_ms)),
+                ];
+                if let Some(last) = last {
+                    fields.push(("last", Cbor::Uint(*last)));
+                }
+                Cbor::text_map(fields)
+            }
+            Entry::HaltCleared { reason, at_ms } => Cbor::text_map([
+                ("kind", Cbor::text("halt_cleared")),
+                ("reason", Cbor::text(reason)),
+                ("at_ms", Cbor::Uint(*at_ms)),
+            ]),
             Entry::Changed { envelope } => Cbor::text_map([
                 ("kind", Cbor::text("changed")),
                 ("envelope", Cbor::bytes(envelope.clone())),
@@ -450,6 +593,18 @@ impl Entry {
                 })
             }
             "halted" => Ok(Entry::Halted {
+                reason: text("reason")?.to_string(),
+                at_ms: uint("at_ms")?,
+            }),
+            "tail_lost" => Ok(Entry::TailLost {
+                last: value
+                    .get("last")
+                    .map(|v| v.as_uint().ok_or("`last`"))
+                    .transpose()?,
+                written: uint("written")?,
+                at_ms: uint("at_ms")?,
+            }),
+            "halt_cleared" => Ok(Entry::HaltCleared {
                 reason: text("reason")?.to_string(),
                 at_ms: uint("at_ms")?,
             }),
@@ -556,8 +711,48 @@ impl Journal {
     /// taking exclusive ownership. Returns the journal and its records,
     /// verified to form one chain under a head this key signed.
     pub fn open(dir: &Path, key: SigningKey) -> Result<(Self, Vec<Record>), JournalError> {
+        let (journal, records, lost) = Self::open_checked(dir, key)?;
+        match lost {
+            Some(error) => Err(error),
+            None => Ok((journal, records)),
+        }
+    }
+
+    /// Open a journal whose tail was lost ([`JournalError::TailLost`]) and
+    /// record the loss in it, so it opens again: the operator's way on
+    /// when no copy holds the lost records (`mesh-node journal
+    /// accept-loss`). The records it holds, and the loss recorded (`None`
+    /// when nothing was lost).
+    pub fn accept_loss(
+        dir: &Path,
+        key: SigningKey,
+        now_ms: u64,
+    ) -> Result<(Vec<Record>, Option<Record>), JournalError> {
+        let (mut journal, records, lost) = Self::open_checked(dir, key)?;
+        let Some(JournalError::TailLost { last, written, .. }) = lost else {
+            return Ok((records, None));
+        };
+        let record = journal.append(Entry::TailLost {
+            last,
+            written,
+            at_ms: now_ms,
+        })?;
+        Ok((records, Some(record)))
+    }
+
+    /// Open and read the journal; a lost tail is returned beside it rather
+    /// than as the error.
+    fn open_checked(
+        dir: &Path,
+        key: SigningKey,
+    ) -> Result<(Self, Vec<Record>, Option<JournalError>), JournalError> {
         let (database, lock) = Self::lock_and_open(dir)?;
         let (records, head_key) = guarded(dir, || Self::read_all(&database))?;
+        let lost = match TailMark::check_records(TailMark::read(dir), dir, &records) {
+            Ok(()) => None,
+            Err(lost @ JournalError::TailLost { .. }) => Some(lost),
+            Err(error) => return Err(error),
+        };
         if head_key.is_some_and(|k| k != key.verifying_key()) {
             return Err(JournalError::Broken {
                 seq: records.len() as u64,
@@ -580,6 +775,7 @@ impl Journal {
                 reopen: false,
             },
             records,
+            lost,
         ))
     }
 
@@ -597,15 +793,16 @@ impl Journal {
             return Err(JournalError::NoJournal(dir.to_path_buf()));
         }
         let _lock = Self::lock_shared(dir)?;
-        guarded(dir, || match ReadOnlyDatabase::open(&path) {
+        let (records, _) = guarded(dir, || match ReadOnlyDatabase::open(&path) {
             Ok(database) => Self::read_all(&database),
             Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
                 Err(JournalError::Locked(dir.to_path_buf()))
             }
             Err(redb::DatabaseError::RepairAborted) => Self::read_repaired_copy(dir, &path),
             Err(error) => Err(storage(error)),
-        })
-        .map(|(records, _)| records)
+        })?;
+        TailMark::check_records(TailMark::read(dir), dir, &records)?;
+        Ok(records)
     }
 
     /// Take the lock file shared, if there is one (a running steward holds
@@ -850,6 +1047,13 @@ impl Journal {
         }
         self.next_seq = seq;
         self.head = prev;
+        if let (Some(last), Some(hash)) = (records.last(), prev) {
+            TailMark {
+                seq: last.seq,
+                hash,
+            }
+            .write(&self.dir);
+        }
         Ok(records)
     }
 

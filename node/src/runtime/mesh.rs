@@ -42,6 +42,14 @@ pub const MAX_DIALED_PEERS: usize = 64;
 pub const MAX_INBOUND_CONNECTIONS: u32 = 128;
 pub const MAX_PENDING_INBOUND: u32 = 32;
 pub const MAX_CONNECTIONS_PER_PEER: u32 = 2;
+/// Inbound connections one IP address may have handshaking at once: a
+/// member needs one or two, and a stranger's raw connections that never
+/// handshake take at most these of the `MAX_PENDING_INBOUND` slots.
+pub const MAX_PENDING_PER_ADDRESS: usize = 4;
+/// How long a connection may take from TCP to an authenticated,
+/// multiplexed connection (Noise and Yamux); a stranger reopening raw
+/// connections as they time out is held to `MAX_PENDING_PER_ADDRESS`.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Listen addresses taken from one peer's identify report.
 pub const MAX_ADDRESSES_PER_PEER: usize = 8;
 const IDENTIFY_PROTOCOL: &str = "/mesh-node/1.0.0";
@@ -203,8 +211,120 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Refuses an inbound connection while its IP address has
+/// `MAX_PENDING_PER_ADDRESS` others handshaking (libp2p's own limits count
+/// pending connections in all, not per address).
+#[derive(Default)]
+struct PendingPerAddress {
+    pending: HashMap<libp2p::swarm::ConnectionId, std::net::IpAddr>,
+    per_address: HashMap<std::net::IpAddr, usize>,
+}
+
+#[derive(Debug)]
+struct TooManyPending(std::net::IpAddr);
+
+impl std::fmt::Display for TooManyPending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} has {MAX_PENDING_PER_ADDRESS} connections handshaking already",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for TooManyPending {}
+
+impl PendingPerAddress {
+    fn release(&mut self, id: libp2p::swarm::ConnectionId) {
+        let Some(ip) = self.pending.remove(&id) else {
+            return;
+        };
+        if let Some(count) = self.per_address.get_mut(&ip) {
+            *count -= 1;
+            if *count == 0 {
+                self.per_address.remove(&ip);
+            }
+        }
+    }
+}
+
+impl NetworkBehaviour for PendingPerAddress {
+    type ConnectionHandler = libp2p::swarm::dummy::ConnectionHandler;
+    type ToSwarm = std::convert::Infallible;
+
+    fn handle_pending_inbound_connection(
+        &mut self,
+        id: libp2p::swarm::ConnectionId,
+        _local: &Multiaddr,
+        remote: &Multiaddr,
+    ) -> Result<(), libp2p::swarm::ConnectionDenied> {
+        let ip = remote.iter().find_map(|p| match p {
+            Protocol::Ip4(ip) => Some(std::net::IpAddr::V4(ip)),
+            Protocol::Ip6(ip) => Some(std::net::IpAddr::V6(ip)),
+            _ => None,
+        });
+        let Some(ip) = ip else {
+            return Ok(());
+        };
+        let count = self.per_address.entry(ip).or_default();
+        if *count >= MAX_PENDING_PER_ADDRESS {
+            return Err(libp2p::swarm::ConnectionDenied::new(TooManyPending(ip)));
+        }
+        *count += 1;
+        self.pending.insert(id, ip);
+        Ok(())
+    }
+
+    fn handle_established_inbound_connection(
+        &mut self,
+        id: libp2p::swarm::ConnectionId,
+        _peer: PeerId,
+        _local: &Multiaddr,
+        _remote: &Multiaddr,
+    ) -> Result<libp2p::swarm::THandler<Self>, libp2p::swarm::ConnectionDenied> {
+        self.release(id);
+        Ok(libp2p::swarm::dummy::ConnectionHandler)
+    }
+
+    fn handle_established_outbound_connection(
+        &mut self,
+        _id: libp2p::swarm::ConnectionId,
+        _peer: PeerId,
+        _addr: &Multiaddr,
+        _role: libp2p::core::Endpoint,
+        _port_use: libp2p::core::transport::PortUse,
+    ) -> Result<libp2p::swarm::THandler<Self>, libp2p::swarm::ConnectionDenied> {
+        Ok(libp2p::swarm::dummy::ConnectionHandler)
+    }
+
+    fn on_swarm_event(&mut self, event: libp2p::swarm::FromSwarm) {
+        if let libp2p::swarm::FromSwarm::ListenFailure(failure) = event {
+            self.release(failure.connection_id);
+        }
+    }
+
+    fn on_connection_handler_event(
+        &mut self,
+        _peer: PeerId,
+        _id: libp2p::swarm::ConnectionId,
+        event: libp2p::swarm::THandlerOutEvent<Self>,
+    ) {
+        match event {}
+    }
+
+    fn poll(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<libp2p::swarm::ToSwarm<Self::ToSwarm, libp2p::swarm::THandlerInEvent<Self>>>
+    {
+        std::task::Poll::Pending
+    }
+}
+
 #[derive(NetworkBehaviour)]
 struct Behaviour {
+    pending: PendingPerAddress,
     limits: connection_limits::Behaviour,
     identify: identify::Behaviour,
     ping: ping::Behaviour,
@@ -294,6 +414,7 @@ impl Mesh {
                         .with_max_established_per_peer(Some(MAX_CONNECTIONS_PER_PEER)),
                 );
                 Ok(Behaviour {
+                    pending: PendingPerAddress::default(),
                     limits,
                     identify,
                     ping,
@@ -304,6 +425,8 @@ impl Mesh {
             })
             .map_err(|e| anyhow::anyhow!("building the mesh behaviour: {e}"))?
             .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+            // From TCP to an authenticated, multiplexed connection.
+            .with_connection_timeout(HANDSHAKE_TIMEOUT)
             .build();
         let topic = IdentTopic::new(ADVERT_TOPIC);
         swarm

@@ -9,6 +9,7 @@ pub mod energy;
 pub mod http;
 pub mod journal;
 pub mod keys;
+pub mod limit;
 pub mod mesh;
 pub mod net;
 pub mod planner;

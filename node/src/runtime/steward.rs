@@ -15,7 +15,7 @@ use mesh_protocol::mesh1::{
 };
 use thiserror::Error;
 
-use crate::runtime::energy::{EnergyMeter, MeterSpan};
+use crate::runtime::energy::{Apportioned, EnergyMeter, Share};
 use crate::runtime::journal::{Entry, Journal, JournalError, MAX_KEPT_ENVELOPE_BYTES, Record};
 
 #[derive(Debug, Error)]
@@ -42,6 +42,8 @@ pub enum StewardError {
         found: String,
         in_effect: String,
     },
+    #[error("the steward is not halted: it honours grants already")]
+    NotHalted,
     #[error("the change record refuses the entry: {0}")]
     Change(#[from] mesh_protocol::change::ChangeError),
 }
@@ -69,7 +71,7 @@ pub struct ServeTicket {
     /// For a serve without a grant: the seq of its `started` record.
     started: Option<u64>,
     model: Option<ContentId>,
-    span: Option<MeterSpan>,
+    span: Option<Share>,
     /// The span's energy when the engine last finished a step.
     mark: Option<Energy>,
     /// An ungranted serve's own ceiling (its request's `joule_ceiling_uj`,
@@ -80,6 +82,14 @@ pub struct ServeTicket {
 impl ServeTicket {
     pub fn grant_id(&self) -> Option<ContentId> {
         self.authorisation.as_ref().map(|(_, a)| a.leaf_id)
+    }
+
+    /// The serve computes (a forward pass of its, or its wait in the batch
+    /// queue for one) until the guard is dropped: the node's draw meanwhile
+    /// is billed to it, shared with the serves computing with it. Nothing
+    /// before the engine's window opens.
+    pub fn computing(&self) -> Option<crate::runtime::energy::Computing> {
+        self.span.as_ref().map(Share::computing)
     }
 
     /// Most energy this serve may use here: the request's ceiling (which
@@ -119,7 +129,8 @@ pub struct Steward {
     did: String,
     gate: GrantGate,
     journal: Journal,
-    meter: Box<dyn EnergyMeter>,
+    /// The node's meter, its energy split among the serves open at once.
+    meter: Apportioned,
     next_sequence: u64,
     prev_envelope: Option<ContentId>,
     last_envelope: Option<Vec<u8>>,
@@ -232,7 +243,12 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
                 next_sequence += 1;
             }
             Entry::Halted { reason, .. } => gate.halt(reason.clone()),
-            Entry::Refused { .. } => {}
+            Entry::HaltCleared { .. } => {
+                if gate.clear_halt().is_none() {
+                    return Err(foreign("a halt cleared while none was in force".into()));
+                }
+            }
+            Entry::Refused { .. } | Entry::TailLost { .. } => {}
             Entry::Logged { capsule_id } => {
                 if log.held() > MAX_LOG_NODES_HELD {
                     log.forget(LOG_NODES_KEPT as u64);
@@ -324,7 +340,7 @@ impl Steward {
             did,
             gate: replayed.gate,
             journal,
-            meter,
+            meter: Apportioned::new(meter),
             next_sequence: replayed.next_sequence,
             prev_envelope: replayed.prev_envelope,
             last_envelope: replayed.last_envelope,
@@ -593,7 +609,7 @@ impl Steward {
         let Some(span) = &ticket.span else {
             return 0;
         };
-        let energy = self.meter.end(span.clone());
+        let energy = self.meter.so_far(span);
         let uj = energy.uj();
         ticket.mark = Some(energy);
         uj
@@ -698,9 +714,17 @@ impl Steward {
         opening_key(&self.key.to_bytes())
     }
 
-    /// A party shows a receipt this steward sealed. If the journal lacks it,
-    /// records were cut after it left: refuse every grant from now on (the
-    /// halt is journalled, so it survives a restart).
+    /// A party shows a receipt this steward sealed (seed 001 §2.2). `Ok(true)`
+    /// when the journal holds it. A receipt under this steward's signature
+    /// that the journal does not hold is proof that records were cut or
+    /// forked after it left: a different receipt at a sequence the journal
+    /// holds, or one past its end. The steward then refuses every grant
+    /// from now on (the halt is journalled, so it survives a restart) and
+    /// answers `Ok(false)`, until an operator clears the halt
+    /// ([`Steward::clear_halt`]). The envelope must be exactly the bytes
+    /// the steward sealed (deterministic CBOR, checked by
+    /// `SealedReceipt::verify`), so the same receipt written another way is
+    /// refused as an error and changes nothing.
     pub fn witness(&mut self, envelope: &[u8], now_ms: u64) -> Result<bool, StewardError> {
         self.witness_verified(SealedReceipt::verify(envelope)?, now_ms)
     }
@@ -717,19 +741,47 @@ impl Steward {
                 mesh_protocol::mesh1::Mesh1Error::StewardMismatch,
             ));
         }
-        let held = self.sealed.get(&sealed.receipt.sequence) == Some(&sealed.envelope_id());
-        if !held {
-            let reason = format!(
-                "shown receipt {} (sequence {}) that the journal does not hold; restore the journal",
-                mesh_protocol::hex::encode(&sealed.envelope_id()),
-                sealed.receipt.sequence
-            );
-            self.journal.append(Entry::Halted {
-                reason: reason.clone(),
+        let sequence = sealed.receipt.sequence;
+        let shown = sealed.envelope_id();
+        let reason = match self.sealed.get(&sequence) {
+            Some(held) if *held == shown => return Ok(true),
+            Some(held) => format!(
+                "shown receipt {} at sequence {sequence}, where the journal holds {}: two receipts \
+                 signed at one sequence (a forked log); find which copy of the journal sealed it",
+                mesh_protocol::hex::encode(&shown),
+                mesh_protocol::hex::encode(held),
+            ),
+            None => format!(
+                "shown receipt {} (sequence {sequence}) past the journal's last ({}): records were \
+                 cut after it left; restore the journal",
+                mesh_protocol::hex::encode(&shown),
+                self.next_sequence
+                    .checked_sub(1)
+                    .map_or("none".to_string(), |last| last.to_string()),
+            ),
+        };
+        self.journal.append(Entry::Halted {
+            reason: reason.clone(),
+            at_ms: now_ms,
+        })?;
+        self.gate.halt(reason);
+        Ok(false)
+    }
+
+    /// An operator's way out of a halt (`mesh-node steward clear-halt`):
+    /// journalled first, with the operator's reason, then in force. The
+    /// reason the steward had halted for; an error when it was not halted.
+    pub fn clear_halt(&mut self, reason: &str, now_ms: u64) -> Result<String, StewardError> {
+        let Some(halted) = self.gate.halted().map(str::to_string) else {
+            return Err(StewardError::NotHalted);
+        };
+        self.journal
+            .append(Entry::HaltCleared {
+                reason: reason.to_string(),
                 at_ms: now_ms,
-            })?;
-            self.gate.halt(reason);
-        }
-        Ok(held)
+            })
+            .map_err(StewardError::NotJournalled)?;
+        self.gate.clear_halt();
+        Ok(halted)
     }
 }

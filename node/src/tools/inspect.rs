@@ -83,6 +83,11 @@ pub fn render_journal(
                 short(envelope_id)
             ),
             Entry::Halted { reason, .. } => format!("HALTED      {reason}"),
+            Entry::HaltCleared { reason, .. } => format!("HALT CLEARED {reason}"),
+            Entry::TailLost { last, written, .. } => format!(
+                "TAIL LOST   records after {} up to {written} lost; the operator went on without them",
+                last.map_or("none".to_string(), |l| l.to_string())
+            ),
             Entry::Refused {
                 request_id,
                 table,

@@ -65,3 +65,42 @@ pub fn exchange_as(
         .unwrap_or(0);
     Ok((status, rest.to_string()))
 }
+
+/// A TCP connection to `to` from loopback address `source` (127.0.0.0/8 is
+/// all loopback on Linux): how a test plays several clients on one machine.
+pub fn connect_from(source: std::net::IpAddr, to: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    socket.bind(&SocketAddr::new(source, 0).into())?;
+    socket.connect_timeout(&to.into(), Duration::from_secs(5))?;
+    Ok(socket.into())
+}
+
+/// `exchange_as`, from loopback address `source`, with `host` as the Host
+/// header and a read timeout of `within`.
+pub fn exchange_from(
+    source: std::net::IpAddr,
+    addr: SocketAddr,
+    (method, path, host): (&str, &str, &str),
+    body: &[u8],
+    within: Duration,
+) -> std::io::Result<(u16, String)> {
+    let mut stream = connect_from(source, addr)?;
+    stream.set_read_timeout(Some(within))?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )?;
+    let _ = stream.write_all(body);
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response)?;
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    Ok((status, rest.to_string()))
+}

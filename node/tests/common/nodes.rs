@@ -61,6 +61,8 @@ pub struct Setup<'a> {
     pub estimate_milliwatts: Option<u64>,
     /// Serve the HTTP API (on an ephemeral loopback port).
     pub http: bool,
+    /// The hosts and origins the HTTP API answers besides its own.
+    pub http_access: mesh_node::runtime::http::Access,
     pub mesh: Option<mesh_node::runtime::serve::MeshSettings>,
     pub stages: Option<usize>,
     /// The fidelity the coordinator rates its model at.
@@ -88,6 +90,7 @@ impl<'a> Setup<'a> {
             estimate_milliwatts: None,
             step_timeout: Duration::from_secs(20),
             http: false,
+            http_access: Default::default(),
             mesh: None,
             stages: None,
             fidelity: mesh_node::runtime::serve::DEFAULT_FIDELITY,
@@ -151,6 +154,7 @@ impl<'a> Setup<'a> {
             http: self
                 .http
                 .then(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+            http_access: self.http_access,
             mesh: self.mesh,
             stages: self.stages,
             fidelity: self.fidelity,

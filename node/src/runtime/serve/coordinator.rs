@@ -247,15 +247,22 @@ pub(super) async fn handle_generate(
         .timeout
         .map_or(inner.request_timeout, |t| t.min(inner.request_timeout));
     let deadline = Deadline::after(timeout);
+    // Every request that is not served gets one line saying why.
+    let refuse = |reason: String| {
+        tracing::warn!("a request refused: {reason}");
+        reason
+    };
     let run = match run_by(&inner, deadline).await {
         Some(Ok(run)) => run,
         Some(Err(error)) => {
             refused_other();
-            return send_error(send, &format!("cannot set up the split: {error:#}")).await;
+            let reason = refuse(format!("cannot set up the split: {error:#}"));
+            return send_error(send, &reason).await;
         }
         None => {
             refused_other();
-            return send_error(send, &deadline.passed("the split to load")).await;
+            let reason = refuse(deadline.passed("the split to load"));
+            return send_error(send, &reason).await;
         }
     };
     match serve_request(&inner, &run, &request, deadline, send).await {
@@ -266,7 +273,8 @@ pub(super) async fn handle_generate(
             } else if !stats::is_route_refusal(&error) {
                 refused_other();
             }
-            send_error(send, &format!("{error:#}")).await
+            let reason = refuse(format!("{error:#}"));
+            send_error(send, &reason).await
         }
     }
 }
@@ -1341,11 +1349,13 @@ async fn drive(
                         if counted_as_decode {
                             own_decode_rows += input.len() as u64;
                         }
+                        let computing = held.ticket.as_ref().and_then(|t| t.computing());
                         let (output, lease, engine) = run
                             .own
                             .batcher
                             .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease, decode)
                             .await?;
+                        drop(computing);
                         held.cache = Some(lease);
                         *own_compute += compute_start.elapsed();
                         if counted_as_decode {
@@ -1553,7 +1563,9 @@ async fn drive(
                     continue;
                 }
                 let head_start = Instant::now();
+                let computing = held.ticket.as_ref().and_then(|t| t.computing());
                 let (logits, engine) = run.own.batcher.logits(hidden).await?;
+                drop(computing);
                 *own_compute += head_start.elapsed();
                 if decodes(step) {
                     *own_decode_engine += engine;
@@ -1663,7 +1675,9 @@ async fn drive(
                     // All of a draft accepted gives one token more than it
                     // holds: never past max_tokens.
                     let room = max_new.saturating_sub(tokens.len() + 1).min(inner.draft_tokens);
+                    let computing = held.ticket.as_ref().and_then(|t| t.computing());
                     draft = drafter.propose(&history, room).await;
+                    drop(computing);
                 }
                 input = std::iter::once(next).chain(draft.iter().copied()).collect();
                 to_send = true;
@@ -2426,6 +2440,14 @@ async fn report(
     } else {
         &counters.requests_completed
     });
+    if let Some(failure) = &failure {
+        tracing::warn!(
+            request_id,
+            terminal_state = terminal.as_str(),
+            tokens = tokens.len(),
+            "a request failed: {failure}"
+        );
+    }
     msg::write_cbor(requester, &done).await?;
     Ok(())
 }
@@ -2541,26 +2563,60 @@ async fn query_stats(
     }
 }
 
-/// The requester's side: ask a coordinator to generate, printing tokens as
-/// they arrive through `on_token`, and return its summary and bundle.
-pub async fn generate_remote(
+/// What a coordinator says while it generates for a requester.
+#[derive(Debug)]
+pub enum GenerateEvent {
+    /// The text a token added (empty while a stop sequence may be forming).
+    Token(String),
+    /// The request ended: its summary and bundle.
+    Finished(Box<GenerateSummary>),
+}
+
+/// A request being generated: read it event by event. Dropping it closes
+/// the connection, which cancels the request on every stage.
+#[derive(Debug)]
+pub struct Generating {
+    endpoint: quinn::Endpoint,
+    connection: quinn::Connection,
+    recv: quinn::RecvStream,
+    /// The wait for the next message: long for the first (a split may load
+    /// first), then the control exchange's.
+    wait: Duration,
+    done: bool,
+}
+
+/// Ask a coordinator to generate; the answer comes as events.
+pub async fn generate_events(
     coordinator: &PeerAddr,
     request: &GenerateRequest,
-    on_token: &mut (dyn FnMut(&str) + Send),
-) -> anyhow::Result<GenerateSummary> {
+) -> anyhow::Result<Generating> {
     let (endpoint, connection) = connect_as_requester(coordinator).await?;
-    let (mut send, mut recv) = connection.open_bi().await?;
+    let (mut send, recv) = connection.open_bi().await?;
     msg::write_cbor(&mut send, &request.to_message().to_cbor()).await?;
     send.finish()?;
-    // Setting up a split loads slices; allow for it on the first message.
-    let mut wait = Duration::from_secs(300);
-    loop {
-        let message = msg::read_cbor(&mut recv, msg::MAX_CONTROL_MESSAGE, wait)
+    Ok(Generating {
+        endpoint,
+        connection,
+        recv,
+        // Setting up a split loads slices; allow for it on the first message.
+        wait: Duration::from_secs(300),
+        done: false,
+    })
+}
+
+impl Generating {
+    /// The next event; an error once the request ended without a summary
+    /// (a refusal, a lost connection), and after `Finished`.
+    pub async fn next(&mut self) -> anyhow::Result<GenerateEvent> {
+        if self.done {
+            bail!("the request has ended");
+        }
+        let message = msg::read_cbor(&mut self.recv, msg::MAX_CONTROL_MESSAGE, self.wait)
             .await?
             .context("the coordinator closed without an answer")?;
-        wait = msg::IDLE_TIMEOUT.max(Duration::from_secs(60));
+        self.wait = msg::IDLE_TIMEOUT.max(Duration::from_secs(60));
         match ControlReply::from_cbor(&message)? {
-            ControlReply::Token { text, .. } => on_token(&text),
+            ControlReply::Token { text, .. } => Ok(GenerateEvent::Token(text)),
             ControlReply::Finished {
                 text,
                 terminal_state,
@@ -2569,21 +2625,39 @@ pub async fn generate_remote(
                 bundle,
                 ..
             } => {
-                connection.close(0u32.into(), b"done");
-                endpoint.wait_idle().await;
-                return Ok(GenerateSummary {
+                self.done = true;
+                self.connection.close(0u32.into(), b"done");
+                self.endpoint.wait_idle().await;
+                Ok(GenerateEvent::Finished(Box::new(GenerateSummary {
                     text,
                     terminal_state,
                     error: Some(error).filter(|e| !e.is_empty()),
                     details: serde_json::from_slice(&details).unwrap_or_default(),
                     bundle: serde_json::from_slice(&bundle).ok(),
-                });
+                })))
             }
             ControlReply::Error { reason } => {
-                connection.close(0u32.into(), b"error");
+                self.done = true;
+                self.connection.close(0u32.into(), b"error");
                 bail!("the coordinator refused: {reason}");
             }
             other => bail!("the coordinator answered `{}` to generate", other.kind()),
+        }
+    }
+}
+
+/// The requester's side: ask a coordinator to generate, printing tokens as
+/// they arrive through `on_token`, and return its summary and bundle.
+pub async fn generate_remote(
+    coordinator: &PeerAddr,
+    request: &GenerateRequest,
+    on_token: &mut (dyn FnMut(&str) + Send),
+) -> anyhow::Result<GenerateSummary> {
+    let mut generating = generate_events(coordinator, request).await?;
+    loop {
+        match generating.next().await? {
+            GenerateEvent::Token(text) => on_token(&text),
+            GenerateEvent::Finished(summary) => return Ok(*summary),
         }
     }
 }

@@ -51,9 +51,10 @@ mod kept;
 mod route;
 mod stats;
 pub use coordinator::{
-    DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, DRAFT_MODEL_TOKENS, GenerateRequest,
-    GenerateSummary, GrantedServe, MAX_DRAFT_TOKENS, MAX_PREFILL_CHUNK_TOKENS,
-    MAX_PROMPT_BYTES_PER_TOKEN, RequestBounds, generate_remote, one_way_hops_per_step, plan_remote,
+    DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, DRAFT_MODEL_TOKENS, GenerateEvent,
+    GenerateRequest, GenerateSummary, Generating, GrantedServe, MAX_DRAFT_TOKENS,
+    MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, RequestBounds, generate_events,
+    generate_remote, one_way_hops_per_step, plan_remote,
 };
 pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
 
@@ -169,6 +170,8 @@ pub struct NodeOptions {
     /// Serve the OpenAI-compatible HTTP API here (a coordinator; off when
     /// `None`).
     pub http: Option<SocketAddr>,
+    /// Which hosts and origins the HTTP API answers besides its own.
+    pub http_access: crate::runtime::http::Access,
     /// Take part in a mesh (libp2p membership and adverts); a coordinator
     /// without `peers` plans over its members.
     pub mesh: Option<MeshSettings>,
@@ -434,7 +437,10 @@ struct Inner {
     fidelity: Fidelity,
     /// What serves cost per chain, for the route table.
     route_costs: Mutex<route::RouteCosts>,
-    refusal_journal: Mutex<route::RefusalJournal>,
+    /// Router refusals journalled (`MAX_REFUSALS_JOURNALLED` a minute).
+    refusal_journal: Mutex<crate::runtime::limit::PerMinute>,
+    /// Refused assignments from strangers logged (one a minute).
+    assign_refusals_logged: Mutex<crate::runtime::limit::PerMinute>,
     /// The training corpus the model declares (SPEC §3.7), bound on the
     /// coordinator's receipts.
     training: Option<mesh_protocol::mesh1::TrainingBinding>,
@@ -474,6 +480,11 @@ type Usable = ([u8; 32], SocketAddr);
 pub const MIN_REPLAN_GAIN: (u64, u64) = (4, 5);
 /// How long a member that refused its assignment is left out of plans.
 pub const REFUSED_MEMBER_PAUSE: Duration = Duration::from_secs(30);
+/// How long a coordinator in a mesh plans again, as members join or come
+/// back, before it refuses a request it cannot plan for (within the
+/// request's own deadline): long enough for a restarted coordinator's
+/// members to reconnect.
+pub const MESH_SETTLE_WAIT: Duration = Duration::from_secs(20);
 
 /// A running node.
 pub struct Node {
@@ -616,7 +627,10 @@ impl Node {
             kept: kept::KeptCaches::default(),
             fidelity: options.fidelity,
             route_costs: Mutex::new(route::RouteCosts::default()),
-            refusal_journal: Mutex::new(route::RefusalJournal::default()),
+            refusal_journal: Mutex::new(crate::runtime::limit::PerMinute::new(
+                crate::runtime::journal::MAX_REFUSALS_JOURNALLED,
+            )),
+            assign_refusals_logged: Mutex::new(crate::runtime::limit::PerMinute::new(1)),
             training,
             record_checkpoints: options.record_checkpoints,
         });
@@ -640,8 +654,16 @@ impl Node {
                 let sealed = mesh_protocol::mesh1::SealedReceipt::verify(envelope)?;
                 Ok(lock(&inner.steward).witness_verified(sealed, now_ms())?)
             });
-            node.http =
-                Some(crate::runtime::http::start(listen, node.peer_addr(), card, witness).await?);
+            node.http = Some(
+                crate::runtime::http::start(
+                    listen,
+                    options.http_access,
+                    node.peer_addr(),
+                    card,
+                    (witness, options.max_requests),
+                )
+                .await?,
+            );
         }
         Ok(node)
     }
@@ -1174,10 +1196,13 @@ fn handle_assign(
     request: &AssignRequest,
 ) -> anyhow::Result<([u8; 32], usize)> {
     if !inner.serves_coordinator(&peer) {
-        tracing::warn!(
-            "refused an assignment from {0}: not a coordinator this node serves (start it with --coordinator {0} to serve it)",
-            did_key(&peer)
-        );
+        // Anyone can send these: a line a minute, the others counted.
+        if let Some(unlogged) = lock(&inner.assign_refusals_logged).admit(Instant::now()) {
+            tracing::warn!(
+                "refused an assignment from {0}: not a coordinator this node serves (start it with --coordinator {0} to serve it); {unlogged} more refused since the last such line",
+                did_key(&peer)
+            );
+        }
         bail!("this node does not serve coordinator {}", did_key(&peer));
     }
     let assign = Assign::from_request(request)?;
@@ -1779,7 +1804,9 @@ async fn admit_stage(
         };
         let refusal = if interrupted == request_id {
             Some("a request cannot resume itself".to_string())
-        } else if resume.is_some_and(|r| r.kept_from >= assign.stage_count) {
+        } else if resume.is_some_and(|r| r.kept_from > assign.stage_count) {
+            // `kept_from == stage_count`: no remote stage keeps its cache
+            // (the final stage was lost), the coordinator keeps its own.
             Some(format!(
                 "kept_from is past the {} stages",
                 assign.stage_count
@@ -2081,10 +2108,12 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     stats.steps += 1;
                     let start = Instant::now();
                     let lease = cache.take().context("the request's cache")?;
+                    let computing = ticket.computing();
                     let (output, lease, engine) = slot
                         .batcher
                         .step(batch::StepInput::Hidden(activations), lease, decode)
                         .await?;
+                    drop(computing);
                     cache = Some(lease);
                     stats.compute += start.elapsed();
                     if decode {
@@ -2956,21 +2985,21 @@ impl Inner {
     /// flight keep the run they started on. Over a mesh, a chain whose
     /// assignment is refused is planned again around the refusing member.
     async fn ensure_run(self: &Arc<Self>) -> anyhow::Result<Arc<Run>> {
-        const MESH_ATTEMPTS: usize = 4;
-        let mut attempt = 0;
+        let until = Instant::now() + MESH_SETTLE_WAIT;
         loop {
-            attempt += 1;
             let refused_before = self.refusals.load(std::sync::atomic::Ordering::Relaxed);
             match self.ensure_run_once().await {
-                Err(error) if self.mesh.get().is_some() && attempt < MESH_ATTEMPTS => {
+                Err(error) if self.mesh.get().is_some() && Instant::now() < until => {
                     tracing::info!("planning again: {error:#}");
                     let refused_now =
                         self.refusals.load(std::sync::atomic::Ordering::Relaxed) > refused_before;
                     if let Some(mesh) = self.mesh.get().filter(|_| !refused_now) {
                         // Members may still be joining (a node just
-                        // started): wait a little for the mesh to change.
-                        // A member that refused is planned around at once.
-                        mesh.changed(Duration::from_secs(2)).await;
+                        // started, or this one restarted and they are
+                        // reconnecting): wait for the mesh to change. A
+                        // member that refused is planned around at once.
+                        let left = until.saturating_duration_since(Instant::now());
+                        mesh.changed(left.min(Duration::from_secs(2))).await;
                     }
                 }
                 outcome => return outcome,

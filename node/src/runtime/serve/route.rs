@@ -57,36 +57,6 @@ impl RouteCosts {
     }
 }
 
-/// How many router refusals go to the journal: at most
-/// `MAX_REFUSALS_JOURNALLED` a minute, so requests that cost their sender
-/// nothing cannot grow the journal (or hold the steward) without bound.
-#[derive(Debug, Default)]
-pub(super) struct RefusalJournal {
-    window: Option<Instant>,
-    in_window: u32,
-    unjournalled: u64,
-}
-
-impl RefusalJournal {
-    /// Whether this refusal is journalled; when it is, how many before it
-    /// were not.
-    pub(super) fn admit(&mut self, now: Instant) -> Option<u64> {
-        let fresh = self
-            .window
-            .is_none_or(|start| now.duration_since(start) >= Duration::from_secs(60));
-        if fresh {
-            self.window = Some(now);
-            self.in_window = 0;
-        }
-        if self.in_window >= crate::runtime::journal::MAX_REFUSALS_JOURNALLED {
-            self.unjournalled += 1;
-            return None;
-        }
-        self.in_window += 1;
-        Some(std::mem::take(&mut self.unjournalled))
-    }
-}
-
 /// A backend's name: the chain's stage count and its topology.
 pub(super) fn chain_name(run: &Run) -> String {
     let topology = &run.assigns[0].topology_hash;
@@ -129,20 +99,6 @@ pub(super) fn backends(inner: &Inner, run: &Run) -> Vec<Backend> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn refusals_are_journalled_at_most_so_many_a_minute_and_the_rest_counted() {
-        let mut journal = RefusalJournal::default();
-        let start = Instant::now();
-        let limit = crate::runtime::journal::MAX_REFUSALS_JOURNALLED;
-        for _ in 0..limit {
-            assert_eq!(journal.admit(start), Some(0));
-        }
-        assert_eq!(journal.admit(start), None);
-        assert_eq!(journal.admit(start + Duration::from_secs(59)), None);
-        assert_eq!(journal.admit(start + Duration::from_secs(60)), Some(2));
-        assert_eq!(journal.admit(start + Duration::from_secs(61)), Some(0));
-    }
 
     #[test]
     fn a_chain_costs_what_was_metered_on_it_rounded_up_and_old_chains_are_forgotten() {

@@ -213,6 +213,14 @@ fn receipt_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<
     let mut trailing = envelope.clone();
     trailing.push(0);
     push("trailing_byte".into(), false, trailing);
+    // The same receipt, its signature still good, with its first head (the
+    // COSE_Sign1 tag, 18) written in two bytes where one is the shortest:
+    // not the envelope its steward sealed (one receipt, one envelope id).
+    if envelope.first() == Some(&0xd2) {
+        let mut longer = vec![0xd8, 0x12];
+        longer.extend_from_slice(&envelope[1..]);
+        push("tag_written_longer".into(), false, longer);
+    }
     // The kid swapped for another steward's key: the signature no longer holds.
     let other = key("mesh-node vectors: another steward");
     let kid = steward.verifying_key().to_bytes();

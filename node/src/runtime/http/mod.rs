@@ -30,19 +30,31 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::runtime::serve::{
-    GenerateRequest, GenerateSummary, MAX_PROMPT_BYTES_PER_TOKEN, PeerAddr, generate_remote,
+    GenerateEvent, GenerateRequest, GenerateSummary, MAX_PROMPT_BYTES_PER_TOKEN, PeerAddr,
+    generate_events,
 };
+
+mod conn;
+mod gate;
+mod guard;
+pub use conn::{
+    FIRST_BYTE_TIMEOUT, HEADER_READ_TIMEOUT, MAX_CONNECTIONS_PER_SOURCE, MAX_HEAD_BYTES,
+    MAX_HTTP_BUFFER, MAX_HTTP_CONNECTIONS, Source,
+};
+pub use gate::{MAX_QUEUED, MAX_QUEUED_PER_SOURCE, QUEUE_WAIT};
+pub use guard::Access;
 
 /// Largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
-/// Most HTTP connections open at once; more are closed at accept.
-pub const MAX_HTTP_CONNECTIONS: usize = 256;
-/// How long a client may take to send a request's headers.
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a client may take to send a request's body.
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// Most bytes of a connection's read buffer (headers included).
-const MAX_HTTP_BUFFER: usize = 64 * 1024;
+/// Pieces of a streamed answer held for a client that reads slower than
+/// they come.
+const STREAM_BACKLOG: usize = 32;
+/// How long a streamed answer waits for a client that stopped reading
+/// before the request is ended (`client_cancelled` on every stage), so a
+/// reader that went silent does not hold a cache until the last token.
+pub const STALLED_READER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most messages in one chat request.
 pub const MAX_MESSAGES: usize = 256;
 /// Bundles kept for `/v1/mesh/bundles/{id}`, the most recent first out last.
@@ -83,6 +95,8 @@ struct Api {
     coordinator: PeerAddr,
     card: ModelCard,
     witness: Witness,
+    /// The coordinator's caches, shared fairly between sources.
+    gate: gate::Gate,
     bundles: Mutex<VecDeque<(String, Arc<Value>)>>,
     /// What the console shows of recent requests (no prompt, no output).
     requests: Mutex<VecDeque<Value>>,
@@ -131,12 +145,14 @@ impl Drop for HttpApi {
     }
 }
 
-/// Bind `listen` and serve the API for the coordinator at `coordinator`.
+/// Bind `listen` and serve the API for the coordinator at `coordinator`,
+/// whose slices hold `max_requests` requests at once.
 pub async fn start(
     listen: SocketAddr,
+    access: Access,
     coordinator: PeerAddr,
     card: ModelCard,
-    witness: Witness,
+    (witness, max_requests): (Witness, usize),
 ) -> anyhow::Result<HttpApi> {
     use anyhow::Context;
     let listener = tokio::net::TcpListener::bind(listen)
@@ -147,6 +163,7 @@ pub async fn start(
         coordinator,
         card,
         witness,
+        gate: gate::Gate::new(max_requests),
         bundles: Mutex::new(VecDeque::new()),
         requests: Mutex::new(VecDeque::new()),
         events: tokio::sync::broadcast::channel(CONSOLE_EVENT_BACKLOG).0,
@@ -169,40 +186,8 @@ pub async fn start(
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(api);
-    let task = tokio::spawn(accept_loop(listener, router));
+    let task = tokio::spawn(conn::accept_loop(listener, router, Arc::new(access)));
     Ok(HttpApi { addr, task })
-}
-
-/// Accept connections while fewer than `MAX_HTTP_CONNECTIONS` are open;
-/// each gets a header timeout and a bounded buffer, so a client that
-/// trickles bytes holds one slot for seconds, not forever.
-async fn accept_loop(listener: tokio::net::TcpListener, router: Router) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CONNECTIONS));
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(error) => {
-                // Out of file descriptors and the like: wait, then go on.
-                tracing::warn!(%error, "the HTTP API could not accept");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            drop(stream);
-            continue;
-        };
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        tokio::spawn(async move {
-            let _slot = slot;
-            let connection = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .max_buf_size(MAX_HTTP_BUFFER)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-            let _ = connection.await;
-        });
-    }
 }
 
 /// An error in OpenAI's shape.
@@ -590,9 +575,19 @@ async fn checked(
         })?
 }
 
+/// The source a request came from (set by the connection it came on).
+fn source_of(request: &axum::extract::Request) -> Source {
+    request
+        .extensions()
+        .get::<Source>()
+        .copied()
+        .unwrap_or_else(|| Source::of(std::net::Ipv4Addr::UNSPECIFIED.into()))
+}
+
 async fn completions(State(api): State<Arc<Api>>, request: axum::extract::Request) -> Response {
+    let source = source_of(&request);
     match checked(&api, request, check_completion).await {
-        Ok(prepared) => run(api, prepared).await,
+        Ok(prepared) => run(api, prepared, source).await,
         Err(error) => error.into_response(),
     }
 }
@@ -620,8 +615,9 @@ async fn chat_completions(
     State(api): State<Arc<Api>>,
     request: axum::extract::Request,
 ) -> Response {
+    let source = source_of(&request);
     match checked(&api, request, check_chat).await {
-        Ok(prepared) => run(api, prepared).await,
+        Ok(prepared) => run(api, prepared, source).await,
         Err(error) => error.into_response(),
     }
 }
@@ -850,11 +846,23 @@ fn granted(
     }
     let presentations = presentations
         .iter()
-        .map(|hex| {
-            mesh_protocol::hex::decode(hex)
-                .ok_or_else(|| ApiError::bad("`jcp_presentation` holds text that is not hex"))
+        .enumerate()
+        .map(|(k, hex)| {
+            let bytes = mesh_protocol::hex::decode(hex)
+                .ok_or_else(|| ApiError::bad("`jcp_presentation` holds text that is not hex"))?;
+            // "" stands for no presentation at that stage; anything else
+            // must be one, or the coordinator would refuse it as its own
+            // failure (503) instead of the caller's.
+            if !bytes.is_empty() {
+                mesh_protocol::grant::Presentation::decode(&bytes).map_err(|error| {
+                    ApiError::bad(format!(
+                        "`jcp_presentation` {k} is not a grant presentation: {error}"
+                    ))
+                })?;
+            }
+            Ok(bytes)
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, ApiError>>()?;
     Ok(crate::runtime::serve::GrantedServe {
         serve,
         presentations,
@@ -954,6 +962,65 @@ enum Progress {
     Done(anyhow::Result<GenerateSummary>),
 }
 
+/// Generate `request`, handing each piece and the end to `sender`.
+async fn generate_into(
+    coordinator: &PeerAddr,
+    request: &GenerateRequest,
+    sender: &mpsc::Sender<Progress>,
+    source: Source,
+) {
+    match generate_events(coordinator, request).await {
+        Ok(mut generating) => {
+            forward(&mut generating, sender, source, STALLED_READER_TIMEOUT).await;
+        }
+        Err(error) => {
+            let _ = sender.send(Progress::Done(Err(error))).await;
+        }
+    }
+}
+
+/// Where a generation's events come from: the coordinator, or a test.
+trait Events {
+    fn next(&mut self) -> impl Future<Output = anyhow::Result<GenerateEvent>> + Send;
+}
+
+impl Events for crate::runtime::serve::Generating {
+    fn next(&mut self) -> impl Future<Output = anyhow::Result<GenerateEvent>> + Send {
+        crate::runtime::serve::Generating::next(self)
+    }
+}
+
+/// Hand `events` to `sender` to the end. A client that takes nothing for
+/// `stall` ends the request: returning drops the generation, which closes
+/// its connection to the coordinator and cancels it on every stage, so a
+/// reader that went silent does not hold a cache to the last token.
+async fn forward(
+    events: &mut impl Events,
+    sender: &mpsc::Sender<Progress>,
+    source: Source,
+    stall: Duration,
+) {
+    loop {
+        let (progress, last) = match events.next().await {
+            Ok(GenerateEvent::Token(piece)) => (Progress::Piece(piece), false),
+            Ok(GenerateEvent::Finished(summary)) => (Progress::Done(Ok(*summary)), true),
+            Err(error) => (Progress::Done(Err(error)), true),
+        };
+        match tokio::time::timeout(stall, sender.send(progress)).await {
+            Ok(Ok(())) if !last => {}
+            Ok(_) => return,
+            Err(_) => {
+                tracing::warn!(
+                    %source,
+                    "an API request ended: its client read nothing for {} s",
+                    stall.as_secs_f64()
+                );
+                return;
+            }
+        }
+    }
+}
+
 /// Aborts the generating task when the response is dropped (the client went
 /// away): its QUIC connection to the coordinator closes, which cancels the
 /// request on every stage.
@@ -965,24 +1032,33 @@ impl Drop for AbortOnDrop {
     }
 }
 
-async fn run(api: Arc<Api>, prepared: Prepared) -> Response {
+async fn run(api: Arc<Api>, prepared: Prepared, source: Source) -> Response {
     let Prepared {
         flavour,
         request,
         stream,
     } = prepared;
     let max_tokens = request.max_tokens;
-    // Pieces are at most one per token, so the channel holds at most
-    // max_tokens + 1 entries.
-    let (sender, mut receiver) = mpsc::unbounded_channel();
+    // A cache at the coordinator, in this source's turn; held by the
+    // generating task, so it is given back when the generation ends.
+    let pass = match api.gate.enter(source).await {
+        Ok(pass) => pass,
+        Err(full) => {
+            tracing::info!(%source, "an API request refused: {full}");
+            let mut error = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("the API is busy: {full}"),
+            )
+            .code("busy");
+            error.retry_after = Some(1);
+            return error.into_response();
+        }
+    };
+    let (sender, mut receiver) = mpsc::channel(STREAM_BACKLOG);
     let coordinator = api.coordinator.clone();
     let task = AbortOnDrop(tokio::spawn(async move {
-        let pieces = sender.clone();
-        let summary = generate_remote(&coordinator, &request, &mut |piece| {
-            let _ = pieces.send(Progress::Piece(piece.to_string()));
-        })
-        .await;
-        let _ = sender.send(Progress::Done(summary));
+        let _pass = pass;
+        generate_into(&coordinator, &request, &sender, source).await;
     }));
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -1266,7 +1342,7 @@ impl Answer {
 /// Where a streamed answer stands.
 struct StreamState {
     answer: Answer,
-    receiver: mpsc::UnboundedReceiver<Progress>,
+    receiver: mpsc::Receiver<Progress>,
     /// The report that decided the status, not yet sent as an event.
     first: Option<Progress>,
     /// Events to send before reading further (the last chunk, `[DONE]`).
@@ -1330,5 +1406,38 @@ impl StreamState {
                 Some(Event::default().data(refused(&error).body().to_string()))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A coordinator that never stops sending tokens.
+    struct Endless;
+
+    impl Events for Endless {
+        async fn next(&mut self) -> anyhow::Result<GenerateEvent> {
+            tokio::task::yield_now().await;
+            Ok(GenerateEvent::Token("x".into()))
+        }
+    }
+
+    /// A streamed answer whose client stopped reading is ended once the
+    /// bounded backlog stays full for the stall timeout.
+    #[tokio::test]
+    async fn a_client_that_stops_reading_ends_its_generation() {
+        let (sender, receiver) = mpsc::channel(STREAM_BACKLOG);
+        let stall = Duration::from_millis(100);
+        let started = std::time::Instant::now();
+        let source = Source::of(std::net::Ipv4Addr::LOCALHOST.into());
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            forward(&mut Endless, &sender, source, stall),
+        )
+        .await
+        .expect("the generation ended");
+        assert!(started.elapsed() >= stall);
+        assert_eq!(receiver.len(), STREAM_BACKLOG, "nothing past the backlog");
     }
 }

@@ -1,0 +1,403 @@
+//! The API's TCP connections: a bounded number of slots, shared fairly
+//! between source addresses, and taken back from connections that hold one
+//! without asking anything.
+//!
+//! A connection is *idle* while no request of it is being answered: before
+//! its first request, between keep-alive requests, and while a request's
+//! headers trickle in. A new connection never waits for a slot: when every
+//! slot (or every slot its source may hold) is taken, the idle connection of
+//! the source holding the most slots that has been open longest is closed to
+//! make room, and only when no connection is idle is the new one refused.
+//! So connections that send nothing cannot lock the API, however fast they
+//! reconnect; only requests being answered hold slots for long, and those
+//! are bounded per source by the request gate (`gate.rs`).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, Response};
+use hyper::body::Incoming;
+
+use super::guard::{Access, Checked};
+
+/// Most HTTP connections open at once.
+pub const MAX_HTTP_CONNECTIONS: usize = 256;
+/// Most of them one source address holds (an IPv6 source is its /64).
+pub const MAX_CONNECTIONS_PER_SOURCE: usize = 64;
+/// How long a new connection may take to send its first byte.
+pub const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a client may take to send a request's headers, from their
+/// first byte (and how long a keep-alive connection waits for the next).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most bytes of a connection's read buffer: hyper refuses a request head
+/// that does not fit (431), though its read-ahead can take a head of up to
+/// twice this into the buffer first.
+pub const MAX_HTTP_BUFFER: usize = 64 * 1024;
+/// Most bytes of a request's head (request line and headers): a longer one
+/// is refused (431) before any handler runs.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// Where a connection comes from, as slots and quotas count it: an IPv4
+/// address, or an IPv6 address's /64 (what one host is usually given).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Source(IpAddr);
+
+impl Source {
+    pub fn of(ip: IpAddr) -> Self {
+        match ip {
+            IpAddr::V4(v4) => Source(IpAddr::V4(v4)),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => Source(IpAddr::V4(v4)),
+                None => {
+                    let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+                    Source(IpAddr::V6(prefix.into()))
+                }
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            IpAddr::V6(v6) => write!(f, "{v6}/64"),
+            ip => write!(f, "{ip}"),
+        }
+    }
+}
+
+/// One open connection, as the table sees it.
+struct Conn {
+    source: Source,
+    opened: Instant,
+    /// Requests of it being answered (their responses not yet sent whole).
+    busy: Arc<AtomicUsize>,
+    /// Tells the connection's task to close it.
+    close: Arc<tokio::sync::Notify>,
+}
+
+#[derive(Default)]
+struct Table {
+    next: u64,
+    conns: HashMap<u64, Conn>,
+    per_source: HashMap<Source, usize>,
+}
+
+/// Why a new connection was not let in.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// Every slot it could take holds a request being answered.
+    AllBusy,
+}
+
+/// What a connection holds while it is open; gives its slot back when
+/// dropped.
+pub struct Slot {
+    id: u64,
+    table: Arc<Mutex<Table>>,
+    busy: Arc<AtomicUsize>,
+    close: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut table = lock(&self.table);
+        table.remove(self.id);
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Table {
+    fn remove(&mut self, id: u64) -> Option<Conn> {
+        let conn = self.conns.remove(&id)?;
+        if let Some(count) = self.per_source.get_mut(&conn.source) {
+            *count -= 1;
+            if *count == 0 {
+                self.per_source.remove(&conn.source);
+            }
+        }
+        Some(conn)
+    }
+
+    /// The idle connection to close for a newcomer from `source`: its own
+    /// source's when that is at its share, else one of the source holding
+    /// the most slots; the longest open first.
+    fn victim(&self, source: Source, at_share: bool) -> Option<u64> {
+        let heaviest = |conn: &Conn| self.per_source.get(&conn.source).copied().unwrap_or(0);
+        self.conns
+            .iter()
+            .filter(|(_, conn)| conn.busy.load(Ordering::Acquire) == 0)
+            .filter(|(_, conn)| !at_share || conn.source == source)
+            .max_by(|(_, a), (_, b)| heaviest(a).cmp(&heaviest(b)).then(b.opened.cmp(&a.opened)))
+            .map(|(id, _)| *id)
+    }
+}
+
+/// The slots of one API.
+#[derive(Clone)]
+pub struct Slots {
+    table: Arc<Mutex<Table>>,
+    max: usize,
+    per_source: usize,
+}
+
+impl Slots {
+    pub fn new(max: usize, per_source: usize) -> Self {
+        Self {
+            table: Arc::default(),
+            max: max.max(1),
+            per_source: per_source.clamp(1, max.max(1)),
+        }
+    }
+
+    /// A slot for a new connection from `source`, closing an idle one when
+    /// there is no free slot for it.
+    pub fn admit(&self, source: Source) -> Result<Slot, Refused> {
+        let mut table = lock(&self.table);
+        let held = table.per_source.get(&source).copied().unwrap_or(0);
+        let at_share = held >= self.per_source;
+        if at_share || table.conns.len() >= self.max {
+            let victim = table.victim(source, at_share).ok_or(Refused::AllBusy)?;
+            if let Some(conn) = table.remove(victim) {
+                conn.close.notify_one();
+            }
+        }
+        let id = table.next;
+        table.next += 1;
+        let busy = Arc::new(AtomicUsize::new(0));
+        let close = Arc::new(tokio::sync::Notify::new());
+        table.conns.insert(
+            id,
+            Conn {
+                source,
+                opened: Instant::now(),
+                busy: busy.clone(),
+                close: close.clone(),
+            },
+        );
+        *table.per_source.entry(source).or_default() += 1;
+        Ok(Slot {
+            id,
+            table: self.table.clone(),
+            busy,
+            close,
+        })
+    }
+
+    /// Connections open now.
+    #[cfg(test)]
+    fn open(&self) -> usize {
+        lock(&self.table).conns.len()
+    }
+}
+
+/// Counts a request as being answered until its response is sent whole
+/// (or dropped): its connection is not idle meanwhile.
+struct Busy(Arc<AtomicUsize>);
+
+impl Busy {
+    fn enter(busy: &Arc<AtomicUsize>) -> Self {
+        busy.fetch_add(1, Ordering::AcqRel);
+        Self(busy.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The service one connection runs: the router, behind the access checks
+/// (`guard.rs`), each request marked busy until its response is sent and
+/// tagged with its source.
+#[derive(Clone)]
+struct Tracked {
+    router: Router,
+    access: Arc<Access>,
+    source: Source,
+    busy: Arc<AtomicUsize>,
+}
+
+impl hyper::service::Service<Request<Incoming>> for Tracked {
+    type Response = Response<Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn call(&self, mut request: Request<Incoming>) -> Self::Future {
+        let busy = Busy::enter(&self.busy);
+        request.extensions_mut().insert(self.source);
+        let head_bytes = request.uri().to_string().len()
+            + request
+                .headers()
+                .iter()
+                .map(|(name, value)| name.as_str().len() + value.len() + 4)
+                .sum::<usize>();
+        let checked = if head_bytes > MAX_HEAD_BYTES {
+            Checked::Refused(super::guard::refusal(
+                axum::http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                format!("the request's head is over {MAX_HEAD_BYTES} bytes"),
+            ))
+        } else {
+            self.access.check(&request)
+        };
+        let router = hyper_util::service::TowerToHyperService::new(self.router.clone());
+        Box::pin(async move {
+            let response = match checked {
+                Checked::Refused(response) | Checked::Preflight(response) => response,
+                Checked::Allowed(cors) => {
+                    let mut response = router
+                        .call(request)
+                        .await
+                        .unwrap_or_else(|never| match never {});
+                    cors.apply(&mut response);
+                    response
+                }
+            };
+            // The body holds the request busy until it is sent whole.
+            Ok(response.map(|body| {
+                Body::from_stream(futures_util::StreamExt::map(
+                    body.into_data_stream(),
+                    move |chunk| {
+                        let _held = &busy;
+                        chunk
+                    },
+                ))
+            }))
+        })
+    }
+}
+
+/// Accept connections for `router` until the listener fails for good; each
+/// gets a slot (`Slots::admit`), a first-byte deadline, a header deadline
+/// and a bounded buffer.
+pub async fn accept_loop(listener: tokio::net::TcpListener, router: Router, access: Arc<Access>) {
+    let slots = Slots::new(MAX_HTTP_CONNECTIONS, MAX_CONNECTIONS_PER_SOURCE);
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Out of file descriptors and the like: wait, then go on.
+                tracing::warn!(%error, "the HTTP API could not accept");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let source = Source::of(peer.ip());
+        let Ok(slot) = slots.admit(source) else {
+            tracing::debug!(%source, "an HTTP connection refused: every slot is answering a request");
+            drop(stream);
+            continue;
+        };
+        let service = Tracked {
+            router: router.clone(),
+            access: access.clone(),
+            source,
+            busy: slot.busy.clone(),
+        };
+        tokio::spawn(serve_connection(stream, peer, slot, service));
+    }
+}
+
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    slot: Slot,
+    service: Tracked,
+) {
+    let close = slot.close.clone();
+    // A connection that says nothing is closed soon: it would hold a slot
+    // for the whole header timeout otherwise.
+    let mut byte = [0u8; 1];
+    let first = tokio::select! {
+        peeked = tokio::time::timeout(FIRST_BYTE_TIMEOUT, stream.peek(&mut byte)) => {
+            matches!(peeked, Ok(Ok(n)) if n > 0)
+        }
+        () = close.notified() => false,
+    };
+    if !first {
+        tracing::trace!(%peer, "an HTTP connection closed before its first byte");
+        return;
+    }
+    let connection = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_HTTP_BUFFER)
+        .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => {}
+        () = close.notified() => {
+            // Taken for a newcomer while idle: a request that started since
+            // is answered first.
+            connection.as_mut().graceful_shutdown();
+            let _ = connection.await;
+        }
+    }
+    drop(slot);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(last: u8) -> Source {
+        Source::of(IpAddr::from([127, 0, 0, last]))
+    }
+
+    #[test]
+    fn a_full_table_closes_the_oldest_idle_connection_of_the_heaviest_source() {
+        let slots = Slots::new(4, 3);
+        let flooder: Vec<Slot> = (0..3).map(|_| slots.admit(source(9)).unwrap()).collect();
+        let other = slots.admit(source(2)).unwrap();
+        assert_eq!(slots.open(), 4);
+        // The flooder's first connection is the oldest of the heaviest source.
+        let newcomer = slots.admit(source(3)).unwrap();
+        assert_eq!(slots.open(), 4);
+        assert!(!lock(&slots.table).conns.contains_key(&flooder[0].id));
+        assert!(lock(&slots.table).conns.contains_key(&other.id));
+        drop(newcomer);
+        assert_eq!(slots.open(), 3);
+    }
+
+    #[test]
+    fn a_source_at_its_share_gives_up_its_own_idle_connection() {
+        let slots = Slots::new(8, 2);
+        let first = slots.admit(source(9)).unwrap();
+        let _second = slots.admit(source(9)).unwrap();
+        let _third = slots.admit(source(9)).unwrap();
+        assert_eq!(slots.open(), 2);
+        assert!(!lock(&slots.table).conns.contains_key(&first.id));
+    }
+
+    #[test]
+    fn busy_connections_are_never_closed_for_a_newcomer() {
+        let slots = Slots::new(2, 2);
+        let a = slots.admit(source(9)).unwrap();
+        let b = slots.admit(source(9)).unwrap();
+        let _answering = (Busy::enter(&a.busy), Busy::enter(&b.busy));
+        assert_eq!(slots.admit(source(2)).err(), Some(Refused::AllBusy));
+        assert_eq!(slots.open(), 2);
+    }
+
+    #[test]
+    fn an_ipv6_source_is_its_64() {
+        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(Source::of(a), Source::of(b));
+        assert_ne!(Source::of(a), Source::of(c));
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(Source::of(mapped), Source::of(IpAddr::from([10, 0, 0, 1])));
+    }
+}
