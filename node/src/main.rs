@@ -1251,13 +1251,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Journal {
             action: JournalAction::Inspect { dir },
         } => {
-            let records = mesh_node::runtime::journal::Journal::read(&dir)?;
+            let (records, lost) = mesh_node::runtime::journal::Journal::read_with_loss(&dir)?;
             let steward = mesh_node::tools::inspect::steward_of(&records);
-            let replayed = match &steward {
-                Some(did) => {
+            // A lost tail is shown as the replay's failure: what remains
+            // is printed, never passed as a whole journal.
+            let replayed = match (&steward, &lost) {
+                (_, Some(lost)) => Err(format!("{lost}")),
+                (Some(did), None) => {
                     mesh_node::runtime::steward::replay(did, &records).map_err(|e| e.to_string())
                 }
-                None => {
+                (None, None) => {
                     mesh_node::runtime::steward::replay("", &records).map_err(|e| e.to_string())
                 }
             };
@@ -1272,6 +1275,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     replayed.as_ref().err().map(String::as_str)
                 )
             );
+            if let Some(lost) = &lost {
+                eprintln!("mesh-node: {lost}");
+            }
             Ok(if replayed.is_ok() {
                 ExitCode::SUCCESS
             } else {

@@ -20,6 +20,7 @@ fn halted(i: usize, bytes: usize) -> Entry {
     Entry::Halted {
         reason: format!("{i}:{}", "x".repeat(bytes)),
         at_ms: i as u64,
+        sequence: None,
     }
 }
 

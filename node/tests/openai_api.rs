@@ -540,6 +540,10 @@ async fn a_reencoded_receipt_halts_nothing_and_a_real_conflict_halts_until_clear
     let (status, reply) = post(addr, "/v1/completions", granted_body(2)).await;
     assert_eq!(status, 503, "{reply}");
     assert!(error_of(&reply).1.contains("steward-halted"), "{reply}");
+    // Shown again while halted: answered the same, journalled once.
+    let shown_again = json!({"envelope_hex": mesh_protocol::hex::encode(&forged.envelope)});
+    let (status, _) = post(addr, "/v1/mesh/witness", shown_again.clone()).await;
+    assert_eq!(status, 409);
 
     // Halted across a restart; cleared by the operator's journalled word.
     a.shutdown().await;
@@ -571,17 +575,29 @@ async fn a_reencoded_receipt_halts_nothing_and_a_real_conflict_halts_until_clear
     let (a, addr) = start().await;
     let (status, reply) = post(addr, "/v1/completions", granted_body(4)).await;
     assert_eq!(status, 200, "{reply}");
+    // The receipt the halt was proven with is acknowledged now: shown again
+    // it is still not held (409), and halts nothing.
+    let (status, reply) = post(addr, "/v1/mesh/witness", shown_again).await;
+    assert_eq!(status, 409, "{reply}");
+    assert!(error_of(&reply).1.contains("acknowledged"), "{reply}");
+    let (status, reply) = post(addr, "/v1/completions", granted_body(5)).await;
+    assert_eq!(status, 200, "{reply}");
     a.shutdown().await;
     let inspected = Command::new(common::processes::bin())
         .args(["journal", "inspect"])
         .arg(dir.path().join("a/steward"))
         .output()
         .unwrap();
-    let inspected = String::from_utf8_lossy(&inspected.stdout);
+    let inspected = format!(
+        "{}{}",
+        String::from_utf8_lossy(&inspected.stdout),
+        String::from_utf8_lossy(&inspected.stderr)
+    );
     assert!(
         inspected.contains("HALT CLEARED the forked copy was found and retired"),
         "{inspected}"
     );
+    assert_eq!(inspected.matches("HALTED ").count(), 1, "{inspected}");
 }
 
 /// Console event streams stay open as long as their page: past

@@ -318,6 +318,28 @@ fn digest_files(
     ))
 }
 
+/// A file's length and last modification, to tell whether it changed
+/// between reading its metadata and digesting its bytes.
+type FileStamp = (u64, Option<std::time::SystemTime>);
+
+fn file_stamp(path: &Path) -> Result<FileStamp> {
+    let metadata = std::fs::metadata(path).map_err(|e| io_error(path, e))?;
+    Ok((metadata.len(), metadata.modified().ok()))
+}
+
+/// The metadata a model was read with and the bytes digested must be of
+/// one file: refused when the file changed in between.
+fn unchanged_since(path: &Path, before: FileStamp) -> Result<()> {
+    if file_stamp(path)? == before {
+        return Ok(());
+    }
+    Err(bad(
+        path,
+        "the file changed while it was being opened (its metadata and its digest would \
+         describe two files); open it again once it is written",
+    ))
+}
+
 /// The tensor `name` as read now must be the bytes digested at open.
 fn check_stored(
     stored: &BTreeMap<String, [u8; 32]>,
@@ -397,6 +419,7 @@ impl Source {
     }
 
     fn open_gguf(path: &Path) -> Result<(Self, ModelConfig, FileDigests)> {
+        let stamp = file_stamp(path)?;
         let mut file = File::open(path).map_err(|e| io_error(path, e))?;
         let content = gguf_file::Content::read(&mut file).map_err(|e| {
             bad(
@@ -512,6 +535,7 @@ impl Source {
             })
             .collect();
         let (digests, stored) = digest_files(&[(name, path.to_path_buf())], &[regions])?;
+        unchanged_since(path, stamp)?;
         Ok((
             Source::Gguf {
                 path: path.to_path_buf(),
@@ -602,6 +626,10 @@ impl Source {
             }
             files.insert(shard.clone(), path);
         }
+        let stamps = files
+            .values()
+            .map(|path| file_stamp(path).map(|stamp| (path.clone(), stamp)))
+            .collect::<Result<Vec<_>>>()?;
         let mut tensors = BTreeMap::new();
         for shard in &shards {
             read_safetensors_header(&dir.join(shard), &mut tensors)?;
@@ -619,6 +647,9 @@ impl Source {
             })
             .collect();
         let (digests, stored) = digest_files(&ordered, &regions)?;
+        for (path, stamp) in stamps {
+            unchanged_since(&path, stamp)?;
+        }
         Ok((
             Source::Safetensors {
                 dir: dir.to_path_buf(),

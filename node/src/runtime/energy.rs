@@ -30,11 +30,24 @@ pub const RAPL_MIN_WINDOW: Duration = Duration::from_millis(10);
 /// Where the kernel publishes powercap zones.
 pub const POWERCAP_ROOT: &str = "/sys/class/powercap";
 
-/// An open metering window.
+/// A reading of the node's meter: when it was taken, and the counters
+/// (none for the estimator); `ok` is false when a counter could not be read.
 #[derive(Debug, Clone)]
 pub struct MeterSpan {
     started: Instant,
     readings: Vec<u64>,
+    ok: bool,
+}
+
+impl MeterSpan {
+    /// A reading of no counters, now.
+    fn now() -> Self {
+        Self {
+            started: Instant::now(),
+            readings: Vec::new(),
+            ok: true,
+        }
+    }
 }
 
 /// Something that meters the engine span.
@@ -48,12 +61,18 @@ pub trait EnergyMeter: Send + Sync + std::fmt::Debug {
     /// The estimator it falls back to (the router's figure for work
     /// nothing was metered on yet).
     fn estimator(&self) -> EstimatorMeter;
-    /// The node's energy over a window of any length, as measured (when
-    /// this meter measures) and estimated µJ, never rounded up: the sums of
-    /// consecutive windows are the energy of their union.
-    fn window(&self, span: MeterSpan) -> (Option<u64>, u64) {
-        let energy = self.end(span);
-        (energy.measured_uj(), energy.estimated_uj())
+    /// The node's energy between two readings (`begin`), of any length, as
+    /// measured (`None` for a meter that measures nothing, or when a
+    /// counter could not be read) and estimated µJ, never rounded up: the
+    /// sums over consecutive readings are the energy of their union.
+    fn between(&self, from: &MeterSpan, to: &MeterSpan) -> (Option<u64>, u64) {
+        let elapsed = to.started.saturating_duration_since(from.started);
+        (None, self.estimator().exact_uj(elapsed))
+    }
+    /// Whether this meter measures (its figures are graded above
+    /// `Estimator` when they are long enough).
+    fn measures(&self) -> bool {
+        false
     }
     /// A span's figure from its share of the node's measured and estimated
     /// energy, graded as this meter grades a span of `elapsed`.
@@ -68,35 +87,46 @@ pub trait EnergyMeter: Send + Sync + std::fmt::Debug {
 /// Fixed-point scale of the shares [`Apportioned`] hands out (µJ × this).
 const SHARE_SCALE: u128 = 1 << 32;
 
-/// One span's account in the ledger.
+/// One serve's account in the ledger.
 #[derive(Debug, Default)]
 struct Account {
-    /// Shares accrued in intervals it computed in (fixed point).
+    /// Energy accrued (fixed point), measured and estimated.
     measured: u128,
     estimated: u128,
-    /// While it computes: the ledger's totals when it started, the time,
-    /// and how many of its computations are open.
-    since: Option<(u128, u128, Instant)>,
-    depth: u32,
-    /// Time it computed, in all.
+    /// Rows of its own in the passes running now (its weight), and the
+    /// ledger's per-row totals when its weight last changed.
+    weight: u64,
+    at: (u128, u128),
+    /// While it computes: since when; and the time it computed in all.
+    since: Option<Instant>,
     computed: Duration,
 }
 
 /// What [`Apportioned`] has handed out.
 #[derive(Debug)]
 struct Ledger {
-    /// The node's window since the last event.
-    window: MeterSpan,
-    /// Spans computing now: the node's energy is split among them.
-    computing: usize,
-    /// Per computing span, all the energy handed out (fixed point): a
-    /// span's share of an interval is what these grew by while it computed.
+    /// The reading the last event took.
+    last: MeterSpan,
+    /// Rows being computed now, over every serve.
+    weight: u64,
+    /// Per row computed, all the energy handed out so far (fixed point).
     measured: u128,
     estimated: u128,
-    /// Whether the meter measures (every window gave a measured figure).
-    measures: bool,
     accounts: std::collections::HashMap<u64, Account>,
     next: u64,
+}
+
+impl Ledger {
+    /// An account brought up to the ledger's totals.
+    fn settle(&mut self, id: u64) -> Option<&mut Account> {
+        let totals = (self.measured, self.estimated);
+        let account = self.accounts.get_mut(&id)?;
+        let weight = u128::from(account.weight);
+        account.measured += (totals.0 - account.at.0) * weight;
+        account.estimated += (totals.1 - account.at.1) * weight;
+        account.at = totals;
+        Some(account)
+    }
 }
 
 #[derive(Debug)]
@@ -107,67 +137,62 @@ struct Core {
 
 impl Core {
     /// The ledger, brought up to now: the node's energy since the last
-    /// event split among the spans computing over it (none: not billed).
+    /// event, per row computed over it (none computed: billed to no one).
+    /// One reading closes the last interval and opens the next.
     fn advance(&self) -> std::sync::MutexGuard<'_, Ledger> {
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
-        let window = std::mem::replace(&mut ledger.window, self.meter.begin());
-        let (measured, estimated) = self.meter.window(window);
-        ledger.measures &= measured.is_some();
-        if ledger.computing > 0 {
-            let computing = ledger.computing as u128;
-            ledger.measured += u128::from(measured.unwrap_or(0)) * SHARE_SCALE / computing;
-            ledger.estimated += u128::from(estimated) * SHARE_SCALE / computing;
+        let now = self.meter.begin();
+        let (measured, estimated) = self.meter.between(&ledger.last, &now);
+        ledger.last = now;
+        if ledger.weight > 0 {
+            let weight = u128::from(ledger.weight);
+            // A counter that could not be read is billed by the estimate
+            // for that interval (never as a wrap, never as nothing).
+            let measured = measured.unwrap_or(estimated);
+            ledger.measured += u128::from(measured) * SHARE_SCALE / weight;
+            ledger.estimated += u128::from(estimated) * SHARE_SCALE / weight;
         }
         ledger
     }
 
-    fn enter(&self, id: u64) {
+    fn enter(&self, id: u64, rows: u64) {
         let mut ledger = self.advance();
-        let (measured, estimated) = (ledger.measured, ledger.estimated);
-        let Some(account) = ledger.accounts.get_mut(&id) else {
+        let Some(account) = ledger.settle(id) else {
             return;
         };
-        account.depth += 1;
-        if account.since.is_none() {
-            account.since = Some((measured, estimated, Instant::now()));
-            ledger.computing += 1;
-        }
+        account.weight += rows;
+        account.since.get_or_insert_with(Instant::now);
+        ledger.weight += rows;
     }
 
-    fn leave(&self, id: u64) {
+    fn leave(&self, id: u64, rows: u64) {
         let mut ledger = self.advance();
-        let (measured, estimated) = (ledger.measured, ledger.estimated);
-        let Some(account) = ledger.accounts.get_mut(&id) else {
+        let Some(account) = ledger.settle(id) else {
             return;
         };
-        account.depth = account.depth.saturating_sub(1);
-        if account.depth > 0 {
-            return;
+        account.weight = account.weight.saturating_sub(rows);
+        if account.weight == 0
+            && let Some(since) = account.since.take()
+        {
+            account.computed += since.elapsed();
         }
-        if let Some((m, e, at)) = account.since.take() {
-            account.measured += measured - m;
-            account.estimated += estimated - e;
-            account.computed += at.elapsed();
-            ledger.computing -= 1;
-        }
+        ledger.weight = ledger.weight.saturating_sub(rows);
     }
 
-    /// A span's energy now (counting an open computation to now).
+    /// A serve's energy now.
     fn figure(&self, id: u64) -> Energy {
-        let ledger = self.advance();
-        let (mut measured, mut estimated, mut computed) = (0, 0, Duration::ZERO);
-        if let Some(account) = ledger.accounts.get(&id) {
-            (measured, estimated, computed) =
-                (account.measured, account.estimated, account.computed);
-            if let Some((m, e, at)) = account.since {
-                measured += ledger.measured - m;
-                estimated += ledger.estimated - e;
-                computed += at.elapsed();
-            }
-        }
+        let mut ledger = self.advance();
+        let (measured, estimated, computed) = match ledger.settle(id) {
+            Some(account) => (
+                account.measured,
+                account.estimated,
+                account.computed + account.since.map_or(Duration::ZERO, |s| s.elapsed()),
+            ),
+            None => (0, 0, Duration::ZERO),
+        };
         let whole = |share: u128| u64::try_from(share / SHARE_SCALE).unwrap_or(u64::MAX);
         self.meter.energy_of(
-            ledger.measures.then(|| whole(measured)),
+            self.meter.measures().then(|| whole(measured)),
             whole(estimated),
             computed,
         )
@@ -175,75 +200,88 @@ impl Core {
 
     fn close(&self, id: u64) {
         let mut ledger = self.advance();
-        if let Some(account) = ledger.accounts.remove(&id)
-            && account.since.is_some()
-        {
-            ledger.computing -= 1;
+        if let Some(account) = ledger.accounts.remove(&id) {
+            ledger.weight = ledger.weight.saturating_sub(account.weight);
         }
     }
 }
 
-/// A meter that bills each serve for the node's draw while it computes,
-/// split among the serves computing at the same time (those batched into
-/// one forward pass, and those waiting on it). A serve waiting on the
-/// network pays nothing; the node's idle draw is billed to no one. The sum
+/// A meter that bills each serve for the node's draw while the node
+/// computes its rows: a forward pass's energy is split among the serves in
+/// it by their rows (a 2,000-row prefill pays for its rows, not an equal
+/// share with seven one-row decodes). A serve waiting on the network or in
+/// a queue pays nothing; the node's idle draw is billed to no one. The sum
 /// billed over any interval is at most what the node used in it.
 #[derive(Debug, Clone)]
 pub struct Apportioned {
     core: std::sync::Arc<Core>,
 }
 
-/// A serve's account (what a ticket holds): closed when ended or dropped.
+/// A serve's account (what its ticket holds): closed when ended or dropped.
 #[derive(Debug)]
 pub struct Share {
-    core: std::sync::Arc<Core>,
-    id: u64,
+    bill: Bill,
 }
 
 impl Drop for Share {
     fn drop(&mut self) {
-        self.core.close(self.id);
+        self.bill.core.close(self.bill.id);
     }
 }
 
-/// A serve computing: its share of the node's draw accrues until this is
-/// dropped.
-#[derive(Debug)]
-pub struct Computing {
+/// What a pass is charged to: a serve's account, handed with its steps to
+/// the batch worker that computes them.
+#[derive(Debug, Clone)]
+pub struct Bill {
     core: std::sync::Arc<Core>,
     id: u64,
 }
 
+impl Bill {
+    /// The serve computes `rows` rows until the guard is dropped: the
+    /// node's draw meanwhile is charged to it, by rows, with the other
+    /// serves computing.
+    pub fn computing(&self, rows: u64) -> Computing {
+        let rows = rows.max(1);
+        self.core.enter(self.id, rows);
+        Computing {
+            bill: self.clone(),
+            rows,
+        }
+    }
+}
+
+/// Rows of one serve being computed; charged until dropped.
+#[derive(Debug)]
+pub struct Computing {
+    bill: Bill,
+    rows: u64,
+}
+
 impl Drop for Computing {
     fn drop(&mut self) {
-        self.core.leave(self.id);
+        self.bill.core.leave(self.bill.id, self.rows);
     }
 }
 
 impl Share {
-    /// The serve computes until the guard is dropped (around each of its
-    /// forward passes, and the wait in the batch queue for one).
-    pub fn computing(&self) -> Computing {
-        self.core.enter(self.id);
-        Computing {
-            core: self.core.clone(),
-            id: self.id,
-        }
+    /// What its passes are charged to.
+    pub fn bill(&self) -> Bill {
+        self.bill.clone()
     }
 }
 
 impl Apportioned {
     pub fn new(meter: Box<dyn EnergyMeter>) -> Self {
-        let window = meter.begin();
+        let last = meter.begin();
         Self {
             core: std::sync::Arc::new(Core {
                 meter,
                 ledger: std::sync::Mutex::new(Ledger {
-                    window,
-                    computing: 0,
+                    last,
+                    weight: 0,
                     measured: 0,
                     estimated: 0,
-                    measures: true,
                     accounts: Default::default(),
                     next: 0,
                 }),
@@ -264,21 +302,30 @@ impl Apportioned {
         let mut ledger = self.core.advance();
         let id = ledger.next;
         ledger.next += 1;
-        ledger.accounts.insert(id, Account::default());
-        Share {
-            core: self.core.clone(),
+        let at = (ledger.measured, ledger.estimated);
+        ledger.accounts.insert(
             id,
+            Account {
+                at,
+                ..Account::default()
+            },
+        );
+        Share {
+            bill: Bill {
+                core: self.core.clone(),
+                id,
+            },
         }
     }
 
     /// The serve's energy so far; its account stays open.
     pub fn so_far(&self, share: &Share) -> Energy {
-        share.core.figure(share.id)
+        share.bill.core.figure(share.bill.id)
     }
 
     /// Close the serve's account: its energy.
     pub fn end(&self, share: Share) -> Energy {
-        share.core.figure(share.id)
+        share.bill.core.figure(share.bill.id)
     }
 }
 
@@ -316,19 +363,13 @@ impl EnergyMeter for EstimatorMeter {
         "estimator"
     }
     fn begin(&self) -> MeterSpan {
-        MeterSpan {
-            started: Instant::now(),
-            readings: Vec::new(),
-        }
+        MeterSpan::now()
     }
     fn end(&self, span: MeterSpan) -> Energy {
         Energy::estimator(self.estimate_uj(span.started.elapsed()))
     }
     fn estimator(&self) -> EstimatorMeter {
         self.clone()
-    }
-    fn window(&self, span: MeterSpan) -> (Option<u64>, u64) {
-        (None, self.exact_uj(span.started.elapsed()))
     }
 }
 
@@ -393,11 +434,21 @@ impl RaplMeter {
         })
     }
 
-    fn read(&self) -> Vec<u64> {
+    /// Every zone's counter, or `None` when one could not be read.
+    fn read(&self) -> Option<Vec<u64>> {
         self.zones
             .iter()
-            .map(|z| read_u64(&z.energy_file).unwrap_or(0))
+            .map(|z| read_u64(&z.energy_file))
             .collect()
+    }
+
+    fn reading(&self) -> MeterSpan {
+        let readings = self.read();
+        MeterSpan {
+            started: Instant::now(),
+            ok: readings.is_some(),
+            readings: readings.unwrap_or_default(),
+        }
     }
 
     /// Energy between two readings of every zone, across a wrap.
@@ -430,7 +481,9 @@ impl RaplMeter {
         for _ in 0..intervals {
             load(interval);
             let now = self.read();
-            if self.delta(&previous, &now) > 0 {
+            if let (Some(before), Some(after)) = (&previous, &now)
+                && self.delta(before, after) > 0
+            {
                 advanced += 1;
             }
             previous = now;
@@ -453,19 +506,26 @@ impl EnergyMeter for RaplMeter {
         self.estimator.clone()
     }
     fn begin(&self) -> MeterSpan {
-        MeterSpan {
-            readings: self.read(),
-            started: Instant::now(),
-        }
+        self.reading()
     }
     fn end(&self, span: MeterSpan) -> Energy {
-        let elapsed = span.started.elapsed();
-        let (measured, estimate) = self.window(span);
-        self.energy_of(measured, estimate, elapsed)
+        let now = self.reading();
+        let (measured, estimate) = self.between(&span, &now);
+        self.energy_of(
+            measured,
+            estimate,
+            now.started.saturating_duration_since(span.started),
+        )
     }
-    fn window(&self, span: MeterSpan) -> (Option<u64>, u64) {
-        let estimate = self.estimator.exact_uj(span.started.elapsed());
-        (Some(self.delta(&span.readings, &self.read())), estimate)
+    fn between(&self, from: &MeterSpan, to: &MeterSpan) -> (Option<u64>, u64) {
+        let estimate = self
+            .estimator
+            .exact_uj(to.started.saturating_duration_since(from.started));
+        let measured = (from.ok && to.ok).then(|| self.delta(&from.readings, &to.readings));
+        (measured, estimate)
+    }
+    fn measures(&self) -> bool {
+        true
     }
     fn energy_of(&self, measured: Option<u64>, estimated: u64, elapsed: Duration) -> Energy {
         match measured {
@@ -563,11 +623,11 @@ mod nvml {
             })
         }
 
-        fn gpu_mj(&self) -> u64 {
+        fn gpu_mj(&self) -> Option<u64> {
             self.nvml
                 .device_by_index(self.device_index)
                 .and_then(|d| d.total_energy_consumption())
-                .unwrap_or(0)
+                .ok()
         }
     }
 
@@ -579,32 +639,51 @@ mod nvml {
             self.estimator.clone()
         }
         fn begin(&self) -> MeterSpan {
-            let mut readings = self.cpu.as_ref().map(|c| c.read()).unwrap_or_default();
-            readings.push(self.gpu_mj());
+            let cpu = match &self.cpu {
+                Some(rapl) => rapl.read(),
+                None => Some(Vec::new()),
+            };
+            let readings = cpu.zip(self.gpu_mj()).map(|(mut readings, gpu)| {
+                readings.push(gpu);
+                readings
+            });
             MeterSpan {
-                readings,
                 started: Instant::now(),
+                ok: readings.is_some(),
+                readings: readings.unwrap_or_default(),
             }
         }
         fn end(&self, span: MeterSpan) -> Energy {
-            let elapsed = span.started.elapsed();
-            let (measured, estimate) = self.window(span);
-            self.energy_of(measured, estimate, elapsed)
+            let now = self.begin();
+            let (measured, estimate) = self.between(&span, &now);
+            self.energy_of(
+                measured,
+                estimate,
+                now.started.saturating_duration_since(span.started),
+            )
         }
-        fn window(&self, span: MeterSpan) -> (Option<u64>, u64) {
-            let estimate = self.estimator.exact_uj(span.started.elapsed());
-            let (cpu_before, gpu_before) = span
-                .readings
-                .split_at(span.readings.len().saturating_sub(1));
-            let gpu_uj = self
-                .gpu_mj()
-                .saturating_sub(gpu_before.first().copied().unwrap_or(0))
-                .saturating_mul(1000);
+        fn between(&self, from: &MeterSpan, to: &MeterSpan) -> (Option<u64>, u64) {
+            let estimate = self
+                .estimator
+                .exact_uj(to.started.saturating_duration_since(from.started));
+            if !(from.ok && to.ok) {
+                return (None, estimate);
+            }
+            let split = |readings: &[u64]| {
+                let (cpu, gpu) = readings.split_at(readings.len().saturating_sub(1));
+                (cpu.to_vec(), gpu.first().copied().unwrap_or(0))
+            };
+            let ((cpu_before, gpu_before), (cpu_after, gpu_after)) =
+                (split(&from.readings), split(&to.readings));
+            let gpu_uj = gpu_after.saturating_sub(gpu_before).saturating_mul(1000);
             let cpu_uj = self
                 .cpu
                 .as_ref()
-                .map_or(0, |rapl| rapl.delta(cpu_before, &rapl.read()));
+                .map_or(0, |rapl| rapl.delta(&cpu_before, &cpu_after));
             (Some(gpu_uj.saturating_add(cpu_uj)), estimate)
+        }
+        fn measures(&self) -> bool {
+            true
         }
         fn energy_of(&self, measured: Option<u64>, estimated: u64, elapsed: Duration) -> Energy {
             match (measured, &self.cpu) {
@@ -720,7 +799,7 @@ mod tests {
         let meter = Apportioned::new(Box::new(watts.clone()));
         let started = Instant::now();
         let spans: Vec<Share> = (0..8).map(|_| meter.begin()).collect();
-        let computing: Vec<Computing> = spans.iter().map(Share::computing).collect();
+        let computing: Vec<Computing> = spans.iter().map(|s| s.bill().computing(1)).collect();
         std::thread::sleep(Duration::from_millis(200));
         drop(computing);
         let billed: u64 = spans.into_iter().map(|span| meter.end(span).uj()).sum();
@@ -733,7 +812,7 @@ mod tests {
         // Alone, a serve pays the node's whole draw while it computes.
         let started = Instant::now();
         let alone = meter.begin();
-        let computing = alone.computing();
+        let computing = alone.bill().computing(1);
         std::thread::sleep(Duration::from_millis(50));
         drop(computing);
         let billed = meter.end(alone).uj();
@@ -747,10 +826,10 @@ mod tests {
         let meter = Apportioned::new(Box::new(watts));
         let first = meter.begin();
         let second = meter.begin();
-        let alone = first.computing();
+        let alone = first.bill().computing(1);
         std::thread::sleep(Duration::from_millis(100));
         let peek = meter.so_far(&first).uj();
-        let together = second.computing();
+        let together = second.bill().computing(1);
         std::thread::sleep(Duration::from_millis(100));
         drop((alone, together));
         // Neither computes: waiting on the network is not billed.
@@ -763,14 +842,50 @@ mod tests {
         assert!((450_000..=650_000).contains(&second), "{second}");
         // A serve dropped while computing stops sharing.
         let dropped = meter.begin();
-        let computing = dropped.computing();
+        let computing = dropped.bill().computing(1);
         drop(dropped);
         drop(computing);
         let alone = meter.begin();
-        let computing = alone.computing();
+        let computing = alone.bill().computing(1);
         std::thread::sleep(Duration::from_millis(20));
         drop(computing);
         assert!(meter.end(alone).uj() >= 200_000);
+    }
+
+    /// A pass is charged by rows: a long prefill batched with short decodes
+    /// pays for its rows, not an equal share.
+    #[test]
+    fn a_pass_is_charged_to_its_serves_by_their_rows() {
+        let meter = Apportioned::new(Box::new(EstimatorMeter { milliwatts: 10_000 }));
+        let prefill = meter.begin();
+        let decodes: Vec<Share> = (0..7).map(|_| meter.begin()).collect();
+        let pass: Vec<Computing> = std::iter::once(prefill.bill().computing(2000))
+            .chain(decodes.iter().map(|d| d.bill().computing(1)))
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        drop(pass);
+        let prefill = meter.end(prefill).uj();
+        let decodes: Vec<u64> = decodes.into_iter().map(|d| meter.end(d).uj()).collect();
+        assert!(prefill > 990_000, "{prefill}");
+        assert!(decodes.iter().all(|d| *d < 1_000), "{decodes:?}");
+    }
+
+    /// A counter that cannot be read is billed by the estimate for that
+    /// interval: never read as a wrap of the counter.
+    #[test]
+    fn an_unreadable_counter_is_billed_by_the_estimate_not_as_a_wrap() {
+        let root = fake_powercap(&[(500, 1_000_000)]);
+        let rapl = RaplMeter::discover(root.path(), EstimatorMeter { milliwatts: 1_000 }).unwrap();
+        let meter = Apportioned::new(Box::new(rapl));
+        let share = meter.begin();
+        let computing = share.bill().computing(1);
+        std::fs::remove_file(root.path().join("intel-rapl:0/energy_uj")).unwrap();
+        std::thread::sleep(RAPL_MIN_WINDOW + Duration::from_millis(5));
+        let _ = meter.so_far(&share);
+        set(root.path(), 0, 600);
+        drop(computing);
+        let energy = meter.end(share);
+        assert!(energy.uj() < 100_000, "{energy:?}");
     }
 
     #[test]

@@ -88,7 +88,13 @@ pub enum Entry {
     },
     /// The steward stopped honouring grants (a witness showed a receipt this
     /// journal lacks).
-    Halted { reason: String, at_ms: u64 },
+    Halted {
+        reason: String,
+        at_ms: u64,
+        /// The sequence of the receipt that proved it (absent in older
+        /// journals).
+        sequence: Option<u64>,
+    },
     /// The journal's tail was lost (`written` was confirmed, the journal
     /// ends at `last`) and an operator chose to go on without it
     /// (`mesh-node journal accept-loss`).
@@ -99,7 +105,13 @@ pub enum Entry {
     },
     /// An operator made the steward honour grants again after a halt
     /// (`mesh-node steward clear-halt`), saying why.
-    HaltCleared { reason: String, at_ms: u64 },
+    HaltCleared {
+        reason: String,
+        at_ms: u64,
+        /// Receipts below this sequence that the journal does not hold are
+        /// acknowledged: shown again, they halt nothing.
+        through: u64,
+    },
     /// An entry of a backend's weights change record (SPEC §6.5): its
     /// envelope, sealed by this steward and checked against the record
     /// before it was written.
@@ -220,21 +232,35 @@ impl TailMark {
     /// commit, it can only lag the database, never lead it, so a crash
     /// that loses it loses a check, not a record.
     fn write(&self, dir: &Path) {
-        let temporary = dir.join(format!("{TAIL_FILE}.new"));
-        let written = private_file(&temporary)
-            .and_then(|mut file| {
-                use std::io::Write;
-                file.set_len(0)?;
-                file.write_all(&self.encode())
-            })
-            .and_then(|()| std::fs::rename(&temporary, dir.join(TAIL_FILE)));
-        if let Err(error) = written {
+        if let Err(error) = self.replace(dir, false) {
             tracing::warn!("the journal's tail marker was not written: {error}");
         }
     }
 
+    /// Replace the marker, synced to disk (the file and the directory)
+    /// when `sync`.
+    fn replace(&self, dir: &Path, sync: bool) -> std::io::Result<()> {
+        let temporary = dir.join(format!("{TAIL_FILE}.new"));
+        let mut file = private_file(&temporary)?;
+        {
+            use std::io::Write;
+            file.set_len(0)?;
+            file.write_all(&self.encode())?;
+        }
+        if sync {
+            file.sync_all()?;
+        }
+        std::fs::rename(&temporary, dir.join(TAIL_FILE))?;
+        if sync {
+            File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    }
+
     /// The journal's records against the marker: the record it names must
-    /// be there, and be the one written.
+    /// be there, and be the one written, unless the journal records that
+    /// its loss was accepted (a marker left from before then, its
+    /// replacement lost in a crash).
     fn check_records(
         mark: Option<Self>,
         dir: &Path,
@@ -243,6 +269,12 @@ impl TailMark {
         let Some(mark) = mark else {
             return Ok(());
         };
+        let superseded = records.iter().any(
+            |record| matches!(record.entry, Entry::TailLost { written, .. } if written == mark.seq),
+        );
+        if superseded {
+            return Ok(());
+        }
         match usize::try_from(mark.seq).ok().and_then(|k| records.get(k)) {
             Some(record) if record.hash() == mark.hash => Ok(()),
             Some(_) => Err(JournalError::Broken {
@@ -473,11 +505,21 @@ impl Entry {
                 }
                 Cbor::text_map(fields)
             }
-            Entry::Halted { reason, at_ms } => Cbor::text_map([
-                ("kind", Cbor::text("halted")),
-                ("reason", Cbor::text(reason)),
-                ("at_ms", Cbor::Uint(*at_ms)),
-            ]),
+            Entry::Halted {
+                reason,
+                at_ms,
+                sequence,
+            } => {
+                let mut fields = vec![
+                    ("kind", Cbor::text("halted")),
+                    ("reason", Cbor::text(reason)),
+                    ("at_ms", Cbor::Uint(*at_ms)),
+                ];
+                if let Some(sequence) = sequence {
+                    fields.push(("sequence", Cbor::Uint(*sequence)));
+                }
+                Cbor::text_map(fields)
+            }
             Entry::TailLost {
                 last,
                 written,
@@ -493,10 +535,15 @@ impl Entry {
                 }
                 Cbor::text_map(fields)
             }
-            Entry::HaltCleared { reason, at_ms } => Cbor::text_map([
+            Entry::HaltCleared {
+                reason,
+                at_ms,
+                through,
+            } => Cbor::text_map([
                 ("kind", Cbor::text("halt_cleared")),
                 ("reason", Cbor::text(reason)),
                 ("at_ms", Cbor::Uint(*at_ms)),
+                ("through", Cbor::Uint(*through)),
             ]),
             Entry::Changed { envelope } => Cbor::text_map([
                 ("kind", Cbor::text("changed")),
@@ -595,6 +642,10 @@ impl Entry {
             "halted" => Ok(Entry::Halted {
                 reason: text("reason")?.to_string(),
                 at_ms: uint("at_ms")?,
+                sequence: value
+                    .get("sequence")
+                    .map(|v| v.as_uint().ok_or("`sequence`"))
+                    .transpose()?,
             }),
             "tail_lost" => Ok(Entry::TailLost {
                 last: value
@@ -607,6 +658,7 @@ impl Entry {
             "halt_cleared" => Ok(Entry::HaltCleared {
                 reason: text("reason")?.to_string(),
                 at_ms: uint("at_ms")?,
+                through: uint("through")?,
             }),
             "refused" => Ok(Entry::Refused {
                 request_id: id(value.get("request_id").ok_or("`request_id`")?)?,
@@ -737,6 +789,17 @@ impl Journal {
             written,
             at_ms: now_ms,
         })?;
+        // Synced: a marker left naming the lost record would read as a
+        // journal that differs from the one written.
+        TailMark {
+            seq: record.seq,
+            hash: record.hash(),
+        }
+        .replace(dir, true)
+        .map_err(|source| JournalError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
         Ok((records, Some(record)))
     }
 
@@ -788,6 +851,16 @@ impl Journal {
     /// steward died (so redb was not closed cleanly) needs redb's repair
     /// before it can be read; that repair runs on a private copy.
     pub fn read(dir: &Path) -> Result<Vec<Record>, JournalError> {
+        let (records, lost) = Self::read_with_loss(dir)?;
+        match lost {
+            Some(lost) => Err(lost),
+            None => Ok(records),
+        }
+    }
+
+    /// `read`, with a lost tail ([`JournalError::TailLost`]) returned beside
+    /// the records the journal holds, for an operator to see what remains.
+    pub fn read_with_loss(dir: &Path) -> Result<(Vec<Record>, Option<JournalError>), JournalError> {
         let path = dir.join(JOURNAL_FILE);
         if !path.is_file() {
             return Err(JournalError::NoJournal(dir.to_path_buf()));
@@ -801,8 +874,11 @@ impl Journal {
             Err(redb::DatabaseError::RepairAborted) => Self::read_repaired_copy(dir, &path),
             Err(error) => Err(storage(error)),
         })?;
-        TailMark::check_records(TailMark::read(dir), dir, &records)?;
-        Ok(records)
+        match TailMark::check_records(TailMark::read(dir), dir, &records) {
+            Ok(()) => Ok((records, None)),
+            Err(lost @ JournalError::TailLost { .. }) => Ok((records, Some(lost))),
+            Err(error) => Err(error),
+        }
     }
 
     /// Take the lock file shared, if there is one (a running steward holds

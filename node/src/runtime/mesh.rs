@@ -24,6 +24,8 @@ use mesh_protocol::SigningKey;
 use mesh_protocol::advert::{Advert, AdvertRefusal, MAX_ADVERT_BYTES, Members, Offered};
 use mesh_protocol::identity::{did_key, parse_peer_id};
 
+use crate::runtime::limit::Source;
+
 /// The gossipsub topic adverts travel on.
 pub const ADVERT_TOPIC: &str = "mesh-adverts/1";
 /// How often a node signs and publishes its advert.
@@ -42,14 +44,15 @@ pub const MAX_DIALED_PEERS: usize = 64;
 pub const MAX_INBOUND_CONNECTIONS: u32 = 128;
 pub const MAX_PENDING_INBOUND: u32 = 32;
 pub const MAX_CONNECTIONS_PER_PEER: u32 = 2;
-/// Inbound connections one IP address may have handshaking at once: a
-/// member needs one or two, and a stranger's raw connections that never
-/// handshake take at most these of the `MAX_PENDING_INBOUND` slots.
+/// Inbound connections one source (an IPv4 address, an IPv6 /64) may
+/// have handshaking at once: a member needs one or two, and a stranger's
+/// raw connections that never handshake take at most these of the
+/// `MAX_PENDING_INBOUND` slots.
 pub const MAX_PENDING_PER_ADDRESS: usize = 4;
 /// How long a connection may take from TCP to an authenticated,
-/// multiplexed connection (Noise and Yamux); a stranger reopening raw
-/// connections as they time out is held to `MAX_PENDING_PER_ADDRESS`.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// multiplexed connection (Noise and Yamux: a few round trips); libp2p's
+/// own default is 10 s.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Listen addresses taken from one peer's identify report.
 pub const MAX_ADDRESSES_PER_PEER: usize = 8;
 const IDENTIFY_PROTOCOL: &str = "/mesh-node/1.0.0";
@@ -216,12 +219,12 @@ fn now_ms() -> u64 {
 /// pending connections in all, not per address).
 #[derive(Default)]
 struct PendingPerAddress {
-    pending: HashMap<libp2p::swarm::ConnectionId, std::net::IpAddr>,
-    per_address: HashMap<std::net::IpAddr, usize>,
+    pending: HashMap<libp2p::swarm::ConnectionId, Source>,
+    per_address: HashMap<Source, usize>,
 }
 
 #[derive(Debug)]
-struct TooManyPending(std::net::IpAddr);
+struct TooManyPending(Source);
 
 impl std::fmt::Display for TooManyPending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -237,13 +240,13 @@ impl std::error::Error for TooManyPending {}
 
 impl PendingPerAddress {
     fn release(&mut self, id: libp2p::swarm::ConnectionId) {
-        let Some(ip) = self.pending.remove(&id) else {
+        let Some(source) = self.pending.remove(&id) else {
             return;
         };
-        if let Some(count) = self.per_address.get_mut(&ip) {
+        if let Some(count) = self.per_address.get_mut(&source) {
             *count -= 1;
             if *count == 0 {
-                self.per_address.remove(&ip);
+                self.per_address.remove(&source);
             }
         }
     }
@@ -264,15 +267,15 @@ impl NetworkBehaviour for PendingPerAddress {
             Protocol::Ip6(ip) => Some(std::net::IpAddr::V6(ip)),
             _ => None,
         });
-        let Some(ip) = ip else {
+        let Some(source) = ip.map(Source::of) else {
             return Ok(());
         };
-        let count = self.per_address.entry(ip).or_default();
+        let count = self.per_address.entry(source).or_default();
         if *count >= MAX_PENDING_PER_ADDRESS {
-            return Err(libp2p::swarm::ConnectionDenied::new(TooManyPending(ip)));
+            return Err(libp2p::swarm::ConnectionDenied::new(TooManyPending(source)));
         }
         *count += 1;
-        self.pending.insert(id, ip);
+        self.pending.insert(id, source);
         Ok(())
     }
 

@@ -84,12 +84,11 @@ impl ServeTicket {
         self.authorisation.as_ref().map(|(_, a)| a.leaf_id)
     }
 
-    /// The serve computes (a forward pass of its, or its wait in the batch
-    /// queue for one) until the guard is dropped: the node's draw meanwhile
-    /// is billed to it, shared with the serves computing with it. Nothing
-    /// before the engine's window opens.
-    pub fn computing(&self) -> Option<crate::runtime::energy::Computing> {
-        self.span.as_ref().map(Share::computing)
+    /// What the serve's passes are charged to (the batch worker charges a
+    /// pass's energy to the serves in it, by rows); none before the
+    /// engine's window opens.
+    pub fn bill(&self) -> Option<crate::runtime::energy::Bill> {
+        self.span.as_ref().map(Share::bill)
     }
 
     /// Most energy this serve may use here: the request's ceiling (which
@@ -142,6 +141,7 @@ pub struct Steward {
     log: MmrLog,
     /// The last checkpoint issued (size, root), which the next names.
     last_checkpoint: Option<(u64, [u8; 32])>,
+    witnessed: Witnessed,
 }
 
 /// What replaying a journal established.
@@ -160,6 +160,31 @@ pub struct Replay {
     pub log: MmrLog,
     /// The last checkpoint issued over it (size, root).
     pub last_checkpoint: Option<(u64, ContentId)>,
+    pub witnessed: Witnessed,
+}
+
+/// What the witness rule knows beyond the receipts held.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Witnessed {
+    /// Receipts below this sequence that the journal does not hold were
+    /// acknowledged by an operator (a halt cleared, a lost tail accepted):
+    /// shown again, they halt nothing.
+    pub acknowledged_through: u64,
+    /// One past the highest sequence a halt was proven with since.
+    pub shown_past: u64,
+}
+
+/// What a witness showing decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Witness {
+    /// The journal holds this receipt.
+    Held,
+    /// The journal does not hold it, and the steward halted (now, or
+    /// already before).
+    Halted,
+    /// The journal does not hold it, but an operator acknowledged it (it
+    /// is of a fork or loss already dealt with): nothing halts.
+    Acknowledged,
 }
 
 /// Replay journal records through a fresh gate (§2.2): every authorisation
@@ -177,6 +202,10 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
     let mut changes: std::collections::BTreeMap<String, ChangeRecord> = Default::default();
     let mut log = MmrLog::new();
     let mut last_checkpoint = None;
+    // Receipts below this that the journal lacks were acknowledged by an
+    // operator; the highest shown in a halt, plus one.
+    let mut acknowledged_through = 0u64;
+    let mut shown_past = 0u64;
     let steward_key = mesh_protocol::identity::parse_did_key(steward_did);
     for record in records {
         let foreign = |why: String| StewardError::ForeignJournal {
@@ -242,13 +271,27 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
                 last_envelope = envelope.clone();
                 next_sequence += 1;
             }
-            Entry::Halted { reason, .. } => gate.halt(reason.clone()),
-            Entry::HaltCleared { .. } => {
+            Entry::Halted {
+                reason, sequence, ..
+            } => {
+                gate.halt(reason.clone());
+                if let Some(sequence) = sequence {
+                    shown_past = shown_past.max(sequence.saturating_add(1));
+                }
+            }
+            Entry::HaltCleared { through, .. } => {
                 if gate.clear_halt().is_none() {
                     return Err(foreign("a halt cleared while none was in force".into()));
                 }
+                acknowledged_through = acknowledged_through.max(*through);
             }
-            Entry::Refused { .. } | Entry::TailLost { .. } => {}
+            Entry::TailLost { last, written, .. } => {
+                // The lost records held at most this many receipts, at the
+                // sequences the steward goes on to issue again.
+                let lost = written.saturating_sub(last.map_or(0, |l| l + 1)) + 1;
+                acknowledged_through = acknowledged_through.max(next_sequence.saturating_add(lost));
+            }
+            Entry::Refused { .. } => {}
             Entry::Logged { capsule_id } => {
                 if log.held() > MAX_LOG_NODES_HELD {
                     log.forget(LOG_NODES_KEPT as u64);
@@ -313,6 +356,10 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
     }
     unresolved.sort_by_key(|u| u.authorised_seq);
     Ok(Replay {
+        witnessed: Witnessed {
+            acknowledged_through,
+            shown_past,
+        },
         gate,
         next_sequence,
         prev_envelope,
@@ -349,6 +396,7 @@ impl Steward {
             changes: replayed.changes,
             log: replayed.log,
             last_checkpoint: replayed.last_checkpoint,
+            witnessed: replayed.witnessed,
         })
     }
 
@@ -714,28 +762,31 @@ impl Steward {
         opening_key(&self.key.to_bytes())
     }
 
-    /// A party shows a receipt this steward sealed (seed 001 §2.2). `Ok(true)`
-    /// when the journal holds it. A receipt under this steward's signature
-    /// that the journal does not hold is proof that records were cut or
-    /// forked after it left: a different receipt at a sequence the journal
-    /// holds, or one past its end. The steward then refuses every grant
-    /// from now on (the halt is journalled, so it survives a restart) and
-    /// answers `Ok(false)`, until an operator clears the halt
-    /// ([`Steward::clear_halt`]). The envelope must be exactly the bytes
-    /// the steward sealed (deterministic CBOR, checked by
-    /// `SealedReceipt::verify`), so the same receipt written another way is
+    /// A party shows a receipt this steward sealed (seed 001 §2.2). A
+    /// receipt under this steward's signature that the journal does not
+    /// hold is proof that records were cut or forked after it left: a
+    /// different receipt at a sequence the journal holds, or one past its
+    /// end. The steward then refuses every grant from now on (the halt is
+    /// journalled, so it survives a restart) until an operator clears it
+    /// ([`Steward::clear_halt`]). A receipt an operator acknowledged (below
+    /// a cleared halt's or an accepted loss's `through`) halts nothing, and
+    /// a steward halted already journals nothing more. The envelope must be
+    /// exactly the bytes the steward sealed (deterministic CBOR, checked by
+    /// `SealedReceipt::verify`): the same receipt written another way is
     /// refused as an error and changes nothing.
+    /// `Ok(true)` when the journal holds the receipt.
     pub fn witness(&mut self, envelope: &[u8], now_ms: u64) -> Result<bool, StewardError> {
-        self.witness_verified(SealedReceipt::verify(envelope)?, now_ms)
+        Ok(self.witness_verified(SealedReceipt::verify(envelope)?, now_ms)? == Witness::Held)
     }
 
     /// `witness` of an envelope already verified (its signature checked
-    /// before the steward is locked, so a flood of them holds no lock).
+    /// before the steward is locked, so a flood of them holds no lock):
+    /// what it decided.
     pub fn witness_verified(
         &mut self,
         sealed: SealedReceipt,
         now_ms: u64,
-    ) -> Result<bool, StewardError> {
+    ) -> Result<Witness, StewardError> {
         if sealed.receipt.steward != self.did {
             return Err(StewardError::Receipt(
                 mesh_protocol::mesh1::Mesh1Error::StewardMismatch,
@@ -744,7 +795,11 @@ impl Steward {
         let sequence = sealed.receipt.sequence;
         let shown = sealed.envelope_id();
         let reason = match self.sealed.get(&sequence) {
-            Some(held) if *held == shown => return Ok(true),
+            Some(held) if *held == shown => return Ok(Witness::Held),
+            _ if sequence < self.witnessed.acknowledged_through => {
+                return Ok(Witness::Acknowledged);
+            }
+            _ if self.gate.halted().is_some() => return Ok(Witness::Halted),
             Some(held) => format!(
                 "shown receipt {} at sequence {sequence}, where the journal holds {}: two receipts \
                  signed at one sequence (a forked log); find which copy of the journal sealed it",
@@ -763,9 +818,11 @@ impl Steward {
         self.journal.append(Entry::Halted {
             reason: reason.clone(),
             at_ms: now_ms,
+            sequence: Some(sequence),
         })?;
         self.gate.halt(reason);
-        Ok(false)
+        self.witnessed.shown_past = self.witnessed.shown_past.max(sequence.saturating_add(1));
+        Ok(Witness::Halted)
     }
 
     /// An operator's way out of a halt (`mesh-node steward clear-halt`):
@@ -775,13 +832,18 @@ impl Steward {
         let Some(halted) = self.gate.halted().map(str::to_string) else {
             return Err(StewardError::NotHalted);
         };
+        // The receipts the halt was proven with (and any before them the
+        // journal lacks) are dealt with: shown again, they halt nothing.
+        let through = self.next_sequence.max(self.witnessed.shown_past);
         self.journal
             .append(Entry::HaltCleared {
                 reason: reason.to_string(),
                 at_ms: now_ms,
+                through,
             })
             .map_err(StewardError::NotJournalled)?;
         self.gate.clear_halt();
+        self.witnessed.acknowledged_through = self.witnessed.acknowledged_through.max(through);
         Ok(halted)
     }
 }

@@ -4,16 +4,21 @@
 //!
 //! A connection is *idle* while no request of it is being answered: before
 //! its first request, between keep-alive requests, and while a request's
-//! headers trickle in. A new connection never waits for a slot: when every
-//! slot (or every slot its source may hold) is taken, the idle connection of
-//! the source holding the most slots that has been open longest is closed to
-//! make room, and only when no connection is idle is the new one refused.
-//! So connections that send nothing cannot lock the API, however fast they
-//! reconnect; only requests being answered hold slots for long, and those
-//! are bounded per source by the request gate (`gate.rs`).
+//! head trickles in. A new connection never waits for a slot. When every
+//! slot its source may hold is taken, that source's longest-open idle
+//! connection is closed for it (none idle: the newcomer is refused). When
+//! every slot of the API is taken, slots are shared max-min: the longest-open
+//! idle connection of the source holding the most is closed; when none is
+//! idle and that source holds at least two more slots than the newcomer's,
+//! its youngest busy connection is closed (the request on it ends); else
+//! the newcomer is refused. So connections that send nothing cannot lock
+//! the API however fast they reconnect, and neither can a few sources'
+//! slow requests: a source holding few slots always gets one. A connection
+//! closed for a newcomer is dropped at once, not shut down gracefully
+//! (which would let a request it started run on, uncounted).
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,6 +29,7 @@ use axum::http::{Request, Response};
 use hyper::body::Incoming;
 
 use super::guard::{Access, Checked};
+pub use crate::runtime::limit::Source;
 
 /// Most HTTP connections open at once.
 pub const MAX_HTTP_CONNECTIONS: usize = 256;
@@ -41,35 +47,6 @@ pub const MAX_HTTP_BUFFER: usize = 64 * 1024;
 /// Most bytes of a request's head (request line and headers): a longer one
 /// is refused (431) before any handler runs.
 pub const MAX_HEAD_BYTES: usize = 64 * 1024;
-
-/// Where a connection comes from, as slots and quotas count it: an IPv4
-/// address, or an IPv6 address's /64 (what one host is usually given).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Source(IpAddr);
-
-impl Source {
-    pub fn of(ip: IpAddr) -> Self {
-        match ip {
-            IpAddr::V4(v4) => Source(IpAddr::V4(v4)),
-            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-                Some(v4) => Source(IpAddr::V4(v4)),
-                None => {
-                    let prefix = u128::from(v6) & !((1u128 << 64) - 1);
-                    Source(IpAddr::V6(prefix.into()))
-                }
-            },
-        }
-    }
-}
-
-impl std::fmt::Display for Source {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
-            IpAddr::V6(v6) => write!(f, "{v6}/64"),
-            ip => write!(f, "{ip}"),
-        }
-    }
-}
 
 /// One open connection, as the table sees it.
 struct Conn {
@@ -127,17 +104,44 @@ impl Table {
         Some(conn)
     }
 
-    /// The idle connection to close for a newcomer from `source`: its own
-    /// source's when that is at its share, else one of the source holding
-    /// the most slots; the longest open first.
+    /// The connection to close for a newcomer from `source` (see the
+    /// module's rules).
     fn victim(&self, source: Source, at_share: bool) -> Option<u64> {
-        let heaviest = |conn: &Conn| self.per_source.get(&conn.source).copied().unwrap_or(0);
-        self.conns
+        let held = |source: &Source| self.per_source.get(source).copied().unwrap_or(0);
+        let idle = |conn: &Conn| conn.busy.load(Ordering::Acquire) == 0;
+        if at_share {
+            return self
+                .conns
+                .iter()
+                .filter(|(_, conn)| conn.source == source && idle(conn))
+                .min_by_key(|(_, conn)| conn.opened)
+                .map(|(id, _)| *id);
+        }
+        let oldest_idle_of_the_heaviest = self
+            .conns
             .iter()
-            .filter(|(_, conn)| conn.busy.load(Ordering::Acquire) == 0)
-            .filter(|(_, conn)| !at_share || conn.source == source)
-            .max_by(|(_, a), (_, b)| heaviest(a).cmp(&heaviest(b)).then(b.opened.cmp(&a.opened)))
-            .map(|(id, _)| *id)
+            .filter(|(_, conn)| idle(conn))
+            .max_by(|(_, a), (_, b)| {
+                held(&a.source)
+                    .cmp(&held(&b.source))
+                    .then(b.opened.cmp(&a.opened))
+            })
+            .map(|(id, _)| *id);
+        oldest_idle_of_the_heaviest.or_else(|| {
+            let (heaviest, count) = self
+                .per_source
+                .iter()
+                .max_by_key(|(_, count)| **count)
+                .map(|(source, count)| (*source, *count))?;
+            if count < held(&source) + 2 {
+                return None;
+            }
+            self.conns
+                .iter()
+                .filter(|(_, conn)| conn.source == heaviest)
+                .max_by_key(|(_, conn)| conn.opened)
+                .map(|(id, _)| *id)
+        })
     }
 }
 
@@ -334,15 +338,11 @@ async fn serve_connection(
         .header_read_timeout(HEADER_READ_TIMEOUT)
         .max_buf_size(MAX_HTTP_BUFFER)
         .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-    tokio::pin!(connection);
+    // Closed for a newcomer: dropped at once, whatever it was doing (a
+    // graceful shutdown would let a request it started run on, uncounted).
     tokio::select! {
-        _ = connection.as_mut() => {}
-        () = close.notified() => {
-            // Taken for a newcomer while idle: a request that started since
-            // is answered first.
-            connection.as_mut().graceful_shutdown();
-            let _ = connection.await;
-        }
+        _ = connection => {}
+        () = close.notified() => {}
     }
     drop(slot);
 }
@@ -350,6 +350,7 @@ async fn serve_connection(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::IpAddr;
 
     fn source(last: u8) -> Source {
         Source::of(IpAddr::from([127, 0, 0, last]))
@@ -381,23 +382,23 @@ mod tests {
     }
 
     #[test]
-    fn busy_connections_are_never_closed_for_a_newcomer() {
-        let slots = Slots::new(2, 2);
-        let a = slots.admit(source(9)).unwrap();
-        let b = slots.admit(source(9)).unwrap();
-        let _answering = (Busy::enter(&a.busy), Busy::enter(&b.busy));
-        assert_eq!(slots.admit(source(2)).err(), Some(Refused::AllBusy));
-        assert_eq!(slots.open(), 2);
-    }
-
-    #[test]
-    fn an_ipv6_source_is_its_64() {
-        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
-        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
-        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
-        assert_eq!(Source::of(a), Source::of(b));
-        assert_ne!(Source::of(a), Source::of(c));
-        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
-        assert_eq!(Source::of(mapped), Source::of(IpAddr::from([10, 0, 0, 1])));
+    fn a_source_with_few_slots_gets_one_from_the_heaviest_even_when_all_are_busy() {
+        let slots = Slots::new(4, 4);
+        let flooder: Vec<Slot> = (0..3).map(|_| slots.admit(source(9)).unwrap()).collect();
+        let other = slots.admit(source(8)).unwrap();
+        let _answering: Vec<Busy> = flooder
+            .iter()
+            .chain([&other])
+            .map(|slot| Busy::enter(&slot.busy))
+            .collect();
+        // Every slot answers a request: the heaviest source gives up its
+        // youngest one to a source holding none.
+        let newcomer = slots.admit(source(2)).unwrap();
+        assert!(!lock(&slots.table).conns.contains_key(&flooder[2].id));
+        // Now 9 holds 2, 8 and 2 one each: as even as they can be, so
+        // another newcomer of source 8 is refused.
+        let _answering_too = Busy::enter(&newcomer.busy);
+        assert_eq!(slots.admit(source(8)).err(), Some(Refused::AllBusy));
+        assert_eq!(slots.open(), 4);
     }
 }

@@ -96,7 +96,12 @@ impl Access {
             || name == "localhost"
             || name.ends_with(".localhost")
             || self.allow_hosts.iter().any(|allowed| {
-                let allowed = allowed.trim().trim_end_matches('.').to_ascii_lowercase();
+                // A configured name with a port matches the name.
+                let allowed = if allowed.trim().starts_with('.') {
+                    allowed.trim().trim_end_matches('.').to_ascii_lowercase()
+                } else {
+                    host_name(allowed)
+                };
                 allowed == "*"
                     || allowed == name
                     || (allowed.starts_with('.') && name.ends_with(allowed.as_str()))
@@ -111,12 +116,19 @@ impl Access {
 
     /// Decide on one request from its head.
     pub fn check<B>(&self, request: &Request<B>) -> Checked {
-        let host = request
-            .headers()
-            .get(header::HOST)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-            .or_else(|| request.uri().authority().map(|a| a.to_string()));
+        let host = match request.headers().get(header::HOST) {
+            Some(value) => match value.to_str() {
+                Ok(host) => Some(host.to_string()),
+                // Bytes a browser never sends: not a name this API answers.
+                Err(_) => {
+                    return Checked::Refused(refusal(
+                        StatusCode::FORBIDDEN,
+                        "the Host header is not a host name".into(),
+                    ));
+                }
+            },
+            None => request.uri().authority().map(|a| a.to_string()),
+        };
         // A request without a Host is no browser's (HTTP/1.1 browsers always
         // send one).
         if let Some(host) = host {
@@ -215,10 +227,15 @@ mod tests {
             assert!(!allowed(&access, host), "{host}");
         }
         let access = Access {
-            allow_hosts: vec!["Node.LAN".into(), ".example.com".into()],
+            allow_hosts: vec![
+                "Node.LAN".into(),
+                ".example.com".into(),
+                "box.lan:8080".into(),
+            ],
             ..Access::default()
         };
         assert!(allowed(&access, "node.lan:8080"));
+        assert!(allowed(&access, "box.lan:9000"));
         assert!(allowed(&access, "api.example.com"));
         assert!(!allowed(&access, "example.org"));
         let any = Access {

@@ -86,10 +86,10 @@ pub struct ModelCard {
     pub codec: TextCodec,
 }
 
-/// Shows the coordinator's steward a receipt (seed 001 §2.2): `Ok(true)`
-/// when its journal holds it; `Ok(false)` when not, after which it refuses
-/// every grant.
-pub type Witness = Arc<dyn Fn(&[u8]) -> anyhow::Result<bool> + Send + Sync>;
+/// Shows the coordinator's steward a receipt (seed 001 §2.2): what it
+/// decided (`steward::Witness`).
+pub type Witness =
+    Arc<dyn Fn(&[u8]) -> anyhow::Result<crate::runtime::steward::Witness> + Send + Sync>;
 
 struct Api {
     coordinator: PeerAddr,
@@ -97,6 +97,9 @@ struct Api {
     witness: Witness,
     /// The coordinator's caches, shared fairly between sources.
     gate: gate::Gate,
+    /// Requests this API answered with its own error, logged (strangers
+    /// can cause them at will: a line a second at most, the rest counted).
+    failures_logged: Mutex<crate::runtime::limit::PerMinute>,
     bundles: Mutex<VecDeque<(String, Arc<Value>)>>,
     /// What the console shows of recent requests (no prompt, no output).
     requests: Mutex<VecDeque<Value>>,
@@ -107,6 +110,19 @@ struct Api {
 }
 
 impl Api {
+    /// Log why this API answered a request with its own error (the
+    /// coordinator logs what it refused or what failed on the chain).
+    fn log_failure(&self, source: Source, why: &str) {
+        let admitted = self
+            .failures_logged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .admit(std::time::Instant::now());
+        if let Some(unlogged) = admitted {
+            tracing::warn!(%source, unlogged, "an API request was not served: {why}");
+        }
+    }
+
     /// A request started or ended: list it and tell the consoles.
     fn publish(&self, entry: Value) {
         {
@@ -164,6 +180,7 @@ pub async fn start(
         card,
         witness,
         gate: gate::Gate::new(max_requests),
+        failures_logged: Mutex::new(crate::runtime::limit::PerMinute::new(60)),
         bundles: Mutex::new(VecDeque::new()),
         requests: Mutex::new(VecDeque::new()),
         events: tokio::sync::broadcast::channel(CONSOLE_EVENT_BACKLOG).0,
@@ -933,14 +950,37 @@ async fn witness_receipt(State(api): State<Arc<Api>>, request: axum::extract::Re
         return ApiError::bad("`envelope_hex` is not hex").into_response();
     };
     let witness = api.witness.clone();
+    use crate::runtime::steward::{StewardError, Witness};
     match tokio::task::spawn_blocking(move || witness(&envelope)).await {
-        Ok(Ok(true)) => axum::Json(json!({"held": true})).into_response(),
-        Ok(Ok(false)) => ApiError::new(
+        Ok(Ok(Witness::Held)) => axum::Json(json!({"held": true})).into_response(),
+        Ok(Ok(Witness::Halted)) => ApiError::new(
             StatusCode::CONFLICT,
             "the steward's journal does not hold this receipt: it now refuses every grant",
         )
         .code("receipt_not_held")
         .into_response(),
+        Ok(Ok(Witness::Acknowledged)) => ApiError::new(
+            StatusCode::CONFLICT,
+            "the steward's journal does not hold this receipt; its operator acknowledged it \
+             (a halt cleared, a lost journal tail accepted), so grants are still honoured",
+        )
+        .code("receipt_not_held")
+        .into_response(),
+        // The halt could not be journalled: the steward's failure, not the
+        // caller's.
+        Ok(Err(error))
+            if matches!(
+                error.downcast_ref::<StewardError>(),
+                Some(StewardError::Journal(_) | StewardError::NotJournalled(_))
+            ) =>
+        {
+            tracing::error!("a witness showing could not be journalled: {error:#}");
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the steward could not journal its decision: {error:#}"),
+            )
+            .into_response()
+        }
         Ok(Err(error)) => {
             ApiError::bad(format!("not a receipt this steward sealed: {error:#}")).into_response()
         }
@@ -1044,7 +1084,7 @@ async fn run(api: Arc<Api>, prepared: Prepared, source: Source) -> Response {
     let pass = match api.gate.enter(source).await {
         Ok(pass) => pass,
         Err(full) => {
-            tracing::info!(%source, "an API request refused: {full}");
+            api.log_failure(source, &format!("busy: {full}"));
             let mut error = ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 format!("the API is busy: {full}"),
@@ -1069,6 +1109,7 @@ async fn run(api: Arc<Api>, prepared: Prepared, source: Source) -> Response {
         id: completion_id(flavour),
         created,
         max_tokens,
+        source,
     };
     api.publish(json!({"id": answer.id, "state": "running", "max_tokens": max_tokens}));
     if !stream {
@@ -1088,13 +1129,10 @@ async fn run(api: Arc<Api>, prepared: Prepared, source: Source) -> Response {
                 }
                 Some(Progress::Done(Err(error))) => {
                     waiting.settled = true;
-                    answer.refused();
+                    answer.refused(&error);
                     return refused(&error).into_response();
                 }
-                None => {
-                    return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the request ended")
-                        .into_response();
-                }
+                None => return answer.ended_without_an_answer(),
             }
         }
     }
@@ -1102,14 +1140,11 @@ async fn run(api: Arc<Api>, prepared: Prepared, source: Source) -> Response {
     // (busy, too long) is still an HTTP error, not an event.
     let first = match receiver.recv().await {
         Some(Progress::Done(Err(error))) => {
-            answer.refused();
+            answer.refused(&error);
             return refused(&error).into_response();
         }
         Some(first) => first,
-        None => {
-            return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the request ended")
-                .into_response();
-        }
+        None => return answer.ended_without_an_answer(),
     };
     let state = StreamState {
         answer,
@@ -1222,13 +1257,27 @@ struct Answer {
     id: String,
     created: u64,
     max_tokens: usize,
+    source: Source,
 }
 
 impl Answer {
-    /// The console lists the request as refused.
-    fn refused(&self) {
+    /// The console lists the request as refused; one that never reached
+    /// the coordinator (which logs what it refuses) is logged here.
+    fn refused(&self, error: &anyhow::Error) {
+        let why = format!("{error:#}");
+        if !why.contains("the coordinator refused") {
+            self.api.log_failure(self.source, &why);
+        }
         self.api
             .publish(json!({"id": self.id, "state": "refused", "max_tokens": self.max_tokens}));
+    }
+
+    /// The generation stopped without a summary or an error (its task
+    /// ended): said, and logged.
+    fn ended_without_an_answer(&self) -> Response {
+        let why = "the request ended without an answer";
+        self.api.log_failure(self.source, why);
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, why).into_response()
     }
 
     /// The console lists the request as cancelled by its client.
@@ -1402,7 +1451,7 @@ impl StreamState {
             }
             Progress::Done(Err(error)) => {
                 self.finished = true;
-                self.answer.refused();
+                self.answer.refused(&error);
                 Some(Event::default().data(refused(&error).body().to_string()))
             }
         }

@@ -17,6 +17,8 @@ use mesh_stage::model::MAX_BATCH_ROWS;
 use mesh_stage::{EngineError, LayerSlice, SliceInput, SliceOutput};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::runtime::energy::Bill;
+
 /// One request's next positions.
 #[derive(Debug)]
 pub(super) enum StepInput {
@@ -49,6 +51,8 @@ struct Job {
     /// A decode step: each of its rows (the token sampled and the draft
     /// after it) gets the bits it gets decoded alone.
     decode: bool,
+    /// What the pass is charged to, by this step's rows.
+    bill: Option<Bill>,
     reply: oneshot::Sender<Done>,
 }
 
@@ -56,6 +60,7 @@ struct Job {
 /// the output head.
 struct HeadJob {
     hidden: Activations,
+    bill: Option<Bill>,
     reply: oneshot::Sender<HeadDone>,
 }
 
@@ -111,8 +116,14 @@ impl Batcher {
     /// Run one step of one request, batched with whatever else is waiting;
     /// `decode` for a decode step, whose rows each get the bits they get
     /// decoded alone (a prefill chunk's rows go through the matrices
-    /// together).
-    pub(super) async fn step(&self, input: StepInput, lease: CacheLease, decode: bool) -> Done {
+    /// together). The pass's energy is charged to `bill`, by its rows.
+    pub(super) async fn step(
+        &self,
+        input: StepInput,
+        lease: CacheLease,
+        decode: bool,
+        bill: Option<Bill>,
+    ) -> Done {
         let (reply, done) = oneshot::channel();
         let request = lease.request();
         let gone = || EngineError::WrongInput("lost its batch worker");
@@ -121,6 +132,7 @@ impl Batcher {
                 input,
                 lease,
                 decode,
+                bill,
                 reply,
             }))
             .await
@@ -135,11 +147,15 @@ impl Batcher {
     /// through the output head the slice holds, batched with the other
     /// requests' rows waiting; each row gets the bits it gets alone. With
     /// them, how long the engine took over the pass.
-    pub(super) async fn logits(&self, hidden: Activations) -> HeadDone {
+    pub(super) async fn logits(&self, hidden: Activations, bill: Option<Bill>) -> HeadDone {
         let (reply, done) = oneshot::channel();
         let gone = || EngineError::WrongInput("lost its batch worker");
         self.jobs
-            .send(Work::Head(HeadJob { hidden, reply }))
+            .send(Work::Head(HeadJob {
+                hidden,
+                bill,
+                reply,
+            }))
             .await
             .map_err(|_| gone())?;
         done.await.map_err(|_| gone())?
@@ -297,9 +313,14 @@ fn run_heads(slice: &LayerSlice, jobs: Vec<HeadJob>) {
             .flat_map(|job| job.hidden.values.iter().copied())
             .collect(),
     };
+    let charged: Vec<_> = rows
+        .iter()
+        .filter_map(|job| Some(job.bill.as_ref()?.computing(job.hidden.rows as u64)))
+        .collect();
     let start = Instant::now();
     let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| slice.logits(&stacked)));
     let took = start.elapsed();
+    drop(charged);
     match outputs {
         Ok(Ok(logits)) if logits.len() == stacked.rows => {
             let mut logits = logits.into_iter();
@@ -366,6 +387,11 @@ fn batches(slice: &LayerSlice, waiting: Vec<Job>) -> Vec<Vec<Job>> {
 /// engine's, mid-pass, with caches possibly half advanced: every step of
 /// the pass fails, and dropping their leases frees those caches.
 fn run(slice: &LayerSlice, mut batch: Vec<Job>) {
+    // The pass's energy is charged to its steps' serves by their rows.
+    let charged: Vec<_> = batch
+        .iter()
+        .filter_map(|job| Some(job.bill.as_ref()?.computing(job.rows() as u64)))
+        .collect();
     let start = Instant::now();
     let outputs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let decode: Vec<bool> = batch.iter().map(|job| job.decode).collect();
@@ -376,6 +402,7 @@ fn run(slice: &LayerSlice, mut batch: Vec<Job>) {
         slice.forward_batch_rows(&mut steps, &decode)
     }));
     let took = start.elapsed();
+    drop(charged);
     match outputs {
         Ok(Ok(outputs)) if outputs.len() == batch.len() => {
             for (job, output) in batch.into_iter().zip(outputs) {

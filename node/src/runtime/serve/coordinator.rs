@@ -247,9 +247,13 @@ pub(super) async fn handle_generate(
         .timeout
         .map_or(inner.request_timeout, |t| t.min(inner.request_timeout));
     let deadline = Deadline::after(timeout);
-    // Every request that is not served gets one line saying why.
+    // Every request that is not served gets a line saying why (at most
+    // `MAX_UNSERVED_LOGGED` a minute: strangers can send refusals at will;
+    // the next line counts those left out).
     let refuse = |reason: String| {
-        tracing::warn!("a request refused: {reason}");
+        if let Some(unlogged) = lock(&inner.unserved_logged).admit(Instant::now()) {
+            tracing::warn!(unlogged, "a request refused: {reason}");
+        }
         reason
     };
     let run = match run_by(&inner, deadline).await {
@@ -1349,13 +1353,12 @@ async fn drive(
                         if counted_as_decode {
                             own_decode_rows += input.len() as u64;
                         }
-                        let computing = held.ticket.as_ref().and_then(|t| t.computing());
+                        let bill = held.ticket.as_ref().and_then(|t| t.bill());
                         let (output, lease, engine) = run
                             .own
                             .batcher
-                            .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease, decode)
+                            .step(batch::StepInput::Tokens(std::mem::take(&mut input)), lease, decode, bill)
                             .await?;
-                        drop(computing);
                         held.cache = Some(lease);
                         *own_compute += compute_start.elapsed();
                         if counted_as_decode {
@@ -1563,9 +1566,8 @@ async fn drive(
                     continue;
                 }
                 let head_start = Instant::now();
-                let computing = held.ticket.as_ref().and_then(|t| t.computing());
-                let (logits, engine) = run.own.batcher.logits(hidden).await?;
-                drop(computing);
+                let bill = held.ticket.as_ref().and_then(|t| t.bill());
+                let (logits, engine) = run.own.batcher.logits(hidden, bill).await?;
                 *own_compute += head_start.elapsed();
                 if decodes(step) {
                     *own_decode_engine += engine;
@@ -1675,9 +1677,14 @@ async fn drive(
                     // All of a draft accepted gives one token more than it
                     // holds: never past max_tokens.
                     let room = max_new.saturating_sub(tokens.len() + 1).min(inner.draft_tokens);
-                    let computing = held.ticket.as_ref().and_then(|t| t.computing());
+                    // The draft model's passes are this request's alone.
+                    let drafting = held
+                        .ticket
+                        .as_ref()
+                        .and_then(|t| t.bill())
+                        .map(|bill| bill.computing(1));
                     draft = drafter.propose(&history, room).await;
-                    drop(computing);
+                    drop(drafting);
                 }
                 input = std::iter::once(next).chain(draft.iter().copied()).collect();
                 to_send = true;
@@ -2440,11 +2447,14 @@ async fn report(
     } else {
         &counters.requests_completed
     });
-    if let Some(failure) = &failure {
+    if let Some(failure) = &failure
+        && let Some(unlogged) = lock(&inner.unserved_logged).admit(Instant::now())
+    {
         tracing::warn!(
             request_id,
             terminal_state = terminal.as_str(),
             tokens = tokens.len(),
+            unlogged,
             "a request failed: {failure}"
         );
     }

@@ -441,6 +441,8 @@ struct Inner {
     refusal_journal: Mutex<crate::runtime::limit::PerMinute>,
     /// Refused assignments from strangers logged (one a minute).
     assign_refusals_logged: Mutex<crate::runtime::limit::PerMinute>,
+    /// Requests refused or failed, logged (`MAX_UNSERVED_LOGGED` a minute).
+    unserved_logged: Mutex<crate::runtime::limit::PerMinute>,
     /// The training corpus the model declares (SPEC §3.7), bound on the
     /// coordinator's receipts.
     training: Option<mesh_protocol::mesh1::TrainingBinding>,
@@ -480,6 +482,9 @@ type Usable = ([u8; 32], SocketAddr);
 pub const MIN_REPLAN_GAIN: (u64, u64) = (4, 5);
 /// How long a member that refused its assignment is left out of plans.
 pub const REFUSED_MEMBER_PAUSE: Duration = Duration::from_secs(30);
+/// Requests a coordinator refused or that failed, logged a minute (one line
+/// each; past this they are counted in the next line).
+pub const MAX_UNSERVED_LOGGED: u32 = 120;
 /// How long a coordinator in a mesh plans again, as members join or come
 /// back, before it refuses a request it cannot plan for (within the
 /// request's own deadline): long enough for a restarted coordinator's
@@ -631,6 +636,7 @@ impl Node {
                 crate::runtime::journal::MAX_REFUSALS_JOURNALLED,
             )),
             assign_refusals_logged: Mutex::new(crate::runtime::limit::PerMinute::new(1)),
+            unserved_logged: Mutex::new(crate::runtime::limit::PerMinute::new(MAX_UNSERVED_LOGGED)),
             training,
             record_checkpoints: options.record_checkpoints,
         });
@@ -647,11 +653,14 @@ impl Node {
         };
         if let Some(listen) = options.http {
             let card = node.model_card();
-            let inner = node.inner.clone();
+            // Weak: the API's connections must not keep the steward (and
+            // its journal's lock) alive past the node's shutdown.
+            let inner = Arc::downgrade(&node.inner);
             let witness: crate::runtime::http::Witness = Arc::new(move |envelope: &[u8]| {
                 // Verified before the steward is locked: every step takes
                 // that lock, on the node's one async thread by default.
                 let sealed = mesh_protocol::mesh1::SealedReceipt::verify(envelope)?;
+                let inner = inner.upgrade().context("the node is shutting down")?;
                 Ok(lock(&inner.steward).witness_verified(sealed, now_ms())?)
             });
             node.http = Some(
@@ -2108,12 +2117,15 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     stats.steps += 1;
                     let start = Instant::now();
                     let lease = cache.take().context("the request's cache")?;
-                    let computing = ticket.computing();
                     let (output, lease, engine) = slot
                         .batcher
-                        .step(batch::StepInput::Hidden(activations), lease, decode)
+                        .step(
+                            batch::StepInput::Hidden(activations),
+                            lease,
+                            decode,
+                            ticket.bill(),
+                        )
                         .await?;
-                    drop(computing);
                     cache = Some(lease);
                     stats.compute += start.elapsed();
                     if decode {
