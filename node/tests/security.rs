@@ -283,17 +283,10 @@ async fn open_request_as(
     msg::write(
         &mut send,
         &msg::stage_body(msg::kind::OPEN, 77, 0, &open.encode()),
-        None,
     )
     .await
     .unwrap();
-    let reply = msg::read(
-        &mut recv,
-        msg::MAX_STAGE_MESSAGE,
-        Duration::from_secs(3),
-        None,
-    )
-    .await;
+    let reply = msg::read(&mut recv, msg::MAX_STAGE_MESSAGE, Duration::from_secs(3)).await;
     (endpoint, send, reply)
 }
 
@@ -1035,12 +1028,7 @@ async fn only_the_final_stage_may_open_the_direct_return() {
         (msg::kind::DIRECT_OPEN, Vec::new()),
         (msg::kind::HIDDEN, payload),
     ] {
-        let _ = msg::write(
-            &mut send,
-            &msg::stage_body(kind, request_id, 0, &body),
-            None,
-        )
-        .await;
+        let _ = msg::write(&mut send, &msg::stage_body(kind, request_id, 0, &body)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     stall.close(0u32.into(), b"gone");
@@ -1218,7 +1206,6 @@ async fn drive_stage(
     msg::write(
         &mut send,
         &msg::stage_body(msg::kind::OPEN, request_id, 0, &open.encode()),
-        None,
     )
     .await
     .unwrap();
@@ -1245,16 +1232,10 @@ async fn drive_stage(
             ),
         };
         let is_rows = matches!(message, Said::Rows(_) | Said::RowsAt(..));
-        msg::write(&mut send, &body, None).await.unwrap();
+        msg::write(&mut send, &body).await.unwrap();
         // A REWIND taken gets no answer: a short wait says so.
         let wait = if is_rows { 10 } else { 1 };
-        let reply = msg::read(
-            &mut recv,
-            msg::MAX_STAGE_MESSAGE,
-            Duration::from_secs(wait),
-            None,
-        )
-        .await;
+        let reply = msg::read(&mut recv, msg::MAX_STAGE_MESSAGE, Duration::from_secs(wait)).await;
         let answer = match reply {
             Ok(Some(frame)) => {
                 let (kind, _, _, payload) = msg::parse_stage(&frame).unwrap();

@@ -4,7 +4,8 @@
 use std::fmt::Write;
 use std::time::{Duration, Instant};
 
-use mesh_protocol::fold::{Lane, LaneContext, LaneFold};
+use mesh_protocol::block::{ReturnMode, SplitKey};
+use mesh_protocol::session::{HopSession, RequestScope, Wire};
 use sha2::{Digest, Sha256};
 
 /// The tokens a served request decoded, from its coordinator's details:
@@ -67,21 +68,25 @@ fn measure(min_time: Duration, mut work: impl FnMut()) -> (u64, Duration) {
 
 /// Measure the fold for each frame size, at least `min_time` each.
 pub fn bench_fold(frame_sizes: &[usize], min_time: Duration) -> Vec<FoldMeasurement> {
-    let context = LaneContext {
-        salt: b"",
-        coordinator_node_id: "bench-coordinator",
-        run_id: "bench-run",
-        request_id: 1,
-        hop_index: 0,
-        lane: Lane::Forward,
+    // The serving path's own fold: a hop session's forward lane.
+    let scope = RequestScope {
+        split: SplitKey {
+            coordinator_node_id: "bench-coordinator".into(),
+            run_id: "bench-run".into(),
+            request_id: 1,
+        },
+        stage_count: 2,
+        return_mode: ReturnMode::Relayed,
     };
     frame_sizes
         .iter()
         .map(|&size| {
             let frame: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();
-            let mut fold = LaneFold::new(&context);
-            let (fold_frames, fold_time) = measure(min_time, || fold.push_frame(&frame));
-            std::hint::black_box(fold.digest());
+            let mut session = HopSession::new(scope.clone(), 0);
+            let (fold_frames, fold_time) = measure(min_time, || {
+                session.fold(Wire::ToDownstream, &frame);
+            });
+            std::hint::black_box(session.digests());
             let mut sink = [0u8; 32];
             let (hash_frames, hash_time) = measure(min_time, || {
                 let digest: [u8; 32] = Sha256::digest(&frame).into();

@@ -1,20 +1,17 @@
 //! A split request simulated in memory, end to end through the real record
-//! code: frames are generated, folded by both ends of every hop with
-//! [`LaneFold`], each stage seals its record with its own key, and the
+//! code: frames are generated, folded by both ends of every hop through
+//! their hop sessions, each stage seals its record with its own key, and the
 //! coordinator seals the receipt. Used by the vector generator and tests;
 //! the serving path folds real frames instead.
 
 use mesh_protocol::SigningKey;
-use mesh_protocol::block::{
-    DirectReturn, Downstream, ReturnMode, SplitKey, StageBlock, TerminalState, Tokens, Upstream,
-};
+use mesh_protocol::block::{ReturnMode, SplitKey, StageBlock, TerminalState, Tokens};
 use mesh_protocol::capsule::{
     Producer, RecordContext, SealedRecord, format_timestamp, stage_record,
 };
-use mesh_protocol::fold::{Lane, LaneDigest, LaneFold};
 use mesh_protocol::identity::did_key;
 use mesh_protocol::receipt::{Assignment, DEFAULT_STAGE_SEAL_DEADLINE_MS};
-use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
+use mesh_protocol::session::{HopSession, RequestScope, SliceFacts, Wire};
 use mesh_protocol::split::{SealEnvironment, SealedSplit, SplitSealInput, seal_split};
 use sha2::{Digest, Sha256};
 
@@ -119,15 +116,15 @@ fn frame(label: &str, len: usize) -> Vec<u8> {
     deterministic_bytes(label, len)
 }
 
-fn fold(mut folder: LaneFold, frames: &[Vec<u8>]) -> LaneDigest {
+/// Fold `frames` on `wire`'s lane of `session`, each in pieces, as bytes
+/// come off a stream.
+fn fold(session: &mut HopSession, wire: Wire, frames: &[Vec<u8>]) {
     for frame in frames {
-        // Fold in pieces, as bytes come off a stream.
         for piece in frame.chunks(61) {
-            folder.frame_chunk(piece);
+            session.fold_chunk(wire, piece);
         }
-        folder.end_frame();
+        session.end_frame(wire);
     }
-    folder.digest()
 }
 
 /// Run the scenario.
@@ -162,7 +159,6 @@ pub fn simulate(scenario: &Scenario) -> SimulatedRun {
         stage_count: n as u32,
         return_mode: scenario.return_mode,
     };
-    let context = |hop: usize, lane: Lane| scope.lane(hop as u32, lane);
     let relayed = scenario.return_mode == ReturnMode::Relayed;
     let steps = 1 + scenario.decode_tokens as usize;
 
@@ -216,18 +212,12 @@ pub fn simulate(scenario: &Scenario) -> SimulatedRun {
         prefill_received: scenario.prefill_tokens,
         decode: scenario.decode_tokens,
     };
-    let own = scope.block(
+    let mut own = HopSession::new(scope.clone(), 0);
+    fold(&mut own, Wire::ToDownstream, &forward_sent[0]);
+    fold(&mut own, Wire::FromDownstream, &replies[0]);
+    fold(&mut own, Wire::DirectReceived, &direct_frames);
+    let own = own.block(
         &facts(0, topology[0].layer_start, topology[0].layer_end),
-        HopDigests {
-            upstream: None,
-            downstream: Some(Downstream {
-                sent: fold(context(0, Lane::Forward), &forward_sent[0]),
-                replies_received: fold(context(0, Lane::Reply), &replies[0]),
-            }),
-            direct_return: (!relayed).then(|| {
-                DirectReturn::Received(fold(context(n - 1, Lane::DirectReturn), &direct_frames))
-            }),
-        },
         tokens,
         scenario.terminal_state,
     );
@@ -242,21 +232,20 @@ pub fn simulate(scenario: &Scenario) -> SimulatedRun {
             }
             _ => (topology[k].layer_start, topology[k].layer_end),
         };
-        let block = scope.block(
+        let mut session = HopSession::new(scope.clone(), k as u32);
+        fold(&mut session, Wire::FromUpstream, &forward_received[k - 1]);
+        fold(&mut session, Wire::ToUpstream, &replies[k - 1]);
+        if !is_final {
+            session.open_downstream();
+            fold(&mut session, Wire::ToDownstream, &forward_sent[k]);
+            fold(&mut session, Wire::FromDownstream, &replies[k]);
+        }
+        if is_final && !relayed {
+            session.open_direct();
+            fold(&mut session, Wire::DirectSent, &direct_frames);
+        }
+        let block = session.block(
             &facts(k, layer_start, layer_end),
-            HopDigests {
-                upstream: Some(Upstream {
-                    received: fold(context(k - 1, Lane::Forward), &forward_received[k - 1]),
-                    replies_sent: fold(context(k - 1, Lane::Reply), &replies[k - 1]),
-                }),
-                downstream: (!is_final).then(|| Downstream {
-                    sent: fold(context(k, Lane::Forward), &forward_sent[k]),
-                    replies_received: fold(context(k, Lane::Reply), &replies[k]),
-                }),
-                direct_return: (!relayed && is_final).then(|| {
-                    DirectReturn::Sent(fold(context(n - 1, Lane::DirectReturn), &direct_frames))
-                }),
-            },
             tokens,
             scenario.terminal_state,
         );

@@ -373,7 +373,6 @@ pub async fn scripted_stage(
                             &mut recv,
                             mesh_node::runtime::net::msg::MAX_STAGE_MESSAGE,
                             Duration::from_secs(600),
-                            None,
                         )
                         .await
                         {
@@ -394,8 +393,7 @@ pub async fn scripted_stage(
                             )) = mesh_node::runtime::net::msg::parse_stage(&frame)
                                 && let Some(body) = script(request_id, step)
                             {
-                                let _ = mesh_node::runtime::net::msg::write(&mut send, &body, None)
-                                    .await;
+                                let _ = mesh_node::runtime::net::msg::write(&mut send, &body).await;
                             }
                             if let Ok(message) = mesh_protocol::cbor::Cbor::decode(&frame[4..])
                                 && message

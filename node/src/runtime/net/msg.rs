@@ -9,7 +9,6 @@ use std::sync::LazyLock;
 
 use anyhow::{Context, bail};
 use mesh_protocol::cbor::Cbor;
-use mesh_protocol::fold::LaneFold;
 use tokio::sync::Semaphore;
 
 /// Largest control message (a bundle rides in one).
@@ -40,16 +39,10 @@ pub fn frame(body: &[u8]) -> anyhow::Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Write one framed message, folding its exact bytes first.
-pub async fn write(
-    send: &mut quinn::SendStream,
-    body: &[u8],
-    fold: Option<&mut LaneFold>,
-) -> anyhow::Result<usize> {
+/// Write one framed message (not folded: a frame that enters a lane is
+/// framed and folded by the hop session's owner, then written).
+pub async fn write(send: &mut quinn::SendStream, body: &[u8]) -> anyhow::Result<usize> {
     let bytes = frame(body)?;
-    if let Some(fold) = fold {
-        fold.push_frame(&bytes);
-    }
     tokio::time::timeout(IDLE_TIMEOUT, send.write_all(&bytes))
         .await
         .context("timed out writing to the peer")??;
@@ -65,9 +58,8 @@ pub async fn read(
     recv: &mut quinn::RecvStream,
     max: usize,
     timeout: Duration,
-    fold: Option<&mut LaneFold>,
 ) -> anyhow::Result<Option<Vec<u8>>> {
-    read_framed(recv, max, timeout, fold, true).await
+    read_framed(recv, max, timeout, true).await
 }
 
 /// As `read`, for a stream whose sender's authority was checked (a stage's
@@ -78,16 +70,14 @@ pub async fn read_checked(
     recv: &mut quinn::RecvStream,
     max: usize,
     timeout: Duration,
-    fold: Option<&mut LaneFold>,
 ) -> anyhow::Result<Option<Vec<u8>>> {
-    read_framed(recv, max, timeout, fold, false).await
+    read_framed(recv, max, timeout, false).await
 }
 
 async fn read_framed(
     recv: &mut quinn::RecvStream,
     max: usize,
     timeout: Duration,
-    fold: Option<&mut LaneFold>,
     counted_inbound: bool,
 ) -> anyhow::Result<Option<Vec<u8>>> {
     let mut prefix = [0u8; 4];
@@ -134,11 +124,6 @@ async fn read_framed(
         bytes.extend_from_slice(&chunk.bytes);
     }
     drop(counted);
-    if let Some(fold) = fold {
-        fold.frame_chunk(&bytes[..4]);
-        fold.frame_chunk(&bytes[4..]);
-        fold.end_frame();
-    }
     Ok(Some(bytes))
 }
 
@@ -151,7 +136,7 @@ static INBOUND: LazyLock<std::sync::Arc<Semaphore>> =
 
 /// Write a det-CBOR control message.
 pub async fn write_cbor(send: &mut quinn::SendStream, value: &Cbor) -> anyhow::Result<()> {
-    write(send, &value.encode(), None).await.map(|_| ())
+    write(send, &value.encode()).await.map(|_| ())
 }
 
 /// One control exchange on its own stream: write the request, finish, and
@@ -173,7 +158,7 @@ pub async fn read_cbor(
     max: usize,
     timeout: Duration,
 ) -> anyhow::Result<Option<Cbor>> {
-    match read(recv, max, timeout, None).await? {
+    match read(recv, max, timeout).await? {
         None => Ok(None),
         Some(bytes) => Ok(Some(
             Cbor::decode(&bytes[4..]).context("malformed control message")?,

@@ -6,7 +6,7 @@ use mesh_protocol::control::{
     AuthoriseRequest, ControlReply, ControlRequest, DecisionAsk, GenerateRequestMessage,
 };
 use mesh_protocol::json::canonical_bytes;
-use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
+use mesh_protocol::session::{HopSession, RequestScope, SliceFacts, Wire};
 use mesh_stage::text::TextStream;
 use serde_json::json;
 
@@ -361,12 +361,6 @@ impl Drop for Held<'_> {
             });
         }
     }
-}
-
-struct OwnLanes {
-    down_sent: LaneFold,
-    down_replies_received: LaneFold,
-    direct_received: Option<LaneFold>,
 }
 
 /// One request at the coordinator, in phases a reader can follow: admit
@@ -860,7 +854,7 @@ struct Progress {
 struct Driven {
     terminal: TerminalState,
     failure: Option<String>,
-    lanes: Lanes,
+    lanes: SegmentLanes,
     fold_time: Duration,
     started: Instant,
     /// The chain failed in a way a new chain may get past: a stage lost,
@@ -1141,15 +1135,7 @@ async fn drive(
     let run_id = run.assigns[0].run_id.clone();
     let coordinator = inner.tls.did.clone();
     let return_mode = inner.return_mode;
-    let mut lanes = OwnLanes {
-        down_sent: admitted.scope.lane(0, Lane::Forward),
-        down_replies_received: admitted.scope.lane(0, Lane::Reply),
-        direct_received: (return_mode == ReturnMode::Direct)
-            .then(|| admitted.scope.lane(n - 1, Lane::DirectReturn)),
-    };
-    let mut folds = Folds {
-        spent: Duration::ZERO,
-    };
+    let mut lanes = Folding::new(HopSession::new(admitted.scope.clone(), 0));
     let mut direct_waiter = if return_mode == ReturnMode::Direct {
         let (sender, receiver) = oneshot::channel();
         lock(&inner.directs).insert(request_id, (run.keys[n as usize - 1], sender));
@@ -1287,8 +1273,7 @@ async fn drive(
         write_forward(
             &mut send,
             &msg::stage_body(kind::OPEN, request_id, 0, &open.encode()),
-            &mut lanes.down_sent,
-            &mut folds,
+            &mut lanes,
             0,
             0,
         )
@@ -1384,7 +1369,7 @@ async fn drive(
                     };
                     trip = Instant::now();
                     let body = msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame);
-                    send_down(&mut send, &mut recv, &mut lanes, &mut folds, &body, step).await?;
+                    send_down(&mut send, &mut recv, &mut lanes, &body, step).await?;
                     // A draft is proposed once the chain has it, whether or
                     // not its reply comes back in this segment.
                     *spec_proposed += draft.len() as u64;
@@ -1407,11 +1392,11 @@ async fn drive(
                 let reply = match recv.as_mut() {
                     Some(recv) if wait == inner.step_timeout && run.projected_us.is_none() => {
                         let reply =
-                            msg::read_checked(recv, reply_limit, inner.step_timeout, None)
+                            msg::read_checked(recv, reply_limit, inner.step_timeout)
                                 .await
                                 .map_err(|e| step_failure(e, "stage 1", inner.step_timeout))?
                                 .context("stage 1 closed the request")?;
-                        folds.time(|| lanes.down_replies_received.push_frame(&reply));
+                        lanes.fold(Wire::FromDownstream, &reply);
                         reply
                     }
                     _ if return_mode == ReturnMode::Relayed => {
@@ -1437,7 +1422,7 @@ async fn drive(
                             return Err(step_timed_out("stage 1", inner.step_timeout));
                         };
                         let reply = arrived.context("stage 1 closed the request")??;
-                        folds.time(|| lanes.down_replies_received.push_frame(&reply));
+                        lanes.fold(Wire::FromDownstream, &reply);
                         reply
                     }
                     _ => {
@@ -1448,9 +1433,7 @@ async fn drive(
                                     direct_waiter = None;
                                     let (_send, stream, opening) =
                                         opened.context("the direct return was never opened")?;
-                                    if let Some(fold) = lanes.direct_received.as_mut() {
-                                        folds.time(|| fold.push_frame(&opening));
-                                    }
+                                    lanes.fold(Wire::DirectReceived, &opening);
                                     direct = Some(spawn_frames(stream, reply_limit));
                                 }
                                 arrived = next_frame(&mut direct), if !direct_closed => {
@@ -1466,16 +1449,14 @@ async fn drive(
                                     let reply = arrived.with_context(|| {
                                         format!("the final stage ({}) was lost", final_stage.did())
                                     })?;
-                                    if let Some(fold) = lanes.direct_received.as_mut() {
-                                        folds.time(|| fold.push_frame(&reply));
-                                    }
+                                    lanes.fold(Wire::DirectReceived, &reply);
                                     break reply;
                                 }
                                 said = next_frame(&mut stage1) => {
                                     let frame = said
                                         .context("stage 1 closed the request")?
                                         .with_context(|| format!("stage 1 ({}) was lost", first_peer.did()))?;
-                                    folds.time(|| lanes.down_replies_received.push_frame(&frame));
+                                    lanes.fold(Wire::FromDownstream, &frame);
                                     // In direct mode stage 1's own stream only
                                     // says why the chain stopped.
                                     if msg::parse_stage(&frame)?.0 != kind::FAILED {
@@ -1671,7 +1652,7 @@ async fn drive(
                         positions: positions as u64,
                     };
                     let body = msg::stage_body(kind::REWIND, request_id, step, &rewind.encode());
-                    send_down(&mut send, &mut recv, &mut lanes, &mut folds, &body, step).await?;
+                    send_down(&mut send, &mut recv, &mut lanes, &body, step).await?;
                 }
                 if drafting {
                     // All of a draft accepted gives one token more than it
@@ -1700,8 +1681,7 @@ async fn drive(
             write_forward(
                 &mut send,
                 &msg::stage_body(kind::STOP, request_id, step, &stop.encode()),
-                &mut lanes.down_sent,
-                &mut folds,
+                &mut lanes,
                 0,
                 step,
             )
@@ -1749,16 +1729,18 @@ async fn drive(
     // sealed, and the request goes on at once.
     let resumable =
         chain_failed && run.projected_us.is_some() && !deadline.is_past() && tokens.len() < max_new;
+    // Folding time in the drive itself (a drain after it is not counted).
+    let fold_time = lanes.spent;
     let lanes = match tail {
-        Some(tail) if resumable => Lanes::Draining(tokio::spawn(async move {
+        Some(tail) if resumable => SegmentLanes::Draining(tokio::spawn(async move {
             tail.drain(&mut lanes, gone).await;
             lanes
         })),
         Some(tail) => {
             tail.drain(&mut lanes, gone).await;
-            Lanes::Ready(Box::new(lanes))
+            SegmentLanes::Ready(Box::new(lanes))
         }
-        None => Lanes::Ready(Box::new(lanes)),
+        None => SegmentLanes::Ready(Box::new(lanes)),
     };
     let (terminal, failure) = match outcome {
         Ok(TerminalState::TimedOut) => (
@@ -1793,7 +1775,7 @@ async fn drive(
         terminal,
         failure,
         lanes,
-        fold_time: folds.spent,
+        fold_time,
         started,
         resumable,
         lost,
@@ -1816,15 +1798,13 @@ async fn drive(
 async fn send_down(
     send: &mut quinn::SendStream,
     recv: &mut Option<quinn::RecvStream>,
-    lanes: &mut OwnLanes,
-    folds: &mut Folds,
+    lanes: &mut Folding,
     body: &[u8],
     step: u32,
 ) -> anyhow::Result<()> {
-    if let Err(error) = write_forward(send, body, &mut lanes.down_sent, folds, 0, step).await {
-        let received = Some(&mut lanes.down_replies_received);
+    if let Err(error) = write_forward(send, body, lanes, 0, step).await {
         return Err(match recv.as_mut() {
-            Some(recv) => refusal_behind(recv, error, "stage 1", received).await,
+            Some(recv) => refusal_behind(recv, error, "stage 1", Some(lanes)).await,
             None => error,
         });
     }
@@ -1856,7 +1836,7 @@ struct Gone {
 impl Tail {
     /// Read and fold what the neighbours still send, each wait bounded, so
     /// every lane of a healthy hop is whole; nothing from a stage gone.
-    async fn drain(mut self, lanes: &mut OwnLanes, gone: Gone) {
+    async fn drain(mut self, lanes: &mut Folding, gone: Gone) {
         let drain_bound = if self.reply_owed {
             self.step_timeout + DRAIN_WAIT
         } else {
@@ -1866,7 +1846,7 @@ impl Tail {
             && !gone.stage1
             && let Some(relayed) = self.relayed.as_mut()
         {
-            drain_for(relayed, &mut lanes.down_replies_received, drain_bound).await;
+            drain_for(relayed, lanes, Wire::FromDownstream, drain_bound).await;
         }
         // Stage 1 may have said more after the step that failed (a stage
         // further on closing): read and fold it, so hop 0 still agrees.
@@ -1874,7 +1854,7 @@ impl Tail {
             && !gone.stage1
             && let Some(stage1) = self.stage1.as_mut()
         {
-            drain_for(stage1, &mut lanes.down_replies_received, drain_bound).await;
+            drain_for(stage1, lanes, Wire::FromDownstream, drain_bound).await;
         }
         // Likewise the direct return: the final stage may have opened it (and
         // folded its opening) before the failure reached it, or before a
@@ -1890,41 +1870,37 @@ impl Tail {
                 && let Ok(Ok((_send, stream, opening))) =
                     tokio::time::timeout(drain_bound, wait_direct(&mut self.direct_waiter)).await
             {
-                if let Some(fold) = lanes.direct_received.as_mut() {
-                    fold.push_frame(&opening);
-                }
+                lanes.fold(Wire::DirectReceived, &opening);
                 self.direct = Some(spawn_frames(stream, self.reply_limit));
             }
-            if let (Some(frames), Some(fold)) =
-                (self.direct.as_mut(), lanes.direct_received.as_mut())
-            {
-                drain_for(frames, fold, drain_bound).await;
+            if let Some(frames) = self.direct.as_mut() {
+                drain_for(frames, lanes, Wire::DirectReceived, drain_bound).await;
             }
         }
     }
 }
 
 /// A segment's own lanes: whole, or still being drained from survivors.
-enum Lanes {
-    Ready(Box<OwnLanes>),
-    Draining(tokio::task::JoinHandle<OwnLanes>),
+enum SegmentLanes {
+    Ready(Box<Folding>),
+    Draining(tokio::task::JoinHandle<Folding>),
 }
 
-impl Lanes {
+impl SegmentLanes {
     /// Wait for a drain still running.
     async fn settle(&mut self) -> anyhow::Result<()> {
-        if let Lanes::Draining(task) = self {
+        if let SegmentLanes::Draining(task) = self {
             let lanes = task.await?;
-            *self = Lanes::Ready(Box::new(lanes));
+            *self = SegmentLanes::Ready(Box::new(lanes));
         }
         Ok(())
     }
 
     /// The lanes, once settled.
-    fn whole(&self) -> anyhow::Result<&OwnLanes> {
+    fn whole(&self) -> anyhow::Result<&Folding> {
         match self {
-            Lanes::Ready(lanes) => Ok(lanes),
-            Lanes::Draining(_) => bail!("a segment's lanes are still being read"),
+            SegmentLanes::Ready(lanes) => Ok(lanes),
+            SegmentLanes::Draining(_) => bail!("a segment's lanes are still being read"),
         }
     }
 }
@@ -2000,14 +1976,13 @@ async fn await_records(
 fn seal_segment(
     inner: &Arc<Inner>,
     run: &Run,
-    admitted: &Admitted<'_>,
     driven: &Driven,
     records: &[Vec<SealedRecord>],
 ) -> anyhow::Result<(mesh_protocol::split::SealedSplit, u64)> {
     let (terminal, prefilled) = (driven.terminal, driven.prefilled);
     let lanes = driven.lanes.whole()?;
     let n = run.assigns.len() as u32;
-    let own_block = admitted.scope.block(
+    let own_block = lanes.session.block(
         &SliceFacts {
             topology_hash: run.assigns[0].topology_hash.clone(),
             stage_index: 0,
@@ -2016,17 +1991,6 @@ fn seal_segment(
             package_id: inner.model.package_id(),
             manifest_sha256: run.assigns[0].manifest,
             source_model_sha256: inner.model.package_id(),
-        },
-        HopDigests {
-            upstream: None,
-            downstream: Some(Downstream {
-                sent: lanes.down_sent.digest(),
-                replies_received: lanes.down_replies_received.digest(),
-            }),
-            direct_return: lanes
-                .direct_received
-                .as_ref()
-                .map(|f| DirectReturn::Received(f.digest())),
         },
         Tokens {
             prefill_received: prefilled as u64,
@@ -2130,13 +2094,7 @@ async fn seal_interrupted(
     for mut segment in interrupted {
         let records =
             await_records(inner, &mut segment.admitted, &mut segment.driven, until).await?;
-        let (sealed, _) = seal_segment(
-            inner,
-            &segment.run,
-            &segment.admitted,
-            &segment.driven,
-            &records,
-        )?;
+        let (sealed, _) = seal_segment(inner, &segment.run, &segment.driven, &records)?;
         sealed_segments.push((
             segment_bundle(&sealed, &segment.run),
             segment_entry(&sealed, &segment.run, &segment.driven),
@@ -2162,7 +2120,7 @@ fn seal(
     let serve = &admitted.serve;
     let tokens = &progress.tokens;
     let Collected { metered, records } = collected;
-    let (sealed, main_leaf) = seal_segment(inner, run, admitted, driven, &records)?;
+    let (sealed, main_leaf) = seal_segment(inner, run, driven, &records)?;
     let model_id = model_id(inner);
     let resumed = (!earlier.is_empty()).then(|| {
         let mut segments: Vec<_> = earlier.iter().map(|(_, entry)| entry.clone()).collect();

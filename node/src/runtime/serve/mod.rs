@@ -10,9 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, anyhow, bail};
 use mesh_protocol::SigningKey;
-use mesh_protocol::block::{
-    DirectReturn, Downstream, ReturnMode, SplitKey, StageBlock, TerminalState, Tokens, Upstream,
-};
+use mesh_protocol::block::{ReturnMode, SplitKey, StageBlock, TerminalState, Tokens};
 use mesh_protocol::capsule::{
     Producer, RecordContext, SealedRecord, format_timestamp, stage_record,
 };
@@ -20,14 +18,13 @@ use mesh_protocol::cbor::{Cbor, Fields};
 use mesh_protocol::control::{
     AssignRequest, AuthoriseRequest, ControlReply, ControlRequest, MAX_CONTROL_TEXT,
 };
-use mesh_protocol::fold::{Lane, LaneFold};
 use mesh_protocol::identity::{did_key, parse_did_key};
 use mesh_protocol::mesh1::{
     DecisionOutcome, Fidelity, FidelityReport, MeshReceipt, ServeRequest, WeightsBinding, opening,
     output_commitment, prompt_hash, prompt_payload,
 };
 use mesh_protocol::receipt::Assignment;
-use mesh_protocol::session::{HopDigests, RequestScope, SliceFacts};
+use mesh_protocol::session::{HopSession, RequestScope, SliceFacts, Wire};
 use mesh_protocol::split::{SealEnvironment, SplitSealInput, seal_split};
 use mesh_protocol::stage_frame::{MAX_DECODE_ROWS, Rewind};
 use mesh_stage::cache::{CacheLease, CachePool};
@@ -1000,20 +997,6 @@ impl Inner {
     }
 }
 
-/// Time spent folding, measured around the fold calls of one request.
-struct Folds {
-    spent: Duration,
-}
-
-impl Folds {
-    fn time<T>(&mut self, f: impl FnOnce() -> T) -> T {
-        let start = Instant::now();
-        let out = f();
-        self.spent += start.elapsed();
-        out
-    }
-}
-
 // ---------------------------------------------------------------- control
 
 async fn handle_control(
@@ -1358,14 +1341,14 @@ async fn refusal_behind(
     recv: &mut quinn::RecvStream,
     error: anyhow::Error,
     whom: &str,
-    received: Option<&mut LaneFold>,
+    lanes: Option<&mut Folding>,
 ) -> anyhow::Error {
-    let reply = msg::read_checked(recv, MAX_FAILED_REPLY, DRAIN_WAIT, None).await;
+    let reply = msg::read_checked(recv, MAX_FAILED_REPLY, DRAIN_WAIT).await;
     if let Ok(Some(frame)) = reply
         && let Ok((kind::FAILED, _, _, reason)) = msg::parse_stage(&frame)
     {
-        if let Some(fold) = received {
-            fold.push_frame(&frame);
+        if let Some(lanes) = lanes {
+            lanes.fold(Wire::FromDownstream, &frame);
         }
         return anyhow!("{whom} refused: {}", String::from_utf8_lossy(reason));
     }
@@ -1404,7 +1387,7 @@ fn spawn_frames(mut recv: quinn::RecvStream, max: usize) -> Frames {
     tokio::spawn(async move {
         loop {
             let read = tokio::select! {
-                read = msg::read_checked(&mut recv, max, WATCH_TIMEOUT, None) => read,
+                read = msg::read_checked(&mut recv, max, WATCH_TIMEOUT) => read,
                 // The request is over: stop reading for it.
                 () = sender.closed() => return,
             };
@@ -1433,15 +1416,15 @@ async fn next_frame(frames: &mut Option<Frames>) -> Option<anyhow::Result<Vec<u8
 /// After a failure, keep reading what a peer still sends on this request,
 /// folding it, until it finishes or `DRAIN_WAIT` passes: a frame it wrote
 /// before it learned of the failure is then in both ends' digests.
-async fn drain(frames: &mut Frames, fold: &mut LaneFold) {
-    drain_for(frames, fold, DRAIN_WAIT).await;
+async fn drain(frames: &mut Frames, lanes: &mut Folding, wire: Wire) {
+    drain_for(frames, lanes, wire, DRAIN_WAIT).await;
 }
 
 /// `drain`, for up to `bound`.
-async fn drain_for(frames: &mut Frames, fold: &mut LaneFold, bound: Duration) {
+async fn drain_for(frames: &mut Frames, lanes: &mut Folding, wire: Wire, bound: Duration) {
     let until = tokio::time::Instant::now() + bound;
     while let Ok(Some(Ok(frame))) = tokio::time::timeout_at(until, frames.recv()).await {
-        fold.push_frame(&frame);
+        lanes.fold(wire, &frame);
     }
 }
 
@@ -1455,17 +1438,32 @@ async fn refuse_stage(
 ) -> anyhow::Result<()> {
     stats::Counters::bump(&inner.counters.stage_refusals);
     let body = msg::stage_body(kind::FAILED, request_id, 0, failed_reason(&reason));
-    msg::write(up_send, &body, None).await?;
+    msg::write(up_send, &body).await?;
     let _ = up_send.finish();
     Ok(())
 }
 
-struct StageLanes {
-    up_received: LaneFold,
-    up_replies_sent: LaneFold,
-    down_sent: Option<LaneFold>,
-    down_replies_received: Option<LaneFold>,
-    direct_sent: Option<LaneFold>,
+/// A request's lanes at this node (the protocol's hop session folds every
+/// frame; the serving code only moves bytes), and the time spent folding.
+struct Folding {
+    session: HopSession,
+    spent: Duration,
+}
+
+impl Folding {
+    fn new(session: HopSession) -> Self {
+        Self {
+            session,
+            spent: Duration::ZERO,
+        }
+    }
+
+    /// Fold one whole frame, exactly as it crossed, on `wire`'s lane.
+    fn fold(&mut self, wire: Wire, frame: &[u8]) {
+        let start = Instant::now();
+        self.session.fold(wire, frame);
+        self.spent += start.elapsed();
+    }
 }
 
 #[cfg(feature = "fault-injection")]
@@ -1484,15 +1482,15 @@ fn inject_fault(stage_index: u32, step: u32, bytes: &mut [u8]) {
     }
 }
 
-/// Fold a whole frame as written (timing the fold), then send it.
+/// Fold a whole frame as written on `wire`, then send it.
 async fn send_frame(
     send: &mut quinn::SendStream,
     bytes: &[u8],
-    fold: &mut LaneFold,
-    folds: &mut Folds,
+    lanes: &mut Folding,
+    wire: Wire,
     towards: &str,
 ) -> anyhow::Result<()> {
-    folds.time(|| fold.push_frame(bytes));
+    lanes.fold(wire, bytes);
     tokio::time::timeout(msg::IDLE_TIMEOUT, send.write_all(bytes))
         .await
         .with_context(|| format!("timed out writing {towards}"))??;
@@ -1504,13 +1502,12 @@ async fn send_frame(
 async fn write_forward(
     send: &mut quinn::SendStream,
     body: &[u8],
-    fold: &mut LaneFold,
-    folds: &mut Folds,
+    lanes: &mut Folding,
     stage_index: u32,
     step: u32,
 ) -> anyhow::Result<()> {
     let bytes = msg::frame(body)?;
-    folds.time(|| fold.push_frame(&bytes));
+    lanes.fold(Wire::ToDownstream, &bytes);
     #[cfg(feature = "fault-injection")]
     let bytes = {
         let mut bytes = bytes;
@@ -1675,8 +1672,7 @@ struct StageRan {
     run_id: String,
     ticket: crate::runtime::steward::ServeTicket,
     served: ServeRequest,
-    scope: RequestScope,
-    lanes: StageLanes,
+    lanes: Folding,
     tokens: Tokens,
     /// Of `tokens.prefill_received`, the positions its cache came with.
     kept_positions: u64,
@@ -1693,7 +1689,7 @@ async fn admit_stage(
     mut up_recv: quinn::RecvStream,
 ) -> anyhow::Result<Option<StageAdmitted>> {
     // Only an opening message's worth is read before the sender is checked.
-    let first = msg::read(&mut up_recv, MAX_STAGE_OPEN, msg::IDLE_TIMEOUT, None)
+    let first = msg::read(&mut up_recv, MAX_STAGE_OPEN, msg::IDLE_TIMEOUT)
         .await?
         .context("empty stage stream")?;
     let (message_kind, request_id, _, payload) = msg::parse_stage(&first)?;
@@ -1975,17 +1971,8 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         stage_count: assign.stage_count,
         return_mode,
     };
-    let mut folds = Folds {
-        spent: Duration::ZERO,
-    };
-    let mut lanes = StageLanes {
-        up_received: scope.lane(k - 1, Lane::Forward),
-        up_replies_sent: scope.lane(k - 1, Lane::Reply),
-        down_sent: None,
-        down_replies_received: None,
-        direct_sent: None,
-    };
-    folds.time(|| lanes.up_received.push_frame(&first));
+    let mut lanes = Folding::new(HopSession::new(scope, k));
+    lanes.fold(Wire::FromUpstream, &first);
 
     // Downstream: its send stream, and its reply stream read in step
     // (relayed) or watched whole-frame by a task (direct, `down_watch`).
@@ -2008,11 +1995,8 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
     let outcome: anyhow::Result<()> = async {
         if let Some(next) = &assign.downstream {
             let (mut send, recv) = inner.open(next, ALPN_STAGE).await?;
-            let mut sent = scope.lane(k, Lane::Forward);
-            write_forward(&mut send, &first[4..], &mut sent, &mut folds, k, 0).await?;
-            lanes.down_sent = Some(sent);
-            lanes.down_replies_received =
-                Some(scope.lane(k, Lane::Reply));
+            lanes.session.open_downstream();
+            write_forward(&mut send, &first[4..], &mut lanes, k, 0).await?;
             if return_mode == ReturnMode::Direct {
                 down_watch = Some(spawn_frames(recv, max_reply(slot.slice.config().hidden)));
                 down = Some((send, None));
@@ -2025,14 +2009,16 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                 addr: assign.coordinator_addr,
             };
             let (mut send, _recv) = inner.open(&coordinator_peer, ALPN_STAGE).await?;
-            let mut fold = scope.lane(scope.final_stage(), Lane::DirectReturn);
-            msg::write(
+            lanes.session.open_direct();
+            let opening = msg::frame(&msg::stage_body(kind::DIRECT_OPEN, request_id, 0, &[]))?;
+            send_frame(
                 &mut send,
-                &msg::stage_body(kind::DIRECT_OPEN, request_id, 0, &[]),
-                Some(&mut fold),
+                &opening,
+                &mut lanes,
+                Wire::DirectSent,
+                "on the direct return",
             )
             .await?;
-            lanes.direct_sent = Some(fold);
             direct = Some(send);
         }
         loop {
@@ -2052,9 +2038,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                 said = next_frame(&mut down_watch) => {
                     let frame = said
                         .with_context(|| format!("stage {} closed the request", k + 1))??;
-                    if let Some(received) = lanes.down_replies_received.as_mut() {
-                        folds.time(|| received.push_frame(&frame));
-                    }
+                    lanes.fold(Wire::FromDownstream, &frame);
                     let (_, _, _, reason) = msg::parse_stage(&frame)?;
                     bail!("{}", String::from_utf8_lossy(reason));
                 }
@@ -2080,7 +2064,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     return Err(step_timed_out("upstream", inner.step_timeout));
                 }
             };
-            folds.time(|| lanes.up_received.push_frame(&frame));
+            lanes.fold(Wire::FromUpstream, &frame);
             let (message_kind, id, step, payload) = msg::parse_stage(&frame)?;
             if id != request_id {
                 bail!("a frame of request {id} on the stream of request {request_id}");
@@ -2147,32 +2131,29 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                             let (send, down_recv) = down
                                 .as_mut()
                                 .context("a middle stage without a downstream")?;
-                            let sent = lanes.down_sent.as_mut().context("downstream lane")?;
                             if let Err(error) = write_forward(
                                 send,
                                 &msg::stage_body(kind::ACTIVATIONS, request_id, step, &frame),
-                                sent,
-                                &mut folds,
+                                &mut lanes,
                                 k,
                                 step,
                             )
                             .await
                             {
                                 let whom = format!("stage {}", k + 1);
-                                let received = lanes.down_replies_received.as_mut();
                                 return Err(match down_recv.as_mut() {
-                                    Some(recv) => refusal_behind(recv, error, &whom, received).await,
+                                    Some(recv) => {
+                                        refusal_behind(recv, error, &whom, Some(&mut lanes)).await
+                                    }
                                     None => error,
                                 });
                             }
                             if return_mode == ReturnMode::Relayed {
-                                let received =
-                                    lanes.down_replies_received.as_mut().context("reply lane")?;
                                 let recv =
                                     down_recv.as_mut().context("a relayed downstream's replies")?;
                                 let wait = deadline.bound(inner.step_timeout);
                                 let reply =
-                                    match msg::read_checked(recv, max_reply(slot.slice.config().hidden), wait, None)
+                                    match msg::read_checked(recv, max_reply(slot.slice.config().hidden), wait)
                                         .await
                                     {
                                         Err(_) if deadline.is_past() => {
@@ -2182,12 +2163,12 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                                         read => read?,
                                     }
                                     .context("downstream closed before replying")?;
-                                folds.time(|| received.push_frame(&reply));
+                                lanes.fold(Wire::FromDownstream, &reply);
                                 send_frame(
                                     &mut up_send,
                                     &reply,
-                                    &mut lanes.up_replies_sent,
-                                    &mut folds,
+                                    &mut lanes,
+                                    Wire::ToUpstream,
                                     "upstream",
                                 )
                                 .await?;
@@ -2208,23 +2189,23 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                             let payload = encode_frame(rows, answered, a.cols, WireDType::F32)?;
                             let body = msg::stage_body(kind::HIDDEN, request_id, step, &payload);
                             let bytes = msg::frame(&body)?;
-                            match (&mut direct, lanes.direct_sent.as_mut()) {
-                                (Some(send), Some(fold)) => {
+                            match &mut direct {
+                                Some(send) => {
                                     send_frame(
                                         send,
                                         &bytes,
-                                        fold,
-                                        &mut folds,
+                                        &mut lanes,
+                                        Wire::DirectSent,
                                         "on the direct return",
                                     )
                                     .await?
                                 }
-                                _ => {
+                                None => {
                                     send_frame(
                                         &mut up_send,
                                         &bytes,
-                                        &mut lanes.up_replies_sent,
-                                        &mut folds,
+                                        &mut lanes,
+                                        Wire::ToUpstream,
                                         "upstream",
                                     )
                                     .await?
@@ -2253,9 +2234,8 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     }
                     lease.cache().truncate(keep)?;
                     rewindable = 0;
-                    if let (Some((send, _)), Some(sent)) = (down.as_mut(), lanes.down_sent.as_mut())
-                    {
-                        write_forward(send, &frame[4..], sent, &mut folds, k, step).await?;
+                    if let Some((send, _)) = down.as_mut() {
+                        write_forward(send, &frame[4..], &mut lanes, k, step).await?;
                     }
                 }
                 kind::STOP => {
@@ -2267,9 +2247,8 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                     terminal = state.unwrap_or(TerminalState::Completed);
                     // Upstream reads nothing more on this request.
                     upstream_gone = true;
-                    if let (Some((send, _)), Some(sent)) = (down.as_mut(), lanes.down_sent.as_mut())
-                    {
-                        write_forward(send, &frame[4..], sent, &mut folds, k, step).await?;
+                    if let Some((send, _)) = down.as_mut() {
+                        write_forward(send, &frame[4..], &mut lanes, k, step).await?;
                     }
                     return Ok(());
                 }
@@ -2310,8 +2289,8 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                 let _ = send_frame(
                     &mut up_send,
                     &bytes,
-                    &mut lanes.up_replies_sent,
-                    &mut folds,
+                    &mut lanes,
+                    Wire::ToUpstream,
                     "upstream",
                 )
                 .await;
@@ -2324,12 +2303,10 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
             let _ = send.finish();
         }
         if !upstream_gone {
-            drain(&mut upstream, &mut lanes.up_received).await;
+            drain(&mut upstream, &mut lanes, Wire::FromUpstream).await;
         }
-        if let (Some(watch), Some(received)) =
-            (down_watch.as_mut(), lanes.down_replies_received.as_mut())
-        {
-            drain(watch, received).await;
+        if let Some(watch) = down_watch.as_mut() {
+            drain(watch, &mut lanes, Wire::FromDownstream).await;
         }
     }
     slot.touch();
@@ -2340,7 +2317,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         let _ = send.finish();
     }
     let _ = up_send.finish();
-    stats.fold = folds.spent;
+    stats.fold = lanes.spent;
     inner.record_stats(request_id, stats);
 
     StageRan {
@@ -2349,7 +2326,6 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
         run_id,
         ticket,
         served,
-        scope,
         lanes,
         tokens,
         kept_positions,
@@ -2367,7 +2343,6 @@ async fn seal_stage(inner: &Arc<Inner>, ran: StageRan) -> anyhow::Result<()> {
         run_id,
         ticket,
         served,
-        scope,
         lanes,
         tokens,
         kept_positions,
@@ -2376,7 +2351,6 @@ async fn seal_stage(inner: &Arc<Inner>, ran: StageRan) -> anyhow::Result<()> {
     } = ran;
     let assign = &slot.assign;
     let k = assign.stage_index;
-    let is_final = k + 1 == assign.stage_count;
     // The stage's own evidence: its steward's receipt for the metered span,
     // and its stage record, pushed to the coordinator.
     let metered = {
@@ -2403,7 +2377,9 @@ async fn seal_stage(inner: &Arc<Inner>, ran: StageRan) -> anyhow::Result<()> {
             tracing::error!(request_id, "stage receipt not sealed: {error}");
         }
     }
-    let block = scope.block(
+    // A final stage that never opened its direct return folded nothing on
+    // it: the session shows the empty lane.
+    let block = lanes.session.block(
         &SliceFacts {
             topology_hash: assign.topology_hash.clone(),
             stage_index: k,
@@ -2412,27 +2388,6 @@ async fn seal_stage(inner: &Arc<Inner>, ran: StageRan) -> anyhow::Result<()> {
             package_id: inner.model.package_id(),
             manifest_sha256: assign.manifest,
             source_model_sha256: inner.model.package_id(),
-        },
-        HopDigests {
-            upstream: Some(Upstream {
-                received: lanes.up_received.digest(),
-                replies_sent: lanes.up_replies_sent.digest(),
-            }),
-            downstream: match (&lanes.down_sent, &lanes.down_replies_received) {
-                (Some(sent), Some(received)) => Some(Downstream {
-                    sent: sent.digest(),
-                    replies_received: received.digest(),
-                }),
-                _ => None,
-            },
-            // A final stage that never opened its direct return folded
-            // nothing on it.
-            direct_return: (is_final && scope.return_mode == ReturnMode::Direct).then(|| {
-                DirectReturn::Sent(lanes.direct_sent.as_ref().map_or_else(
-                    || scope.lane(scope.final_stage(), Lane::DirectReturn).digest(),
-                    LaneFold::digest,
-                ))
-            }),
         },
         tokens,
         terminal,
