@@ -130,7 +130,7 @@ pub fn same_port_listen(quic: std::net::SocketAddr) -> Multiaddr {
 
 /// A configured peer's mesh address by the same convention
 /// (`/ip4/HOST/tcp/PORT/p2p/PEERID`), to dial as a bootstrap.
-pub fn conventional_address(peer: &crate::runtime::serve::PeerAddr) -> Option<Multiaddr> {
+pub fn conventional_address(peer: &crate::runtime::net::peers::PeerAddr) -> Option<Multiaddr> {
     let public = libp2p::identity::ed25519::PublicKey::try_from_bytes(&peer.key).ok()?;
     let peer_id = libp2p::identity::PublicKey::from(public).to_peer_id();
     Some(tcp_address(peer.addr.ip(), peer.addr.port()).with(Protocol::P2p(peer_id)))

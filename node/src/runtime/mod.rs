@@ -5,6 +5,7 @@ use std::path::Path;
 
 use mesh_stage::ModelHandle;
 
+pub mod client;
 pub mod energy;
 pub mod http;
 pub mod journal;

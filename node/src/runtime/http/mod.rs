@@ -29,10 +29,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::runtime::serve::{
-    GenerateEvent, GenerateRequest, GenerateSummary, MAX_PROMPT_BYTES_PER_TOKEN, PeerAddr,
-    generate_events,
+use crate::runtime::client::{
+    GenerateEvent, GenerateRequest, GenerateSummary, MAX_PROMPT_BYTES_PER_TOKEN, generate_events,
 };
+use crate::runtime::net::peers::PeerAddr;
 
 mod conn;
 mod gate;
@@ -838,7 +838,7 @@ fn derive_granted(
         Some(n) => n,
         None => prompt.len().div_ceil(4) as u64,
     };
-    Ok(crate::runtime::serve::GrantedServe::derive(
+    Ok(crate::runtime::client::GrantedServe::derive(
         prompt,
         max_tokens as usize,
         u32::try_from(estimate).unwrap_or(u32::MAX),
@@ -850,7 +850,7 @@ fn granted(
     prompt: &str,
     common: &Common,
     presentations: &OneOrMany,
-) -> Result<crate::runtime::serve::GrantedServe, ApiError> {
+) -> Result<crate::runtime::client::GrantedServe, ApiError> {
     let serve = derive_granted(prompt, common)?;
     let presentations = match presentations {
         OneOrMany::One(one) => vec![one.clone()],
@@ -880,7 +880,7 @@ fn granted(
             Ok(bytes)
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    Ok(crate::runtime::serve::GrantedServe {
+    Ok(crate::runtime::client::GrantedServe {
         serve,
         presentations,
     })
@@ -1024,9 +1024,9 @@ trait Events {
     fn next(&mut self) -> impl Future<Output = anyhow::Result<GenerateEvent>> + Send;
 }
 
-impl Events for crate::runtime::serve::Generating {
+impl Events for crate::runtime::client::Generating {
     fn next(&mut self) -> impl Future<Output = anyhow::Result<GenerateEvent>> + Send {
-        crate::runtime::serve::Generating::next(self)
+        crate::runtime::client::Generating::next(self)
     }
 }
 

@@ -2,6 +2,7 @@
 //! (`mesh-control/1`, `mesh-stage/1`, `record-push/1`).
 
 pub mod msg;
+pub mod peers;
 pub mod tls;
 
 pub const ALPN_CONTROL: &[u8] = b"mesh-control/1";

@@ -4,7 +4,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -29,12 +28,13 @@ use mesh_protocol::split::{SealEnvironment, SplitSealInput, seal_split};
 use mesh_protocol::stage_frame::{MAX_DECODE_ROWS, Rewind};
 use mesh_stage::cache::{CacheLease, CachePool};
 use mesh_stage::frame::{WireDType, decode_frame, encode_frame};
-use mesh_stage::sampling::{Sampler, SamplingParams};
+use mesh_stage::sampling::Sampler;
 use mesh_stage::{LayerSlice, ModelHandle, SliceOutput};
 use tokio::sync::oneshot;
 
 use crate::runtime::energy::EnergyMeter;
 use crate::runtime::net::msg::{self, kind};
+pub use crate::runtime::net::peers::PeerAddr;
 use crate::runtime::net::tls::{self, TlsIdentity};
 use crate::runtime::net::{ALPN_CONTROL, ALPN_RECORD_PUSH, ALPN_STAGE};
 use crate::runtime::records::{Collector, signed_refusal};
@@ -47,13 +47,16 @@ mod draft;
 mod kept;
 mod route;
 mod stats;
-pub use coordinator::{
-    DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, DRAFT_MODEL_TOKENS, GenerateEvent,
-    GenerateRequest, GenerateSummary, Generating, GrantedServe, MAX_DRAFT_TOKENS,
-    MAX_PREFILL_CHUNK_TOKENS, MAX_PROMPT_BYTES_PER_TOKEN, RequestBounds, generate_events,
-    generate_remote, one_way_hops_per_step, plan_remote,
+pub use crate::runtime::client::{
+    GenerateEvent, GenerateRequest, GenerateSummary, Generating, GrantedServe,
+    MAX_PROMPT_BYTES_PER_TOKEN, RequestBounds, generate_events, generate_remote,
+    node_stats_remote, plan_remote,
 };
-pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats, node_stats_remote};
+pub use coordinator::{
+    DEFAULT_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, DRAFT_MODEL_TOKENS, MAX_DRAFT_TOKENS,
+    MAX_PREFILL_CHUNK_TOKENS, one_way_hops_per_step,
+};
+pub use stats::{NodeStats, ROUND_TRIP_BUCKETS_US, SliceStats};
 
 /// The training corpus `model` declares in its metadata (SPEC §3.7), when
 /// it declares one in a form a receipt can bind; a malformed declaration
@@ -85,42 +88,6 @@ fn declared_training(model: &ModelHandle) -> Option<mesh_protocol::mesh1::Traini
 /// The fidelity a coordinator rates its model at unless configured
 /// (SPEC §3.2: F2 of F0..F4, a mid-grade model).
 pub const DEFAULT_FIDELITY: Fidelity = Fidelity::F2;
-
-/// A peer: its node id (did:key) and address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerAddr {
-    pub key: [u8; 32],
-    pub addr: SocketAddr,
-}
-
-impl PeerAddr {
-    pub fn did(&self) -> String {
-        did_key(&self.key)
-    }
-}
-
-impl FromStr for PeerAddr {
-    type Err = anyhow::Error;
-    /// `NODEID@HOST:PORT`, NODEID being a did:key.
-    fn from_str(text: &str) -> anyhow::Result<Self> {
-        let (id, addr) = text
-            .rsplit_once('@')
-            .context("a peer is NODEID@HOST:PORT")?;
-        let key = parse_did_key(id)
-            .with_context(|| format!("`{id}` is not an Ed25519 did:key node id"))?;
-        let addr = std::net::ToSocketAddrs::to_socket_addrs(addr)
-            .with_context(|| format!("cannot resolve `{addr}`"))?
-            .next()
-            .with_context(|| format!("`{addr}` resolves to no address"))?;
-        Ok(Self { key, addr })
-    }
-}
-
-impl std::fmt::Display for PeerAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}@{}", self.did(), self.addr)
-    }
-}
 
 /// How a node serves.
 #[derive(Debug)]
@@ -264,7 +231,7 @@ impl Assign {
             downstream: a
                 .downstream
                 .as_deref()
-                .map(PeerAddr::from_str)
+                .map(str::parse::<PeerAddr>)
                 .transpose()?,
             topology_hash: a.topology_hash.clone(),
             manifest: a.manifest_sha256,
@@ -379,8 +346,6 @@ pub const DEFAULT_SLICE_IDLE: Duration = Duration::from_secs(15 * 60);
 /// assigned, replaced, freed as idle, or lost in a restart): the request
 /// fails, and the coordinator assigns again before its next one.
 pub const NO_SLICE: &str = "no slice loaded for run";
-/// Open connections by peer key and ALPN.
-type ConnectionCache = tokio::sync::Mutex<HashMap<([u8; 32], &'static [u8]), quinn::Connection>>;
 
 struct Inner {
     tls: TlsIdentity,
@@ -405,7 +370,8 @@ struct Inner {
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     run: tokio::sync::Mutex<Option<Arc<Run>>>,
     steward: Mutex<Steward>,
-    connections: ConnectionCache,
+    /// Connections this node opened to peers, kept for reuse.
+    net: crate::runtime::net::peers::Peers,
     directs: Mutex<HashMap<u64, DirectWaiter>>,
     collector: Mutex<Collector>,
     collected: tokio::sync::Notify,
@@ -586,6 +552,7 @@ impl Node {
                 bound
             }
         });
+        let net = crate::runtime::net::peers::Peers::new(endpoint.clone(), tls.clone());
         let inner = Arc::new(Inner {
             tls,
             key: options.key,
@@ -611,7 +578,7 @@ impl Node {
             slots: Mutex::new(HashMap::new()),
             run: tokio::sync::Mutex::new(None),
             steward: Mutex::new(steward),
-            connections: tokio::sync::Mutex::new(HashMap::new()),
+            net,
             directs: Mutex::new(HashMap::new()),
             collector: Mutex::new(Collector::default()),
             collected: tokio::sync::Notify::new(),
@@ -892,54 +859,6 @@ impl Inner {
     /// A loaded slice, ready to serve: its cache pool and batch worker.
     fn slot(&self, slice: LayerSlice, assign: Assign) -> Arc<Slot> {
         Arc::new(Slot::new(slice, self.max_requests, self.context(), assign))
-    }
-
-    async fn connect(
-        &self,
-        peer: &PeerAddr,
-        alpn: &'static [u8],
-    ) -> anyhow::Result<quinn::Connection> {
-        let mut connections = self.connections.lock().await;
-        // A node that restarted elsewhere (a new port) is the same key at
-        // another address: the old connection is not reused.
-        if let Some(existing) = connections.get(&(peer.key, alpn))
-            && existing.close_reason().is_none()
-            && existing.remote_address() == peer.addr
-        {
-            return Ok(existing.clone());
-        }
-        let config = tls::client_config(&self.tls, peer.key, alpn)?;
-        let connecting = self.endpoint.connect_with(config, peer.addr, "mesh-node")?;
-        let connection = tokio::time::timeout(msg::CONNECT_TIMEOUT, connecting)
-            .await
-            .with_context(|| format!("timed out connecting to {peer}"))?
-            .with_context(|| format!("connecting to {peer}"))?;
-        connections.insert((peer.key, alpn), connection.clone());
-        Ok(connection)
-    }
-
-    async fn open(
-        &self,
-        peer: &PeerAddr,
-        alpn: &'static [u8],
-    ) -> anyhow::Result<(quinn::SendStream, quinn::RecvStream)> {
-        let connection = self.connect(peer, alpn).await?;
-        // A peer that grants no stream credit must not hold a request forever.
-        let open = |connection: quinn::Connection| async move {
-            tokio::time::timeout(msg::CONNECT_TIMEOUT, connection.open_bi())
-                .await
-                .with_context(|| format!("timed out opening a stream to {peer}"))?
-                .map_err(anyhow::Error::from)
-        };
-        match open(connection).await {
-            Ok(streams) => Ok(streams),
-            Err(_) => {
-                // A stale cached connection: drop it and try once more.
-                self.connections.lock().await.remove(&(peer.key, alpn));
-                let connection = self.connect(peer, alpn).await?;
-                open(connection).await
-            }
-        }
     }
 
     /// Refuse a new slice when the slices of other coordinators fill the bound
@@ -1994,7 +1913,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
 
     let outcome: anyhow::Result<()> = async {
         if let Some(next) = &assign.downstream {
-            let (mut send, recv) = inner.open(next, ALPN_STAGE).await?;
+            let (mut send, recv) = inner.net.open(next, ALPN_STAGE).await?;
             lanes.session.open_downstream();
             write_forward(&mut send, &first[4..], &mut lanes, k, 0).await?;
             if return_mode == ReturnMode::Direct {
@@ -2008,7 +1927,7 @@ async fn run_stage(inner: &Arc<Inner>, admitted: StageAdmitted) -> StageRan {
                 key: assign.coordinator,
                 addr: assign.coordinator_addr,
             };
-            let (mut send, _recv) = inner.open(&coordinator_peer, ALPN_STAGE).await?;
+            let (mut send, _recv) = inner.net.open(&coordinator_peer, ALPN_STAGE).await?;
             lanes.session.open_direct();
             let opening = msg::frame(&msg::stage_body(kind::DIRECT_OPEN, request_id, 0, &[]))?;
             send_frame(
@@ -2514,7 +2433,7 @@ async fn push_body(
     let mut bytes = inner.tls.did.as_bytes().to_vec();
     bytes.push(b'\n');
     bytes.extend_from_slice(&serde_json::to_vec(body)?);
-    let (mut send, mut recv) = inner.open(coordinator, ALPN_RECORD_PUSH).await?;
+    let (mut send, mut recv) = inner.net.open(coordinator, ALPN_RECORD_PUSH).await?;
     tokio::time::timeout(msg::IDLE_TIMEOUT, send.write_all(&bytes))
         .await
         .context("timed out pushing the stage record")??;
@@ -2887,7 +2806,7 @@ impl Inner {
         }
         .to_cbor();
         let exchange = async {
-            let (mut send, mut recv) = self.open(peer, ALPN_CONTROL).await?;
+            let (mut send, mut recv) = self.net.open(peer, ALPN_CONTROL).await?;
             msg::exchange(&mut send, &mut recv, &message, Duration::from_secs(5)).await
         };
         match tokio::time::timeout(Duration::from_secs(10), exchange).await {
@@ -2910,7 +2829,7 @@ impl Inner {
             let peer = peer.clone();
             let message = assign.to_cbor();
             waits.push(tokio::spawn(async move {
-                let (mut send, mut recv) = inner.open(&peer, ALPN_CONTROL).await?;
+                let (mut send, mut recv) = inner.net.open(&peer, ALPN_CONTROL).await?;
                 let reply = msg::exchange(&mut send, &mut recv, &message, Duration::from_secs(300))
                     .await?
                     .context("no answer to the assignment")?;

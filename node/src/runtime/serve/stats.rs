@@ -255,7 +255,7 @@ impl NodeStats {
         )
     }
 
-    pub(super) fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
+    pub(crate) fn from_cbor(value: &Cbor) -> anyhow::Result<Self> {
         let mut f = Fields::of(value)?.text_limit(64);
         if f.text("kind")? != "node_stats" {
             bail!("not a stats reply");
@@ -297,7 +297,7 @@ impl NodeStats {
 impl Inner {
     pub(super) async fn node_stats(&self) -> NodeStats {
         // Awaited first: no std lock guard may live across it.
-        let peer_connections = self.connections.lock().await.len() as u64;
+        let peer_connections = self.net.kept().await as u64;
         let slice = |role: &str, slot: &Slot| {
             let (steps, passes) = slot.batcher.steps_and_passes();
             SliceStats {
@@ -339,28 +339,6 @@ impl Inner {
             step_round_trips: c.round_trips.snapshot(),
             step_round_trips_sum_us: c.round_trips.sum_us(),
         }
-    }
-}
-
-/// Ask a node for its stats, proving `key` (the node's own, a peer's or a
-/// coordinator's it serves).
-pub async fn node_stats_remote(key: &SigningKey, node: &PeerAddr) -> anyhow::Result<NodeStats> {
-    let (endpoint, connection) = coordinator::connect_as(key, node).await?;
-    let (mut send, mut recv) = connection.open_bi().await?;
-    let request = mesh_protocol::control::ControlRequest::NodeStats.to_cbor();
-    let reply = msg::exchange(&mut send, &mut recv, &request, msg::IDLE_TIMEOUT)
-        .await?
-        .context("no stats")?;
-    connection.close(0u32.into(), b"done");
-    endpoint.wait_idle().await;
-    // The figures are the node's own `NodeStats`; anything else is a
-    // reply of the control protocol's, read as strictly.
-    if reply.get("kind").and_then(Cbor::as_text) == Some("node_stats") {
-        return NodeStats::from_cbor(&reply);
-    }
-    match mesh_protocol::control::ControlReply::from_cbor(&reply)? {
-        mesh_protocol::control::ControlReply::Refused { reason } => bail!("{reason}"),
-        other => bail!("the node answered `{}` to node_stats", other.kind()),
     }
 }
 
