@@ -873,7 +873,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let (records, recorded) = mesh_node::runtime::journal::Journal::accept_loss(
                 &data.join("steward"),
                 key,
-                mesh_node::runtime::serve::now_ms(),
+                mesh_node::runtime::clock::now_ms(),
             )?;
             match recorded {
                 Some(record) => println!(
@@ -897,7 +897,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 key,
                 Box::new(mesh_node::runtime::energy::EstimatorMeter::default()),
             )?;
-            let was = steward.clear_halt(&reason, mesh_node::runtime::serve::now_ms())?;
+            let was = steward.clear_halt(&reason, mesh_node::runtime::clock::now_ms())?;
             println!("the steward honours grants again; it had halted because: {was}");
             Ok(ExitCode::SUCCESS)
         }

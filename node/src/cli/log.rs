@@ -84,7 +84,7 @@ pub fn checkpoint(data: &Path, key: &mesh_protocol::SigningKey) -> anyhow::Resul
         .root()
         .context("the log is empty: nothing to checkpoint")?;
     let did = mesh_protocol::identity::did_key(&key.verifying_key().to_bytes());
-    let timestamp = mesh_protocol::capsule::format_timestamp(crate::runtime::serve::now_ms());
+    let timestamp = mesh_protocol::capsule::format_timestamp(crate::runtime::clock::now_ms());
     let value = Checkpoint::sign(
         &did,
         log.size(),

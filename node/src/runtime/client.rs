@@ -12,11 +12,11 @@ use mesh_protocol::control::{ControlReply, ControlRequest, DecisionAsk, Generate
 use mesh_protocol::mesh1::{Fidelity, ServeRequest, prompt_hash};
 use mesh_stage::sampling::SamplingParams;
 
+use crate::runtime::net::ALPN_CONTROL;
 use crate::runtime::net::msg;
 use crate::runtime::net::peers::PeerAddr;
 use crate::runtime::net::tls::{self, TlsIdentity};
-use crate::runtime::net::ALPN_CONTROL;
-use crate::runtime::serve::NodeStats;
+use crate::runtime::serve::stats::NodeStats;
 
 /// A token is rarely longer than this many bytes of text.
 pub const MAX_PROMPT_BYTES_PER_TOKEN: usize = 16;
@@ -331,4 +331,3 @@ pub async fn connect_as(
     .with_context(|| format!("connecting to {coordinator}"))?;
     Ok((endpoint, connection))
 }
-

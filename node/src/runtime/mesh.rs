@@ -24,6 +24,7 @@ use mesh_protocol::SigningKey;
 use mesh_protocol::advert::{Advert, AdvertRefusal, MAX_ADVERT_BYTES, Members, Offered};
 use mesh_protocol::identity::{did_key, parse_peer_id};
 
+use crate::runtime::clock::now_ms;
 use crate::runtime::limit::Source;
 
 /// The gossipsub topic adverts travel on.
@@ -206,12 +207,6 @@ impl Drop for Mesh {
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     state.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Refuses an inbound connection while its IP address has

@@ -6,6 +6,7 @@ use std::path::Path;
 use mesh_stage::ModelHandle;
 
 pub mod client;
+pub mod clock;
 pub mod energy;
 pub mod http;
 pub mod journal;
@@ -15,6 +16,7 @@ pub mod mesh;
 pub mod net;
 pub mod planner;
 pub mod records;
+pub mod router;
 pub mod serve;
 pub mod steward;
 

@@ -392,7 +392,7 @@ pub async fn bench_resume(
             arrivals.push(Instant::now());
             if seen == KILL_AT {
                 let _ = child.kill();
-                killed = Some((Instant::now(), crate::runtime::serve::now_ms()));
+                killed = Some((Instant::now(), crate::runtime::clock::now_ms()));
             }
         })
         .await?;

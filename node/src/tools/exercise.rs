@@ -6,7 +6,7 @@
 
 use std::io::Write;
 use std::path::Path;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::Context;
 use mesh_protocol::SigningKey;
@@ -14,6 +14,7 @@ use mesh_protocol::grant::{Grant, Presentation, SignedGrant};
 use mesh_protocol::identity::did_key;
 use mesh_protocol::mesh1::{Fidelity, MeshReceipt, ServeRequest, prompt_hash};
 
+use crate::runtime::clock::now_ms;
 use crate::runtime::energy::{EnergyMeter, burn_cpu};
 use crate::runtime::steward::Steward;
 
@@ -56,12 +57,6 @@ pub fn exercise_chain(steward_did: &str) -> anyhow::Result<Vec<SignedGrant>> {
         [1; 16],
     )?;
     Ok(vec![root, leaf])
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Run `serves` serves, each burning `workload` of CPU inside the metered

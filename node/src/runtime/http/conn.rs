@@ -29,6 +29,7 @@ use axum::http::{Request, Response};
 use hyper::body::Incoming;
 
 use super::guard::{Access, Checked};
+use crate::runtime::clock::lock;
 pub use crate::runtime::limit::Source;
 
 /// Most HTTP connections open at once.
@@ -86,10 +87,6 @@ impl Drop for Slot {
         let mut table = lock(&self.table);
         table.remove(self.id);
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Table {

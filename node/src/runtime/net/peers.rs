@@ -48,12 +48,15 @@ impl std::fmt::Display for PeerAddr {
     }
 }
 
+/// A kept connection's key: the peer's key and the ALPN it speaks.
+type ConnectionKey = ([u8; 32], &'static [u8]);
+
 /// Connections this node opened, by peer key and ALPN, on its one endpoint.
 #[derive(Debug)]
 pub struct Peers {
     endpoint: quinn::Endpoint,
     tls: TlsIdentity,
-    cache: tokio::sync::Mutex<HashMap<([u8; 32], &'static [u8]), quinn::Connection>>,
+    cache: tokio::sync::Mutex<HashMap<ConnectionKey, quinn::Connection>>,
 }
 
 impl Peers {
@@ -121,5 +124,4 @@ impl Peers {
             }
         }
     }
-
 }

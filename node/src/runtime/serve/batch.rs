@@ -74,7 +74,7 @@ enum Work {
 
 /// A slice's batch worker; it ends when its last handle is dropped.
 #[derive(Debug)]
-pub(super) struct Batcher {
+pub(crate) struct Batcher {
     jobs: mpsc::Sender<Work>,
     counts: Arc<Counts>,
 }

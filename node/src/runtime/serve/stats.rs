@@ -10,11 +10,13 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::*;
+use anyhow::Context;
+use anyhow::bail;
+use mesh_protocol::cbor::{Cbor, Fields};
 
 /// Monotonic counters since the node started.
 #[derive(Debug, Default)]
-pub(super) struct Counters {
+pub(crate) struct Counters {
     /// Generate requests this node coordinated to the end (their stream
     /// carried a `done`).
     pub requests_completed: AtomicU64,
@@ -56,7 +58,7 @@ pub const ROUND_TRIP_BUCKETS_US: [u64; 13] = [
 
 /// Counts of durations by bucket (`ROUND_TRIP_BUCKETS_US`, then the rest).
 #[derive(Debug, Default)]
-pub(super) struct Histogram {
+pub(crate) struct Histogram {
     counts: [AtomicU64; ROUND_TRIP_BUCKETS_US.len() + 1],
     /// Every recorded duration added up, in microseconds.
     sum_us: AtomicU64,
@@ -73,14 +75,14 @@ impl Histogram {
         self.sum_us.fetch_add(us, Ordering::Relaxed);
     }
 
-    fn snapshot(&self) -> Vec<u64> {
+    pub(crate) fn snapshot(&self) -> Vec<u64> {
         self.counts
             .iter()
             .map(|c| c.load(Ordering::Relaxed))
             .collect()
     }
 
-    fn sum_us(&self) -> u64 {
+    pub(crate) fn sum_us(&self) -> u64 {
         self.sum_us.load(Ordering::Relaxed)
     }
 }
@@ -292,80 +294,4 @@ impl NodeStats {
         f.finish().context("stats")?;
         Ok(stats)
     }
-}
-
-impl Inner {
-    pub(super) async fn node_stats(&self) -> NodeStats {
-        // Awaited first: no std lock guard may live across it.
-        let peer_connections = self.net.kept().await as u64;
-        let slice = |role: &str, slot: &Slot| {
-            let (steps, passes) = slot.batcher.steps_and_passes();
-            SliceStats {
-                role: role.to_string(),
-                layer_start: slot.assign.layer_start,
-                layer_end: slot.assign.layer_end,
-                caches_open: slot.pool.open_requests() as u64,
-                max_requests: slot.pool.max_requests() as u64,
-                steps,
-                passes,
-            }
-        };
-        let mut slices: Vec<SliceStats> = lock(&self.own_slot)
-            .iter()
-            .map(|own| slice("own", own))
-            .collect();
-        slices.extend(lock(&self.slots).values().map(|slot| slice("stage", slot)));
-        slices.extend(self.draft_model.as_ref().map(|draft| draft.stats()));
-        let counter = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let c = &self.counters;
-        NodeStats {
-            caches_open: slices.iter().map(|s| s.caches_open).sum(),
-            caches_kept: self.kept.parked() as u64,
-            slices,
-            records_pending: lock(&self.collector).pending() as u64,
-            direct_waiters: lock(&self.directs).len() as u64,
-            grant_decisions_waiting: lock(&self.tickets).len() as u64,
-            peer_connections,
-            requests_completed: counter(&c.requests_completed),
-            requests_failed: counter(&c.requests_failed),
-            requests_cancelled: counter(&c.requests_cancelled),
-            requests_refused_busy: counter(&c.requests_refused_busy),
-            requests_refused_route: counter(&c.requests_refused_route),
-            requests_refused_other: counter(&c.requests_refused_other),
-            tokens_generated: counter(&c.tokens_generated),
-            stage_requests: counter(&c.stage_requests),
-            stage_refusals: counter(&c.stage_refusals),
-            records_proven: counter(&c.records_proven),
-            step_round_trips: c.round_trips.snapshot(),
-            step_round_trips_sum_us: c.round_trips.sum_us(),
-        }
-    }
-}
-
-impl Inner {
-    /// Who may read this node's stats.
-    pub(super) fn may_read_stats(&self, peer: &[u8; 32]) -> bool {
-        *peer == self.tls.public_key
-            || self.peers.iter().any(|p| p.key == *peer)
-            || self.serves_coordinator(peer)
-    }
-}
-
-/// A request no backend could serve within its floor and ceiling
-/// (counted when it is refused).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub(super) struct RouteRefused(pub String);
-
-/// Whether a request was refused by the router.
-pub(super) fn is_route_refusal(error: &anyhow::Error) -> bool {
-    error.downcast_ref::<RouteRefused>().is_some()
-}
-
-/// Whether a request was refused because a pool was full.
-pub(super) fn is_busy(error: &anyhow::Error) -> bool {
-    matches!(
-        error.downcast_ref::<mesh_stage::EngineError>(),
-        Some(mesh_stage::EngineError::Busy(_))
-    )
 }

@@ -16,8 +16,8 @@ use mesh_protocol::hex;
 use mesh_protocol::identity::{did_key, peer_id};
 use serde_json::{Value, json};
 
-use super::VectorFile;
 use crate::tools::simulate::deterministic_32;
+use crate::tools::vectors::file::VectorFile;
 
 /// 2026-09-30T03:38:00.000Z
 const NOW_MS: u64 = 1_790_739_480_000;
@@ -250,5 +250,8 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
         "cases": cases,
         "table_sequence": sequence,
     });
-    Ok(vec![("mesh/adverts.json".into(), super::pretty(&document))])
+    Ok(vec![(
+        "mesh/adverts.json".into(),
+        crate::tools::vectors::file::pretty(&document),
+    )])
 }

@@ -18,8 +18,8 @@ use mesh_protocol::mesh1::{
 };
 use serde_json::{Value, json};
 
-use super::VectorFile;
 use crate::tools::simulate::{Scenario, deterministic_32, simulate};
+use crate::tools::vectors::file::VectorFile;
 
 fn key(label: &str) -> SigningKey {
     SigningKey::from_bytes(&deterministic_32(label))
@@ -429,7 +429,7 @@ fn receipt_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<
         anyhow::bail!("the core is a map")
     };
     let mut reversed = Vec::new();
-    super::mesh1::encode_map_unsorted(&mut reversed, entries.iter().rev());
+    crate::tools::vectors::mesh1::encode_map_unsorted(&mut reversed, entries.iter().rev());
     push(
         "members_not_in_canonical_order".into(),
         false,

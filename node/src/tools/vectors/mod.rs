@@ -6,21 +6,14 @@
 //! unchanged (CI checks it).
 
 use anyhow::Context;
-use serde_json::Value;
 
+mod file;
 pub mod mesh;
 pub mod mesh1;
 pub mod split_stage;
 pub mod stage;
 
-/// One generated file: path under `vectors/` and its bytes.
-pub type VectorFile = (String, String);
-
-fn pretty(value: &Value) -> String {
-    let mut text = serde_json::to_string_pretty(value).unwrap_or_default();
-    text.push('\n');
-    text
-}
+pub use file::VectorFile;
 
 /// Generate every vector file.
 pub fn generate() -> anyhow::Result<Vec<VectorFile>> {

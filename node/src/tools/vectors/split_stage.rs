@@ -17,10 +17,10 @@ use mesh_protocol::hopcheck::{CellState, LaneState};
 use mesh_protocol::verify::{verify_document, verify_hop_case};
 use serde_json::{Value, json};
 
-use super::{VectorFile, pretty};
 use crate::tools::simulate::{
     Fault, Scenario, coordinator_key, deterministic_32, deterministic_bytes, simulate, stage_key,
 };
+use crate::tools::vectors::file::{VectorFile, pretty};
 
 /// The split-stage vector files.
 pub fn generate() -> anyhow::Result<Vec<VectorFile>> {

@@ -16,7 +16,7 @@ use mesh_protocol::stage_frame::{
 };
 use serde_json::{Value, json};
 
-use super::VectorFile;
+use crate::tools::vectors::file::VectorFile;
 
 const REQUEST_ID: u64 = 0x0102_0304_0506_0708;
 const STEP: u32 = 3;
@@ -200,6 +200,6 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     });
     Ok(vec![(
         "mesh/stage-messages.json".into(),
-        super::pretty(&file),
+        crate::tools::vectors::file::pretty(&file),
     )])
 }

@@ -5,18 +5,19 @@
 //! chain's projected time per token at the estimator's power) only while
 //! nothing was metered on it, and the table says which.
 
-use super::*;
-use mesh_protocol::route::{Backend, CostBasis};
+use std::collections::VecDeque;
+
+use crate::runtime::serve::coordinator::runs::Run;
 
 /// Chains whose metered costs are kept (the oldest is forgotten first).
-pub(super) const MAX_COSTED_CHAINS: usize = 64;
+pub const MAX_COSTED_CHAINS: usize = 64;
 /// The estimator's time per layer and token where no plan projected one
 /// (a chain of configured `--peer`s): a CPU decode of a small model.
-pub(super) const ESTIMATED_US_PER_LAYER: u64 = 1_000;
+pub(crate) const ESTIMATED_US_PER_LAYER: u64 = 1_000;
 
 /// Energy the coordinator's meter recorded per chain.
 #[derive(Debug, Default)]
-pub(super) struct RouteCosts {
+pub(crate) struct RouteCosts {
     chains: VecDeque<(String, Spent)>,
 }
 
@@ -28,7 +29,7 @@ struct Spent {
 
 impl RouteCosts {
     /// A serve on `chain` cost `uj` for `tokens` tokens in and out.
-    pub(super) fn record(&mut self, chain: &str, uj: u64, tokens: u64) {
+    pub(crate) fn record(&mut self, chain: &str, uj: u64, tokens: u64) {
         if tokens == 0 {
             return;
         }
@@ -49,7 +50,7 @@ impl RouteCosts {
 
     /// Microjoules per token over every serve metered on `chain`, rounded
     /// up (a cost is never understated to zero).
-    pub(super) fn per_token(&self, chain: &str) -> Option<u64> {
+    pub(crate) fn per_token(&self, chain: &str) -> Option<u64> {
         self.chains
             .iter()
             .find(|(name, _)| name == chain)
@@ -58,42 +59,13 @@ impl RouteCosts {
 }
 
 /// A backend's name: the chain's stage count and its topology.
-pub(super) fn chain_name(run: &Run) -> String {
+pub(crate) fn chain_name(run: &Run) -> String {
     let topology = &run.assigns[0].topology_hash;
     format!(
         "split/{}@{}",
         run.assigns.len(),
         &topology[..topology.len().min(16)]
     )
-}
-
-/// The backends a request on `run` is weighed over: the model this node
-/// serves on the chain the planner (or the configured peers) gave.
-pub(super) fn backends(inner: &Inner, run: &Run) -> Vec<Backend> {
-    let name = chain_name(run);
-    let metered = lock(&inner.route_costs).per_token(&name);
-    let (uj_per_token, cost_basis) = match metered {
-        Some(uj) => (uj, CostBasis::Metered),
-        None => {
-            let layers = u64::from(inner.model.config().layers);
-            let us = run
-                .projected_us
-                .unwrap_or(layers.saturating_mul(ESTIMATED_US_PER_LAYER));
-            let estimator = lock(&inner.steward).estimator();
-            (
-                estimator.estimate_uj(Duration::from_micros(us)),
-                CostBasis::Estimator,
-            )
-        }
-    };
-    vec![Backend {
-        name,
-        recipe: coordinator::model_id(inner),
-        fidelity: inner.fidelity,
-        uj_per_token,
-        uj_per_option_scored: 0,
-        cost_basis,
-    }]
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ const ANSWER_CUE: &str = "Answer:";
 
 /// How the options were scored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Scoring {
+pub(crate) enum Scoring {
     FirstToken,
     Letter,
 }
@@ -49,7 +49,7 @@ impl Scoring {
 /// by (and the letter it is listed under, when scored by letter), and how
 /// many of the prompt's tokens are the question's schema.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct DecisionPlan {
+pub(crate) struct DecisionPlan {
     pub text: String,
     /// `text`, encoded.
     pub prompt_ids: Vec<u32>,
@@ -63,7 +63,7 @@ pub(super) struct DecisionPlan {
 /// The prompt a decision runs on: the state, then the question with its
 /// options, then the cue; through the model's chat template when `chat`.
 /// Its schema is every token the state alone does not give.
-pub(super) fn plan(
+pub(crate) fn plan(
     codec: &TextCodec,
     state: &str,
     ask: &DecisionAsk,

@@ -26,11 +26,11 @@ const CATCH_UP_CHUNK: usize = 512;
 /// Positions a draft cache may take on the way to a draft: what one decode
 /// step adds (its token and an accepted draft). Further behind, it catches
 /// up in the background, so no step waits on a prompt's worth of it.
-const INLINE_CATCH_UP: usize = super::MAX_DRAFT_TOKENS + 1;
+const INLINE_CATCH_UP: usize = mesh_protocol::stage_frame::MAX_DECODE_ROWS;
 
 /// A draft model, whole, with a cache per request it drafts for.
 #[derive(Debug)]
-pub(super) struct DraftModel {
+pub(crate) struct DraftModel {
     slice: LayerSlice,
     pool: CachePool,
     /// Its longest sequence.
@@ -47,7 +47,7 @@ impl DraftModel {
     /// are token ids the target verifies. A vocabulary padded at its end
     /// differs only past the ids both hold; the draft never proposes one
     /// the target lacks.
-    pub(super) fn load(
+    pub(crate) fn load(
         path: &Path,
         target: &ModelHandle,
         max_requests: usize,
@@ -76,7 +76,7 @@ impl DraftModel {
         let slice = handle
             .load_slice(0..layers)
             .with_context(|| format!("loading the draft model {}", path.display()))?;
-        let context = context.min(super::engine_context(&handle));
+        let context = context.min(crate::runtime::serve::shared::engine_context(&handle));
         Ok(Self {
             slice,
             pool: CachePool::new(max_requests, context),
@@ -91,8 +91,8 @@ impl DraftModel {
 
     /// Its pool, as a slice of the node's stats: a draft cache a request
     /// failed to give back shows there.
-    pub(super) fn stats(&self) -> super::stats::SliceStats {
-        super::stats::SliceStats {
+    pub(crate) fn stats(&self) -> crate::runtime::serve::stats::SliceStats {
+        crate::runtime::serve::stats::SliceStats {
             role: "draft".into(),
             layer_start: self.slice.range.start,
             layer_end: self.slice.range.end,
@@ -106,7 +106,7 @@ impl DraftModel {
 
 /// One request's drafter.
 #[derive(Debug)]
-pub(super) enum Drafter {
+pub(crate) enum Drafter {
     Lookup(Lookup),
     Model(ModelDrafter),
 }
@@ -114,7 +114,7 @@ pub(super) enum Drafter {
 /// A request's drafts from the draft model: its state, on this task or
 /// away on the blocking pool.
 #[derive(Debug)]
-pub(super) struct ModelDrafter {
+pub(crate) struct ModelDrafter {
     state: Option<Box<ModelDrafts>>,
     away: Option<JoinHandle<Box<ModelDrafts>>>,
     name: String,
@@ -142,7 +142,7 @@ struct ModelDrafts {
 impl Drafter {
     /// A drafter for request `request` of at most `capacity` positions:
     /// the draft model when there is one, else prompt lookup.
-    pub(super) fn new(model: Option<&Arc<DraftModel>>, request: u64, capacity: usize) -> Self {
+    pub(crate) fn new(model: Option<&Arc<DraftModel>>, request: u64, capacity: usize) -> Self {
         match model {
             Some(model) => {
                 let released = Arc::new(AtomicBool::new(false));
@@ -167,7 +167,7 @@ impl Drafter {
     }
 
     /// Where the drafts come from, for the details of a serve.
-    pub(super) fn source(&self) -> String {
+    pub(crate) fn source(&self) -> String {
         match self {
             Drafter::Lookup(_) => "prompt lookup".into(),
             Drafter::Model(drafter) => match &drafter.stopped {
@@ -179,7 +179,7 @@ impl Drafter {
 
     /// Start taking `history` (the prompt, or a replay) into the draft
     /// model's cache in the background, while the chain prefills it.
-    pub(super) fn prefill(&mut self, history: &[u32]) {
+    pub(crate) fn prefill(&mut self, history: &[u32]) {
         let Drafter::Model(drafter) = self else {
             return;
         };
@@ -191,7 +191,7 @@ impl Drafter {
         };
         let history = history.to_vec();
         drafter.away = Some(tokio::task::spawn_blocking(move || {
-            let _elsewhere = super::batch::elsewhere::Pass::begin();
+            let _elsewhere = crate::runtime::serve::batch::elsewhere::Pass::begin();
             state.catch_up(&history);
             state
         }));
@@ -199,7 +199,7 @@ impl Drafter {
 
     /// Up to `max` tokens to follow `history` (the prompt and every token
     /// so far).
-    pub(super) async fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
+    pub(crate) async fn propose(&mut self, history: &[u32], max: usize) -> Vec<u32> {
         let drafter = match self {
             Drafter::Lookup(lookup) => return lookup.propose(history, max),
             Drafter::Model(drafter) => drafter,
@@ -235,7 +235,7 @@ impl Drafter {
         }
         let history = history.to_vec();
         let done = tokio::task::spawn_blocking(move || {
-            let _elsewhere = super::batch::elsewhere::Pass::begin();
+            let _elsewhere = crate::runtime::serve::batch::elsewhere::Pass::begin();
             let proposed = state.propose(&history, max);
             (state, proposed)
         })
@@ -256,7 +256,7 @@ impl Drafter {
     }
 
     /// Give the draft cache back (the request has its tokens).
-    pub(super) async fn release(&mut self) {
+    pub(crate) async fn release(&mut self) {
         if let Drafter::Model(drafter) = self {
             drafter.released.store(true, Ordering::Relaxed);
             if let Some(away) = drafter.away.take() {

@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use crate::runtime::clock::lock;
 use anyhow::{Context, bail};
 use mesh_stage::LayerSlice;
 use mesh_stage::cache::CacheLease;
@@ -28,7 +29,7 @@ pub const PARK_TTL: Duration = Duration::from_secs(30);
 /// What a request running on a stage holds of its entry. Dropped without
 /// parking (a request that completed, was refused, or whose task ended),
 /// it takes the entry away.
-pub(super) struct KeepHandle {
+pub(crate) struct KeepHandle {
     /// Told when a resumed request takes the cache over.
     pub superseded: Arc<Notify>,
     park: Option<oneshot::Sender<CacheLease>>,
@@ -90,14 +91,8 @@ struct Entry {
 
 /// Every admitted request's entry, by coordinator and request id.
 #[derive(Default)]
-pub(super) struct KeptCaches {
+pub(crate) struct KeptCaches {
     entries: Entries,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl KeptCaches {

@@ -1,0 +1,69 @@
+//! Plan: the chain the next request goes on, over the configured peers or
+//! the mesh's members, and its assignment to every stage.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mesh_protocol::receipt::Assignment;
+
+use crate::runtime::net::peers::PeerAddr;
+use crate::runtime::serve::slot::Assign;
+use crate::runtime::serve::slot::Slot;
+
+pub(crate) struct Run {
+    /// The remote stages, in chain order.
+    pub(crate) peers: Vec<PeerAddr>,
+    /// The planner's projection when the run was planned over a mesh.
+    pub(crate) projected_us: Option<u64>,
+    pub(crate) assigns: Vec<Assign>,
+    pub(crate) topology: Vec<Assignment>,
+    pub(crate) keys: Vec<[u8; 32]>,
+    pub(crate) own: Arc<Slot>,
+    /// Assignments are sent again before a request once the run has been
+    /// unused this long: half the shortest time a stage keeps an idle slice.
+    pub(crate) refresh_after: Duration,
+    /// Assignments are sent again before the next request: one failed, so a
+    /// stage may have restarted without its slice.
+    pub(crate) stale: std::sync::atomic::AtomicBool,
+}
+
+/// A plan and what it was made from.
+pub(crate) struct PlanCache {
+    pub(crate) generation: u64,
+    /// Every member's data address (an advert can move it without a
+    /// change to the member set).
+    pub(crate) addresses: Vec<([u8; 32], String)>,
+    pub(crate) refused: Vec<[u8; 32]>,
+    pub(crate) plan: mesh_protocol::plan::Plan,
+    pub(crate) usable: Vec<Usable>,
+    /// The coordinator and the members as the planner weighed them.
+    pub(crate) candidates: Candidates,
+}
+
+/// The coordinator as a candidate, and every other member with why it is
+/// left out, if it is.
+pub(crate) type Candidates = (
+    mesh_protocol::plan::Candidate,
+    Vec<crate::runtime::planner::Weighed>,
+);
+
+/// A chain: the remote stages, every stage's layers, and the planner's
+/// projection when it came from a plan over a mesh.
+pub(crate) type Chain = (Vec<PeerAddr>, Vec<std::ops::Range<u32>>, Option<u64>);
+
+/// A member the planner could use: its key and data address.
+pub(crate) type Usable = ([u8; 32], SocketAddr);
+
+/// A new plan replaces the current run only when it is this much faster
+/// (numerator, denominator: 4/5, at least 20 % less time per token).
+pub const MIN_REPLAN_GAIN: (u64, u64) = (4, 5);
+
+/// How long a member that refused its assignment is left out of plans.
+pub const REFUSED_MEMBER_PAUSE: Duration = Duration::from_secs(30);
+
+/// How long a coordinator in a mesh plans again, as members join or come
+/// back, before it refuses a request it cannot plan for (within the
+/// request's own deadline): long enough for a restarted coordinator's
+/// members to reconnect.
+pub const MESH_SETTLE_WAIT: Duration = Duration::from_secs(20);
