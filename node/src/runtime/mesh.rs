@@ -24,6 +24,7 @@ use mesh_protocol::SigningKey;
 use mesh_protocol::advert::{Advert, AdvertRefusal, MAX_ADVERT_BYTES, Members, Offered};
 use mesh_protocol::identity::{did_key, parse_peer_id};
 
+use crate::runtime::clock::lock;
 use crate::runtime::clock::now_ms;
 use crate::runtime::limit::Source;
 
@@ -203,10 +204,6 @@ impl Drop for Mesh {
     fn drop(&mut self) {
         self.task.abort();
     }
-}
-
-fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Refuses an inbound connection while its IP address has

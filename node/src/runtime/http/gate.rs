@@ -20,6 +20,7 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use super::conn::Source;
+use crate::runtime::clock::lock;
 
 /// Requests one source may have waiting for a cache.
 pub const MAX_QUEUED_PER_SOURCE: usize = 16;
@@ -84,10 +85,6 @@ pub struct Pass {
     /// Whether dropping it gives a cache back (not for one that was never
     /// handed over).
     armed: bool,
-}
-
-fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl State {
