@@ -919,7 +919,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     json,
                 },
         } => {
-            let report = runtime()?.block_on(mesh_node::cli::node_cli::bench_split(
+            let model = model.map_or_else(mesh_node::cli::engine_cli::synthetic_model_path, Ok)?;
+            let report = runtime()?.block_on(mesh_node::tools::bench_split::bench_split(
                 model,
                 tokens,
                 prompt_tokens,
@@ -929,7 +930,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
-                print!("{}", mesh_node::cli::node_cli::render_split(&report));
+                print!("{}", mesh_node::tools::bench_split::render_split(&report));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -1252,7 +1253,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             action: JournalAction::Inspect { dir },
         } => {
             let (records, lost) = mesh_node::runtime::journal::Journal::read_with_loss(&dir)?;
-            let steward = mesh_node::tools::inspect::steward_of(&records);
+            let steward = mesh_node::cli::inspect::steward_of(&records);
             // A lost tail is shown as the replay's failure: what remains
             // is printed, never passed as a whole journal.
             let replayed = match (&steward, &lost) {
@@ -1269,7 +1270,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             print!(
                 "{}",
-                mesh_node::tools::inspect::render_journal(
+                mesh_node::cli::inspect::render_journal(
                     &records,
                     replayed.as_ref().ok(),
                     replayed.as_ref().err().map(String::as_str)

@@ -701,7 +701,7 @@ async fn control_messages_with_members_nobody_asked_for_are_refused() {
 /// bundle agrees: QUIC's recovery is below the frames the lanes fold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_over_delayed_lossy_links_gives_the_clean_tokens() {
-    use mesh_node::cli::node_cli::BenchSplit;
+    use mesh_node::tools::bench_split::BenchSplit;
     use mesh_node::tools::delay_proxy::LinkShape;
 
     let dir = tempfile::tempdir().unwrap();

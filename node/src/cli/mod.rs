@@ -4,6 +4,7 @@
 //! (`render`), and the mesh as an observer sees it (`mesh_cli`).
 
 pub mod engine_cli;
+pub mod inspect;
 pub mod log;
 pub mod mesh_cli;
 pub mod models;

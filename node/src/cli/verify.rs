@@ -110,7 +110,7 @@ fn verify_envelope(shown: &str, envelope: &[u8], prev: Option<&Path>, as_json: b
     } else {
         print!(
             "{}",
-            crate::tools::inspect::render_receipt(shown, &sealed, link.as_ref())
+            crate::cli::inspect::render_receipt(shown, &sealed, link.as_ref())
         );
         println!("\nResult: {}", if ok { "OK" } else { "FAILED" });
     }

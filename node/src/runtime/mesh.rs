@@ -748,43 +748,60 @@ fn handle_event(
             propagation_source,
             message_id,
             message,
-        })) => {
-            // Strict validation: `source` is the peer that signed the
-            // message, whoever forwarded it. Only a peer this node holds a
-            // connection to may be a member: one connection cannot bring in
-            // any number of made-up identities, and every member has a
-            // measured round trip.
-            let sender = message
-                .source
-                .filter(|source| lock(state).connected.contains(source))
-                .as_ref()
-                .and_then(peer_key);
-            let acceptance = match sender {
-                // Not connected (or not an Ed25519 peer): not taken, not
-                // forwarded.
-                None => MessageAcceptance::Ignore,
-                Some(sender) => {
-                    let outcome = lock(state).members.offer(&message.data, &sender, now_ms());
-                    match outcome {
-                        Ok(offered) => {
-                            if offered == Offered::Joined {
-                                tracing::info!(member = %did_key(&sender), "member joined");
-                                changed.bump();
-                            }
-                            MessageAcceptance::Accept
-                        }
-                        Err(refusal) => refuse(state, &sender, &refusal),
-                    }
-                }
-            };
-            let _ = swarm
-                .behaviour_mut()
-                .gossipsub
-                .report_message_validation_result(&message_id, &propagation_source, acceptance);
-        }
+        })) => gossip_message(
+            swarm,
+            state,
+            changed,
+            propagation_source,
+            message_id,
+            message,
+        ),
         _ => {}
     }
     false
+}
+
+/// An advert gossiped by a member, validated before gossipsub forwards it.
+fn gossip_message(
+    swarm: &mut libp2p::Swarm<Behaviour>,
+    state: &Arc<Mutex<State>>,
+    changed: &Changes,
+    propagation_source: libp2p::PeerId,
+    message_id: gossipsub::MessageId,
+    message: gossipsub::Message,
+) {
+    // Strict validation: `source` is the peer that signed the
+    // message, whoever forwarded it. Only a peer this node holds a
+    // connection to may be a member: one connection cannot bring in
+    // any number of made-up identities, and every member has a
+    // measured round trip.
+    let sender = message
+        .source
+        .filter(|source| lock(state).connected.contains(source))
+        .as_ref()
+        .and_then(peer_key);
+    let acceptance = match sender {
+        // Not connected (or not an Ed25519 peer): not taken, not
+        // forwarded.
+        None => MessageAcceptance::Ignore,
+        Some(sender) => {
+            let outcome = lock(state).members.offer(&message.data, &sender, now_ms());
+            match outcome {
+                Ok(offered) => {
+                    if offered == Offered::Joined {
+                        tracing::info!(member = %did_key(&sender), "member joined");
+                        changed.bump();
+                    }
+                    MessageAcceptance::Accept
+                }
+                Err(refusal) => refuse(state, &sender, &refusal),
+            }
+        }
+    };
+    let _ = swarm
+        .behaviour_mut()
+        .gossipsub
+        .report_message_validation_result(&message_id, &propagation_source, acceptance);
 }
 
 /// Count a refused advert, log it once per sender and kind, and tell

@@ -310,26 +310,36 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
                 last_checkpoint = Some((*size, *root));
             }
             Entry::Changed { envelope } => {
-                let change = mesh_protocol::change::SealedChange::verify(envelope)
-                    .map_err(|e| foreign(format!("a change-record entry: {e}")))?;
-                // A change is in effect from the next receipt sealed after it.
-                if let mesh_protocol::change::ChangeKind::Weights(w) = &change.entry.kind
-                    && w.effective_from != next_sequence
-                {
-                    return Err(foreign(format!(
-                        "a weights change effective from receipt {}, recorded when the next was {next_sequence}",
-                        w.effective_from
-                    )));
-                }
-                let key = steward_key.ok_or_else(|| foreign("the steward's id".into()))?;
-                changes
-                    .entry(change.entry.backend.clone())
-                    .or_insert_with(|| ChangeRecord::new(&change.entry.backend, key))
-                    .append(change)
-                    .map_err(|e| foreign(format!("a change-record entry: {e}")))?;
+                replay_change(&mut changes, envelope, steward_key, next_sequence)
+                    .map_err(foreign)?;
             }
         }
     }
+    let unresolved = unresolved_of(&mut gate, pending, started);
+    Ok(Replay {
+        witnessed: Witnessed {
+            acknowledged_through,
+            shown_past,
+        },
+        gate,
+        next_sequence,
+        prev_envelope,
+        last_envelope,
+        sealed,
+        unresolved,
+        changes,
+        log,
+        last_checkpoint,
+    })
+}
+
+/// The decisions a journal left open: a granted one still holds its
+/// ceiling against its grant.
+fn unresolved_of(
+    gate: &mut GrantGate,
+    pending: std::collections::BTreeMap<u64, (Authorisation, String, u64)>,
+    started: std::collections::BTreeMap<u64, (ContentId, String, u64)>,
+) -> Vec<Unresolved> {
     let mut unresolved = Vec::new();
     for (seq, (authorisation, backend, decided_at_ms)) in pending {
         gate.debit(&authorisation, authorisation.ceiling_uj);
@@ -355,21 +365,34 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
         });
     }
     unresolved.sort_by_key(|u| u.authorised_seq);
-    Ok(Replay {
-        witnessed: Witnessed {
-            acknowledged_through,
-            shown_past,
-        },
-        gate,
-        next_sequence,
-        prev_envelope,
-        last_envelope,
-        sealed,
-        unresolved,
-        changes,
-        log,
-        last_checkpoint,
-    })
+    unresolved
+}
+
+/// A change-record entry of the journal, checked and appended to its
+/// backend's record; why it does not belong there.
+fn replay_change(
+    changes: &mut std::collections::BTreeMap<String, ChangeRecord>,
+    envelope: &[u8],
+    steward_key: Option<[u8; 32]>,
+    next_sequence: u64,
+) -> Result<(), String> {
+    let change = mesh_protocol::change::SealedChange::verify(envelope)
+        .map_err(|e| format!("a change-record entry: {e}"))?;
+    // A change is in effect from the next receipt sealed after it.
+    if let mesh_protocol::change::ChangeKind::Weights(w) = &change.entry.kind
+        && w.effective_from != next_sequence
+    {
+        return Err(format!(
+            "a weights change effective from receipt {}, recorded when the next was {next_sequence}",
+            w.effective_from
+        ));
+    }
+    let key = steward_key.ok_or_else(|| "the steward's id".to_string())?;
+    changes
+        .entry(change.entry.backend.clone())
+        .or_insert_with(|| ChangeRecord::new(&change.entry.backend, key))
+        .append(change)
+        .map_err(|e| format!("a change-record entry: {e}"))
 }
 
 impl Steward {

@@ -97,7 +97,7 @@ fn over_http(api: SocketAddr, model: &str, tokens: usize) -> anyhow::Result<Timi
 }
 
 pub async fn bench_api(model: &Path, tokens: usize, rounds: usize) -> anyhow::Result<Value> {
-    let split = crate::cli::node_cli::BenchSplit::start(
+    let split = crate::tools::bench_split::BenchSplit::start(
         model,
         3,
         Some(SocketAddr::from(([127, 0, 0, 1], 0))),

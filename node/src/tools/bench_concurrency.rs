@@ -236,7 +236,7 @@ pub async fn bench_concurrency(
     llama_server: Option<PathBuf>,
 ) -> anyhow::Result<Value> {
     let exe = std::env::current_exe()?;
-    let scratch = crate::cli::node_cli::tempfile_dir()?;
+    let scratch = crate::tools::bench_split::tempfile_dir()?;
     let report = measure(&exe, &scratch, model, tokens, levels, llama_server).await;
     let _ = std::fs::remove_dir_all(&scratch);
     report

@@ -186,7 +186,7 @@ pub async fn bench_join(model: &std::path::Path, rounds: usize) -> anyhow::Resul
         decode_us_per_layer: None,
     };
     let mut options =
-        crate::cli::node_cli::bench_options(model, &scratch, 0, Vec::new(), &coordinator_key)?;
+        crate::tools::bench_split::bench_options(model, &scratch, 0, Vec::new(), &coordinator_key)?;
     options.mesh = Some(settings(Vec::new()));
     options.stages = Some(2);
     let coordinator = Node::start(options).await?;
@@ -201,7 +201,7 @@ pub async fn bench_join(model: &std::path::Path, rounds: usize) -> anyhow::Resul
         let key = SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
         let data = scratch.join(format!("joiner-{round}"));
         for times in [&mut first_join, &mut rejoin] {
-            let mut options = crate::cli::node_cli::bench_options(
+            let mut options = crate::tools::bench_split::bench_options(
                 model,
                 &scratch,
                 round + 1,
@@ -316,7 +316,7 @@ pub async fn bench_resume(
     let scratch = tempfile_dir()?;
     let coordinator_key = SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
     let mut options =
-        crate::cli::node_cli::bench_options(model, &scratch, 0, Vec::new(), &coordinator_key)?;
+        crate::tools::bench_split::bench_options(model, &scratch, 0, Vec::new(), &coordinator_key)?;
     options.mesh = Some(MeshSettings {
         listen: vec!["/ip4/127.0.0.1/tcp/0".parse()?],
         bootstrap: Vec::new(),

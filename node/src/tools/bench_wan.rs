@@ -24,9 +24,9 @@ use anyhow::Context;
 use mesh_protocol::block::ReturnMode;
 use serde_json::{Value, json};
 
-use crate::cli::node_cli::{BenchSplit, bench_prompt, unsplit_generation};
 use crate::runtime::serve::{GenerateRequest, generate_remote, one_way_hops_per_step};
 use crate::tools::bench::{completed, decode_tokens, median};
+use crate::tools::bench_split::{BenchSplit, bench_prompt, unsplit_generation};
 use crate::tools::delay_proxy::LinkShape;
 
 /// Mesh-LLM's published added time per stage boundary, beyond two round

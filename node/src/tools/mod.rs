@@ -1,14 +1,14 @@
 //! Tools built on the runtime: the vector generators (`vectors`, over the
 //! deterministic `simulate`d run), benchmarks (and the UDP delay proxy the
-//! WAN bench puts between nodes), and the `exercise` and `inspect` commands.
+//! WAN bench puts between nodes), and the `exercise` command.
 
 pub mod bench;
 pub mod bench_api;
 pub mod bench_concurrency;
 pub mod bench_mesh;
+pub mod bench_split;
 pub mod bench_wan;
 pub mod delay_proxy;
 pub mod exercise;
-pub mod inspect;
 pub mod simulate;
 pub mod vectors;

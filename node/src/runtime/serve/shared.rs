@@ -17,7 +17,7 @@ use crate::runtime::net::peers::PeerAddr;
 use crate::runtime::serve::slot::Assign;
 use crate::runtime::serve::slot::Slot;
 use crate::runtime::serve::stats;
-use crate::runtime::steward::Steward;
+use crate::runtime::steward::{ServeTicket, Steward};
 
 /// What both roles of a node share. The stage role and the coordinator role
 /// each hold it, and reach each other only through the protocols.
@@ -167,19 +167,64 @@ impl Shared {
         Arc::new(Slot::new(slice, self.max_requests, self.context(), assign))
     }
 
-    /// Close a grant decision whose serve never ran: the steward journals the
-    /// (empty) span, so nothing stays open or charged at its ceiling.
-    pub(crate) fn release_ticket(&self, ticket: crate::runtime::steward::ServeTicket) {
-        if let Err(error) =
-            lock(&self.steward).end_engine(ticket, Some(self.model.weights_digest()))
-        {
-            tracing::warn!("releasing an unused grant decision: {error}");
-        }
-    }
-
     /// Whether `key`'s mesh connection closed at or after `since`: its
     /// process is gone, and nothing more will come from it.
     pub(crate) fn left_mesh_since(&self, key: &[u8; 32], since: Instant) -> bool {
         self.mesh.get().is_some_and(|m| m.closed_since(key, since))
+    }
+}
+
+/// A steward's grant decision held for a serve: when dropped before the
+/// serve is sealed (refused, failed to start, never arrived, its task
+/// ended), the steward closes it with the (empty) span it metered and
+/// journals that, so nothing stays open or charged at its ceiling.
+pub(crate) struct HeldTicket {
+    shared: Arc<Shared>,
+    /// Present until [`HeldTicket::into_sealed`] takes it.
+    ticket: Option<ServeTicket>,
+}
+
+impl HeldTicket {
+    pub(crate) fn new(shared: &Arc<Shared>, ticket: ServeTicket) -> Self {
+        Self {
+            shared: shared.clone(),
+            ticket: Some(ticket),
+        }
+    }
+
+    /// The decision, for the seal to close with what the serve metered.
+    pub(crate) fn into_sealed(mut self) -> ServeTicket {
+        self.ticket
+            .take()
+            .expect("a held ticket is present until this consumes it")
+    }
+}
+
+impl std::ops::Deref for HeldTicket {
+    type Target = ServeTicket;
+    fn deref(&self) -> &ServeTicket {
+        self.ticket
+            .as_ref()
+            .expect("a held ticket is present until into_sealed consumes it")
+    }
+}
+
+impl std::ops::DerefMut for HeldTicket {
+    fn deref_mut(&mut self) -> &mut ServeTicket {
+        self.ticket
+            .as_mut()
+            .expect("a held ticket is present until into_sealed consumes it")
+    }
+}
+
+impl Drop for HeldTicket {
+    fn drop(&mut self) {
+        let Some(ticket) = self.ticket.take() else {
+            return;
+        };
+        let weights = Some(self.shared.model.weights_digest());
+        if let Err(error) = lock(&self.shared.steward).end_engine(ticket, weights) {
+            tracing::warn!("releasing an unused grant decision: {error}");
+        }
     }
 }

@@ -25,6 +25,7 @@ use crate::runtime::serve::coordinator::role::RouteRefused;
 use crate::runtime::serve::coordinator::route::ESTIMATED_US_PER_LAYER;
 use crate::runtime::serve::coordinator::route::chain_name;
 use crate::runtime::serve::coordinator::runs::Run;
+use crate::runtime::serve::shared::HeldTicket;
 use crate::runtime::serve::stats;
 use mesh_protocol::route::{Backend, CostBasis};
 use std::time::Duration;
@@ -40,7 +41,7 @@ pub(crate) struct Held<'a> {
     pub(crate) collector: bool,
     pub(crate) direct: bool,
     /// The coordinator's own grant decision, until the serve is debited.
-    pub(crate) ticket: Option<crate::runtime::steward::ServeTicket>,
+    pub(crate) ticket: Option<HeldTicket>,
     /// Stages that decided a grant for this request: told to release it at
     /// the end (a no-op where the request reached them and was served).
     pub(crate) authorised: Vec<PeerAddr>,
@@ -78,9 +79,6 @@ impl Drop for Held<'_> {
         }
         if self.direct {
             lock(&self.coordinator.directs).remove(&self.request_id);
-        }
-        if let Some(ticket) = self.ticket.take() {
-            self.coordinator.shared.release_ticket(ticket);
         }
         for peer in std::mem::take(&mut self.authorised) {
             let coordinator = self.coordinator.clone();
@@ -289,42 +287,7 @@ pub(crate) async fn admit<'a>(
                 schema_tokens: plan.schema_tokens,
             }),
     };
-    let (serve, presentations) = match &request.grant {
-        None => (serve, Vec::new()),
-        Some(granted) => {
-            if granted.serve.prompt_hash != serve.prompt_hash {
-                bail!("the granted request's prompt_hash is not BLAKE3 of the prompt sent");
-            }
-            let presentations = granted
-                .presentations
-                .iter()
-                .map(|p| {
-                    if p.is_empty() {
-                        Ok(None)
-                    } else {
-                        mesh_protocol::grant::Presentation::decode(p).map(Some)
-                    }
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| anyhow!("a presentation does not decode: {e}"))?;
-            if granted.serve.decision.is_some() != decision.is_some() {
-                bail!(
-                    "the granted request is priced as a {} but asks for a {}",
-                    if granted.serve.decision.is_some() {
-                        "decision"
-                    } else {
-                        "generation"
-                    },
-                    if decision.is_some() {
-                        "decision"
-                    } else {
-                        "generation"
-                    }
-                );
-            }
-            (granted.serve.clone(), presentations)
-        }
-    };
+    let (serve, presentations) = granted_request(request, serve, decision.is_some())?;
     let max_new = match &decision {
         Some(_) => max_new,
         None => max_new.min(serve.max_tokens.max(1) as usize),
@@ -346,20 +309,19 @@ pub(crate) async fn admit<'a>(
     };
     // Every steward decides its own grant shard before any work runs.
     let own_presentation = shards.for_node(&coordinator.shared.tls.public_key);
-    held.ticket = Some(
-        lock(&coordinator.shared.steward)
-            .authorise(
-                own_presentation.as_ref(),
-                &serve,
-                Some(coordinator.shared.model.weights_digest()),
-                "mesh-node/split",
-                now_ms(),
-            )
-            .map_err(|error| match own_presentation {
-                Some(_) => anyhow!("grant refused at the coordinator: {error}"),
-                None => anyhow!("the coordinator cannot take the request: {error}"),
-            })?,
-    );
+    let ticket = lock(&coordinator.shared.steward)
+        .authorise(
+            own_presentation.as_ref(),
+            &serve,
+            Some(coordinator.shared.model.weights_digest()),
+            "mesh-node/split",
+            now_ms(),
+        )
+        .map_err(|error| match own_presentation {
+            Some(_) => anyhow!("grant refused at the coordinator: {error}"),
+            None => anyhow!("the coordinator cannot take the request: {error}"),
+        })?;
+    held.ticket = Some(HeldTicket::new(&coordinator.shared, ticket));
     held.authorise_stages(run, &split_key, &serve, &shards)
         .await?;
     Ok(Admitted {
@@ -375,6 +337,51 @@ pub(crate) async fn admit<'a>(
         route,
         asked_tokens,
         decision,
+    })
+}
+
+/// The request as priced: the requester's granted request when it comes
+/// with grant shards (checked against the prompt sent and what it asks
+/// for), with their presentations, one per stage; else the request as read.
+fn granted_request(
+    request: &GenerateRequest,
+    serve: ServeRequest,
+    decision: bool,
+) -> anyhow::Result<(
+    ServeRequest,
+    Vec<Option<mesh_protocol::grant::Presentation>>,
+)> {
+    Ok(match &request.grant {
+        None => (serve, Vec::new()),
+        Some(granted) => {
+            if granted.serve.prompt_hash != serve.prompt_hash {
+                bail!("the granted request's prompt_hash is not BLAKE3 of the prompt sent");
+            }
+            let presentations = granted
+                .presentations
+                .iter()
+                .map(|p| {
+                    if p.is_empty() {
+                        Ok(None)
+                    } else {
+                        mesh_protocol::grant::Presentation::decode(p).map(Some)
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| anyhow!("a presentation does not decode: {e}"))?;
+            if granted.serve.decision.is_some() != decision {
+                bail!(
+                    "the granted request is priced as a {} but asks for a {}",
+                    if granted.serve.decision.is_some() {
+                        "decision"
+                    } else {
+                        "generation"
+                    },
+                    if decision { "decision" } else { "generation" }
+                );
+            }
+            (granted.serve.clone(), presentations)
+        }
     })
 }
 

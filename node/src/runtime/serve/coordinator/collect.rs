@@ -31,7 +31,8 @@ pub(crate) async fn collect(
     let ticket = held
         .ticket
         .take()
-        .context("the coordinator's grant decision")?;
+        .context("the coordinator's grant decision")?
+        .into_sealed();
     let metered = {
         let mut steward = lock(&coordinator.shared.steward);
         let weights = Some(coordinator.shared.model.weights_digest());

@@ -13,12 +13,14 @@
 //! - [`report`]: the reply to the requester.
 
 mod admit;
+mod chain;
 mod collect;
 pub(crate) mod decision;
 pub(crate) mod draft;
 mod drive;
 mod keep;
 pub(crate) mod plan;
+mod progress;
 mod report;
 pub(crate) mod request;
 mod resume;

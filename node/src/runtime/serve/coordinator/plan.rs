@@ -363,21 +363,7 @@ impl CoordinatorRole {
                 package_id: self.shared.model.package_id(),
             })
             .collect();
-        let topology_hash = {
-            let cbor = Cbor::Array(
-                topology
-                    .iter()
-                    .map(|a| {
-                        Cbor::text_map([
-                            ("node_id", Cbor::text(&a.node_id)),
-                            ("layer_start", Cbor::Uint(a.layer_start.into())),
-                            ("layer_end", Cbor::Uint(a.layer_end.into())),
-                        ])
-                    })
-                    .collect(),
-            );
-            mesh_protocol::hex::encode(blake3::hash(&cbor.encode()).as_bytes())
-        };
+        let topology_hash = topology_hash(&topology);
         let mut assigns = Vec::new();
         for (k, range) in ranges.iter().enumerate() {
             let assign = Assign {
@@ -472,4 +458,22 @@ impl CoordinatorRole {
         }
         Ok(run)
     }
+}
+
+/// The hash that binds a run's records to its topology: BLAKE3 of each
+/// stage's node and layers, in CBOR.
+fn topology_hash(topology: &[Assignment]) -> String {
+    let cbor = Cbor::Array(
+        topology
+            .iter()
+            .map(|a| {
+                Cbor::text_map([
+                    ("node_id", Cbor::text(&a.node_id)),
+                    ("layer_start", Cbor::Uint(a.layer_start.into())),
+                    ("layer_end", Cbor::Uint(a.layer_end.into())),
+                ])
+            })
+            .collect(),
+    );
+    mesh_protocol::hex::encode(blake3::hash(&cbor.encode()).as_bytes())
 }

@@ -15,7 +15,7 @@ use crate::runtime::net::msg::{self};
 use crate::runtime::net::peers::PeerAddr;
 use crate::runtime::serve::coordinator::admit::Admitted;
 use crate::runtime::serve::coordinator::drive::Driven;
-use crate::runtime::serve::coordinator::drive::Progress;
+use crate::runtime::serve::coordinator::progress::Progress;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use crate::runtime::serve::coordinator::role::one_way_hops_per_step;
 use crate::runtime::serve::coordinator::runs::Run;
@@ -80,30 +80,9 @@ pub(crate) async fn report(
     let mut stages = vec![
         json!({ "stage_index": 0, "node_id": coordinator_id, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "decode_engine_ms": own_decode_engine.as_secs_f64() * 1e3, "fold_us": fold_time.as_micros() as u64 }),
     ];
-    let mut remote_compute = Duration::ZERO;
-    let mut decode_engine = *own_decode_engine;
-    // Figures are best effort: asked of every stage at once, and a stage that
-    // is gone costs the requester at most STATS_WAIT.
-    let asked: Vec<_> = run
-        .peers
-        .iter()
-        .map(|peer| {
-            let (coordinator, peer) = (coordinator.clone(), peer.clone());
-            tokio::spawn(async move {
-                tokio::time::timeout(STATS_WAIT, query_stats(&coordinator, &peer, request_id)).await
-            })
-        })
-        .collect();
-    for (k, (peer, asked)) in run.peers.iter().zip(asked).enumerate() {
-        let stats = match asked.await {
-            Ok(Ok(Ok(stats))) => stats,
-            _ => StageStats::default(),
-        };
-        remote_compute += stats.compute;
-        decode_engine += stats.decode_engine;
-        let a = &run.topology[k + 1];
-        stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "decode_engine_ms": stats.decode_engine.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
-    }
+    let (remote_compute, remote_decode_engine) =
+        stage_figures(coordinator, run, request_id, &mut stages).await;
+    let decode_engine = *own_decode_engine + remote_decode_engine;
     let steps = tokens.len().max(1) as f64;
     let hops = one_way_hops_per_step(n as usize, return_mode) as f64;
     let overhead = round_trips.saturating_sub(remote_compute);
@@ -184,6 +163,41 @@ pub(crate) async fn report(
     }
     msg::write_cbor(requester, &done).await?;
     Ok(())
+}
+
+/// Each stage's figures for the request, appended to `stages`; their
+/// compute and their decode engine time, summed. Best effort: asked of
+/// every stage at once, and a stage that is gone costs the requester at
+/// most STATS_WAIT.
+async fn stage_figures(
+    coordinator: &Arc<CoordinatorRole>,
+    run: &Run,
+    request_id: u64,
+    stages: &mut Vec<serde_json::Value>,
+) -> (Duration, Duration) {
+    let mut compute = Duration::ZERO;
+    let mut decode_engine = Duration::ZERO;
+    let asked: Vec<_> = run
+        .peers
+        .iter()
+        .map(|peer| {
+            let (coordinator, peer) = (coordinator.clone(), peer.clone());
+            tokio::spawn(async move {
+                tokio::time::timeout(STATS_WAIT, query_stats(&coordinator, &peer, request_id)).await
+            })
+        })
+        .collect();
+    for (k, (peer, asked)) in run.peers.iter().zip(asked).enumerate() {
+        let stats = match asked.await {
+            Ok(Ok(Ok(stats))) => stats,
+            _ => StageStats::default(),
+        };
+        compute += stats.compute;
+        decode_engine += stats.decode_engine;
+        let a = &run.topology[k + 1];
+        stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "decode_engine_ms": stats.decode_engine.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
+    }
+    (compute, decode_engine)
 }
 
 /// How long the coordinator waits for the stages' figures after a request.

@@ -3,7 +3,7 @@
 //! resume, collect, seal, report).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::runtime::client::GenerateRequest;
 use crate::runtime::clock::lock;
@@ -13,8 +13,8 @@ use crate::runtime::serve::coordinator::admit::Admitted;
 use crate::runtime::serve::coordinator::admit::admit;
 use crate::runtime::serve::coordinator::collect::collect;
 use crate::runtime::serve::coordinator::drive::Driven;
-use crate::runtime::serve::coordinator::drive::Progress;
 use crate::runtime::serve::coordinator::drive::drive;
+use crate::runtime::serve::coordinator::progress::Progress;
 use crate::runtime::serve::coordinator::report::report;
 use crate::runtime::serve::coordinator::resume::keep_plan;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
@@ -33,9 +33,6 @@ use mesh_protocol::block::TerminalState;
 use mesh_protocol::control::ControlReply;
 use mesh_protocol::control::GenerateRequestMessage;
 use mesh_protocol::identity::did_key;
-use mesh_stage::frame::WireDType;
-use mesh_stage::sampling::Sampler;
-use mesh_stage::text::TextStream;
 use serde_json::json;
 
 /// `plan`: set up the split if needed and name every stage's steward, so a
@@ -140,56 +137,11 @@ pub(crate) async fn serve_request(
     requester: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
     let mut admitted = admit(coordinator, run, request).await?;
-    // A requester that closes its connection or stops reading (QUIC
-    // STOP_SENDING: how a client cancels) ends the request at the next step
-    // as `client_cancelled`, on every stage.
-    let requester_gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    admitted.held.watcher = Some({
-        let gone = requester_gone.clone();
-        let stopped = requester.stopped();
-        tokio::spawn(async move {
-            let _ = stopped.await;
-            gone.store(true, std::sync::atomic::Ordering::Relaxed);
-        })
-    });
+    let requester_gone = watch_requester(&mut admitted, requester);
     if let Some(ticket) = admitted.held.ticket.as_mut() {
         lock(&coordinator.shared.steward).begin_engine(ticket);
     }
-    let mut progress = Progress {
-        tokens: Vec::new(),
-        text: TextStream::default(),
-        printed: String::new(),
-        finish_reason: "length",
-        sampler: Sampler::new(request.sampling.clone()),
-        own_compute: Duration::ZERO,
-        own_decode_engine: Duration::ZERO,
-        round_trips: Duration::ZERO,
-        decode_round_trips: Duration::ZERO,
-        prefill_time: None,
-        first_token_at: None,
-        last_token_at: None,
-        started: Instant::now(),
-        requester_gone,
-        resumes: Vec::new(),
-        own_outputs: Some(Vec::new()),
-        // Its tokens are a function of the request and the prompt payload
-        // alone (SPEC §5): greedy, on the f32 wire (bit-identical to the
-        // unsplit run), the prompt in one prefill step; a resume, which
-        // rebuilds caches in other steps, takes it back.
-        deterministic: (request.sampling.temperature <= 0.0 || admitted.decision.is_some())
-            && coordinator.settings.wire == WireDType::F32
-            && admitted.prompt_ids.len() <= coordinator.settings.prefill_chunk_tokens,
-        decided: None,
-        decode_steps: 0,
-        drafter: super::draft::Drafter::new(
-            coordinator.draft_model.as_ref(),
-            admitted.request_id,
-            admitted.prompt_ids.len() + admitted.max_new,
-        ),
-        drafted: false,
-        spec_proposed: 0,
-        spec_accepted: 0,
-    };
+    let mut progress = Progress::new(coordinator, request, &admitted, requester_gone);
     let mut run = run.clone();
     let mut interrupted: Vec<Interrupted<'_>> = Vec::new();
     let mut driven = loop {
@@ -317,4 +269,22 @@ pub(crate) async fn serve_request(
         requester,
     )
     .await
+}
+
+/// A requester that closes its connection or stops reading (QUIC
+/// STOP_SENDING: how a client cancels) ends the request at the next step as
+/// `client_cancelled`, on every stage: the flag the drive checks, set by a
+/// task the request holds.
+fn watch_requester(
+    admitted: &mut Admitted<'_>,
+    requester: &quinn::SendStream,
+) -> Arc<std::sync::atomic::AtomicBool> {
+    let requester_gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let gone = requester_gone.clone();
+    let stopped = requester.stopped();
+    admitted.held.watcher = Some(tokio::spawn(async move {
+        let _ = stopped.await;
+        gone.store(true, std::sync::atomic::Ordering::Relaxed);
+    }));
+    requester_gone
 }

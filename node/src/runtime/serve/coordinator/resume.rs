@@ -11,9 +11,9 @@ use crate::runtime::serve::coordinator::admit::Held;
 use crate::runtime::serve::coordinator::admit::request_scope;
 use crate::runtime::serve::coordinator::admit::route_or_refuse;
 use crate::runtime::serve::coordinator::drive::Driven;
-use crate::runtime::serve::coordinator::drive::Progress;
 use crate::runtime::serve::coordinator::keep::KeepPlan;
 use crate::runtime::serve::coordinator::keep::kept_from;
+use crate::runtime::serve::coordinator::progress::Progress;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use crate::runtime::serve::coordinator::runs::Run;
 

@@ -10,7 +10,7 @@ use crate::runtime::serve::coordinator::admit::Admitted;
 use crate::runtime::serve::coordinator::collect::Collected;
 use crate::runtime::serve::coordinator::collect::await_records;
 use crate::runtime::serve::coordinator::drive::Driven;
-use crate::runtime::serve::coordinator::drive::Progress;
+use crate::runtime::serve::coordinator::progress::Progress;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use crate::runtime::serve::coordinator::runs::Run;
 use anyhow::Context;
@@ -290,7 +290,31 @@ pub(crate) fn seal(
         (previous, steward.seal(receipt)?)
     };
 
-    let mut bundle = segment_bundle(&sealed, run);
+    let earlier = earlier.into_iter().map(|(bundle, _)| bundle).collect();
+    let bundle = request_bundle(
+        coordinator,
+        (&sealed, run),
+        admitted,
+        (&envelope, previous_envelope),
+        earlier,
+        main_leaf,
+    );
+    Ok(Sealed { bundle, envelope })
+}
+
+/// The request's bundle: its last segment's, with the `mesh/1` envelope
+/// (and the one before it in the steward's chain), the route table, the
+/// earlier segments' bundles, and where checkpoints are kept, the
+/// receipt's inclusion proof.
+fn request_bundle(
+    coordinator: &CoordinatorRole,
+    (sealed, run): (&mesh_protocol::split::SealedSplit, &Run),
+    admitted: &Admitted<'_>,
+    (envelope, previous_envelope): (&mesh_protocol::mesh1::SealedReceipt, Option<Vec<u8>>),
+    earlier: Vec<serde_json::Value>,
+    main_leaf: u64,
+) -> serde_json::Value {
+    let mut bundle = segment_bundle(sealed, run);
     if let serde_json::Value::Object(map) = &mut bundle {
         map.insert(
             "mesh1_envelope".into(),
@@ -305,10 +329,7 @@ pub(crate) fn seal(
             );
         }
         if !earlier.is_empty() {
-            map.insert(
-                "earlier_segments".into(),
-                serde_json::Value::Array(earlier.into_iter().map(|(b, _)| b).collect()),
-            );
+            map.insert("earlier_segments".into(), serde_json::Value::Array(earlier));
         }
         if let Some((inclusion, checkpoint)) = coordinator
             .shared
@@ -320,8 +341,7 @@ pub(crate) fn seal(
             map.insert("checkpoint".into(), checkpoint);
         }
     }
-
-    Ok(Sealed { bundle, envelope })
+    bundle
 }
 
 /// A segment that lost its chain, kept to be sealed with the rest.

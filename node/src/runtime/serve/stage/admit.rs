@@ -15,6 +15,8 @@ use crate::runtime::net::msg::{self, kind};
 use crate::runtime::serve::frames::failed_reason;
 use crate::runtime::serve::shared::DRAIN_WAIT;
 use crate::runtime::serve::shared::Deadline;
+use crate::runtime::serve::shared::HeldTicket;
+use crate::runtime::serve::slot::Assign;
 use crate::runtime::serve::slot::Slot;
 use crate::runtime::serve::stage::kept;
 use crate::runtime::serve::stage::open::StageOpen;
@@ -22,6 +24,7 @@ use crate::runtime::serve::stage::open::StageResume;
 use crate::runtime::serve::stage::role::NO_SLICE;
 use crate::runtime::serve::stage::role::StageRole;
 use crate::runtime::serve::stats;
+use crate::runtime::steward::StewardError;
 use anyhow;
 use mesh_protocol::mesh1::Fidelity;
 
@@ -35,7 +38,7 @@ pub(crate) struct StageAdmitted {
     pub(crate) prefill_steps: u64,
     pub(crate) deadline: Deadline,
     pub(crate) return_mode: ReturnMode,
-    pub(crate) ticket: crate::runtime::steward::ServeTicket,
+    pub(crate) ticket: HeldTicket,
     pub(crate) served: ServeRequest,
     pub(crate) cache: Option<CacheLease>,
     /// Its entry among the caches a resume may keep.
@@ -112,34 +115,12 @@ pub(crate) async fn admit_stage(
     // the cache: a refusal at either releases what the other holds.
     stage.expire_pre_decided();
     stage.kept.expire();
-    let pre_decided = {
-        let mut tickets = lock(&stage.tickets);
-        match tickets.get(&request_id) {
-            Some(decided) if decided.coordinator == assign.coordinator => {
-                tickets.remove(&request_id)
-            }
-            _ => None,
-        }
-    };
-    let (ticket, served) = match pre_decided {
-        Some(decided) => (decided.ticket, decided.serve),
-        None => {
-            let serve = span_request(capacity);
-            let decided = lock(&stage.shared.steward).authorise(
-                None,
-                &serve,
-                Some(stage.shared.model.weights_digest()),
-                "mesh-node/stage",
-                now_ms(),
-            );
-            match decided {
-                Ok(ticket) => (ticket, serve),
-                Err(error) => {
-                    return refuse_stage(stage, &mut up_send, request_id, format!("{error}"))
-                        .await
-                        .map(|()| None);
-                }
-            }
+    let (ticket, served) = match decide_grant(stage, request_id, assign.coordinator, capacity) {
+        Ok(decided) => decided,
+        Err(error) => {
+            return refuse_stage(stage, &mut up_send, request_id, format!("{error}"))
+                .await
+                .map(|()| None);
         }
     };
     // The request's cache: freed when `cache` is dropped, on every path.
@@ -148,32 +129,15 @@ pub(crate) async fn admit_stage(
     // signed word only, never on an upstream stage's.
     let k = assign.stage_index;
     if let Some(interrupted) = resumes {
-        let claim = mesh_protocol::resume::ResumeClaim {
-            run_id: run_id.clone(),
+        let refusal = resume_refusal(
+            assign,
+            &run_id,
             request_id,
-            resume_of: interrupted,
-            keep: resume.map(|r| (u64::from(r.kept_from), r.positions)),
-        };
-        let refusal = if interrupted == request_id {
-            Some("a request cannot resume itself".to_string())
-        } else if resume.is_some_and(|r| r.kept_from > assign.stage_count) {
-            // `kept_from == stage_count`: no remote stage keeps its cache
-            // (the final stage was lost), the coordinator keeps its own.
-            Some(format!(
-                "kept_from is past the {} stages",
-                assign.stage_count
-            ))
-        } else if !mesh_protocol::resume::claim_signed_by(
-            &claim,
-            resume_sig.as_deref().unwrap_or_default(),
-            &assign.coordinator,
-        ) {
-            Some("the resume is not signed by this run's coordinator".to_string())
-        } else {
-            None
-        };
+            interrupted,
+            resume,
+            resume_sig.as_deref(),
+        );
         if let Some(reason) = refusal {
-            stage.shared.release_ticket(ticket);
             return refuse_stage(stage, &mut up_send, request_id, format!("OPEN: {reason}"))
                 .await
                 .map(|()| None);
@@ -197,7 +161,6 @@ pub(crate) async fn admit_stage(
             Some(cache)
         }
         Err(error) => {
-            stage.shared.release_ticket(ticket);
             return refuse_stage(stage, &mut up_send, request_id, format!("{error:#}"))
                 .await
                 .map(|()| None);
@@ -232,6 +195,71 @@ pub(crate) async fn admit_stage(
         up_send,
         up_recv,
     }))
+}
+
+/// The grant decision for a request: the one its coordinator asked for
+/// ahead of the chain, else one taken now for the span alone.
+fn decide_grant(
+    stage: &StageRole,
+    request_id: u64,
+    coordinator: [u8; 32],
+    capacity: usize,
+) -> Result<(HeldTicket, ServeRequest), StewardError> {
+    let pre_decided = {
+        let mut tickets = lock(&stage.tickets);
+        match tickets.get(&request_id) {
+            Some(decided) if decided.coordinator == coordinator => tickets.remove(&request_id),
+            _ => None,
+        }
+    };
+    if let Some(decided) = pre_decided {
+        return Ok((decided.ticket, decided.serve));
+    }
+    let serve = span_request(capacity);
+    let ticket = lock(&stage.shared.steward).authorise(
+        None,
+        &serve,
+        Some(stage.shared.model.weights_digest()),
+        "mesh-node/stage",
+        now_ms(),
+    )?;
+    Ok((HeldTicket::new(&stage.shared, ticket), serve))
+}
+
+/// Why a resumed request's OPEN is refused: a resume is taken on its
+/// coordinator's signed word only, never on an upstream stage's.
+fn resume_refusal(
+    assign: &Assign,
+    run_id: &str,
+    request_id: u64,
+    interrupted: u64,
+    resume: Option<StageResume>,
+    resume_sig: Option<&[u8]>,
+) -> Option<String> {
+    let claim = mesh_protocol::resume::ResumeClaim {
+        run_id: run_id.to_string(),
+        request_id,
+        resume_of: interrupted,
+        keep: resume.map(|r| (u64::from(r.kept_from), r.positions)),
+    };
+    if interrupted == request_id {
+        Some("a request cannot resume itself".to_string())
+    } else if resume.is_some_and(|r| r.kept_from > assign.stage_count) {
+        // `kept_from == stage_count`: no remote stage keeps its cache
+        // (the final stage was lost), the coordinator keeps its own.
+        Some(format!(
+            "kept_from is past the {} stages",
+            assign.stage_count
+        ))
+    } else if !mesh_protocol::resume::claim_signed_by(
+        &claim,
+        resume_sig.unwrap_or_default(),
+        &assign.coordinator,
+    ) {
+        Some("the resume is not signed by this run's coordinator".to_string())
+    } else {
+        None
+    }
 }
 
 /// A new cache for a request, giving back parked caches on the slice when

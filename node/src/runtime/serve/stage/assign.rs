@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use crate::runtime::clock::lock;
 use crate::runtime::clock::now_ms;
+use crate::runtime::serve::shared::HeldTicket;
 use crate::runtime::serve::slot::Assign;
 use crate::runtime::serve::stage::role::PreDecided;
 use crate::runtime::serve::stage::role::StageRole;
@@ -57,7 +58,7 @@ pub(crate) fn handle_authorise(
     tickets.insert(
         request_id,
         PreDecided {
-            ticket,
+            ticket: HeldTicket::new(&stage.shared, ticket),
             serve: serve.clone(),
             coordinator: peer,
             decided: Instant::now(),

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::runtime::clock::lock;
+use crate::runtime::serve::shared::HeldTicket;
 use crate::runtime::serve::shared::Shared;
 use crate::runtime::serve::shared::StageStats;
 use crate::runtime::serve::slot::Slot;
@@ -60,9 +61,8 @@ impl StageRole {
                 _ => None,
             }
         };
-        if let Some(decided) = held {
-            self.shared.release_ticket(decided.ticket);
-        }
+        // Dropped here, outside the lock: the steward closes it.
+        drop(held);
     }
 
     /// A coordinator no longer uses its slice of `run_id`: freed, with the
@@ -111,15 +111,13 @@ impl StageRole {
     /// released, so none stays in the journal as unresolved.
     pub(crate) fn release_all(&self) {
         let waiting: Vec<PreDecided> = lock(&self.tickets).drain().map(|(_, d)| d).collect();
-        for decided in waiting {
-            self.shared.release_ticket(decided.ticket);
-        }
+        drop(waiting);
     }
 }
 
 /// A stage's grant decision taken ahead of its request's chain.
 pub(crate) struct PreDecided {
-    pub(crate) ticket: crate::runtime::steward::ServeTicket,
+    pub(crate) ticket: HeldTicket,
     pub(crate) serve: ServeRequest,
     /// The coordinator that asked.
     pub(crate) coordinator: [u8; 32],
@@ -217,9 +215,7 @@ impl StageRole {
                 .collect();
             ids.iter().filter_map(|id| tickets.remove(id)).collect()
         };
-        for decided in stale {
-            self.shared.release_ticket(decided.ticket);
-        }
+        drop(stale);
     }
 
     pub(crate) fn record_stats(&self, request_id: u64, stats: StageStats) {

@@ -43,6 +43,7 @@ pub(crate) async fn seal_stage(stage: &Arc<StageRole>, ran: StageRan) -> anyhow:
     let metered = {
         let mut steward = lock(&stage.shared.steward);
         let weights = Some(stage.shared.model.weights_digest());
+        let ticket = ticket.into_sealed();
         if terminal == TerminalState::Completed {
             steward.end_engine(ticket, weights)
         } else {
