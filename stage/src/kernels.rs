@@ -483,7 +483,7 @@ pub fn time_against_candle(
     (rows, cols): (usize, usize),
     steps: &[usize],
     rounds: usize,
-) -> crate::Result<(f64, f64)> {
+) -> crate::error::Result<(f64, f64)> {
     use candle_core::quantized::{QMatMul, QTensor};
     use candle_core::{Device, Module, Tensor};
     let dtype = format.ggml_dtype();
@@ -495,7 +495,7 @@ pub fn time_against_candle(
         dtype,
     )?;
     let ours = BlockMatrix::new(format, rows, cols, weights.data()?.into_owned())
-        .map_err(|e| crate::EngineError::Compute(e.to_string()))?;
+        .map_err(|e| crate::error::EngineError::Compute(e.to_string()))?;
     let theirs = QMatMul::from_qtensor(weights)?;
     let m: usize = steps.iter().sum();
     let input: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
@@ -503,9 +503,9 @@ pub fn time_against_candle(
     let run_ours = || {
         ours.matmul_steps(&input, steps)
             .map(|_| ())
-            .map_err(|e| crate::EngineError::Compute(e.to_string()))
+            .map_err(|e| crate::error::EngineError::Compute(e.to_string()))
     };
-    let run_theirs = || -> crate::Result<()> {
+    let run_theirs = || -> crate::error::Result<()> {
         theirs.forward(&tensor)?;
         Ok(())
     };

@@ -30,19 +30,10 @@ pub use candle_core::Device;
 pub use candle_core::quantized::GgmlDType;
 pub use device::{DeviceChoice, bind_opened_devices, device_name, gpu_free_memory};
 pub use error::{EngineError, Result};
+pub use kernels::pool::compute_threads;
 pub use mesh_protocol as protocol;
 pub use model::{ExecPolicy, LayerSlice, SliceCache, SliceInput, SliceOutput};
 pub use source::{FileDigests, Format, ModelConfig};
-
-/// Threads the engine computes on (`CANDLE_NUM_THREADS`, else
-/// `RAYON_NUM_THREADS`, else the physical cores).
-pub fn compute_threads() -> usize {
-    std::env::var("CANDLE_NUM_THREADS")
-        .ok()
-        .and_then(|threads| threads.parse::<usize>().ok())
-        .filter(|&threads| threads > 0)
-        .unwrap_or_else(candle_core::utils::get_num_threads)
-}
 
 /// An opened model: its metadata, tokenizer and file digests, with no
 /// weights loaded. Slices are loaded from it on demand.

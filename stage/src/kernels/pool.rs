@@ -126,11 +126,21 @@ impl std::fmt::Debug for ComputePool {
     }
 }
 
-/// The process's compute pool: [`crate::compute_threads`] threads, the
+/// Threads the engine computes on (`CANDLE_NUM_THREADS`, else
+/// `RAYON_NUM_THREADS`, else the physical cores).
+pub fn compute_threads() -> usize {
+    std::env::var("CANDLE_NUM_THREADS")
+        .ok()
+        .and_then(|threads| threads.parse::<usize>().ok())
+        .filter(|&threads| threads > 0)
+        .unwrap_or_else(candle_core::utils::get_num_threads)
+}
+
+/// The process's compute pool: [`compute_threads`] threads, the
 /// caller's among them.
 pub fn pool() -> &'static ComputePool {
     static POOL: OnceLock<ComputePool> = OnceLock::new();
-    POOL.get_or_init(|| ComputePool::new(crate::compute_threads().saturating_sub(1)))
+    POOL.get_or_init(|| ComputePool::new(compute_threads().saturating_sub(1)))
 }
 
 impl ComputePool {
