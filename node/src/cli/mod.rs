@@ -3,6 +3,8 @@
 //! (`models`), offline verification (`verify`), human-readable output
 //! (`render`), and the mesh as an observer sees it (`mesh_cli`).
 
+pub mod args;
+pub mod commands;
 pub mod engine_cli;
 pub mod inspect;
 pub mod log;
