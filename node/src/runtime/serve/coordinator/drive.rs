@@ -438,7 +438,7 @@ impl<'s, 'h> Segment<'s, 'h> {
         let hidden_size = self.hidden_size();
         let wire = self.coordinator.settings.wire;
         if self.schedule.replay_own && step < self.schedule.silent {
-            let chunk = self.coordinator.settings.prefill_chunk_tokens;
+            let chunk = self.coordinator.settings.prefill_chunk_tokens.max(1);
             let kept = self.admitted.keep.as_ref().map_or(0, |keep| keep.positions);
             let rows = (step * chunk)..kept.min((step + 1) * chunk);
             let outputs = self

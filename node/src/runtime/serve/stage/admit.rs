@@ -138,6 +138,8 @@ pub(crate) async fn admit_stage(
             resume_sig.as_deref(),
         );
         if let Some(reason) = refusal {
+            // The decision is closed before the refusal leaves.
+            drop(ticket);
             return refuse_stage(stage, &mut up_send, request_id, format!("OPEN: {reason}"))
                 .await
                 .map(|()| None);
@@ -161,6 +163,7 @@ pub(crate) async fn admit_stage(
             Some(cache)
         }
         Err(error) => {
+            drop(ticket);
             return refuse_stage(stage, &mut up_send, request_id, format!("{error:#}"))
                 .await
                 .map(|()| None);
