@@ -1050,6 +1050,14 @@ async fn a_stage_killed_mid_request(
     let bundle = resumed.bundle.clone().unwrap();
     let earlier = bundle["earlier_segments"].as_array().unwrap();
     assert_eq!(earlier.len(), 1, "one loss, two segments");
+    // Mesh-LLM's form cannot hold the segments: refused in one line, never
+    // written as an ordinary completed split.
+    let refused = mesh_node::cli::node_cli::as_record_push_bundle(&bundle).unwrap_err();
+    assert!(
+        refused.to_string().contains("resumed on a new chain")
+            && !refused.to_string().contains('\n'),
+        "{refused:#}"
+    );
     let saved = dir.path().join("resumed.json");
     std::fs::write(&saved, serde_json::to_vec(&bundle).unwrap()).unwrap();
     let verified = Command::new(bin())

@@ -8,7 +8,9 @@ use clap::{Parser, Subcommand};
 /// mesh-node: serve language models split by layers across machines, with
 /// hand-offs a requester can check offline.
 #[derive(Debug, Parser)]
-#[command(name = "mesh-node", version, about)]
+// Help is wrapped to the terminal, and never wider than 100 columns (nor
+// wider than 100 where there is no terminal).
+#[command(name = "mesh-node", version, about, max_term_width = 100)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -63,6 +65,10 @@ pub enum Command {
     /// answers the question about the state in --prompt, with a probability
     /// for each; one forward pass, no text generated. Prints the chosen
     /// option (--json: the whole answer and receipt figures).
+    // Its usage wrapped to fit 100 columns (clap does not wrap usage).
+    #[command(
+        override_usage = "mesh-node decide [OPTIONS] --coordinator <COORDINATOR> --prompt <PROMPT>\n       --question <QUESTION> --option <OPTIONS>"
+    )]
     Decide(DecideArgs),
     /// Generate text: in this process (--model), or through a coordinator
     /// (--coordinator), which streams it and returns a verifiable bundle.
@@ -280,6 +286,10 @@ pub struct StatsArgs {
 #[derive(Debug, Subcommand)]
 pub enum GrantAction {
     /// Sign a root grant of BUDGET µJ from the owner (--key) to --subject.
+    // Its usage wrapped to fit 100 columns (clap does not wrap usage).
+    #[command(
+        override_usage = "mesh-node grant issue [OPTIONS] --key <KEY> --subject <SUBJECT>\n       --budget-uj <BUDGET_UJ> --out <OUT>"
+    )]
     Issue {
         #[arg(long)]
         key: PathBuf,
@@ -296,6 +306,10 @@ pub enum GrantAction {
         out: PathBuf,
     },
     /// Shard a grant you hold over a coordinator's stewards, one child each.
+    // Its usage wrapped to fit 100 columns (clap does not wrap usage).
+    #[command(
+        override_usage = "mesh-node grant shard [OPTIONS] --grant <GRANT> --key <KEY>\n       --coordinator <COORDINATOR> --out <OUT>"
+    )]
     Shard {
         #[arg(long)]
         grant: PathBuf,
@@ -362,6 +376,10 @@ pub struct WeightsTarget {
 #[derive(Debug, Subcommand)]
 pub enum WeightsAction {
     /// Record a plan: the changes foreseen, before them.
+    // Its usage wrapped to fit 100 columns (clap does not wrap usage).
+    #[command(
+        override_usage = "mesh-node weights plan [OPTIONS] --key <KEY> --data <DATA> --model <MODEL>\n       --validation <VALIDATION> --foresees <FORESEES>"
+    )]
     Plan {
         #[command(flatten)]
         target: WeightsTarget,
@@ -383,6 +401,10 @@ pub enum WeightsAction {
     },
     /// Record that the model's weights are in effect from the next receipt
     /// on (from the weights in effect before, if any).
+    // Its usage wrapped to fit 100 columns (clap does not wrap usage).
+    #[command(
+        override_usage = "mesh-node weights record [OPTIONS] --key <KEY> --data <DATA> --model <MODEL>\n       --reason <REASON>"
+    )]
     Record {
         #[command(flatten)]
         target: WeightsTarget,
@@ -703,4 +725,44 @@ pub enum BenchTarget {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every command's help, short and long, fits 100 columns.
+    #[test]
+    fn every_help_fits_100_columns() {
+        fn check(
+            command: &mut clap::Command,
+            path: &str,
+            wide: &mut Vec<String>,
+            seen: &mut usize,
+        ) {
+            for help in [command.render_help(), command.render_long_help()] {
+                *seen += 1;
+                for line in help.to_string().lines() {
+                    if line.chars().count() > 100 {
+                        wide.push(format!("{path}: {line}"));
+                    }
+                }
+            }
+            for sub in command.get_subcommands_mut() {
+                let path = format!("{path} {}", sub.get_name());
+                check(sub, &path, wide, seen);
+            }
+        }
+        let mut command = Cli::command();
+        command.build();
+        let (mut wide, mut seen) = (Vec::new(), 0);
+        check(&mut command, "mesh-node", &mut wide, &mut seen);
+        assert!(seen > 40, "every command's help was read ({seen})");
+        assert!(
+            wide.is_empty(),
+            "help lines over 100 columns:\n{}",
+            wide.join("\n")
+        );
+    }
 }

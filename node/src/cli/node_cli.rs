@@ -592,6 +592,18 @@ impl BundleFormat {
 /// coordinator's log, and the stage records (1 to 64; left out when none
 /// came). A bundle without a log proof cannot be converted.
 pub fn as_record_push_bundle(bundle: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
+    // Mesh-LLM's form holds one chain's records: a request resumed on a
+    // new chain written in it would read as an ordinary completed split,
+    // its earlier segments and its resume block gone.
+    if let Some(earlier) = bundle["earlier_segments"]
+        .as_array()
+        .filter(|earlier| !earlier.is_empty())
+    {
+        anyhow::bail!(
+            "this request was resumed on a new chain after a stage was lost ({} earlier segment(s)): a record_push_bundle has no place for its earlier segments and resume block; write it with --format mesh",
+            earlier.len()
+        );
+    }
     let (Some(inclusion), Some(checkpoint)) = (bundle.get("inclusion"), bundle.get("checkpoint"))
     else {
         anyhow::bail!(
