@@ -172,6 +172,20 @@ async fn bad_input_gets_openai_errors_with_the_right_status() {
                 .into_bytes(),
             400,
         ),
+        (
+            "tools, which are not served",
+            json!({"model": model, "prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
+        (
+            "a JSON response format, which is not served",
+            json!({"model": model, "prompt": "hi", "response_format": {"type": "json_object"}})
+                .to_string()
+                .into_bytes(),
+            400,
+        ),
     ];
     for (what, body, status) in cases {
         let (got, text) = tokio::task::spawn_blocking(move || {
@@ -226,6 +240,34 @@ async fn bad_input_gets_openai_errors_with_the_right_status() {
             .unwrap();
     assert_eq!(status, 200);
     assert_eq!(reply["steward"], nodes[0].did(), "{reply}");
+    // A JSON body sent with no type (curl -d) is read as JSON; the same
+    // body from a page (it names its origin) is held to the type.
+    let body = json!({"model": model, "prompt": "hi", "max_tokens": 2, "temperature": 0,
+        "response_format": {"type": "text"}, "tools": []})
+    .to_string();
+    let typeless = body.clone();
+    let (status, text) = tokio::task::spawn_blocking(move || {
+        common::http::exchange_with(addr, "POST", "/v1/completions", &[], typeless.as_bytes())
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{text}");
+    let (status, text) = tokio::task::spawn_blocking(move || {
+        let origin = [("Origin", "http://page.example")];
+        common::http::exchange_with(addr, "POST", "/v1/completions", &origin, body.as_bytes())
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 415, "{text}");
+    // Whether the API is up, for a load balancer or a script.
+    let (status, reply) =
+        tokio::task::spawn_blocking(move || call(addr, "GET", "/health", None).unwrap())
+            .await
+            .unwrap();
+    assert_eq!((status, &reply["status"]), (200, &json!("ok")), "{reply}");
+    assert_eq!(reply["model"], model, "{reply}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

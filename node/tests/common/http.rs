@@ -66,6 +66,39 @@ pub fn exchange_as(
     Ok((status, rest.to_string()))
 }
 
+/// One request with exactly the headers given (besides Host, the length
+/// and `Connection: close`): the status and the body.
+pub fn exchange_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str(&format!(
+        "Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    ));
+    stream.write_all(head.as_bytes())?;
+    let _ = stream.write_all(body);
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response);
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    Ok((status, rest.to_string()))
+}
+
 /// A TCP connection to `to` from loopback address `source` (127.0.0.0/8 is
 /// all loopback on Linux): how a test plays several clients on one machine.
 pub fn connect_from(source: std::net::IpAddr, to: SocketAddr) -> std::io::Result<TcpStream> {

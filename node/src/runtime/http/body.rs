@@ -50,6 +50,12 @@ pub(super) struct Common {
     #[serde(default)]
     pub(super) stream: bool,
     pub(super) n: Option<u64>,
+    /// Tool calling and structured output are not served: a request that
+    /// asks for them is refused rather than answered as if it had not.
+    pub(super) tools: Option<serde_json::Value>,
+    pub(super) tool_choice: Option<serde_json::Value>,
+    pub(super) functions: Option<serde_json::Value>,
+    pub(super) response_format: Option<serde_json::Value>,
 }
 
 /// OpenAI's `metadata`, with the members a granted request names.
@@ -231,6 +237,7 @@ pub(super) fn prepare(
     if common.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad("`n` must be 1"));
     }
+    unsupported(&common)?;
     let temperature = common.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::bad("`temperature` must be between 0 and 2"));
@@ -404,4 +411,37 @@ pub(super) fn granted(
 
 pub(super) fn model_package(card: &ModelCard) -> String {
     format!("sha256:{}", mesh_protocol::hex::encode(&card.package_id))
+}
+
+/// Refuse what the API does not serve instead of ignoring it: tools (an
+/// empty list asks for none) and any `response_format` but plain text.
+fn unsupported(common: &Common) -> Result<(), ApiError> {
+    let asked = |value: &Option<serde_json::Value>| {
+        value.as_ref().is_some_and(|v| match v {
+            serde_json::Value::Null => false,
+            serde_json::Value::Array(items) => !items.is_empty(),
+            _ => true,
+        })
+    };
+    if asked(&common.tools) || asked(&common.functions) {
+        return Err(ApiError::bad(
+            "`tools` are not served here: this API generates text only",
+        ));
+    }
+    if common
+        .tool_choice
+        .as_ref()
+        .is_some_and(|choice| !matches!(choice.as_str(), None | Some("none")) && !choice.is_null())
+    {
+        return Err(ApiError::bad("`tool_choice` is not served here: give none"));
+    }
+    if let Some(format) = common.response_format.as_ref().filter(|f| !f.is_null())
+        && format["type"] != "text"
+    {
+        return Err(ApiError::bad(format!(
+            "`response_format` {} is not served here: only {{\"type\": \"text\"}}",
+            format["type"]
+        )));
+    }
+    Ok(())
 }

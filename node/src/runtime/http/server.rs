@@ -74,6 +74,7 @@ pub async fn start(
         console_streams: Arc::new(tokio::sync::Semaphore::new(MAX_CONSOLE_STREAMS)),
     });
     let router = Router::new()
+        .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -96,6 +97,12 @@ pub async fn start(
 
 pub(super) async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such endpoint").code("not_found")
+}
+
+/// Whether the API is up: it answers, and says which model it serves.
+/// (Whether the coordinator can serve a request now is `stats`'.)
+pub(super) async fn health(State(api): State<Arc<Api>>) -> Response {
+    axum::Json(serde_json::json!({ "status": "ok", "model": api.card.id })).into_response()
 }
 
 pub(super) async fn models(State(api): State<Arc<Api>>) -> Response {
@@ -149,15 +156,20 @@ pub(super) async fn bundle(State(api): State<Arc<Api>>, Path(id): Path<String>) 
 }
 
 /// The body of a POST: JSON only (a form or text body is what a web page
-/// can send cross-site without asking first), read within
-/// `BODY_READ_TIMEOUT`.
+/// can send cross-site without asking first; a body with no type is read
+/// as JSON unless a page sent it), read within `BODY_READ_TIMEOUT`.
 pub(super) async fn read_body(request: axum::extract::Request) -> Result<Bytes, ApiError> {
     use axum::extract::FromRequest;
-    let json = request
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("application/json"));
+    let headers = request.headers();
+    let json = match headers.get(header::CONTENT_TYPE) {
+        Some(value) => value
+            .to_str()
+            .is_ok_and(|v| v.trim_start().starts_with("application/json")),
+        // A client that names no type (curl -d, a hand-written script) is
+        // read as JSON; a browser's page can send a typeless body too, but
+        // then names its origin, and is held to the type.
+        None => !headers.contains_key(header::ORIGIN),
+    };
     if !json {
         return Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
