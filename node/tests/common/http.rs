@@ -43,27 +43,7 @@ pub fn exchange_as(
     content_type: &str,
     body: &[u8],
 ) -> std::io::Result<(u16, String)> {
-    let mut stream = TcpStream::connect(addr)?;
-    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: {content_type}\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )?;
-    // A server may answer (413) before reading all of a large body and
-    // close: what it answered is still read.
-    let _ = stream.write_all(body);
-    let mut response = Vec::new();
-    let _ = stream.read_to_end(&mut response);
-    let text = String::from_utf8_lossy(&response).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    Ok((status, rest.to_string()))
+    exchange_with(addr, method, path, &[("Content-Type", content_type)], body)
 }
 
 /// One request with exactly the headers given (besides Host, the length
@@ -86,6 +66,8 @@ pub fn exchange_with(
         body.len()
     ));
     stream.write_all(head.as_bytes())?;
+    // A server may answer (413) before reading all of a large body and
+    // close: what it answered is still read.
     let _ = stream.write_all(body);
     let mut response = Vec::new();
     let _ = stream.read_to_end(&mut response);

@@ -104,7 +104,7 @@ impl Chain {
         body: &[u8],
         step: u32,
     ) -> anyhow::Result<()> {
-        if let Err(error) = write_forward(&mut self.send, body, lanes, 0, step).await {
+        if let Err(error) = self.write(lanes, body, step).await {
             return Err(match self.recv.as_mut() {
                 Some(recv) => refusal_behind(recv, error, "stage 1", Some(lanes)).await,
                 None => error,

@@ -26,7 +26,7 @@ use crate::runtime::serve::coordinator::admit::Admitted;
 use crate::runtime::serve::coordinator::chain::{Chain, Watch};
 use crate::runtime::serve::coordinator::keep::{KeepPlan, MAX_KEPT_OUTPUT_BYTES};
 use crate::runtime::serve::coordinator::progress::Progress;
-use crate::runtime::serve::coordinator::role::CoordinatorRole;
+use crate::runtime::serve::coordinator::role::{CoordinatorRole, DirectStream};
 use crate::runtime::serve::coordinator::runs::Run;
 use crate::runtime::serve::coordinator::tail::{Gone, SegmentLanes, Tail};
 use crate::runtime::serve::coordinator::text::shown_end;
@@ -136,6 +136,15 @@ impl Schedule {
         step >= self.chunks.len() || (self.kept && step + 1 == self.chunks.len())
     }
 
+    /// Prefill step `step`'s tokens (none past the prompt's steps).
+    fn input(&self, prefix: &[u32], step: u32) -> Vec<u32> {
+        self.chunks
+            .get(step as usize)
+            .and_then(|chunk| prefix.get(chunk.clone()))
+            .unwrap_or_default()
+            .to_vec()
+    }
+
     /// The prefill steps OPEN announces: the replay's when caches are kept.
     fn announced(&self) -> usize {
         if self.kept {
@@ -176,8 +185,7 @@ struct Segment<'s, 'h> {
     first_token: usize,
     started: Instant,
     lanes: Folding,
-    direct_waiter:
-        Option<oneshot::Receiver<crate::runtime::serve::coordinator::role::DirectStream>>,
+    direct_waiter: Option<oneshot::Receiver<DirectStream>>,
     /// Speculative decoding: after each token sampled, up to `draft_tokens`
     /// drafted (by the draft model, else by prompt lookup) go down in the
     /// same step; greedy verification keeps those the model itself
@@ -245,12 +253,7 @@ impl<'s, 'h> Segment<'s, 'h> {
             // chain prefills it.
             progress.drafter.prefill(&history);
         }
-        let input = schedule
-            .chunks
-            .first()
-            .and_then(|chunk| prefix.get(chunk.clone()))
-            .unwrap_or_default()
-            .to_vec();
+        let input = schedule.input(&prefix, 0);
         Self {
             coordinator,
             run,
@@ -287,13 +290,7 @@ impl<'s, 'h> Segment<'s, 'h> {
     /// The next step's prefill chunk goes down next.
     fn advance(&mut self) {
         self.cursor.step += 1;
-        self.cursor.input = self
-            .schedule
-            .chunks
-            .get(self.cursor.step as usize)
-            .and_then(|chunk| self.prefix.get(chunk.clone()))
-            .unwrap_or_default()
-            .to_vec();
+        self.cursor.input = self.schedule.input(&self.prefix, self.cursor.step);
         self.cursor.to_send = true;
     }
 
@@ -734,8 +731,9 @@ impl<'s, 'h> Segment<'s, 'h> {
             .context("the request's cache")?;
         let positions = lease.positions() - rejected;
         lease.cache().truncate(positions)?;
+        let hidden_size = self.hidden_size();
         if let Some(out) = self.progress.own_outputs.as_mut() {
-            out.truncate(positions * self.run.own.slice.config().hidden);
+            out.truncate(positions * hidden_size);
         }
         let rewind = Rewind {
             positions: positions as u64,
