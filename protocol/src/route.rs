@@ -23,6 +23,17 @@ pub const MAX_ROUTE_BACKENDS: usize = 64;
 /// Longest backend or recipe name in a route table.
 pub const MAX_BACKEND_NAME: usize = 1024;
 
+/// The largest integer a route table holds: 2^53 − 1, the largest every
+/// RFC 8785 writer (which writes numbers as IEEE doubles) writes exactly.
+/// Above it two figures could hash alike in one checker and apart in
+/// another. Per-backend costs above it are refused; estimates saturate at
+/// it; a ceiling at or above it can never be exceeded, so it is no ceiling
+/// and the table leaves `joule_ceiling_uj` out.
+pub const MAX_TABLE_INTEGER: u64 = (1 << 53) - 1;
+
+/// A request's `joule_ceiling_uj` when it names none (as in `mesh/1`).
+pub const NO_CEILING: u64 = u64::MAX;
+
 /// Where a backend's per-token cost came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CostBasis {
@@ -89,10 +100,10 @@ impl From<&ServeRequest> for RouteRequest {
 
 /// `est_total_uj` (§4): per token over prompt and output for a generation;
 /// for a decision, the prompt and the options scored, never `max_tokens`
-/// (§3.6, 1.: it emits no tokens). Saturating: an estimate past `u64` is
-/// over every ceiling anyway.
+/// (§3.6, 1.: it emits no tokens). Saturating at [`MAX_TABLE_INTEGER`]:
+/// an estimate there is over every ceiling a table can hold.
 pub fn estimate_uj(backend: &Backend, request: &RouteRequest) -> u64 {
-    match request.options_scored {
+    let estimate = match request.options_scored {
         None => backend
             .uj_per_token
             .saturating_mul(u64::from(request.prompt_tokens) + u64::from(request.max_tokens)),
@@ -100,6 +111,16 @@ pub fn estimate_uj(backend: &Backend, request: &RouteRequest) -> u64 {
             .uj_per_token
             .saturating_mul(request.prompt_tokens.into())
             .saturating_add(backend.uj_per_option_scored.saturating_mul(options.into())),
+    };
+    estimate.min(MAX_TABLE_INTEGER)
+}
+
+impl RouteRequest {
+    /// The ceiling as the table holds it: `None` when there is none, or
+    /// when it is so high (at or above [`MAX_TABLE_INTEGER`]) that no
+    /// estimate can pass it, which is the same route.
+    pub fn ceiling(&self) -> Option<u64> {
+        (self.joule_ceiling_uj < MAX_TABLE_INTEGER).then_some(self.joule_ceiling_uj)
     }
 }
 
@@ -165,6 +186,14 @@ pub enum RouteError {
     DuplicateName(String),
     #[error("a backend or recipe name is empty or longer than {MAX_BACKEND_NAME} bytes")]
     Name,
+    #[error(
+        "backend `{backend}`: {member} {value} is above {MAX_TABLE_INTEGER}, which RFC 8785 cannot write exactly"
+    )]
+    Inexact {
+        backend: String,
+        member: &'static str,
+        value: u64,
+    },
 }
 
 /// Weigh every backend and choose the admissible one with the lowest
@@ -185,11 +214,27 @@ pub fn route(request: &RouteRequest, backends: &[Backend]) -> Result<Route, Rout
         if backends[..i].iter().any(|b| b.name == backend.name) {
             return Err(RouteError::DuplicateName(backend.name.clone()));
         }
+        for (member, value) in [
+            ("uj_per_token", backend.uj_per_token),
+            ("uj_per_option_scored", backend.uj_per_option_scored),
+        ] {
+            if value > MAX_TABLE_INTEGER {
+                return Err(RouteError::Inexact {
+                    backend: backend.name.clone(),
+                    member,
+                    value,
+                });
+            }
+        }
     }
+    let request = RouteRequest {
+        joule_ceiling_uj: request.ceiling().unwrap_or(NO_CEILING),
+        ..*request
+    };
     let candidates: Vec<RouteCandidate> = backends
         .iter()
         .map(|backend| {
-            let est_total_uj = estimate_uj(backend, request);
+            let est_total_uj = estimate_uj(backend, &request);
             RouteCandidate {
                 backend: backend.name.clone(),
                 recipe: backend.recipe.clone(),
@@ -197,7 +242,9 @@ pub fn route(request: &RouteRequest, backends: &[Backend]) -> Result<Route, Rout
                 est_total_uj,
                 cost_basis: backend.cost_basis,
                 below_floor: backend.fidelity < request.fidelity_floor,
-                over_ceiling: est_total_uj > request.joule_ceiling_uj,
+                over_ceiling: request
+                    .ceiling()
+                    .is_some_and(|ceiling| est_total_uj > ceiling),
             }
         })
         .collect();
@@ -209,7 +256,7 @@ pub fn route(request: &RouteRequest, backends: &[Backend]) -> Result<Route, Rout
         .min_by_key(|(_, c)| c.est_total_uj)
         .map(|(i, _)| i);
     Ok(Route {
-        request: *request,
+        request,
         backends: backends.to_vec(),
         candidates,
         chosen,
@@ -233,7 +280,7 @@ impl Route {
         let bounds = format!(
             "floor F{}, ceiling {}",
             self.request.fidelity_floor.level(),
-            ceiling_text(self.request.joule_ceiling_uj)
+            ceiling_text(self.request.ceiling())
         );
         let weighed = self.candidates.len();
         let inadmissible = weighed - self.candidates.iter().filter(|c| c.admissible()).count();
@@ -267,7 +314,7 @@ impl Route {
         let mut line = format!(
             "no backend can serve this request within its bounds (floor F{}, ceiling {}):",
             self.request.fidelity_floor.level(),
-            ceiling_text(self.request.joule_ceiling_uj),
+            ceiling_text(self.request.ceiling()),
         );
         // Room kept for the "+k more" tail.
         let room = MAX_RECEIPT_TEXT - 32;
@@ -292,10 +339,15 @@ impl Route {
             "prompt_tokens": self.request.prompt_tokens,
             "max_tokens": self.request.max_tokens,
             "fidelity_floor": self.request.fidelity_floor.level(),
-            "joule_ceiling_uj": self.request.joule_ceiling_uj,
         });
-        if let (Some(options), Value::Object(map)) = (self.request.options_scored, &mut request) {
-            map.insert("options_scored".into(), json!(options));
+        if let Value::Object(map) = &mut request {
+            // No ceiling is no member: never a number past what JCS writes.
+            if let Some(ceiling) = self.request.ceiling() {
+                map.insert("joule_ceiling_uj".into(), json!(ceiling));
+            }
+            if let Some(options) = self.request.options_scored {
+                map.insert("options_scored".into(), json!(options));
+            }
         }
         json!({
             "request": request,
@@ -356,12 +408,25 @@ impl Route {
             let path = m.path("request");
             let mut r = Members::of(m.required("request")?, &path)?;
             let floor_path = r.path("fidelity_floor");
+            let ceiling_path = r.path("joule_ceiling_uj");
             let request = RouteRequest {
                 prompt_tokens: r.u32("prompt_tokens")?,
                 max_tokens: r.u32("max_tokens")?,
                 fidelity_floor: Fidelity::from_level(r.u64("fidelity_floor")?)
                     .ok_or_else(|| ShapeError::invalid(floor_path, "a level 0..=4"))?,
-                joule_ceiling_uj: r.u64("joule_ceiling_uj")?,
+                joule_ceiling_uj: match r.optional("joule_ceiling_uj") {
+                    None => NO_CEILING,
+                    Some(_) => match r.u64("joule_ceiling_uj")? {
+                        ceiling if ceiling < MAX_TABLE_INTEGER => ceiling,
+                        _ => {
+                            return Err(ShapeError::invalid(
+                                ceiling_path,
+                                "below 2^53 - 1 (no ceiling is no member)",
+                            )
+                            .into());
+                        }
+                    },
+                },
                 options_scored: match r.optional("options_scored") {
                     None => None,
                     Some(_) => Some(r.u32("options_scored")?),
@@ -468,11 +533,10 @@ pub fn delivered(advertised: Fidelity, ran_to_its_end: bool) -> Fidelity {
     }
 }
 
-fn ceiling_text(ceiling: u64) -> String {
-    if ceiling == u64::MAX {
-        "none".into()
-    } else {
-        format!("{ceiling} uJ")
+fn ceiling_text(ceiling: Option<u64>) -> String {
+    match ceiling {
+        None => "none".into(),
+        Some(ceiling) => format!("{ceiling} uJ"),
     }
 }
 
@@ -634,6 +698,49 @@ mod tests {
         ));
     }
 
+    /// RFC 8785 writes numbers as doubles: a table never holds an integer
+    /// past 2^53 - 1, so no two ceilings (or costs) hash alike in one
+    /// checker and apart in another.
+    #[test]
+    fn no_ceiling_is_no_member_and_no_figure_passes_what_jcs_writes_exactly() {
+        let none = route(&request(Fidelity::F0, NO_CEILING), &four()).unwrap();
+        assert!(none.to_json()["request"].get("joule_ceiling_uj").is_none());
+        assert!(none.justification().contains("ceiling none;"));
+        // A ceiling no estimate can pass is the same route, hashed alike.
+        for unreachable in [MAX_TABLE_INTEGER, 1 << 53, (1 << 60) + 1, u64::MAX - 1] {
+            let high = route(&request(Fidelity::F0, unreachable), &four()).unwrap();
+            assert_eq!(high, none, "{unreachable}");
+            assert_eq!(high.inputs_digest(), none.inputs_digest());
+        }
+        let highest = route(&request(Fidelity::F0, MAX_TABLE_INTEGER - 1), &four()).unwrap();
+        assert_eq!(
+            highest.to_json()["request"]["joule_ceiling_uj"],
+            json!(MAX_TABLE_INTEGER - 1)
+        );
+        assert_eq!(Route::from_json(&highest.to_json()).unwrap(), highest);
+        // A table that writes a ceiling past it is refused, not read as one.
+        let mut table = none.to_json();
+        table["request"]["joule_ceiling_uj"] = json!(u64::MAX);
+        assert!(matches!(
+            Route::from_json(&table),
+            Err(TableError::Shape(_))
+        ));
+        // Costs past it are refused; estimates saturate at it.
+        let mut dear = four();
+        dear[1].uj_per_token = MAX_TABLE_INTEGER + 1;
+        assert!(matches!(
+            route(&request(Fidelity::F0, NO_CEILING), &dear),
+            Err(RouteError::Inexact {
+                member: "uj_per_token",
+                ..
+            })
+        ));
+        dear[1].uj_per_token = MAX_TABLE_INTEGER;
+        let saturated = route(&request(Fidelity::F0, 1000), &dear).unwrap();
+        assert_eq!(saturated.candidates[1].est_total_uj, MAX_TABLE_INTEGER);
+        assert!(saturated.candidates[1].over_ceiling);
+    }
+
     /// The repository's vectors (`vectors/mesh1/routes.json`, `mesh-node
     /// vectors write`): every table recomputes to its named choice, and
     /// every derived table is refused as the member it names.
@@ -661,6 +768,7 @@ mod tests {
                 Ok(_) => "accepted",
                 Err(TableError::Derived(member)) => member,
                 Err(TableError::Shape(_)) => "shape",
+                Err(TableError::Route(_)) => "route",
                 Err(_) => "other",
             };
             assert_eq!(refusal["refused_as"], kind, "{}", refusal["name"]);

@@ -764,7 +764,9 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
 /// and tables derived from the first by one change each, which a reader
 /// must refuse.
 fn route_cases() -> anyhow::Result<Value> {
-    use mesh_protocol::route::{Backend, CostBasis, Route, RouteRequest, route};
+    use mesh_protocol::route::{
+        Backend, CostBasis, MAX_TABLE_INTEGER, NO_CEILING, Route, RouteRequest, route,
+    };
     let backend = |name: &str, fidelity: Fidelity, uj_per_token: u64, per_option: u64| Backend {
         name: name.into(),
         recipe: format!("{name}.gguf"),
@@ -829,7 +831,7 @@ fn route_cases() -> anyhow::Result<Value> {
         ),
         (
             "ties_go_to_the_first_registered",
-            generation(Fidelity::F0, u64::MAX),
+            generation(Fidelity::F0, NO_CEILING),
             vec![
                 backend("second-name-first", Fidelity::F1, 30, 0),
                 backend("a-first-name-second", Fidelity::F1, 30, 0),
@@ -872,9 +874,28 @@ fn route_cases() -> anyhow::Result<Value> {
                 (507_120, false),
             ],
         ),
+        (
+            // No ceiling is no member of the table (RFC 8785 writes
+            // numbers as doubles; u64::MAX has no exact double).
+            "no_ceiling_is_no_member",
+            generation(Fidelity::F2, NO_CEILING),
+            four.clone(),
+            Some("mid-q4"),
+            vec![(500, false), (90_000, true), (4_000, true), (7_000, true)],
+        ),
+        (
+            // A ceiling past 2^53 - 1 can never be exceeded (estimates
+            // saturate there): the same route as none, hashed alike.
+            "ceiling_above_2_53_is_no_ceiling",
+            generation(Fidelity::F2, (1 << 60) + 1),
+            four.clone(),
+            Some("mid-q4"),
+            vec![(500, false), (90_000, true), (4_000, true), (7_000, true)],
+        ),
     ];
     let mut routes = Vec::new();
     let mut first_table = None;
+    let mut digests = std::collections::BTreeMap::new();
     for (name, request, backends, chosen, figures) in expected {
         let routed = route(&request, &backends)?;
         let got: Vec<(u64, bool)> = routed
@@ -900,9 +921,19 @@ fn route_cases() -> anyhow::Result<Value> {
             Route::from_json(&table)? == routed,
             "{name}: the table reads back"
         );
+        ensure!(
+            table["request"].get("joule_ceiling_uj").is_none()
+                == (request.joule_ceiling_uj >= MAX_TABLE_INTEGER),
+            "{name}: the table names a ceiling exactly when one can bind"
+        );
+        digests.insert(name, routed.inputs_digest());
         first_table.get_or_insert_with(|| table.clone());
         routes.push(json!({ "name": name, "chosen": chosen, "table": table }));
     }
+    ensure!(
+        digests.get("no_ceiling_is_no_member") == digests.get("ceiling_above_2_53_is_no_ceiling"),
+        "a ceiling no estimate can pass hashes as none"
+    );
     let table = first_table.context("no route case")?;
     let derive = |name: &str, refused_as: &str, change: &dyn Fn(&mut Value)| {
         let mut changed = table.clone();
@@ -945,6 +976,12 @@ fn route_cases() -> anyhow::Result<Value> {
                 list.pop();
             }
         }),
+        derive("ceiling_past_exact_json", "shape", &|t| {
+            t["request"]["joule_ceiling_uj"] = json!(u64::MAX)
+        }),
+        derive("cost_past_exact_json", "route", &|t| {
+            t["backends"][1]["uj_per_token"] = json!(MAX_TABLE_INTEGER + 1)
+        }),
     ];
     for refusal in &refusals {
         let error = Route::from_json(&refusal["table"]);
@@ -952,6 +989,7 @@ fn route_cases() -> anyhow::Result<Value> {
             Ok(_) => "accepted",
             Err(mesh_protocol::route::TableError::Derived(member)) => member,
             Err(mesh_protocol::route::TableError::Shape(_)) => "shape",
+            Err(mesh_protocol::route::TableError::Route(_)) => "route",
             Err(_) => "other",
         };
         ensure!(
