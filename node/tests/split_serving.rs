@@ -84,7 +84,10 @@ fn verify(bundle: &Path) -> (i32, Value) {
     )
 }
 
-fn split_equals_unsplit(model: &Path, prompt: &str, max_tokens: usize, chat: bool) {
+/// Serves `prompt` over a 3-process split in both return modes, each
+/// bundle verified; returns the precision the coordinator's signed receipt
+/// names.
+fn split_equals_unsplit(model: &Path, prompt: &str, max_tokens: usize, chat: bool) -> String {
     let dir = tempfile::tempdir().unwrap();
     let (relayed_id, direct_id) = (
         node_id(dir.path(), "relayed"),
@@ -137,13 +140,24 @@ fn split_equals_unsplit(model: &Path, prompt: &str, max_tokens: usize, chat: boo
                 .any(|c| c["property"] == "signed by the node the receipt routed its stage to")
         );
     }
+    let bundle: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("direct.json")).unwrap()).unwrap();
+    let envelope = mesh_protocol::hex::decode(bundle["mesh1_envelope"].as_str().unwrap()).unwrap();
+    let receipt = mesh_protocol::mesh1::SealedReceipt::verify(&envelope)
+        .unwrap()
+        .receipt;
+    receipt.weights.unwrap().precision
 }
 
 #[test]
 fn three_processes_serve_the_synthetic_model_in_both_return_modes() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    split_equals_unsplit(&model, "Hello split world", 12, true);
+    // The synthetic file is f32 throughout and declares no file type.
+    assert_eq!(
+        split_equals_unsplit(&model, "Hello split world", 12, true),
+        "f32; products f32; device cpu; wire f32"
+    );
 }
 
 #[test]
@@ -151,7 +165,15 @@ fn three_processes_serve_smollm2_in_both_return_modes() {
     let Some(model) = common::smollm2("the real-model split test") else {
         return;
     };
-    split_equals_unsplit(&model, "What is the capital of France?", 16, true);
+    let precision = split_equals_unsplit(&model, "What is the capital of France?", 16, true);
+    // What ran: the file's Q4_1 blocks (and the types beside them), as
+    // stored, against 8-bit activations.
+    assert!(
+        precision.starts_with("q4_1 (")
+            && precision.contains("q4_1")
+            && precision.ends_with("); products q8/f32; device cpu; wire f32"),
+        "{precision}"
+    );
 }
 
 /// Gemma 3: a base model (no chat template), a 262,144-token vocabulary,
@@ -162,7 +184,14 @@ fn three_processes_serve_gemma3_in_both_return_modes() {
     let Some(model) = common::gemma3("the Gemma 3 split test") else {
         return;
     };
-    split_equals_unsplit(&model, "The capital of France is", 12, false);
+    let precision = split_equals_unsplit(&model, "The capital of France is", 12, false);
+    // Another file, another precision: Q4_K_M's K-quant blocks.
+    assert!(
+        precision.starts_with("q4_k_m (")
+            && precision.contains("q4_k")
+            && precision.ends_with("); products q8/f32; device cpu; wire f32"),
+        "{precision}"
+    );
 }
 
 #[test]

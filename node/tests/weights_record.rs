@@ -64,7 +64,9 @@ async fn a_coordinator_serves_only_the_weights_its_change_record_has_in_effect()
         &model,
         &[
             "--precision",
-            "q8_0/f32",
+            // What the synthetic f32 model runs at on the CPU (the
+            // precision `weights record` defaults to, and receipts name).
+            "f32; products f32; device cpu; wire f32",
             "--fidelity-floor",
             "1",
             "--validation",

@@ -54,6 +54,14 @@ impl WireDType {
             WireDType::F16 | WireDType::Bf16 => 2,
         }
     }
+    /// The name `parse` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            WireDType::F32 => "f32",
+            WireDType::F16 => "f16",
+            WireDType::Bf16 => "bf16",
+        }
+    }
     pub fn parse(name: &str) -> Option<Self> {
         match name {
             "f32" => Some(WireDType::F32),

@@ -15,6 +15,7 @@ pub mod frame;
 pub mod kernels;
 pub mod model;
 pub mod pipeline;
+pub mod precision;
 pub mod sampling;
 pub mod source;
 pub mod spm;
@@ -137,6 +138,20 @@ impl ModelHandle {
     }
     pub fn file_digests(&self) -> &FileDigests {
         &self.digests
+    }
+
+    /// The precision a pass over the whole model runs at on this handle's
+    /// device with frames of `wire` (the default execution policy: block
+    /// types run as stored).
+    pub fn precision(&self, wire: frame::WireDType) -> precision::Precision {
+        let stored = self.source.stored_types();
+        precision::Precision {
+            file_type: self.source.file_type(),
+            products: precision::Precision::products_of(&stored, false),
+            stored,
+            device: device_name(&self.device),
+            wire,
+        }
     }
 
     /// Load the slice of layers `range` with the default execution policy.

@@ -538,6 +538,11 @@ pub struct LayerSlice {
     paged_bytes: usize,
     /// Where its weights, caches and arithmetic live.
     device: Device,
+    /// The file's declared quantization, the stored types of the tensors
+    /// it holds, and how its products are formed.
+    file_type: Option<&'static str>,
+    stored_types: std::collections::BTreeSet<&'static str>,
+    dense_f32: bool,
     /// Every operation on candle's kernels: on a GPU, or when asked
     /// (`ExecPolicy::candle_only`).
     candle_only: bool,
@@ -807,9 +812,14 @@ impl LayerSlice {
             paged: 0,
             pages,
         };
+        let mut stored_types = std::collections::BTreeSet::new();
         let mut read = |name: &str| -> Result<RawTensor> {
             let raw = source.read(name, &mut hasher)?;
             stored_bytes += raw_size(&raw);
+            stored_types.insert(match &raw {
+                RawTensor::Quantized(q) => crate::precision::type_name(q.dtype()),
+                RawTensor::Dense(t) => crate::precision::dense_name(t.dtype()),
+            });
             Ok(raw)
         };
         let tied = head_matrix == names.embedding;
@@ -920,9 +930,23 @@ impl LayerSlice {
             resident_bytes: held.resident,
             paged_bytes: held.paged,
             device: device.clone(),
+            file_type: source.file_type(),
+            stored_types,
+            dense_f32: policy.dense_f32,
             candle_only: policy.candle_only,
             pool_free_rows,
         })
+    }
+
+    /// The precision this slice's passes run at with frames of `wire`.
+    pub fn precision(&self, wire: crate::frame::WireDType) -> crate::precision::Precision {
+        crate::precision::Precision {
+            file_type: self.file_type,
+            products: crate::precision::Precision::products_of(&self.stored_types, self.dense_f32),
+            stored: self.stored_types.clone(),
+            device: crate::device_name(&self.device),
+            wire,
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -723,6 +723,33 @@ impl Source {
         }
     }
 
+    /// The stored type of every tensor in the model, by ggml's names.
+    pub fn stored_types(&self) -> std::collections::BTreeSet<&'static str> {
+        match self {
+            Source::Gguf { content, .. } => content
+                .tensor_infos
+                .values()
+                .map(|info| crate::precision::type_name(info.ggml_dtype))
+                .collect(),
+            Source::Safetensors { tensors, .. } => tensors
+                .values()
+                .map(|entry| dense_type_name(entry.dtype))
+                .collect(),
+        }
+    }
+
+    /// The file's declared quantization (GGUF `general.file_type`), by
+    /// llama.cpp's name; `None` when it declares none this engine knows.
+    pub fn file_type(&self) -> Option<&'static str> {
+        let content = self.gguf()?;
+        let code = match content.metadata.get("general.file_type")? {
+            gguf_file::Value::U32(code) => *code,
+            gguf_file::Value::I32(code) => u32::try_from(*code).ok()?,
+            _ => return None,
+        };
+        crate::precision::file_type_name(code)
+    }
+
     /// Every tensor's name and the bytes it takes in the file.
     pub fn stored_sizes(&self) -> Vec<(&str, u64)> {
         match self {
@@ -842,4 +869,14 @@ impl TensorNames {
     pub fn block(&self, i: u32, part: &str) -> String {
         (self.block)(i, part)
     }
+}
+
+/// ggml's name of a safetensors type this engine reads (F32, F16, BF16;
+/// `read` refuses any other before it could run).
+fn dense_type_name(dtype: Dtype) -> &'static str {
+    crate::precision::dense_name(match dtype {
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        _ => DType::F32,
+    })
 }

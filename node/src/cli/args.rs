@@ -408,8 +408,10 @@ pub enum WeightsAction {
     Record {
         #[command(flatten)]
         target: WeightsTarget,
-        #[arg(long, default_value = crate::cli::weights::ENGINE_PRECISION)]
-        precision: String,
+        /// The precision its receipts name (default: the model's on the
+        /// CPU with an f32 wire, as `serve` names it there).
+        #[arg(long)]
+        precision: Option<String>,
         #[arg(long, default_value_t = 0)]
         fidelity: u64,
         /// The plan entry it falls under (its id, from `weights show`).

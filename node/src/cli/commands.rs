@@ -813,7 +813,7 @@ fn weights(action: WeightsAction) -> anyhow::Result<ExitCode> {
             crate::cli::weights::record(
                 &target(t),
                 crate::cli::weights::Change {
-                    precision: Some(precision),
+                    precision,
                     fidelity,
                     plan,
                     validation_result,

@@ -19,8 +19,6 @@ use crate::runtime::steward::Steward;
 
 /// The backend a coordinator's receipts name (`mesh-node/split`).
 pub const DEFAULT_BACKEND: &str = mesh_protocol::replay::SPLIT_BACKEND;
-/// The precision this engine's receipts name.
-pub const ENGINE_PRECISION: &str = "q8_0/f32";
 
 /// What a `weights` command names the backend and its model by.
 #[derive(Debug, Clone)]
@@ -130,6 +128,7 @@ fn entry(target: &Target, kind: ChangeKind) -> ChangeEntry {
 /// What `weights record` records besides the model.
 #[derive(Debug, Clone)]
 pub struct Change {
+    /// `None`: the model's own (`ModelHandle::precision`).
     pub precision: Option<String>,
     pub fidelity: u64,
     pub plan: Option<String>,
@@ -141,6 +140,12 @@ pub struct Change {
 pub fn record(target: &Target, change: Change) -> anyhow::Result<Value> {
     let handle = mesh_stage::ModelHandle::open(&target.model)?;
     let to = handle.weights_digest();
+    // What a CPU node serving it with the default wire names.
+    let precision = change.precision.unwrap_or_else(|| {
+        handle
+            .precision(mesh_stage::frame::WireDType::F32)
+            .to_string()
+    });
     let mut steward = steward(target)?;
     let from = steward
         .change_record(&target.backend)
@@ -155,7 +160,7 @@ pub fn record(target: &Target, change: Change) -> anyhow::Result<Value> {
         ChangeKind::Weights(WeightsChange {
             from,
             to,
-            precision: change.precision,
+            precision: Some(precision),
             fidelity: fidelity(change.fidelity)?,
             plan,
             validation_result: change.validation_result,

@@ -125,6 +125,7 @@ pub(crate) async fn report(
             "uj_per_accepted_token": envelope.receipt.uj_per_accepted_token(),
             "grant_id": envelope.receipt.grant_id.map(|g| mesh_protocol::hex::encode(&g)),
             "grant_breach": envelope.receipt.grant_breach,
+            "precision": envelope.receipt.weights.as_ref().map(|w| &w.precision),
         },
     });
     // A decision's answer is the chosen option; its figures are in the

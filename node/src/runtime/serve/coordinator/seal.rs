@@ -231,7 +231,11 @@ pub(crate) fn seal(
         recipe: model_id.clone(),
         weights: Some(WeightsBinding {
             weights_digest: coordinator.shared.model.weights_digest(),
-            precision: "q8_0/f32".into(),
+            precision: coordinator
+                .shared
+                .model
+                .precision(coordinator.settings.wire)
+                .to_string(),
         }),
         route: admitted.route.justification(),
         tokens_in: prompt_ids.len() as u64,

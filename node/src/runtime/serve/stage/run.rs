@@ -45,6 +45,8 @@ pub(crate) struct StageRan {
     /// Of `tokens.prefill_received`, the positions its cache came with.
     pub(crate) kept_positions: u64,
     pub(crate) terminal: TerminalState,
+    /// The wire format of the frames it computed on (f32 when none came).
+    pub(crate) wire: WireDType,
 }
 
 /// Run: open the next hop, then every step (forward it, or return the
@@ -108,6 +110,8 @@ struct StageRun<'a> {
     stats: StageStats,
     /// Positions a REWIND may still drop: the last decode step's draft.
     rewindable: usize,
+    /// The wire format of the last frame it computed on.
+    wire: WireDType,
 }
 
 impl<'a> StageRun<'a> {
@@ -170,6 +174,7 @@ impl<'a> StageRun<'a> {
                 direct: None,
             },
             terminal: TerminalState::TransportError,
+            wire: WireDType::F32,
             tokens: Tokens {
                 prefill_received: kept_positions,
                 decode: 0,
@@ -309,6 +314,7 @@ impl<'a> StageRun<'a> {
     async fn activations(&mut self, step: u32, payload: &[u8]) -> anyhow::Result<()> {
         let k = self.k();
         let (activations, wire) = decode_frame(payload, self.slot.slice.config().hidden)?;
+        self.wire = wire;
         let steps = u64::from(self.stats.steps);
         // A replay step whose output the next stage, which kept its cache,
         // does not need.
@@ -536,6 +542,7 @@ impl<'a> StageRun<'a> {
             tokens: self.tokens,
             kept_positions: self.kept_positions,
             terminal: self.terminal,
+            wire: self.wire,
         }
     }
 

@@ -34,6 +34,7 @@ pub(crate) async fn seal_stage(stage: &Arc<StageRole>, ran: StageRan) -> anyhow:
         tokens,
         kept_positions,
         terminal,
+        wire,
         ..
     } = ran;
     let assign = &slot.assign;
@@ -56,7 +57,7 @@ pub(crate) async fn seal_stage(stage: &Arc<StageRole>, ran: StageRan) -> anyhow:
             stage,
             request_id,
             &run_id,
-            k,
+            (k, slot.slice.precision(wire).to_string()),
             (&tokens, kept_positions),
             &served,
             &metered,
@@ -87,7 +88,7 @@ pub(crate) fn stage_receipt(
     role: &StageRole,
     request_id: u64,
     run_id: &str,
-    stage: u32,
+    (stage, precision): (u32, String),
     (tokens, kept): (&Tokens, u64),
     served: &ServeRequest,
     metered: &crate::runtime::steward::Metered,
@@ -99,7 +100,7 @@ pub(crate) fn stage_receipt(
         grant_id: metered.grant_id,
         weights: Some(WeightsBinding {
             weights_digest: role.shared.model.weights_digest(),
-            precision: "q8_0/f32".into(),
+            precision,
         }),
         // Positions a kept cache came with were read before, by the
         // interrupted request's own receipt: restored here, not read again.
