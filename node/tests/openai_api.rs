@@ -94,8 +94,60 @@ fn the_openai_python_client_uses_a_three_process_split() {
     assert_eq!(seen["completion_finish_reason"], "stop");
     let energy = &seen["usage"]["energy"];
     assert!(energy["microjoules"].as_u64().unwrap() > 0, "{seen:#}");
-    assert_eq!(energy["provenance"], energy["receipt"]["energy_provenance"]);
     assert!(energy["envelope_hex"].as_str().unwrap().len() > 100);
+    // Every served span, labelled: the coordinator's and each stage's,
+    // never the coordinator's alone as the request's (seed 001 §3.3).
+    let parts = energy["parts"].as_array().unwrap();
+    assert_eq!(parts.len(), 3, "{energy:#}");
+    assert_eq!(energy["stages_without_receipt"], 0);
+    let stages: Vec<u64> = parts.iter().map(|p| p["stage"].as_u64().unwrap()).collect();
+    assert_eq!(stages, [0, 1, 2]);
+    assert_eq!(parts[0]["microjoules"], energy["receipt"]["energy_uj"]);
+    assert_eq!(parts[1]["backend"], "mesh-node/stage");
+    let sum: u64 = parts
+        .iter()
+        .map(|p| p["microjoules"].as_u64().unwrap())
+        .sum();
+    assert_eq!(energy["microjoules"], sum);
+    assert!(
+        parts
+            .iter()
+            .all(|p| p["provenance"] == energy["provenance"])
+    );
+    assert!(energy["covers"].as_str().unwrap().contains("served spans"));
+    // The sum is what the bundle's receipts say, each under its own
+    // stage's signature.
+    let kept: Value = serde_json::from_slice(&std::fs::read(&bundle).unwrap()).unwrap();
+    let uj = |hex: &str| {
+        let envelope = mesh_protocol::hex::decode(hex).unwrap();
+        mesh_protocol::mesh1::SealedReceipt::verify(&envelope)
+            .unwrap()
+            .receipt
+            .energy
+            .uj()
+    };
+    let carried = kept["stage_receipts"].as_array().unwrap();
+    assert_eq!(carried.len(), 2, "{kept:#}");
+    let in_bundle: u64 = uj(kept["mesh1_envelope"].as_str().unwrap())
+        + carried
+            .iter()
+            .map(|r| uj(r["envelope"].as_str().unwrap()))
+            .sum::<u64>();
+    assert_eq!(energy["microjoules"], in_bundle);
+    // A stage receipt shown for another stage fails the bundle, naming it.
+    let mut swapped = kept.clone();
+    swapped["stage_receipts"][0]["stage_index"] = carried[1]["stage_index"].clone();
+    swapped["stage_receipts"][1]["stage_index"] = carried[0]["stage_index"].clone();
+    let tampered = dir.path().join("swapped.json");
+    std::fs::write(&tampered, serde_json::to_vec(&swapped).unwrap()).unwrap();
+    let refused = Command::new(bin())
+        .arg("verify")
+        .arg(&tampered)
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&refused.stdout);
+    assert!(said.contains("✕ stage 1's mesh/1 receipt"), "{said}");
     assert!(seen["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
     assert!(seen["stream_usage"]["energy"]["bundle"].is_string());
     // The bundle behind the link verifies offline.

@@ -188,6 +188,131 @@ fn an_assigned_stage_is_held_to_its_claims_and_its_signature() {
     );
 }
 
+/// A stage's own `mesh/1` receipt is held for its stage only when that
+/// stage's node sealed it for this split's stage, run and request; once.
+#[test]
+fn a_stage_receipt_is_held_only_for_the_stage_that_sealed_it() {
+    use mesh_node::runtime::records::PushRefusal;
+    use mesh_protocol::mesh1::{Energy, MeshReceipt};
+    use mesh_protocol::stage_receipt::{
+        CarriedStageReceipt, STAGE_BACKEND, stage_recipe, stage_route,
+    };
+    let stage = SigningKey::from_bytes(&[9; 32]);
+    let (block, _) = simulated_stage_record(&stage);
+    let stage_key = stage.verifying_key().to_bytes();
+    let own = did_key(&stage_key);
+    let mut collector = collector_expecting(&block, stage_key);
+    let key = block.split_key();
+    let sealed_by = |signer: &SigningKey, recipe: &str| {
+        let mut receipt = MeshReceipt::blank(
+            [3; 32],
+            STAGE_BACKEND,
+            recipe,
+            &stage_route(&key.run_id),
+            Energy::estimator(5_000),
+            [6; 16],
+        );
+        receipt.steward = did_key(&signer.verifying_key().to_bytes());
+        receipt.seal(signer).unwrap().envelope
+    };
+    let ours = stage_recipe(block.stage_index, &key.run_id, key.request_id);
+    let push = |envelope: Vec<u8>, stage_index: u32, request_id: u64| {
+        push_body(
+            &own,
+            &CarriedStageReceipt {
+                stage_index,
+                envelope,
+            }
+            .push_value(request_id),
+        )
+    };
+    // Sealed by another node, for another stage, run or request: refused.
+    let stranger = SigningKey::from_bytes(&[8; 32]);
+    assert_eq!(
+        collector.offer(
+            &stage_key,
+            &push(
+                sealed_by(&stranger, &ours),
+                block.stage_index,
+                key.request_id
+            )
+        ),
+        Err(PushRefusal::SignatureUnverified)
+    );
+    let elsewhere = stage_recipe(block.stage_index, "another-run", key.request_id);
+    assert_eq!(
+        collector.offer(
+            &stage_key,
+            &push(
+                sealed_by(&stage, &elsewhere),
+                block.stage_index,
+                key.request_id
+            )
+        ),
+        Err(PushRefusal::SignatureUnverified)
+    );
+    assert_eq!(
+        collector.offer(
+            &stage_key,
+            &push(sealed_by(&stage, &ours), 0, key.request_id)
+        ),
+        Err(PushRefusal::NotAStageOfThisSplit)
+    );
+    assert_eq!(
+        collector.offer(
+            &stage_key,
+            &push(
+                sealed_by(&stage, &ours),
+                block.stage_index,
+                key.request_id + 1
+            )
+        ),
+        Err(PushRefusal::NotAStageOfThisSplit)
+    );
+    // Its own: held once; the same again acknowledged, another refused.
+    let envelope = sealed_by(&stage, &ours);
+    assert_eq!(
+        collector.offer(
+            &stage_key,
+            &push(envelope.clone(), block.stage_index, key.request_id)
+        ),
+        Ok(Received::Receipt)
+    );
+    assert_eq!(
+        collector.offer(
+            &stage_key,
+            &push(envelope, block.stage_index, key.request_id)
+        ),
+        Ok(Received::Again)
+    );
+    let mut second = MeshReceipt::blank(
+        [4; 32],
+        STAGE_BACKEND,
+        &ours,
+        &stage_route(&key.run_id),
+        Energy::estimator(1),
+        [7; 16],
+    );
+    second.steward = own.clone();
+    assert_eq!(
+        collector.offer(
+            &stage_key,
+            &push(
+                second.seal(&stage).unwrap().envelope,
+                block.stage_index,
+                key.request_id
+            )
+        ),
+        Err(PushRefusal::OverCap)
+    );
+    let held = collector.take(key.request_id).unwrap();
+    assert!(held.receipts[block.stage_index as usize].is_some());
+    assert!(
+        held.records.iter().all(Vec::is_empty),
+        "a receipt is not a record"
+    );
+}
+
 /// A stage's `record_push_bundle` (split-stage §3.3) is acknowledged only
 /// when the record is proven in the stage's own log under a checkpoint the
 /// stage signed, and no checkpoint contradicts one it showed before.

@@ -591,6 +591,10 @@ pub struct MeshBundle<'a> {
     /// The route table the receipt's `route` line names (SPEC §4; read by
     /// `route::check_table`).
     pub route: Option<&'a Value>,
+    /// The stages' own `mesh/1` receipts that reached the coordinator
+    /// (`stage_receipt`), at most one per stage; empty when none is
+    /// carried.
+    pub stage_receipts: Vec<crate::stage_receipt::CarriedStageReceipt>,
 }
 
 impl<'a> MeshBundle<'a> {
@@ -700,6 +704,26 @@ impl<'a> MeshBundle<'a> {
             }
         };
         let route = m.optional("route");
+        let receipts_path = m.path("stage_receipts");
+        let stage_receipts = match m.optional("stage_receipts") {
+            None => Vec::new(),
+            Some(Value::Array(items)) if items.len() <= MAX_CARRIED_RECORDS => items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| {
+                    crate::stage_receipt::CarriedStageReceipt::from_value_at(
+                        item,
+                        &format!("{receipts_path}/{i}"),
+                    )
+                })
+                .collect::<Result<Vec<_>, ShapeError>>()?,
+            Some(_) => {
+                return Err(ShapeError::new(
+                    receipts_path,
+                    Problem::WrongType("an array of at most 64 stage receipts"),
+                ));
+            }
+        };
         m.finish()?;
         Ok(Self {
             main_record,
@@ -711,6 +735,7 @@ impl<'a> MeshBundle<'a> {
             log_proof,
             earlier_segments,
             route,
+            stage_receipts,
         })
     }
 

@@ -28,6 +28,7 @@ pub mod route;
 pub mod session;
 pub mod split;
 pub mod stage_frame;
+pub mod stage_receipt;
 pub mod verify;
 
 pub use ed25519_dalek::{SigningKey, VerifyingKey};

@@ -62,6 +62,17 @@ pub struct VerifyReport {
     pub earlier_segments: Vec<SegmentReport>,
     /// The resume block the `mesh/1` receipt carries, when it carries one.
     pub resume: Option<crate::resume::ResumeBlock>,
+    /// The stages' own receipts the bundle carries that belong to their
+    /// stage (each also a check), in stage order.
+    pub stage_receipts: Vec<StageReceiptReport>,
+}
+
+/// A stage's own `mesh/1` receipt, checked against the stage it is for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageReceiptReport {
+    pub stage_index: u32,
+    pub node: String,
+    pub sealed: crate::mesh1::SealedReceipt,
 }
 
 /// One earlier segment of a resumed request.
@@ -162,6 +173,23 @@ impl VerifyReport {
             if let Some(resume) = &self.resume {
                 map.insert("resumed".into(), resume.to_value());
             }
+            if !self.stage_receipts.is_empty() {
+                map.insert(
+                    "stage_receipts".into(),
+                    self.stage_receipts
+                        .iter()
+                        .map(|r| {
+                            json!({
+                                "stage_index": r.stage_index,
+                                "node": r.node,
+                                "energy_uj": r.sealed.receipt.energy.uj(),
+                                "energy_provenance": r.sealed.receipt.energy.provenance().as_str(),
+                                "envelope_id": hex::encode(&r.sealed.envelope_id()),
+                            })
+                        })
+                        .collect(),
+                );
+            }
             if !self.earlier_segments.is_empty() {
                 map.insert(
                     "earlier_segments".into(),
@@ -239,6 +267,7 @@ pub fn verify_hop_case(document: &Value) -> Result<VerifyReport, DocumentError> 
         hop_error: None,
         earlier_segments: Vec::new(),
         resume: None,
+        stage_receipts: Vec::new(),
     };
     let own = StageBlock::from_value_at(own_value, "/own");
     let receipt = CoordinatorReceipt::from_value_at(receipt_value, "/receipt");
@@ -442,6 +471,7 @@ pub fn verify_record_push_bundle(document: &Value) -> Result<VerifyReport, Docum
         hop_error: None,
         earlier_segments: Vec::new(),
         resume: None,
+        stage_receipts: Vec::new(),
     };
     let main = verify_main_record(&mut report, bundle.capsule);
     verify_log_proof(
@@ -529,6 +559,7 @@ fn check_mesh_bundle(document: &Value) -> Result<CheckedBundle, DocumentError> {
         hop_error: None,
         earlier_segments: Vec::new(),
         resume: None,
+        stage_receipts: Vec::new(),
     };
     let main = verify_main_record(&mut report, bundle.main_record);
     if let Some((proof, checkpoint)) = &bundle.log_proof {
@@ -582,6 +613,7 @@ fn check_mesh_bundle(document: &Value) -> Result<CheckedBundle, DocumentError> {
             bundle.split_stage_records,
             stewards.unwrap_or_default(),
         );
+        verify_stage_receipts(&mut report, receipt, &bundle.stage_receipts);
     }
     match split {
         Some((own, receipt)) => run_hop_check(&mut report, own, receipt, &carried),
@@ -973,6 +1005,51 @@ pub fn check_stewards(
 /// Where the receipt routes a stage to a node whose id is a did:key, the
 /// stage's record must be signed by that node's key (this closes the gap the
 /// Mesh-LLM design leaves open, for bundles that name their stewards).
+/// Each stage receipt the bundle carries is its stage's: a stage the
+/// split routes (not the coordinator's), carried once, sealed by the node
+/// routed it, naming this split's stage, run and request.
+fn verify_stage_receipts(
+    report: &mut VerifyReport,
+    receipt: &CoordinatorReceipt,
+    carried: &[crate::stage_receipt::CarriedStageReceipt],
+) {
+    for (i, entry) in carried.iter().enumerate() {
+        let k = entry.stage_index;
+        let node = receipt
+            .topology
+            .get(k as usize)
+            .filter(|_| k > 0)
+            .map(|t| t.assignment.node_id.clone());
+        let outcome = match node {
+            None => Err(format!("stage {k} is not a stage the split routed")),
+            Some(_) if carried[..i].iter().any(|e| e.stage_index == k) => {
+                Err(format!("stage {k}'s receipt is carried twice"))
+            }
+            Some(node) => crate::stage_receipt::check_stage_receipt(
+                &entry.envelope,
+                k,
+                &receipt.run_id,
+                receipt.request_id,
+                &node,
+            )
+            .map(|sealed| {
+                report.stage_receipts.push(StageReceiptReport {
+                    stage_index: k,
+                    node,
+                    sealed,
+                })
+            })
+            .map_err(|e| e.to_string()),
+        };
+        report.checks.push(Check {
+            subject: format!("stage {k}'s mesh/1 receipt"),
+            property: "sealed by the node routed the stage, for this split's request",
+            outcome,
+        });
+    }
+    report.stage_receipts.sort_by_key(|r| r.stage_index);
+}
+
 fn verify_stage_keys(
     report: &mut VerifyReport,
     receipt: &CoordinatorReceipt,

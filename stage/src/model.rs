@@ -944,7 +944,7 @@ impl LayerSlice {
             file_type: self.file_type,
             products: crate::precision::Precision::products_of(&self.stored_types, self.dense_f32),
             stored: self.stored_types.clone(),
-            device: crate::device_name(&self.device),
+            device: crate::device::device_name(&self.device),
             wire,
         }
     }

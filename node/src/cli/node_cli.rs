@@ -902,6 +902,14 @@ fn print_demo_details(
         r["energy_provenance"].as_str().unwrap_or(""),
         r["uj_per_accepted_token"]
     );
+    let spans = &d["energy"];
+    println!(
+        "  every served span: {} µJ ({}) over {} receipts (the coordinator's and each stage's), {} stage(s) sent none",
+        spans["served_span_uj"],
+        spans["provenance"].as_str().unwrap_or(""),
+        spans["parts"].as_array().map_or(0, Vec::len),
+        spans["stages_without_receipt"]
+    );
     println!(
         "\nhop check of {} (what `mesh-node verify {}` prints):\n",
         path.display(),

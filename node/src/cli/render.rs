@@ -133,6 +133,21 @@ pub fn render(file: &str, report: &VerifyReport) -> String {
         }
     }
     let _ = writeln!(out);
+    if !report.stage_receipts.is_empty() {
+        let _ = writeln!(out, "Stage receipts (each stage's own served span):");
+        for r in &report.stage_receipts {
+            let energy = &r.sealed.receipt.energy;
+            let _ = writeln!(
+                out,
+                "  stage {} {}: {} µJ ({})",
+                r.stage_index,
+                r.node,
+                energy.uj(),
+                energy.provenance().as_str()
+            );
+        }
+        let _ = writeln!(out);
+    }
     // A resumed request: each earlier segment, then the final one below.
     let segments = report.resume.as_ref().map(|r| r.segments.as_slice());
     for (k, segment) in report.earlier_segments.iter().enumerate() {

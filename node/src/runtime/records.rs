@@ -11,6 +11,9 @@ use mesh_protocol::block::{Side, SplitKey};
 use mesh_protocol::capsule::{SealedRecord, format_timestamp};
 use mesh_protocol::identity::did_key;
 use mesh_protocol::json::{canonical_bytes, parse_strict};
+use mesh_protocol::stage_receipt::{
+    CarriedStageReceipt, STAGE_RECEIPT_PUSH_MEMBER, check_stage_receipt,
+};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -59,8 +62,10 @@ impl PushRefusal {
 pub enum Received {
     /// Bare: the record alone.
     Bare,
-    /// A record already held, pushed again.
+    /// A record (or stage receipt) already held, pushed again.
     Again,
+    /// A stage's own `mesh/1` receipt for its part of the split.
+    Receipt,
     /// In a `record_push_bundle`, proven in the stage's log under a
     /// checkpoint it signed.
     Proven,
@@ -73,6 +78,9 @@ pub struct PendingSplit {
     /// Public key of the node assigned to each stage (index 0: the coordinator).
     pub assigned: Vec<[u8; 32]>,
     pub records: Vec<Vec<SealedRecord>>,
+    /// Each stage's own `mesh/1` receipt, once it came (index 0, the
+    /// coordinator's, stays empty: it seals its own).
+    pub receipts: Vec<Option<CarriedStageReceipt>>,
 }
 
 impl PendingSplit {
@@ -105,6 +113,7 @@ impl Collector {
                 key,
                 assigned,
                 records: vec![Vec::new(); stages],
+                receipts: vec![None; stages],
             },
         );
         true
@@ -162,6 +171,9 @@ impl Collector {
         }
         let value =
             parse_strict(&body[newline + 1..]).map_err(|_| PushRefusal::RequestMalformed)?;
+        if value.get(STAGE_RECEIPT_PUSH_MEMBER).is_some() {
+            return self.offer_stage_receipt(sender_key, &value);
+        }
         // A bundle (split-stage §3.3) carries the record with its inclusion
         // in the stage's log under a checkpoint the stage signed; it carries
         // no stage records of its own (only the coordinator's to the
@@ -255,6 +267,43 @@ impl Collector {
         } else {
             Received::Bare
         })
+    }
+
+    /// A stage's own receipt for its part of a split held open: it must be
+    /// the sender's stage of that split, sealed by the sender, naming the
+    /// split's stage, run and request (`check_stage_receipt`); one per
+    /// stage (the same again is acknowledged, another refused).
+    fn offer_stage_receipt(
+        &mut self,
+        sender_key: &[u8; 32],
+        value: &Value,
+    ) -> Result<Received, PushRefusal> {
+        let (request_id, carried) = CarriedStageReceipt::from_push_value(value)
+            .map_err(|_| PushRefusal::RequestMalformed)?;
+        let pending = self
+            .pending
+            .get_mut(&request_id)
+            .ok_or(PushRefusal::NotAStageOfThisSplit)?;
+        let index = carried.stage_index as usize;
+        if index == 0 || pending.assigned.get(index) != Some(sender_key) {
+            return Err(PushRefusal::NotAStageOfThisSplit);
+        }
+        check_stage_receipt(
+            &carried.envelope,
+            carried.stage_index,
+            &pending.key.run_id,
+            request_id,
+            &did_key(sender_key),
+        )
+        .map_err(|_| PushRefusal::SignatureUnverified)?;
+        match &pending.receipts[index] {
+            Some(held) if *held == carried => Ok(Received::Again),
+            Some(_) => Err(PushRefusal::OverCap),
+            None => {
+                pending.receipts[index] = Some(carried);
+                Ok(Received::Receipt)
+            }
+        }
     }
 
     /// A stage's log claims (size, root), from a checkpoint and the one it

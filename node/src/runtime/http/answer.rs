@@ -326,9 +326,15 @@ impl Answer {
         let prompt_tokens = details["prompt_tokens"].as_u64().unwrap_or(0);
         let completion_tokens = details["generated_tokens"].as_u64().unwrap_or(0);
         let receipt = &details["receipt"];
+        // Every served span (the coordinator's and each stage's, from
+        // their own receipts), never the coordinator's alone as the whole.
+        let spans = &details["energy"];
         let mut energy = json!({
-            "microjoules": receipt["energy_uj"],
-            "provenance": receipt["energy_provenance"],
+            "microjoules": spans["served_span_uj"],
+            "provenance": spans["provenance"],
+            "covers": spans["covers"],
+            "parts": spans["parts"],
+            "stages_without_receipt": spans["stages_without_receipt"],
             "receipt": receipt,
             "envelope_hex": summary.bundle.as_ref().map_or(Value::Null, |b| b["mesh1_envelope"].clone()),
         });

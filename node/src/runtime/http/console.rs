@@ -83,8 +83,9 @@ pub(super) fn console_entry(id: &str, summary: &GenerateSummary) -> Value {
         "generated_tokens": details["generated_tokens"],
         "decode_tokens_per_s": details["decode_tokens_per_s"],
         "per_hop_overhead_us": details["per_hop_overhead_us"],
-        "energy_uj": details["receipt"]["energy_uj"],
-        "energy_provenance": details["receipt"]["energy_provenance"],
+        // Every served span (the coordinator's and each stage's receipt).
+        "energy_uj": details["energy"]["served_span_uj"],
+        "energy_provenance": details["energy"]["provenance"],
         "stages": details["stages"],
     });
     let Some(bundle) = &summary.bundle else {

@@ -10,11 +10,20 @@ use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use anyhow::Context;
 use mesh_protocol::block::TerminalState;
 use mesh_protocol::capsule::SealedRecord;
+use mesh_protocol::stage_receipt::CarriedStageReceipt;
 
-/// The request's bill and the stage records that came in.
+/// The request's bill and what its stages sent.
 pub(crate) struct Collected {
     pub(crate) metered: crate::runtime::steward::Metered,
+    pub(crate) stages: StageEvidence,
+}
+
+/// What a segment's stages sent: their records (by stage index), and
+/// their own `mesh/1` receipts, in stage order, for those that came.
+#[derive(Default)]
+pub(crate) struct StageEvidence {
     pub(crate) records: Vec<Vec<SealedRecord>>,
+    pub(crate) receipts: Vec<CarriedStageReceipt>,
 }
 
 /// Collect: close the request's bill at its steward (nothing billed for
@@ -44,21 +53,21 @@ pub(crate) async fn collect(
         }
     };
     let until = Instant::now() + coordinator.settings.seal_deadline;
-    let records = await_records(coordinator, admitted, driven, until).await?;
-    Ok(Collected { metered, records })
+    let stages = await_records(coordinator, admitted, driven, until).await?;
+    Ok(Collected { metered, stages })
 }
 
 /// Wait for the segment's survivors to finish (its lanes whole: a stage
 /// seals its record when its part ends), then, until `until`, for every
 /// stage record of the segment; in a mesh, not for those of stages that
 /// left it during the segment (their records will not come). Takes the
-/// segment's record slot.
+/// segment's record slot, with the stage receipts that came before.
 pub(crate) async fn await_records(
     coordinator: &Arc<CoordinatorRole>,
     admitted: &mut Admitted<'_>,
     driven: &mut Driven,
     until: Instant,
-) -> anyhow::Result<Vec<Vec<SealedRecord>>> {
+) -> anyhow::Result<StageEvidence> {
     driven.lanes.settle().await?;
     let request_id = admitted.request_id;
     let left_mesh = |key: &[u8; 32]| coordinator.shared.left_mesh_since(key, driven.started);
@@ -80,5 +89,10 @@ pub(crate) async fn await_records(
     }
     let pending = lock(&coordinator.collector).take(request_id);
     admitted.held.collector = false;
-    Ok(pending.map(|p| p.records).unwrap_or_default())
+    Ok(
+        pending.map_or_else(StageEvidence::default, |p| StageEvidence {
+            records: p.records,
+            receipts: p.receipts.into_iter().flatten().collect(),
+        }),
+    )
 }

@@ -10,6 +10,7 @@
 //! - [`resume`]: the same request on a new chain, keeping caches ([`keep`]);
 //! - [`collect`]: the stages' records and the bill;
 //! - [`seal`]: the split's records and the `mesh/1` receipt;
+//! - [`energy`]: every served span, as the bundle's receipts say;
 //! - [`report`]: the reply to the requester.
 
 mod admit;
@@ -18,6 +19,7 @@ mod collect;
 pub(crate) mod decision;
 pub(crate) mod draft;
 mod drive;
+mod energy;
 mod keep;
 pub(crate) mod plan;
 mod progress;

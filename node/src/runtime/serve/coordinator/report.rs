@@ -15,6 +15,7 @@ use crate::runtime::net::msg::{self};
 use crate::runtime::net::peers::PeerAddr;
 use crate::runtime::serve::coordinator::admit::Admitted;
 use crate::runtime::serve::coordinator::drive::Driven;
+use crate::runtime::serve::coordinator::energy::energy_parts;
 use crate::runtime::serve::coordinator::progress::Progress;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use crate::runtime::serve::coordinator::role::one_way_hops_per_step;
@@ -127,6 +128,7 @@ pub(crate) async fn report(
             "grant_breach": envelope.receipt.grant_breach,
             "precision": envelope.receipt.weights.as_ref().map(|w| &w.precision),
         },
+        "energy": energy_parts(&bundle, &envelope),
     });
     // A decision's answer is the chosen option; its figures are in the
     // details.

@@ -24,6 +24,7 @@ use mesh_protocol::mesh1::{
 };
 use mesh_protocol::session::SliceFacts;
 use mesh_protocol::split::{SealEnvironment, SplitSealInput, seal_split};
+use mesh_protocol::stage_receipt::CarriedStageReceipt;
 use serde_json::json;
 
 /// The sealed request: its bundle and the `mesh/1` envelope.
@@ -100,13 +101,21 @@ pub(crate) fn seal_segment(
     Ok((sealed, main_leaf))
 }
 
-/// A segment's bundle: its records, and the node behind each stage.
+/// A segment's bundle: its records, the node behind each stage, and the
+/// stages' own receipts that came.
 pub(crate) fn segment_bundle(
     sealed: &mesh_protocol::split::SealedSplit,
     run: &Run,
+    receipts: &[CarriedStageReceipt],
 ) -> serde_json::Value {
     let mut bundle = sealed.bundle();
     if let serde_json::Value::Object(map) = &mut bundle {
+        if !receipts.is_empty() {
+            map.insert(
+                "stage_receipts".into(),
+                receipts.iter().map(CarriedStageReceipt::to_value).collect(),
+            );
+        }
         map.insert(
             "stewards".into(),
             json!(
@@ -149,16 +158,17 @@ pub(crate) async fn seal_interrupted(
     let until = Instant::now() + coordinator.settings.seal_deadline;
     let mut sealed_segments = Vec::new();
     for mut segment in interrupted {
-        let records = await_records(
+        let stages = await_records(
             coordinator,
             &mut segment.admitted,
             &mut segment.driven,
             until,
         )
         .await?;
-        let (sealed, _) = seal_segment(coordinator, &segment.run, &segment.driven, &records)?;
+        let (sealed, _) =
+            seal_segment(coordinator, &segment.run, &segment.driven, &stages.records)?;
         sealed_segments.push((
-            segment_bundle(&sealed, &segment.run),
+            segment_bundle(&sealed, &segment.run, &stages.receipts),
             segment_entry(&sealed, &segment.run, &segment.driven),
         ));
     }
@@ -181,8 +191,8 @@ pub(crate) fn seal(
     let prompt_ids = &admitted.prompt_ids;
     let serve = &admitted.serve;
     let tokens = &progress.tokens;
-    let Collected { metered, records } = collected;
-    let (sealed, main_leaf) = seal_segment(coordinator, run, driven, &records)?;
+    let Collected { metered, stages } = collected;
+    let (sealed, main_leaf) = seal_segment(coordinator, run, driven, &stages.records)?;
     let model_id = coordinator.shared.model_id();
     let resumed = (!earlier.is_empty()).then(|| {
         let mut segments: Vec<_> = earlier.iter().map(|(_, entry)| entry.clone()).collect();
@@ -297,7 +307,7 @@ pub(crate) fn seal(
     let earlier = earlier.into_iter().map(|(bundle, _)| bundle).collect();
     let bundle = request_bundle(
         coordinator,
-        (&sealed, run),
+        (&sealed, run, &stages.receipts),
         admitted,
         (&envelope, previous_envelope),
         earlier,
@@ -312,13 +322,17 @@ pub(crate) fn seal(
 /// receipt's inclusion proof.
 fn request_bundle(
     coordinator: &CoordinatorRole,
-    (sealed, run): (&mesh_protocol::split::SealedSplit, &Run),
+    (sealed, run, receipts): (
+        &mesh_protocol::split::SealedSplit,
+        &Run,
+        &[CarriedStageReceipt],
+    ),
     admitted: &Admitted<'_>,
     (envelope, previous_envelope): (&mesh_protocol::mesh1::SealedReceipt, Option<Vec<u8>>),
     earlier: Vec<serde_json::Value>,
     main_leaf: u64,
 ) -> serde_json::Value {
-    let mut bundle = segment_bundle(sealed, run);
+    let mut bundle = segment_bundle(sealed, run, receipts);
     if let serde_json::Value::Object(map) = &mut bundle {
         map.insert(
             "mesh1_envelope".into(),

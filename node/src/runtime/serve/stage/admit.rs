@@ -223,7 +223,7 @@ fn decide_grant(
         None,
         &serve,
         Some(stage.shared.model.weights_digest()),
-        "mesh-node/stage",
+        mesh_protocol::stage_receipt::STAGE_BACKEND,
         now_ms(),
     )?;
     Ok((HeldTicket::new(&stage.shared, ticket), serve))

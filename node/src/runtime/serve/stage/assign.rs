@@ -52,7 +52,7 @@ pub(crate) fn handle_authorise(
         Some(presentation),
         serve,
         Some(stage.shared.model.weights_digest()),
-        "mesh-node/stage",
+        mesh_protocol::stage_receipt::STAGE_BACKEND,
         now_ms(),
     )?;
     tickets.insert(

@@ -10,6 +10,7 @@ use mesh_protocol::capsule::{
 };
 use mesh_protocol::mesh1::{MeshReceipt, ServeRequest, WeightsBinding};
 use mesh_protocol::session::SliceFacts;
+use mesh_protocol::stage_receipt::{CarriedStageReceipt, STAGE_BACKEND, stage_recipe, stage_route};
 
 use crate::runtime::clock::lock;
 use crate::runtime::clock::now_ms;
@@ -52,7 +53,7 @@ pub(crate) async fn seal_stage(stage: &Arc<StageRole>, ran: StageRan) -> anyhow:
             steward.end_engine_at_mark(ticket, weights)
         }
     };
-    if let Ok(metered) = metered {
+    let sealed = metered.ok().and_then(|metered| {
         let receipt = stage_receipt(
             stage,
             request_id,
@@ -62,10 +63,11 @@ pub(crate) async fn seal_stage(stage: &Arc<StageRole>, ran: StageRan) -> anyhow:
             &served,
             &metered,
         );
-        if let Err(error) = lock(&stage.shared.steward).seal(receipt) {
-            tracing::error!(request_id, "stage receipt not sealed: {error}");
-        }
-    }
+        lock(&stage.shared.steward)
+            .seal(receipt)
+            .inspect_err(|error| tracing::error!(request_id, "stage receipt not sealed: {error}"))
+            .ok()
+    });
     // A final stage that never opened its direct return folded nothing on
     // it: the session shows the empty lane.
     let block = lanes.session.block(
@@ -81,7 +83,39 @@ pub(crate) async fn seal_stage(stage: &Arc<StageRole>, ran: StageRan) -> anyhow:
         tokens,
         terminal,
     );
+    // The receipt first: the coordinator stops waiting once it holds
+    // every stage's record, and its requester is owed this stage's served
+    // span beside it (seed 001 §3.3).
+    if let Some(sealed) = sealed {
+        push_stage_receipt(stage, assign, request_id, sealed.envelope).await;
+    }
     push_stage_record(stage, assign, &block).await
+}
+
+/// Push this stage's `mesh/1` receipt to its coordinator. Best effort: a
+/// coordinator that refuses it (an older one reads it as a malformed
+/// record) has the stage record all the same, and the receipt stays in
+/// this node's journal.
+async fn push_stage_receipt(
+    stage: &Arc<StageRole>,
+    assign: &Assign,
+    request_id: u64,
+    envelope: Vec<u8>,
+) {
+    let body = CarriedStageReceipt {
+        stage_index: assign.stage_index,
+        envelope,
+    }
+    .push_value(request_id);
+    let coordinator = PeerAddr {
+        key: assign.coordinator,
+        addr: assign.coordinator_addr,
+    };
+    match push_body(stage, &coordinator, &body).await {
+        Ok(reply) if reply["status"] == "received" => {}
+        Ok(reply) => tracing::warn!(request_id, "stage receipt refused: {reply}"),
+        Err(error) => tracing::warn!(request_id, "stage receipt not pushed: {error:#}"),
+    }
 }
 
 pub(crate) fn stage_receipt(
@@ -93,8 +127,8 @@ pub(crate) fn stage_receipt(
     served: &ServeRequest,
     metered: &crate::runtime::steward::Metered,
 ) -> MeshReceipt {
-    let recipe = format!("stage {stage} of run {run_id}, request {request_id}");
-    let route = format!("assigned by coordinator for run {run_id}");
+    let recipe = stage_recipe(stage, run_id, request_id);
+    let route = stage_route(run_id);
     let nonce = crate::runtime::keys::random_bytes().unwrap_or([0; 16]);
     MeshReceipt {
         grant_id: metered.grant_id,
@@ -113,7 +147,7 @@ pub(crate) fn stage_receipt(
             .map(str::to_string),
         ..MeshReceipt::blank(
             served.request_id(),
-            "mesh-node/stage",
+            STAGE_BACKEND,
             &recipe,
             &route,
             metered.energy,
