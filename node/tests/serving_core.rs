@@ -36,6 +36,74 @@ async fn three_nodes_admitting(
     [a.start().await, b, c]
 }
 
+/// A grant whose ModelIn names other weights is refused at routing, with
+/// the rule named in the route table, before any steward decides it or
+/// anything is held; a grant for the served weights is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_grant_for_other_weights_is_refused_at_routing_naming_the_rule() {
+    use common::nodes::{granted, grants_for_weights};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let [a, b, c] = three_nodes_admitting(&model, dir.path(), 4).await;
+    let address = a.peer_addr();
+    let other = mesh_protocol::hex::encode(&[0xab; 32]);
+    let (shards, holder) = grants_for_weights(dir.path(), &a, 1_000_000_000, &[other]).await;
+    let grant = granted(&shards, &holder, "other weights", 4, 5_000_000);
+    let refused = generate_remote(
+        &address,
+        &request("other weights", 4, Some(grant)),
+        &mut |_| {},
+    )
+    .await;
+    let said = format!("{refused:?}");
+    assert!(
+        said.contains("no backend can serve")
+            && said.contains("weights not in the grant's ModelIn"),
+        "{said}"
+    );
+    assert_eq!(a.stats().await.requests_refused_route, 1);
+    let served = mesh_stage::ModelHandle::open(&model)
+        .unwrap()
+        .weights_digest();
+    let dir2 = dir.path().join("served");
+    std::fs::create_dir_all(&dir2).unwrap();
+    let (shards, holder) = grants_for_weights(
+        &dir2,
+        &a,
+        1_000_000_000,
+        &[mesh_protocol::hex::encode(&served)],
+    )
+    .await;
+    let grant = granted(&shards, &holder, "its weights", 4, 5_000_000);
+    let summary = generate_remote(
+        &address,
+        &request("its weights", 4, Some(grant)),
+        &mut |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(summary.terminal_state, "completed", "{:?}", summary.error);
+    for node in [a, b, c] {
+        node.shutdown().await;
+    }
+    // Each steward decided the one grant that was served, never the other.
+    for name in ["a", "b", "c"] {
+        let records =
+            mesh_node::runtime::journal::Journal::read(&dir.path().join(name).join("steward"))
+                .unwrap();
+        let decided = records
+            .iter()
+            .filter(|r| {
+                matches!(
+                    r.entry,
+                    mesh_node::runtime::journal::Entry::Authorised { .. }
+                )
+            })
+            .count();
+        assert_eq!(decided, 1, "{name}");
+    }
+}
+
 /// Each request's text, in the order given.
 fn texts(summaries: Vec<GenerateSummary>) -> Vec<String> {
     summaries.into_iter().map(|s| s.text).collect()

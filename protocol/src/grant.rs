@@ -334,6 +334,25 @@ pub struct Presentation {
     pub signature: [u8; 64],
 }
 
+/// The weights every `ModelIn` among `caveats` permits at once; `None`
+/// when none restricts models.
+pub fn permitted_models<'a>(
+    caveats: impl IntoIterator<Item = &'a Caveat>,
+) -> Option<Vec<ContentId>> {
+    caveats
+        .into_iter()
+        .filter_map(|caveat| match caveat {
+            Caveat::ModelIn(models) => Some(models),
+            _ => None,
+        })
+        .fold(None, |permitted: Option<Vec<ContentId>>, models| {
+            Some(match permitted {
+                None => models.clone(),
+                Some(kept) => kept.into_iter().filter(|m| models.contains(m)).collect(),
+            })
+        })
+}
+
 fn presentation_message(
     request_id: &ContentId,
     grant_id: &ContentId,
@@ -350,6 +369,13 @@ fn presentation_message(
 }
 
 impl Presentation {
+    /// The weights every `ModelIn` caveat of its chain permits at once
+    /// (their intersection, in the first one's order); `None` when no
+    /// link restricts models. A steward refuses any other weights
+    /// (`ModelNotPermitted`), so a router leaves them out first.
+    pub fn model_in(&self) -> Option<Vec<ContentId>> {
+        permitted_models(self.chain.iter().flat_map(|link| &link.grant.caveats))
+    }
     /// Sign a presentation of `chain` for one request as `caller_key`.
     pub fn sign(
         chain: Vec<SignedGrant>,
@@ -726,6 +752,25 @@ impl GrantGate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_permitted_models_are_every_model_in_at_once() {
+        let (a, b, c) = ([1; 32], [2; 32], [3; 32]);
+        assert_eq!(permitted_models(&[Caveat::MaxCostUj(5)]), None);
+        assert_eq!(
+            permitted_models(&[
+                Caveat::ModelIn(vec![a, b, c]),
+                Caveat::MaxCostUj(5),
+                Caveat::ModelIn(vec![c, a]),
+            ]),
+            Some(vec![a, c])
+        );
+        // Disjoint lists permit nothing, not anything.
+        assert_eq!(
+            permitted_models(&[Caveat::ModelIn(vec![a]), Caveat::ModelIn(vec![b])]),
+            Some(vec![])
+        );
+    }
     use crate::mesh1::{Fidelity, prompt_hash};
 
     pub(crate) fn key(n: u8) -> SigningKey {

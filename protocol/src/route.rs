@@ -22,6 +22,9 @@ use crate::mesh1::{Fidelity, MAX_RECEIPT_TEXT, ServeRequest};
 pub const MAX_ROUTE_BACKENDS: usize = 64;
 /// Longest backend or recipe name in a route table.
 pub const MAX_BACKEND_NAME: usize = 1024;
+/// Most weights a request's `ModelIn` restriction lists in a route table
+/// (as many as one grant caveat may).
+pub const MAX_ROUTE_MODELS: usize = crate::grant::MAX_MODELS_PER_CAVEAT;
 
 /// The largest integer a route table holds: 2^53 − 1, the largest every
 /// RFC 8785 writer (which writes numbers as IEEE doubles) writes exactly.
@@ -73,6 +76,10 @@ pub struct Backend {
     /// 0 declares none, which is the token-only model exactly.
     pub uj_per_option_scored: u64,
     pub cost_basis: CostBasis,
+    /// The weights digest it serves (seed 001 §3.6), weighed against a
+    /// grant's `ModelIn`; `None` when it declares none (a grant that
+    /// restricts models then leaves it out).
+    pub weights: Option<[u8; 32]>,
 }
 
 /// The figures of a request the router reads (§3.1, §3.6).
@@ -134,11 +141,14 @@ pub struct RouteCandidate {
     pub cost_basis: CostBasis,
     pub below_floor: bool,
     pub over_ceiling: bool,
+    /// Its weights are not among those the request's grant permits
+    /// (`ModelIn`).
+    pub model_not_permitted: bool,
 }
 
 impl RouteCandidate {
     pub fn admissible(&self) -> bool {
-        !self.below_floor && !self.over_ceiling
+        !self.below_floor && !self.over_ceiling && !self.model_not_permitted
     }
 
     /// Why it is inadmissible, for a human; `None` when admissible.
@@ -156,11 +166,11 @@ impl RouteCandidate {
                 self.est_total_uj, request.joule_ceiling_uj
             )
         });
-        match (below, over) {
-            (None, None) => None,
-            (Some(one), None) | (None, Some(one)) => Some(one),
-            (Some(below), Some(over)) => Some(format!("{below} and {over}")),
-        }
+        let model = self
+            .model_not_permitted
+            .then(|| "weights not in the grant's ModelIn".to_string());
+        let reasons: Vec<String> = [below, over, model].into_iter().flatten().collect();
+        (!reasons.is_empty()).then(|| reasons.join(" and "))
     }
 }
 
@@ -168,6 +178,9 @@ impl RouteCandidate {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
     pub request: RouteRequest,
+    /// The weights the request's grant permits (every `ModelIn` of its
+    /// chains at once); `None`: no restriction.
+    pub model_in: Option<Vec<[u8; 32]>>,
     pub backends: Vec<Backend>,
     pub candidates: Vec<RouteCandidate>,
     /// Index of the chosen backend; `None` when none is admissible.
@@ -186,6 +199,8 @@ pub enum RouteError {
     DuplicateName(String),
     #[error("a backend or recipe name is empty or longer than {MAX_BACKEND_NAME} bytes")]
     Name,
+    #[error("a ModelIn of {0} weights, more than {MAX_ROUTE_MODELS}")]
+    TooManyModels(usize),
     #[error(
         "backend `{backend}`: {member} {value} is above {MAX_TABLE_INTEGER}, which RFC 8785 cannot write exactly"
     )]
@@ -199,6 +214,21 @@ pub enum RouteError {
 /// Weigh every backend and choose the admissible one with the lowest
 /// estimate, ties going to the one registered first (§4).
 pub fn route(request: &RouteRequest, backends: &[Backend]) -> Result<Route, RouteError> {
+    route_within(request, None, backends)
+}
+
+/// [`route`] for a request whose grant permits only the weights
+/// `model_in` (`None`: any): a backend serving other weights, or naming
+/// none, is inadmissible, with the rule as its reason, so a request its
+/// grant would refuse is refused here, before anything is held.
+pub fn route_within(
+    request: &RouteRequest,
+    model_in: Option<&[[u8; 32]]>,
+    backends: &[Backend],
+) -> Result<Route, RouteError> {
+    if let Some(models) = model_in.filter(|m| m.len() > MAX_ROUTE_MODELS) {
+        return Err(RouteError::TooManyModels(models.len()));
+    }
     if backends.is_empty() {
         return Err(RouteError::NoBackends);
     }
@@ -245,6 +275,9 @@ pub fn route(request: &RouteRequest, backends: &[Backend]) -> Result<Route, Rout
                 over_ceiling: request
                     .ceiling()
                     .is_some_and(|ceiling| est_total_uj > ceiling),
+                model_not_permitted: model_in.is_some_and(|permitted| {
+                    !backend.weights.is_some_and(|w| permitted.contains(&w))
+                }),
             }
         })
         .collect();
@@ -257,6 +290,7 @@ pub fn route(request: &RouteRequest, backends: &[Backend]) -> Result<Route, Rout
         .map(|(i, _)| i);
     Ok(Route {
         request,
+        model_in: model_in.map(<[_]>::to_vec),
         backends: backends.to_vec(),
         candidates,
         chosen,
@@ -348,17 +382,29 @@ impl Route {
             if let Some(options) = self.request.options_scored {
                 map.insert("options_scored".into(), json!(options));
             }
+            if let Some(models) = &self.model_in {
+                map.insert(
+                    "model_in".into(),
+                    models.iter().map(|m| json!(hex::encode(m))).collect(),
+                );
+            }
         }
         json!({
             "request": request,
-            "backends": self.backends.iter().map(|b| json!({
-                "name": b.name,
-                "recipe": b.recipe,
-                "fidelity": b.fidelity.level(),
-                "uj_per_token": b.uj_per_token,
-                "uj_per_option_scored": b.uj_per_option_scored,
-                "cost_basis": b.cost_basis.as_str(),
-            })).collect::<Vec<_>>(),
+            "backends": self.backends.iter().map(|b| {
+                let mut backend = json!({
+                    "name": b.name,
+                    "recipe": b.recipe,
+                    "fidelity": b.fidelity.level(),
+                    "uj_per_token": b.uj_per_token,
+                    "uj_per_option_scored": b.uj_per_option_scored,
+                    "cost_basis": b.cost_basis.as_str(),
+                });
+                if let (Some(weights), Value::Object(map)) = (b.weights, &mut backend) {
+                    map.insert("weights".into(), json!(hex::encode(&weights)));
+                }
+                backend
+            }).collect::<Vec<_>>(),
         })
     }
 
@@ -432,9 +478,36 @@ impl Route {
                     Some(_) => Some(r.u32("options_scored")?),
                 },
             };
+            let models_path = r.path("model_in");
+            let model_in = match r.optional("model_in") {
+                None => None,
+                Some(Value::Array(items)) if items.len() <= MAX_ROUTE_MODELS => Some(
+                    items
+                        .iter()
+                        .map(|item| {
+                            item.as_str()
+                                .and_then(hex::decode_array::<32>)
+                                .ok_or_else(|| {
+                                    ShapeError::invalid(
+                                        models_path.clone(),
+                                        "32-byte lowercase hex ids",
+                                    )
+                                })
+                        })
+                        .collect::<Result<Vec<_>, ShapeError>>()?,
+                ),
+                Some(_) => {
+                    return Err(ShapeError::invalid(
+                        models_path,
+                        format!("an array of at most {MAX_ROUTE_MODELS} weights ids"),
+                    )
+                    .into());
+                }
+            };
             r.finish()?;
-            request
+            (request, model_in)
         };
+        let (request, model_in) = request;
         let backends_path = m.path("backends");
         let items = m.array("backends")?;
         if items.len() > MAX_ROUTE_BACKENDS {
@@ -445,6 +518,7 @@ impl Route {
             let mut b = Members::of(item, &format!("{backends_path}/{i}"))?;
             let fidelity_path = b.path("fidelity");
             let basis_path = b.path("cost_basis");
+            let weights_path = b.path("weights");
             backends.push(Backend {
                 name: b.non_empty_string("name")?.to_string(),
                 recipe: b.non_empty_string("recipe")?.to_string(),
@@ -454,10 +528,16 @@ impl Route {
                 uj_per_option_scored: b.u64("uj_per_option_scored")?,
                 cost_basis: CostBasis::parse(b.string("cost_basis")?)
                     .ok_or_else(|| ShapeError::invalid(basis_path, "`metered` or `estimator`"))?,
+                weights: match b.optional("weights") {
+                    None => None,
+                    Some(_) => Some(hex::decode_array::<32>(b.string("weights")?).ok_or_else(
+                        || ShapeError::invalid(weights_path, "32-byte lowercase hex"),
+                    )?),
+                },
             });
             b.finish()?;
         }
-        let route = route(&request, &backends)?;
+        let route = route_within(&request, model_in.as_deref(), &backends)?;
         // The derived members, exactly as the inputs give them.
         let derived = route.to_json();
         for key in ["candidates", "chosen", "justification"] {
@@ -564,6 +644,7 @@ mod tests {
             uj_per_token,
             uj_per_option_scored: 0,
             cost_basis: CostBasis::Metered,
+            weights: None,
         }
     }
 
@@ -696,6 +777,42 @@ mod tests {
             Route::from_json(&changed),
             Err(TableError::Shape(_))
         ));
+    }
+
+    #[test]
+    fn a_grant_model_restriction_leaves_out_other_weights_naming_the_rule() {
+        let mut backends = four();
+        backends[2].weights = Some([1; 32]);
+        backends[3].weights = Some([2; 32]);
+        let restricted =
+            route_within(&request(Fidelity::F2, 50_000), Some(&[[2; 32]]), &backends).unwrap();
+        assert_eq!(restricted.chosen().unwrap().backend, "mid-dear");
+        assert_eq!(
+            restricted.candidates[2]
+                .reason(&restricted.request)
+                .as_deref(),
+            Some("weights not in the grant's ModelIn")
+        );
+        // A backend naming no weights is left out too.
+        assert!(restricted.candidates[0].model_not_permitted);
+        assert_eq!(Route::from_json(&restricted.to_json()).unwrap(), restricted);
+        let refused =
+            route_within(&request(Fidelity::F2, 50_000), Some(&[[9; 32]]), &backends).unwrap();
+        assert!(
+            refused
+                .refusal()
+                .unwrap()
+                .contains("mid: weights not in the grant's ModelIn")
+        );
+        // Without a restriction, weights change nothing.
+        assert_eq!(
+            route(&request(Fidelity::F2, 50_000), &backends)
+                .unwrap()
+                .chosen()
+                .unwrap()
+                .backend,
+            "mid"
+        );
     }
 
     /// RFC 8785 writes numbers as doubles: a table never holds an integer

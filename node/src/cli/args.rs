@@ -302,6 +302,10 @@ pub enum GrantAction {
         /// A per-serve cost cap (MaxCostUj caveat).
         #[arg(long)]
         max_cost_uj: Option<u64>,
+        /// Weights it may be spent on (ModelIn caveat; repeat): a weights
+        /// digest, 64 hex digits, as a receipt's `weights_digest` names it.
+        #[arg(long, value_name = "WEIGHTS")]
+        model_in: Vec<String>,
         #[arg(long)]
         out: PathBuf,
     },

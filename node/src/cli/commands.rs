@@ -419,6 +419,7 @@ fn grant(action: GrantAction) -> anyhow::Result<ExitCode> {
             budget_uj,
             expires_in_s,
             max_cost_uj,
+            model_in,
             out,
         } => {
             let id = crate::cli::node_cli::grant_issue(
@@ -426,7 +427,7 @@ fn grant(action: GrantAction) -> anyhow::Result<ExitCode> {
                 &subject,
                 budget_uj,
                 Duration::from_secs(expires_in_s),
-                max_cost_uj,
+                (max_cost_uj, &model_in),
                 &out,
             )?;
             println!(

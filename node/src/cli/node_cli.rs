@@ -927,7 +927,7 @@ pub fn grant_issue(
     subject: &str,
     budget_uj: u64,
     expires_in: Duration,
-    max_cost_uj: Option<u64>,
+    (max_cost_uj, model_in): (Option<u64>, &[String]),
     out: &Path,
 ) -> anyhow::Result<String> {
     use mesh_protocol::grant::{Caveat, Grant};
@@ -940,6 +940,17 @@ pub fn grant_issue(
     let mut caveats = vec![Caveat::Actions(vec![mesh_protocol::grant::INFER.into()])];
     if let Some(limit) = max_cost_uj {
         caveats.push(Caveat::MaxCostUj(limit));
+    }
+    if !model_in.is_empty() {
+        let models = model_in
+            .iter()
+            .map(|hex| {
+                mesh_protocol::hex::decode_array::<32>(hex).with_context(|| {
+                    format!("--model-in {hex}: give a weights digest, 64 lowercase hex digits")
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        caveats.push(Caveat::ModelIn(models));
     }
     let grant = Grant {
         issuer: mesh_protocol::identity::did_key(&key.verifying_key().to_bytes()),

@@ -472,6 +472,17 @@ pub async fn cancel_counted_within(coordinator: &Node, since: std::time::Instant
 /// A root grant of `budget_uj` to a holder, sharded evenly over the
 /// stewards of `coordinator`'s split: (shards file, holder key file).
 pub async fn grants(dir: &Path, coordinator: &Node, budget_uj: u64) -> (PathBuf, PathBuf) {
+    grants_for_weights(dir, coordinator, budget_uj, &[]).await
+}
+
+/// [`grants`], the root restricted to the weights `model_in` (a ModelIn
+/// caveat of weights digests in hex; none: no restriction).
+pub async fn grants_for_weights(
+    dir: &Path,
+    coordinator: &Node,
+    budget_uj: u64,
+    model_in: &[String],
+) -> (PathBuf, PathBuf) {
     let owner = dir.join("owner.key");
     let holder = dir.join("holder.key");
     std::fs::write(&owner, mesh_protocol::hex::encode(&[5u8; 32])).unwrap();
@@ -483,7 +494,7 @@ pub async fn grants(dir: &Path, coordinator: &Node, budget_uj: u64) -> (PathBuf,
         &mesh_protocol::identity::did_key(&public(&key(6))),
         budget_uj,
         Duration::from_secs(3600),
-        None,
+        (None, model_in),
         &root,
     )
     .unwrap();

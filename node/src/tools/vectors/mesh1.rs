@@ -774,6 +774,7 @@ fn route_cases() -> anyhow::Result<Value> {
         uj_per_token,
         uj_per_option_scored: per_option,
         cost_basis: CostBasis::Metered,
+        weights: None,
     };
     let generation = |floor: Fidelity, ceiling: u64| RouteRequest {
         prompt_tokens: 20,
@@ -929,6 +930,52 @@ fn route_cases() -> anyhow::Result<Value> {
         digests.insert(name, routed.inputs_digest());
         first_table.get_or_insert_with(|| table.clone());
         routes.push(json!({ "name": name, "chosen": chosen, "table": table }));
+    }
+    // A grant's ModelIn (every caveat of its chains at once): the cheapest
+    // backend serves other weights, one names none; both are left out at
+    // routing with the rule named, and the table binds the restriction.
+    {
+        let name = "grant_model_in_leaves_out_other_weights";
+        let permitted = [0x11u8; 32];
+        let mut weighed = four.clone();
+        weighed[0].fidelity = Fidelity::F2;
+        weighed[0].weights = Some([0x22; 32]);
+        weighed[2].weights = Some(permitted);
+        weighed[3].weights = Some(permitted);
+        let routed = mesh_protocol::route::route_within(
+            &generation(Fidelity::F2, 50_000),
+            Some(&[permitted]),
+            &weighed,
+        )?;
+        let got: Vec<(u64, bool)> = routed
+            .candidates
+            .iter()
+            .map(|c| (c.est_total_uj, c.admissible()))
+            .collect();
+        ensure!(
+            got == [(500, false), (90_000, false), (4_000, true), (7_000, true)],
+            "{name}: candidates {got:?}"
+        );
+        ensure!(
+            routed.candidates[0].reason(&routed.request).as_deref()
+                == Some("weights not in the grant's ModelIn")
+                && routed.chosen().map(|c| c.backend.as_str()) == Some("mid-q4"),
+            "{name}: the cheapest is left out by the rule, mid-q4 chosen"
+        );
+        let table = routed.to_json();
+        ensure!(
+            Route::from_json(&table)? == routed,
+            "{name}: the table reads back"
+        );
+        let mut unrestricted = table.clone();
+        if let Some(request) = unrestricted["request"].as_object_mut() {
+            request.remove("model_in");
+        }
+        ensure!(
+            Route::from_json(&unrestricted).is_err(),
+            "{name}: the restriction is bound to the table"
+        );
+        routes.push(json!({ "name": name, "chosen": "mid-q4", "table": table }));
     }
     ensure!(
         digests.get("no_ceiling_is_no_member") == digests.get("ceiling_above_2_53_is_no_ceiling"),

@@ -298,8 +298,15 @@ pub(crate) async fn admit<'a>(
         (None, None) => request.max_tokens.max(1),
         (Some(granted), None) => (granted.serve.max_tokens as usize).max(1),
     };
-    // Route (SPEC §4) before anything is held.
-    let route = route_or_refuse(coordinator, run, &serve)?;
+    // Route (SPEC §4) before anything is held, over the weights every
+    // presented grant permits (each steward refuses others).
+    let model_in = mesh_protocol::grant::permitted_models(
+        presentations
+            .iter()
+            .flatten()
+            .flat_map(|p| p.chain.iter().flat_map(|link| &link.grant.caveats)),
+    );
+    let route = route_or_refuse(coordinator, run, &serve, model_in.as_deref())?;
 
     // Everything this request holds is released by `held` on every path.
     let (mut held, split_key) = Held::take_places(coordinator, run, capacity, None)?;
@@ -393,9 +400,11 @@ pub(crate) fn route_or_refuse(
     coordinator: &CoordinatorRole,
     run: &Run,
     serve: &ServeRequest,
+    model_in: Option<&[[u8; 32]]>,
 ) -> anyhow::Result<mesh_protocol::route::Route> {
-    let route = mesh_protocol::route::route(
+    let route = mesh_protocol::route::route_within(
         &mesh_protocol::route::RouteRequest::from(serve),
+        model_in,
         &backends(coordinator, run),
     )?;
     let Some(refusal) = route.refusal() else {
@@ -494,5 +503,6 @@ pub(crate) fn backends(coordinator: &CoordinatorRole, run: &Run) -> Vec<Backend>
         uj_per_token,
         uj_per_option_scored: 0,
         cost_basis,
+        weights: Some(coordinator.shared.model.weights_digest()),
     }]
 }

@@ -85,7 +85,12 @@ impl<'a> Admitted<'a> {
     ) -> anyhow::Result<Self> {
         // The new chain is another backend: weighed again, and refused as
         // any request is when it cannot serve within the bounds.
-        let route = route_or_refuse(coordinator, run, &self.serve)?;
+        let route = route_or_refuse(
+            coordinator,
+            run,
+            &self.serve,
+            self.route.model_in.as_deref(),
+        )?;
         let capacity = self.prompt_ids.len() + self.max_new;
         // The own cache goes on under the new request, cut back to the
         // positions every kept stage holds.
