@@ -140,6 +140,16 @@ async fn a_real_serve_replays_verified_a_false_one_diverged_and_a_sampled_one_no
         (Some(3), Some("not_replayable")),
         "{report:#}"
     );
+    // Told apart by the request id its prompt gives with the bundle's
+    // request figures, not only by its token count.
+    assert_eq!(report["reason_kind"], "other_request", "{report:#}");
+    assert!(
+        report["reason"]
+            .as_str()
+            .unwrap()
+            .contains("the receipt's is"),
+        "{report:#}"
+    );
 
     // Diverged: a steward that sealed an output its engine did not give.
     // The receipt commits to the served tokens with the fifth changed, and

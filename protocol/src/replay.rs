@@ -34,6 +34,12 @@ pub enum NotReplayable {
     /// The prompt payload is not the request's: another number of tokens
     /// than the receipt's `tokens_in`.
     OtherRequest { receipt: u64, replay: u64 },
+    /// The prompt, with the request's figures (the bundle's route table),
+    /// gives another request id than the receipt's.
+    NotThisRequest {
+        receipt: ContentId,
+        replay: ContentId,
+    },
     /// The receipt's token counts do not fit the replay's model.
     DoesNotFit,
     /// No opening was given: only the steward can disclose it.
@@ -53,7 +59,7 @@ impl NotReplayable {
             Self::OtherBackend(_) => "other_backend",
             Self::OtherWeights => "other_weights",
             Self::OtherRecipe(_) => "other_recipe",
-            Self::OtherRequest { .. } => "other_request",
+            Self::OtherRequest { .. } | Self::NotThisRequest { .. } => "other_request",
             Self::DoesNotFit => "does_not_fit",
             Self::NoOpening => "no_opening",
             Self::Unattributable => "unattributable",
@@ -75,6 +81,11 @@ impl NotReplayable {
             }
             Self::OtherRequest { receipt, replay } => format!(
                 "the prompt is not the receipt's request: {replay} tokens, the receipt read {receipt}"
+            ),
+            Self::NotThisRequest { receipt, replay } => format!(
+                "the prompt is not the receipt's request: with the request's figures it is request {}, the receipt's is {}",
+                crate::hex::encode(replay),
+                crate::hex::encode(receipt)
             ),
             Self::DoesNotFit => "the receipt's token counts do not fit the model's context".into(),
             Self::NoOpening => {
@@ -105,6 +116,28 @@ pub struct Replayer<'a> {
     pub weights: [u8; 32],
     pub recipe: &'a str,
     pub prompt_tokens: u64,
+    /// The request id the replay's prompt gives with the request's figures
+    /// ([`request_id_of`]); `None` when they did not come with the receipt
+    /// (a bare envelope), and then only the token count tells another
+    /// request apart.
+    pub request_id: Option<ContentId>,
+}
+
+/// The request id of `prompt` asked with the figures a receipt's route
+/// table holds (it is bound to the receipt's signed `route` line:
+/// `route::check_table`): what the coordinator hashed, when the prompt is
+/// the one it was sent. A ceiling the table leaves out was none (or one no
+/// estimate could reach, which then reads as another request).
+pub fn request_id_of(prompt: &[u8], figures: &crate::route::RouteRequest) -> ContentId {
+    crate::mesh1::ServeRequest {
+        prompt_hash: crate::mesh1::prompt_hash(prompt),
+        prompt_tokens: figures.prompt_tokens,
+        max_tokens: figures.max_tokens,
+        fidelity_floor: figures.fidelity_floor,
+        joule_ceiling_uj: figures.joule_ceiling_uj,
+        decision: None,
+    }
+    .request_id()
 }
 
 /// Whether the serve can be re-executed at all, before any engine runs.
@@ -131,6 +164,14 @@ pub fn check_replayable(
     }
     if receipt.recipe != replayer.recipe {
         return Err(NotReplayable::OtherRecipe(receipt.recipe.clone()));
+    }
+    if let Some(replay) = replayer.request_id
+        && replay != receipt.request_id
+    {
+        return Err(NotReplayable::NotThisRequest {
+            receipt: receipt.request_id,
+            replay,
+        });
     }
     if receipt.tokens_in != replayer.prompt_tokens {
         return Err(NotReplayable::OtherRequest {
@@ -244,6 +285,7 @@ mod tests {
                     weights: hex32(&case["weights_digest_hex"]),
                     recipe: case["recipe"].as_str().unwrap(),
                     prompt_tokens: prompt.len() as u64,
+                    request_id: None,
                 },
                 opening.as_ref(),
                 &prompt_payload(&prompt),
@@ -268,6 +310,7 @@ mod tests {
             weights: WEIGHTS,
             recipe: "model.gguf",
             prompt_tokens: prompt.len() as u64,
+            request_id: None,
         };
         let judged =
             |r: &MeshReceipt, o: Option<&[u8; 32]>, p: &[u32], run: &[u32], d: Option<&[u32]>| {
@@ -342,6 +385,38 @@ mod tests {
                 None
             ),
             Verdict::NotReplayable(NotReplayable::OtherWeights)
+        );
+        // Bound to the request id: another prompt of the same length is
+        // told apart by the id it gives, not only by its token count.
+        let bound = Replayer {
+            request_id: Some([3; 32]),
+            ..replayer(payload)
+        };
+        assert!(matches!(
+            judge(
+                &receipt,
+                &bound,
+                Some(&opening),
+                &prompt_payload(payload),
+                &SERVED,
+                None
+            ),
+            Verdict::NotReplayable(NotReplayable::NotThisRequest { .. })
+        ));
+        let same = Replayer {
+            request_id: Some(receipt.request_id),
+            ..replayer(payload)
+        };
+        assert_eq!(
+            judge(
+                &receipt,
+                &same,
+                Some(&opening),
+                &prompt_payload(payload),
+                &SERVED,
+                None
+            ),
+            Verdict::Verified
         );
         let other_recipe = Replayer {
             recipe: "other.gguf",

@@ -6,7 +6,10 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use mesh_protocol::mesh1::{SealedReceipt, opening, opening_key, prompt_payload};
-use mesh_protocol::replay::{NotReplayable, Replayer, Verdict, check_replayable, judge};
+use mesh_protocol::replay::{
+    NotReplayable, Replayer, Verdict, check_replayable, judge, request_id_of,
+};
+use mesh_protocol::route::RouteRequest;
 use serde_json::json;
 
 use super::verify::read_receipt;
@@ -49,6 +52,17 @@ fn read_output(path: &Path) -> anyhow::Result<Vec<u32>> {
         .collect()
 }
 
+/// The request's figures from the bundle's route table, when `path` is a
+/// bundle whose table belongs to the receipt (bound by its signed `route`
+/// line); `None` for a bare envelope.
+fn request_figures(path: &Path, sealed: &SealedReceipt) -> Option<RouteRequest> {
+    let bytes = std::fs::read(path).ok()?;
+    let document = mesh_protocol::json::parse_strict(&bytes).ok()?;
+    let bundle = mesh_protocol::bundle::MeshBundle::from_value(&document).ok()?;
+    let route = mesh_protocol::route::check_table(bundle.route?, &sealed.receipt).ok()?;
+    Some(route.request)
+}
+
 /// `mesh-node replay`: exit 0 verified, 1 diverged, 3 not replayable.
 pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
     // A device this binary cannot use is refused before any file is read.
@@ -69,7 +83,7 @@ pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
     let text = if args.chat {
         handle.text().chat_prompt(&prompt)?
     } else {
-        prompt
+        prompt.clone()
     };
     let ids = handle.text().encode(&text)?;
     let payload = prompt_payload(&ids);
@@ -78,6 +92,8 @@ pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
         weights: handle.weights_digest(),
         recipe: &recipe,
         prompt_tokens: ids.len() as u64,
+        request_id: request_figures(args.bundle, &sealed)
+            .map(|figures| request_id_of(prompt.as_bytes(), &figures)),
     };
     // The receipt's counts come from whoever signed it: bounded by the
     // model's context before anything is generated.

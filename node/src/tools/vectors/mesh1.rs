@@ -1571,6 +1571,7 @@ fn replay_cases(steward: &SigningKey, first: &SealedReceipt) -> anyhow::Result<V
                 weights: c.weights,
                 recipe: c.recipe,
                 prompt_tokens: c.prompt.len() as u64,
+                request_id: None,
             },
             c.opening.as_ref(),
             &prompt_payload(c.prompt),
