@@ -1050,6 +1050,13 @@ async fn a_stage_killed_mid_request(
     let bundle = resumed.bundle.clone().unwrap();
     let earlier = bundle["earlier_segments"].as_array().unwrap();
     assert_eq!(earlier.len(), 1, "one loss, two segments");
+    // Each segment's main record is proven in the coordinator's log on its
+    // own (the verifier checks the proof with the rest of the segment).
+    assert!(
+        earlier[0]["inclusion"].is_object() && earlier[0]["checkpoint"].is_object(),
+        "{:#}",
+        earlier[0]
+    );
     // Mesh-LLM's form cannot hold the segments: refused in one line, never
     // written as an ordinary completed split.
     let refused = mesh_node::cli::node_cli::as_record_push_bundle(&bundle).unwrap_err();
@@ -1093,6 +1100,17 @@ async fn a_stage_killed_mid_request(
             .contains(&Value::from(victim.did.as_str()))
     );
     assert_eq!(report["earlier_segments"][0]["ok"], true, "{report:#}");
+    assert!(
+        report["earlier_segments"][0]["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(
+                |c| c["property"] == "MMR inclusion proof under the checkpoint root"
+                    && c["ok"] == true
+            ),
+        "{report:#}"
+    );
     assert_eq!(report["terminal_state"], "completed");
     // Shown one after the other, the loss visible.
     let shown = Command::new(bin())

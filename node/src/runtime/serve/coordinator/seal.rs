@@ -165,10 +165,13 @@ pub(crate) async fn seal_interrupted(
             until,
         )
         .await?;
-        let (sealed, _) =
+        let (sealed, main_leaf) =
             seal_segment(coordinator, &segment.run, &segment.driven, &stages.records)?;
+        let mut bundle = segment_bundle(&sealed, &segment.run, &stages.receipts);
+        // Each segment's main record proven in the log on its own.
+        with_log_proof(coordinator, &mut bundle, main_leaf);
         sealed_segments.push((
-            segment_bundle(&sealed, &segment.run, &stages.receipts),
+            bundle,
             segment_entry(&sealed, &segment.run, &segment.driven),
         ));
     }
@@ -349,17 +352,26 @@ fn request_bundle(
         if !earlier.is_empty() {
             map.insert("earlier_segments".into(), serde_json::Value::Array(earlier));
         }
-        if let Some((inclusion, checkpoint)) = coordinator
+    }
+    with_log_proof(coordinator, &mut bundle, main_leaf);
+    bundle
+}
+
+/// Where checkpoints are kept: the inclusion proof of a segment's main
+/// record (at `main_leaf` of this node's log) and the checkpoint it is
+/// proven under, in its bundle.
+fn with_log_proof(coordinator: &CoordinatorRole, bundle: &mut serde_json::Value, main_leaf: u64) {
+    if let (Some((inclusion, checkpoint)), serde_json::Value::Object(map)) = (
+        coordinator
             .shared
             .record_checkpoints
             .then(|| coordinator.shared.log_proof(main_leaf))
-            .flatten()
-        {
-            map.insert("inclusion".into(), inclusion);
-            map.insert("checkpoint".into(), checkpoint);
-        }
+            .flatten(),
+        bundle,
+    ) {
+        map.insert("inclusion".into(), inclusion);
+        map.insert("checkpoint".into(), checkpoint);
     }
-    bundle
 }
 
 /// A segment that lost its chain, kept to be sealed with the rest.
