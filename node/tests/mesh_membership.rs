@@ -443,6 +443,7 @@ async fn forged_and_replayed_adverts_are_refused_and_logged_once() {
             package_id: [9; 32],
             layers: 6,
             decode_us_per_layer: 100,
+            precision: None,
         }],
     };
     // Gossipsub needs a heartbeat or two to know the honest node is

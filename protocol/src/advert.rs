@@ -24,6 +24,9 @@ pub const MAX_ADVERT_TTL_MS: u64 = 60_000;
 pub const MAX_ADVERT_SKEW_MS: u64 = 30_000;
 /// Longest text member (the data address, the device kind).
 pub const MAX_ADVERT_TEXT: usize = 64;
+/// Longest precision a model entry names (`mesh1.md`, the receipt's
+/// `precision`).
+pub const MAX_ADVERT_PRECISION: usize = 128;
 /// Adverts from one node closer together than this are refused (the node
 /// republishes far less often; this bounds what one peer can make a
 /// member table do).
@@ -47,6 +50,10 @@ pub struct AdvertModel {
     /// Measured decode time of one layer for one token, microseconds
     /// (the node's self-benchmark of its slice engine; never 0).
     pub decode_us_per_layer: u64,
+    /// What the node runs it at, as its receipts name it with an f32
+    /// wire: the file's type, its stored types, the products and the
+    /// device (`mesh1.md`); absent when the node does not say.
+    pub precision: Option<String>,
 }
 
 /// What a node tells the mesh about itself.
@@ -120,11 +127,15 @@ impl Advert {
                     self.models
                         .iter()
                         .map(|m| {
-                            Cbor::text_map([
+                            let mut members = vec![
                                 ("package_id", Cbor::bytes(m.package_id)),
                                 ("layers", Cbor::Uint(m.layers.into())),
                                 ("decode_us_per_layer", Cbor::Uint(m.decode_us_per_layer)),
-                            ])
+                            ];
+                            if let Some(precision) = &m.precision {
+                                members.push(("precision", Cbor::text(precision)));
+                            }
+                            Cbor::text_map(members)
                         })
                         .collect(),
                 ),
@@ -208,11 +219,12 @@ impl Advert {
         }
         let mut models: Vec<AdvertModel> = Vec::with_capacity(entries.len());
         for entry in entries {
-            let mut m = Fields::of(entry)?;
+            let mut m = Fields::of(entry)?.text_limit(MAX_ADVERT_PRECISION);
             let model = AdvertModel {
                 package_id: m.fixed("package_id")?,
                 layers: m.u32("layers")?,
                 decode_us_per_layer: m.uint("decode_us_per_layer")?,
+                precision: m.opt_text("precision")?.map(str::to_string),
             };
             m.finish()?;
             if model.layers == 0
@@ -438,6 +450,7 @@ mod tests {
                 package_id: [7; 32],
                 layers: 30,
                 decode_us_per_layer: 250,
+                precision: None,
             }],
         }
     }
@@ -500,6 +513,7 @@ mod tests {
                 package_id: [i; 32],
                 layers: 1,
                 decode_us_per_layer: 1,
+                precision: None,
             })
             .collect();
         assert_eq!(

@@ -44,6 +44,7 @@ fn the_reference_advert_reproduces_from_its_key_and_fields() {
                 package_id: hex::decode_array(m["package_id"].as_str().unwrap()).unwrap(),
                 layers: m["layers"].as_u64().unwrap() as u32,
                 decode_us_per_layer: m["decode_us_per_layer"].as_u64().unwrap(),
+                precision: m["precision"].as_str().map(str::to_string),
             })
             .collect(),
     };

@@ -127,6 +127,7 @@ fn described(
                             package_id,
                             layers,
                             decode_us_per_layer: m.decode_us_per_layer.max(1),
+                            precision: None,
                         }]
                     } else {
                         Vec::new()

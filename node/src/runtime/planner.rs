@@ -236,10 +236,13 @@ pub fn render_members(members: &[MemberView]) -> String {
             a.models
                 .iter()
                 .map(|e| format!(
-                    "{}.. ({} layers, {} us/layer)",
+                    "{}.. ({} layers, {} us/layer{})",
                     &mesh_protocol::hex::encode(&e.package_id)[..12],
                     e.layers,
-                    e.decode_us_per_layer
+                    e.decode_us_per_layer,
+                    e.precision
+                        .as_deref()
+                        .map_or(String::new(), |p| format!(", {p}"))
                 ))
                 .collect::<Vec<_>>()
                 .join(", ")
@@ -267,6 +270,7 @@ pub fn members_json(members: &[MemberView]) -> serde_json::Value {
                     "package_id": mesh_protocol::hex::encode(&e.package_id),
                     "layers": e.layers,
                     "decode_us_per_layer": e.decode_us_per_layer,
+                    "precision": e.precision,
                 })).collect::<Vec<_>>(),
             }))
             .collect::<Vec<_>>()

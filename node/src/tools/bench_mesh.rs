@@ -78,6 +78,7 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
                         package_id,
                         layers: bench.layers as u32,
                         decode_us_per_layer: 200 + random.below(4_800),
+                        precision: None,
                     }]
                 } else {
                     Vec::new()

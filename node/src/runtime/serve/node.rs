@@ -483,6 +483,7 @@ async fn start_mesh(
             package_id: model.package_id(),
             layers: model.config().layers,
             decode_us_per_layer: speed,
+            precision: Some(model.precision(WireDType::F32).to_string()),
         }],
     };
     let facts: mesh::AdvertFacts = Arc::new(move || {

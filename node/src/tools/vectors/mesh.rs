@@ -40,6 +40,7 @@ fn reference(node: &SigningKey) -> Advert {
             package_id: deterministic_32("mesh-node vectors: a package id"),
             layers: 30,
             decode_us_per_layer: 412,
+            precision: Some("q4_1 (f32+q4_1+q8_0); products q8/f32; device cpu; wire f32".into()),
         }],
     }
 }
@@ -159,6 +160,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             package_id: [i; 32],
             layers: 1,
             decode_us_per_layer: 1,
+            precision: None,
         })
         .collect();
     huge.quic = format!("[{}]:65535", "1:2:3:4:5:6:7:8");
@@ -174,6 +176,36 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
         &me,
         NOW_MS,
         expect,
+    )?;
+
+    let mut wordy = advert.clone();
+    wordy.models[0].precision = Some("q".repeat(mesh_protocol::advert::MAX_ADVERT_PRECISION + 1));
+    case(
+        "precision_over_limit".into(),
+        &wordy.sign(&node),
+        &me,
+        NOW_MS,
+        "malformed",
+    )?;
+    // The most an advert may say (eight models, each naming the longest
+    // precision) fits the size limit.
+    let mut fullest = advert.clone();
+    fullest.models = (0..8u8)
+        .map(|i| AdvertModel {
+            package_id: [i; 32],
+            layers: 1,
+            decode_us_per_layer: 1,
+            precision: Some("p".repeat(mesh_protocol::advert::MAX_ADVERT_PRECISION)),
+        })
+        .collect();
+    fullest.quic = format!("[{}]:65535", "1:2:3:4:5:6:7:8");
+    fullest.device = "d".repeat(mesh_protocol::advert::MAX_ADVERT_TEXT);
+    case(
+        "the_most_an_advert_says".into(),
+        &fullest.sign(&node),
+        &me,
+        NOW_MS,
+        "ok",
     )?;
 
     // The member table: each offer in order, and what it must give.
@@ -241,11 +273,17 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             "device": advert.device,
             "memory_bytes": advert.memory_bytes,
             "load": advert.load,
-            "models": advert.models.iter().map(|m| json!({
-                "package_id": hex::encode(&m.package_id),
-                "layers": m.layers,
-                "decode_us_per_layer": m.decode_us_per_layer,
-            })).collect::<Vec<_>>(),
+            "models": advert.models.iter().map(|m| {
+                let mut model = json!({
+                    "package_id": hex::encode(&m.package_id),
+                    "layers": m.layers,
+                    "decode_us_per_layer": m.decode_us_per_layer,
+                });
+                if let (Some(precision), Some(map)) = (&m.precision, model.as_object_mut()) {
+                    map.insert("precision".into(), json!(precision));
+                }
+                model
+            }).collect::<Vec<_>>(),
         },
         "cases": cases,
         "table_sequence": sequence,
