@@ -88,7 +88,10 @@ fn the_openai_python_client_uses_a_three_process_split() {
     assert_eq!(seen["stream_ids"], 1, "one id for every chunk");
     assert_eq!(seen["finish_reason"], "stop");
     assert_eq!(seen["stream_finish_reason"], "stop");
-    assert_eq!(seen["unknown_model_status"], 404);
+    // Another model's name is answered by the served one, which says so.
+    assert_eq!(seen["unknown_model"]["status"], 200, "{seen:#}");
+    assert_eq!(seen["unknown_model"]["fallback"], seen["model"]);
+    assert_eq!(seen["unknown_model"]["model"], seen["model"]);
     assert_eq!(seen["completion_text"], " Paris.");
     // Ended by its stop sequence, though max_tokens (8) left room.
     assert_eq!(seen["completion_finish_reason"], "stop");
@@ -195,13 +198,6 @@ async fn bad_input_gets_openai_errors_with_the_right_status() {
                 .to_string()
                 .into_bytes(),
             400,
-        ),
-        (
-            "an unknown model",
-            json!({"model": "gpt-4", "prompt": "hi"})
-                .to_string()
-                .into_bytes(),
-            404,
         ),
         (
             "an oversized body",
@@ -320,6 +316,17 @@ async fn bad_input_gets_openai_errors_with_the_right_status() {
             .unwrap();
     assert_eq!((status, &reply["status"]), (200, &json!("ok")), "{reply}");
     assert_eq!(reply["model"], model, "{reply}");
+    // The node's figures, for a Prometheus scraper.
+    let (status, text) =
+        tokio::task::spawn_blocking(move || exchange(addr, "GET", "/metrics", b"").unwrap())
+            .await
+            .unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        text.contains("# TYPE mesh_node_requests_total counter")
+            && text.contains("mesh_node_step_round_trip_seconds_bucket{le=\"+Inf\"}"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

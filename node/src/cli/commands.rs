@@ -768,7 +768,7 @@ fn stats(args: StatsArgs) -> anyhow::Result<ExitCode> {
     if json {
         println!("{}", serde_json::to_string_pretty(&stats)?);
     } else if prometheus {
-        print!("{}", crate::cli::render::node_stats_prometheus(&stats));
+        print!("{}", stats.prometheus());
     } else {
         print!("{}", crate::cli::render::node_stats(&node, &stats));
     }

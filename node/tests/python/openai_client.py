@@ -8,7 +8,6 @@ import json
 import sys
 import urllib.request
 
-import openai
 from openai import OpenAI
 
 base_url, prompt, max_tokens, bundle_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -37,11 +36,16 @@ completion = client.completions.create(
     model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["\n"]
 )
 
-try:
-    client.chat.completions.create(model="no-such-model", messages=messages)
-    unknown_model = None
-except openai.NotFoundError as error:
-    unknown_model = error.status_code
+# An application's default model name: answered by the served model, and
+# said so in a header.
+raw = client.chat.completions.with_raw_response.create(
+    model="gpt-4o", messages=messages, temperature=0, max_tokens=4
+)
+unknown_model = {
+    "status": raw.status_code,
+    "fallback": raw.headers.get("x-mesh-model-fallback"),
+    "model": raw.parse().model,
+}
 
 usage = whole.usage.model_dump()
 base = base_url.rsplit("/v1", 1)[0]
@@ -59,5 +63,5 @@ print(json.dumps({
     "stream_ids": len(chunk_ids),
     "completion_text": completion.choices[0].text,
     "completion_finish_reason": completion.choices[0].finish_reason,
-    "unknown_model_status": unknown_model,
+    "unknown_model": unknown_model,
 }))

@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::http::StatusCode;
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
@@ -96,7 +96,29 @@ pub(super) async fn run(api: Arc<Api>, prepared: Prepared, source: Source) -> Re
         flavour,
         request,
         stream,
+        fell_back,
     } = prepared;
+    let mut response = answer(api.clone(), flavour, request, stream, source).await;
+    if fell_back && let Ok(served) = HeaderValue::from_str(&api.card.id) {
+        // The model asked for is not served here: this one answered.
+        response
+            .headers_mut()
+            .insert(HeaderName::from_static(MODEL_FALLBACK_HEADER), served);
+    }
+    response
+}
+
+/// The header that names the model that answered a request naming
+/// another.
+pub(super) const MODEL_FALLBACK_HEADER: &str = "x-mesh-model-fallback";
+
+async fn answer(
+    api: Arc<Api>,
+    flavour: Flavour,
+    request: GenerateRequest,
+    stream: bool,
+    source: Source,
+) -> Response {
     let max_tokens = request.max_tokens;
     // A cache at the coordinator, in this source's turn; held by the
     // generating task, so it is given back when the generation ends.

@@ -67,10 +67,19 @@ pub struct ModelCard {
 pub type Witness =
     Arc<dyn Fn(&[u8]) -> anyhow::Result<crate::runtime::steward::Witness> + Send + Sync>;
 
+/// The node's figures in Prometheus' text format (`NodeStats::prometheus`),
+/// `None` once the node is shutting down.
+pub type Metrics = Arc<
+    dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<String>> + Send>>
+        + Send
+        + Sync,
+>;
+
 pub(super) struct Api {
     pub(super) coordinator: PeerAddr,
     pub(super) card: ModelCard,
     pub(super) witness: Witness,
+    pub(super) metrics: Metrics,
     /// The coordinator's caches, shared fairly between sources.
     pub(super) gate: super::gate::Gate,
     /// Requests this API answered with its own error, logged (strangers

@@ -140,6 +140,9 @@ pub(super) struct Prepared {
     pub(super) flavour: Flavour,
     pub(super) request: GenerateRequest,
     pub(super) stream: bool,
+    /// The request named a model this coordinator does not serve, and is
+    /// answered by the one it serves (said in `X-Mesh-Model-Fallback`).
+    pub(super) fell_back: bool,
 }
 
 pub(super) fn check_completion(api: &Api, body: Bytes) -> Result<Prepared, ApiError> {
@@ -224,16 +227,10 @@ pub(super) fn prepare(
     mut common: Common,
 ) -> Result<Prepared, ApiError> {
     let card = &api.card;
-    if common.model != card.id && common.model != model_package(card) {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "model `{}` is not served here; this coordinator serves `{}`",
-                common.model, card.id
-            ),
-        )
-        .code("model_not_found"));
-    }
+    // A coordinator serves one model: a request naming another (an
+    // application's default, `gpt-4o`) is answered by it, as llama-server
+    // does, and the answer says so in a header and in its `model`.
+    let fell_back = common.model != card.id && common.model != model_package(card);
     if common.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad("`n` must be 1"));
     }
@@ -318,6 +315,7 @@ pub(super) fn prepare(
     });
     Ok(Prepared {
         flavour,
+        fell_back,
         stream: common.stream,
         request: GenerateRequest {
             prompt,

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use super::answer::run;
 use super::api::{
     Api, ApiError, BODY_READ_TIMEOUT, CONSOLE_EVENT_BACKLOG, MAX_BODY_BYTES, MAX_CONSOLE_STREAMS,
-    MAX_KEPT_BUNDLES, ModelCard, Witness,
+    MAX_KEPT_BUNDLES, Metrics, ModelCard, Witness,
 };
 use super::body::{
     Prepared, body_error, chat_prompt, check_chat, check_completion, completion_prompt,
@@ -55,7 +55,7 @@ pub async fn start(
     access: Access,
     coordinator: PeerAddr,
     card: ModelCard,
-    (witness, max_requests): (Witness, usize),
+    (witness, metrics, max_requests): (Witness, Metrics, usize),
 ) -> anyhow::Result<HttpApi> {
     use anyhow::Context;
     let listener = tokio::net::TcpListener::bind(listen)
@@ -66,6 +66,7 @@ pub async fn start(
         coordinator,
         card,
         witness,
+        metrics,
         gate: super::gate::Gate::new(max_requests),
         failures_logged: Mutex::new(crate::runtime::limit::PerMinute::new(60)),
         bundles: Mutex::new(VecDeque::new()),
@@ -75,6 +76,7 @@ pub async fn start(
     });
     let router = Router::new()
         .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -103,6 +105,23 @@ pub(super) async fn not_found() -> ApiError {
 /// (Whether the coordinator can serve a request now is `stats`'.)
 pub(super) async fn health(State(api): State<Arc<Api>>) -> Response {
     axum::Json(serde_json::json!({ "status": "ok", "model": api.card.id })).into_response()
+}
+
+/// `GET /metrics`: the node's figures for a Prometheus scraper (what
+/// `mesh-node stats --prometheus` prints).
+pub(super) async fn metrics_text(State(api): State<Arc<Api>>) -> Response {
+    match (api.metrics)().await {
+        Some(text) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        None => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the node is shutting down")
+            .into_response(),
+    }
 }
 
 pub(super) async fn models(State(api): State<Arc<Api>>) -> Response {

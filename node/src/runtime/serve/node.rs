@@ -305,12 +305,23 @@ impl Node {
             let shared = shared.upgrade().context("the node is shutting down")?;
             Ok(lock(&shared.steward).witness_verified(sealed, now_ms())?)
         });
+        let (stage, coordinator) = (
+            Arc::downgrade(&self.stage),
+            Arc::downgrade(&self.coordinator),
+        );
+        let metrics: crate::runtime::http::Metrics = Arc::new(move || {
+            let (stage, coordinator) = (stage.upgrade(), coordinator.upgrade());
+            Box::pin(async move {
+                let (stage, coordinator) = (stage?, coordinator?);
+                Some(control::node_stats(&stage, &coordinator).await.prometheus())
+            })
+        });
         crate::runtime::http::start(
             listen,
             access,
             self.peer_addr(),
             self.model_card(),
-            (witness, self.shared.max_requests),
+            (witness, metrics, self.shared.max_requests),
         )
         .await
     }
