@@ -108,6 +108,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         step_timeout: Duration::from_secs(5),
         request_timeout: mesh_node::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
+        max_queued: 0,
         prefill_chunk_tokens: mesh_node::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
         draft_tokens: mesh_node::runtime::serve::DEFAULT_DRAFT_TOKENS,
         draft_model: None,

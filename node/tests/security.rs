@@ -454,6 +454,8 @@ async fn busy_refusals_release_their_grants(coordinator_max: usize, stage_max: u
     let b = b.start().await;
     let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c]);
     a.max_requests = coordinator_max;
+    // Refused at once, not queued: the refusals are what is checked.
+    a.max_queued = 0;
     let a = a.start().await;
 
     let (shards, holder) = grants(dir.path(), &a, 900_000_000).await;

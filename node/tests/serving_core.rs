@@ -25,6 +25,23 @@ async fn three_nodes_admitting(
     dir: &std::path::Path,
     max_requests: usize,
 ) -> [Node; 3] {
+    three_nodes_queueing(
+        model,
+        dir,
+        max_requests,
+        mesh_node::runtime::serve::DEFAULT_MAX_QUEUED,
+    )
+    .await
+}
+
+/// [`three_nodes_admitting`], the coordinator letting `max_queued`
+/// requests wait for a place.
+async fn three_nodes_queueing(
+    model: &std::path::Path,
+    dir: &std::path::Path,
+    max_requests: usize,
+    max_queued: usize,
+) -> [Node; 3] {
     let mut b = Setup::stage(model, dir, "b", 2);
     b.max_requests = max_requests;
     let b = b.start().await;
@@ -33,6 +50,7 @@ async fn three_nodes_admitting(
     let c = c.start().await;
     let mut a = Setup::coordinator(model, dir, vec![b.peer_addr(), c.peer_addr()]);
     a.max_requests = max_requests;
+    a.max_queued = max_queued;
     [a.start().await, b, c]
 }
 
@@ -373,6 +391,7 @@ async fn a_thousand_busy_refusals_leave_every_pool_empty() {
     let (stall, c) = common::nodes::stalling_stage(&common::nodes::key(3)).await;
     let mut a = Setup::coordinator(&model, dir.path(), vec![b.peer_addr(), c]);
     a.max_requests = 1;
+    a.max_queued = 0;
     a.step_timeout = Duration::from_secs(600);
     let a = a.start().await;
     let coordinator = a.peer_addr();
@@ -586,11 +605,78 @@ async fn only_a_node_its_peers_and_coordinators_read_its_stats_and_the_cli_print
     assert!(text.contains("# TYPE mesh_node_step_round_trip_seconds histogram"));
 }
 
+/// Twice as many requests as places, sent at once: the ones past the
+/// places wait their turn and every one is served (llama-server queues
+/// past its slots); none is refused, and nothing is left waiting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_full_node_answers_busy_with_a_retry_hint_instead_of_queueing() {
+async fn requests_past_capacity_wait_their_turn_and_all_are_served() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let nodes = three_nodes_admitting(&model, dir.path(), 1).await;
+    let nodes = three_nodes_admitting(&model, dir.path(), 2).await;
+    let coordinator = nodes[0].peer_addr();
+    let prompts: Vec<String> = (0..4).map(|i| format!("queued request {i} says")).collect();
+    let (solo, together) = alone_then_at_once(&coordinator, &prompts, 6).await;
+    assert_eq!(texts(together), texts(solo), "each its solo tokens");
+    let stats = all_stats(&nodes).await;
+    assert_eq!(stats[0].requests_refused_busy, 0, "{:#?}", stats[0]);
+    assert_eq!(stats[0].requests_completed, 8);
+    assert_eq!(stats[0].requests_queued, 0);
+}
+
+/// A queue holds what it is told to: with one place and one request
+/// waiting, the next is refused at once, saying the queue is full; the one
+/// that waited is served when the place comes free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_queue_refuses_at_once_and_the_waiting_request_is_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_queueing(&model, dir.path(), 1, 1).await;
+    let coordinator = nodes[0].peer_addr();
+    let started = Arc::new(AtomicBool::new(false));
+    let seen = started.clone();
+    let first = {
+        let coordinator = coordinator.clone();
+        tokio::spawn(async move {
+            generate_remote(
+                &coordinator,
+                &request("the one admitted", 64, None),
+                &mut |_| seen.store(true, Ordering::Relaxed),
+            )
+            .await
+        })
+    };
+    while !started.load(Ordering::Relaxed) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let waiting = {
+        let coordinator = coordinator.clone();
+        tokio::spawn(async move { ask(&coordinator, &request("the one waiting", 4, None)).await })
+    };
+    let queued = Instant::now();
+    while nodes[0].stats().await.requests_queued == 0 {
+        assert!(queued.elapsed() < Duration::from_secs(20), "never queued");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let refused = ask(&coordinator, &request("one too many", 4, None)).await;
+    let error = format!("{:#}", refused.expect_err("the queue is full"));
+    assert!(
+        error.contains("wait for a place already")
+            && error.contains("too many concurrent requests"),
+        "{error}"
+    );
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.terminal_state, "completed", "{:?}", first.error);
+    let waited = waiting.await.unwrap().unwrap();
+    assert_eq!(waited.terminal_state, "completed", "{:?}", waited.error);
+    let stats = nodes[0].stats().await;
+    assert_eq!((stats.requests_refused_busy, stats.requests_queued), (1, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_node_without_a_queue_answers_busy_with_a_retry_hint() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let nodes = three_nodes_queueing(&model, dir.path(), 1, 0).await;
     let coordinator = nodes[0].peer_addr();
     let started = Arc::new(AtomicBool::new(false));
     let seen = started.clone();

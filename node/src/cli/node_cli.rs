@@ -66,6 +66,9 @@ pub struct ServeConfig {
     pub request_timeout_ms: Option<u64>,
     /// Concurrent requests per slice (default 8).
     pub max_requests: Option<usize>,
+    /// Requests that wait for a place past those (default 32, at most
+    /// 4096; 0: refused at once when busy).
+    pub max_queued: Option<usize>,
     /// Prompt positions per prefill step (default 256, at most 4096).
     pub prefill_chunk_tokens: Option<usize>,
     /// Tokens drafted after each sampled token (by the draft model, else
@@ -216,6 +219,11 @@ pub struct ServeArgs {
     /// tokens so far, and the request continues. Mesh-planned chains only.
     #[arg(long)]
     pub max_resumes: Option<usize>,
+    /// Requests that wait for a place when all --max-requests are taken
+    /// (default 32, at most 4096; 0: refuse at once), each until its own
+    /// deadline.
+    #[arg(long)]
+    pub max_queued: Option<usize>,
     #[command(flatten)]
     pub mesh: MeshArgs,
 }
@@ -303,6 +311,15 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         max_resumes <= crate::runtime::serve::MAX_RESUMES,
         "--max-resumes {max_resumes}: give 0 to {}",
         crate::runtime::serve::MAX_RESUMES
+    );
+    let max_queued = args
+        .max_queued
+        .or(file.max_queued)
+        .unwrap_or(crate::runtime::serve::DEFAULT_MAX_QUEUED);
+    anyhow::ensure!(
+        max_queued <= crate::runtime::serve::MAX_QUEUED,
+        "--max-queued {max_queued}: give 0 to {}",
+        crate::runtime::serve::MAX_QUEUED
     );
     let key_path = args
         .key
@@ -394,6 +411,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
             Duration::from_millis,
         ),
         max_requests: file.max_requests.unwrap_or(8),
+        max_queued,
         prefill_chunk_tokens,
         draft_tokens,
         draft_model,
@@ -505,6 +523,7 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         draft_tokens: None,
         draft_model: None,
         max_resumes: None,
+        max_queued: None,
         mesh: args.mesh,
     };
     let mut options = node_options(serve)?;
@@ -755,6 +774,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             step_timeout: Duration::from_secs(30),
             request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
             max_requests: 4,
+            max_queued: crate::runtime::serve::DEFAULT_MAX_QUEUED,
             prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
             draft_tokens: crate::runtime::serve::DEFAULT_DRAFT_TOKENS,
             draft_model: None,

@@ -251,6 +251,7 @@ pub fn node_stats(
         ("records awaiting a seal", stats.records_pending),
         ("direct-return waiters", stats.direct_waiters),
         ("grant decisions held", stats.grant_decisions_waiting),
+        ("requests waiting for a place", stats.requests_queued),
         ("peer connections kept", stats.peer_connections),
     ] {
         let _ = writeln!(out, "  {name:<26} {value}");

@@ -429,6 +429,7 @@ pub(crate) fn bench_options(
         step_timeout: Duration::from_secs(60),
         request_timeout: crate::runtime::serve::DEFAULT_REQUEST_TIMEOUT,
         max_requests: 2,
+        max_queued: 0,
         prefill_chunk_tokens: crate::runtime::serve::DEFAULT_PREFILL_CHUNK_TOKENS,
         // Benches measure plain decoding unless they ask for drafts.
         draft_tokens: 0,

@@ -172,6 +172,7 @@ pub(crate) async fn node_stats(stage: &StageRole, coordinator: &CoordinatorRole)
         records_pending: lock(&coordinator.collector).pending() as u64,
         direct_waiters: lock(&coordinator.directs).len() as u64,
         grant_decisions_waiting: lock(&stage.tickets).len() as u64,
+        requests_queued: coordinator.queue.waiting() as u64,
         peer_connections,
         requests_completed: counter(&c.requests_completed),
         requests_failed: counter(&c.requests_failed),

@@ -99,6 +99,9 @@ pub struct NodeOptions {
     /// gets.
     pub request_timeout: Duration,
     pub max_requests: usize,
+    /// Requests a coordinator lets wait for a place when all
+    /// `max_requests` are taken (0: refused at once).
+    pub max_queued: usize,
     pub return_mode: ReturnMode,
     /// Prompt positions per prefill step (1..=MAX_PREFILL_CHUNK_TOKENS).
     pub prefill_chunk_tokens: usize,
@@ -236,6 +239,7 @@ impl Node {
                     .clamp(1, MAX_PREFILL_CHUNK_TOKENS),
                 draft_tokens: options.draft_tokens.min(MAX_DRAFT_TOKENS),
                 max_resumes: options.max_resumes.min(MAX_RESUMES),
+                max_queued: options.max_queued,
                 wire: options.wire,
                 seal_deadline: options.stage_seal_deadline,
             },

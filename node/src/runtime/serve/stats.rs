@@ -127,6 +127,8 @@ pub struct NodeStats {
     pub grant_decisions_waiting: u64,
     /// Connections this node opened to peers and keeps for reuse.
     pub peer_connections: u64,
+    /// Requests waiting at the coordinator for a place (`--max-queued`).
+    pub requests_queued: u64,
     pub requests_completed: u64,
     pub requests_failed: u64,
     pub requests_cancelled: u64,
@@ -146,13 +148,14 @@ pub struct NodeStats {
 }
 
 /// Stats fields that are plain counts, in the order they are written.
-const COUNTS: [&str; 17] = [
+const COUNTS: [&str; 18] = [
     "caches_open",
     "caches_kept",
     "records_pending",
     "direct_waiters",
     "grant_decisions_waiting",
     "peer_connections",
+    "requests_queued",
     "requests_completed",
     "requests_failed",
     "requests_cancelled",
@@ -169,7 +172,7 @@ const COUNTS: [&str; 17] = [
 const MAX_STATS_SLICES: usize = 64;
 
 impl NodeStats {
-    fn counts(&self) -> [u64; 17] {
+    fn counts(&self) -> [u64; 18] {
         [
             self.caches_open,
             self.caches_kept,
@@ -177,6 +180,7 @@ impl NodeStats {
             self.direct_waiters,
             self.grant_decisions_waiting,
             self.peer_connections,
+            self.requests_queued,
             self.requests_completed,
             self.requests_failed,
             self.requests_cancelled,
@@ -191,7 +195,7 @@ impl NodeStats {
         ]
     }
 
-    fn counts_mut(&mut self) -> [&mut u64; 17] {
+    fn counts_mut(&mut self) -> [&mut u64; 18] {
         [
             &mut self.caches_open,
             &mut self.caches_kept,
@@ -199,6 +203,7 @@ impl NodeStats {
             &mut self.direct_waiters,
             &mut self.grant_decisions_waiting,
             &mut self.peer_connections,
+            &mut self.requests_queued,
             &mut self.requests_completed,
             &mut self.requests_failed,
             &mut self.requests_cancelled,
@@ -220,6 +225,7 @@ impl NodeStats {
             && self.records_pending == 0
             && self.direct_waiters == 0
             && self.grant_decisions_waiting == 0
+            && self.requests_queued == 0
     }
 
     pub(super) fn to_cbor(&self) -> Cbor {
@@ -341,6 +347,11 @@ impl NodeStats {
                 "peer_connections",
                 "Connections kept open to peers.",
                 stats.peer_connections,
+            ),
+            (
+                "requests_queued",
+                "Requests waiting at the coordinator for a place.",
+                stats.requests_queued,
             ),
         ] {
             metric(name, "gauge", help, &plain(value));

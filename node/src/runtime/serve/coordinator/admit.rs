@@ -80,6 +80,8 @@ impl Drop for Held<'_> {
         if self.direct {
             lock(&self.coordinator.directs).remove(&self.request_id);
         }
+        // Its places are given back: a waiting request may take them.
+        self.coordinator.queue.freed();
         for peer in std::mem::take(&mut self.authorised) {
             let coordinator = self.coordinator.clone();
             let request_id = self.request_id;

@@ -3,7 +3,7 @@
 //! role's state is in [`role`], a request's walk starts in [`request`]:
 //!
 //! - [`plan`]: the chain ([`runs`]) planned over the mesh and assigned;
-//! - [`admit`]: the prompt, the request's places, every steward's grant
+//! - [`admit`] (waiting its turn in [`queue`]): the prompt, the request's places, every steward's grant
 //!   decision, the router's choice ([`route`], [`decision`]);
 //! - [`drive`]: the step loop ([`draft`] drafts, [`text`] shows text,
 //!   [`tail`] drains a lost chain's last replies);
@@ -23,6 +23,7 @@ mod energy;
 mod keep;
 pub(crate) mod plan;
 mod progress;
+pub(crate) mod queue;
 mod report;
 pub(crate) mod request;
 mod resume;
@@ -34,6 +35,7 @@ mod tail;
 mod text;
 
 pub use keep::MAX_KEPT_OUTPUT_BYTES;
+pub use queue::{DEFAULT_MAX_QUEUED, MAX_QUEUED};
 pub use role::{
     DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_RESUMES, DEFAULT_PREFILL_CHUNK_TOKENS, DRAFT_MODEL_TOKENS,
     MAX_DRAFT_TOKENS, MAX_PREFILL_CHUNK_TOKENS, MAX_RESUMES, MAX_UNSERVED_LOGGED,

@@ -10,11 +10,11 @@ use crate::runtime::clock::lock;
 use crate::runtime::clock::now_ms;
 use crate::runtime::net::msg;
 use crate::runtime::serve::coordinator::admit::Admitted;
-use crate::runtime::serve::coordinator::admit::admit;
 use crate::runtime::serve::coordinator::collect::collect;
 use crate::runtime::serve::coordinator::drive::Driven;
 use crate::runtime::serve::coordinator::drive::drive;
 use crate::runtime::serve::coordinator::progress::Progress;
+use crate::runtime::serve::coordinator::queue::admit_in_turn;
 use crate::runtime::serve::coordinator::report::report;
 use crate::runtime::serve::coordinator::resume::keep_plan;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
@@ -136,7 +136,7 @@ pub(crate) async fn serve_request(
     deadline: Deadline,
     requester: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
-    let mut admitted = admit(coordinator, run, request).await?;
+    let mut admitted = admit_in_turn(coordinator, run, request, deadline).await?;
     let requester_gone = watch_requester(&mut admitted, requester);
     if let Some(ticket) = admitted.held.ticket.as_mut() {
         lock(&coordinator.shared.steward).begin_engine(ticket);

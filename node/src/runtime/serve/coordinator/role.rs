@@ -49,6 +49,8 @@ pub(crate) struct CoordinatorRole {
     pub(crate) settings: Settings,
     /// Requests refused or failed, logged (`MAX_UNSERVED_LOGGED` a minute).
     pub(crate) unserved_logged: Mutex<crate::runtime::limit::PerMinute>,
+    /// Requests waiting for a place.
+    pub(crate) queue: crate::runtime::serve::coordinator::queue::Queue,
 }
 
 /// How a coordinator plans over a mesh.
@@ -84,6 +86,8 @@ pub(crate) struct Settings {
     pub(crate) draft_tokens: usize,
     /// Resumes one request may have.
     pub(crate) max_resumes: usize,
+    /// Requests that may wait for a place (0: refused at once when busy).
+    pub(crate) max_queued: usize,
     pub(crate) wire: WireDType,
     /// How long it waits for the stage records after a request.
     pub(crate) seal_deadline: Duration,
@@ -123,6 +127,7 @@ impl CoordinatorRole {
             training,
             settings,
             unserved_logged: Mutex::new(crate::runtime::limit::PerMinute::new(MAX_UNSERVED_LOGGED)),
+            queue: crate::runtime::serve::coordinator::queue::Queue::new(settings.max_queued),
         }
     }
 
