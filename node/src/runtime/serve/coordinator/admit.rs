@@ -22,9 +22,11 @@ use crate::runtime::serve::coordinator::decision;
 use crate::runtime::serve::coordinator::keep::KeepPlan;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use crate::runtime::serve::coordinator::role::RouteRefused;
+use crate::runtime::serve::coordinator::role::is_busy;
 use crate::runtime::serve::coordinator::route::ESTIMATED_US_PER_LAYER;
 use crate::runtime::serve::coordinator::route::chain_name;
 use crate::runtime::serve::coordinator::runs::Run;
+use crate::runtime::serve::shared::Deadline;
 use crate::runtime::serve::shared::HeldTicket;
 use crate::runtime::serve::stats;
 use mesh_protocol::route::{Backend, CostBasis};
@@ -507,4 +509,50 @@ pub(crate) fn backends(coordinator: &CoordinatorRole, run: &Run) -> Vec<Backend>
         cost_basis,
         weights: Some(coordinator.shared.model.weights_digest()),
     }]
+}
+
+/// Admit `request`, waiting in the queue while every place is taken: until
+/// a place comes free, its deadline passes, or (at once) the queue is full.
+pub(crate) async fn admit_in_turn<'a>(
+    coordinator: &'a Arc<CoordinatorRole>,
+    run: &Arc<Run>,
+    request: &GenerateRequest,
+    deadline: Deadline,
+) -> anyhow::Result<Admitted<'a>> {
+    let queue = &coordinator.queue;
+    let pool = &run.own.pool;
+    let mut place = None;
+    let mut busy: Option<anyhow::Error> = None;
+    loop {
+        // Registered before the attempt, so a place freed between a busy
+        // answer and the wait is not missed.
+        let freed = queue.notified();
+        // A waiting request tries again (its prompt read again) only when
+        // the own slice has room.
+        if busy.is_none() || pool.open_requests() < pool.max_requests() {
+            match admit(coordinator, run, request).await {
+                Err(error) if is_busy(&error) => busy = Some(error),
+                other => return other,
+            }
+        }
+        if place.is_none() {
+            place = queue.join();
+            if place.is_none() {
+                let error = busy.unwrap_or_else(|| anyhow::anyhow!("busy"));
+                return Err(error.context(format!(
+                    "{} requests wait for a place already (--max-queued)",
+                    queue.max_queued()
+                )));
+            }
+        }
+        if deadline.is_past() {
+            let error = busy.unwrap_or_else(|| anyhow::anyhow!("busy"));
+            return Err(error.context("no place came free before the request's deadline"));
+        }
+        let _ = tokio::time::timeout(
+            deadline.bound(crate::runtime::serve::coordinator::queue::RECHECK),
+            freed,
+        )
+        .await;
+    }
 }
