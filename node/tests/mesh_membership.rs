@@ -149,6 +149,104 @@ fn members(bootstrap: &str) -> Vec<String> {
     .collect()
 }
 
+/// `mesh status` that reached nobody says so in one line and exits 1
+/// (a script can tell "no members" from "could not look").
+#[test]
+fn mesh_status_that_reaches_nobody_says_so_and_fails() {
+    // A port nothing listens on: bound, then let go.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nobody = format!(
+        "/ip4/127.0.0.1/tcp/{port}/p2p/{}",
+        mesh_protocol::identity::peer_id(&public(&key(77)))
+    );
+    let out = Command::new(bin())
+        .args([
+            "mesh",
+            "status",
+            "--bootstrap",
+            &nobody,
+            "--no-mdns",
+            "--wait-ms",
+            "1000",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(said.lines().count(), 1, "{said}");
+    assert!(
+        said.contains("reached no node in 1000 ms") && said.contains("connection refused"),
+        "{said}"
+    );
+}
+
+/// A node whose bootstrap nobody answers says so in one line, within 5 s
+/// of listening, and goes on.
+#[test]
+fn a_join_whose_bootstrap_nobody_answers_says_so_within_five_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nobody = format!(
+        "/ip4/127.0.0.1/tcp/{port}/p2p/{}",
+        mesh_protocol::identity::peer_id(&public(&key(78)))
+    );
+    let mut child = Command::new(bin())
+        .args(join_args(
+            dir.path(),
+            &model,
+            &nobody,
+            "a",
+            &[
+                "--listen",
+                "127.0.0.1:0",
+                "--no-mdns",
+                "--decode-us-per-layer",
+                "100",
+            ],
+        ))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    while !out
+        .next()
+        .expect("join prints its addresses")
+        .unwrap()
+        .starts_with("peer address: ")
+    {}
+    let listening = Instant::now();
+    let (said, when) = {
+        let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+        loop {
+            let line = err.next().expect("join says why").unwrap();
+            if line.starts_with("reached no bootstrap") {
+                break (line, listening.elapsed());
+            }
+        }
+    };
+    let still_running = child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(when <= Duration::from_secs(5), "said after {when:?}");
+    assert!(
+        said.contains(&nobody)
+            && said.contains("connection refused")
+            && said.contains("still trying"),
+        "{said}"
+    );
+    assert!(still_running, "it goes on trying");
+}
+
 fn members_until(
     bootstrap: &str,
     bound: Duration,

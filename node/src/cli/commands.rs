@@ -397,7 +397,12 @@ fn bench(target: BenchTarget) -> anyhow::Result<ExitCode> {
 fn mesh(action: MeshAction) -> anyhow::Result<ExitCode> {
     match action {
         MeshAction::Status { observe, json } => {
-            let members = runtime()?.block_on(crate::cli::mesh_cli::observe(&observe))?;
+            let observed = runtime()?.block_on(crate::cli::mesh_cli::observe(&observe))?;
+            if let Some(line) = observed.unreached(&observe) {
+                eprintln!("mesh-node mesh status: {line}");
+                return Ok(ExitCode::from(1));
+            }
+            let members = observed.members;
             if json {
                 println!(
                     "{}",

@@ -30,8 +30,42 @@ pub struct ObserveArgs {
     pub wait_ms: u64,
 }
 
-/// Listen to the mesh for a while as an observer; the members heard.
-pub async fn observe(args: &ObserveArgs) -> anyhow::Result<Vec<MemberView>> {
+/// What an observer saw: the members heard, and whether it reached any
+/// node at all (and if not, why the last dial failed).
+#[derive(Debug)]
+pub struct Observed {
+    pub members: Vec<MemberView>,
+    pub reached: bool,
+    pub dial_error: Option<String>,
+}
+
+impl Observed {
+    /// The one line `mesh status` says when it reached nobody.
+    pub fn unreached(&self, args: &ObserveArgs) -> Option<String> {
+        if self.reached || !self.members.is_empty() {
+            return None;
+        }
+        let tried = if args.bootstrap.is_empty() {
+            "no --bootstrap given, and no member found by mDNS".to_string()
+        } else {
+            let addresses: Vec<String> = args.bootstrap.iter().map(ToString::to_string).collect();
+            format!(
+                "bootstrap {}{}",
+                addresses.join(", "),
+                self.dial_error
+                    .as_deref()
+                    .map_or(String::new(), |e| format!(": {e}"))
+            )
+        };
+        Some(format!(
+            "reached no node in {} ms ({tried}); is a node running there, and its mesh port open?",
+            args.wait_ms
+        ))
+    }
+}
+
+/// Listen to the mesh for a while as an observer; what it saw.
+pub async fn observe(args: &ObserveArgs) -> anyhow::Result<Observed> {
     let key = mesh_protocol::SigningKey::from_bytes(&crate::runtime::keys::random_bytes()?);
     let mut options = MeshOptions::new(key);
     options.bootstrap = args.bootstrap.clone();
@@ -44,7 +78,11 @@ pub async fn observe(args: &ObserveArgs) -> anyhow::Result<Vec<MemberView>> {
     while mesh.members().iter().any(|m| m.rtt.is_none()) && tokio::time::Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Ok(mesh.members())
+    Ok(Observed {
+        members: mesh.members(),
+        reached: mesh.connected_peers() > 0,
+        dial_error: mesh.last_dial_error(),
+    })
 }
 
 /// `mesh-node plan`'s inputs.
@@ -173,7 +211,7 @@ pub async fn plan(args: &PlanArgs) -> anyhow::Result<(serde_json::Value, String)
                     mesh_protocol::identity::did_key(&key)
                 }
             };
-            (observe(&args.observe).await?, coordinator)
+            (observe(&args.observe).await?.members, coordinator)
         }
     };
     let coordinator = parse_did_key(&coordinator)

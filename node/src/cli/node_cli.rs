@@ -539,6 +539,11 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
         .map(mesh_protocol::identity::did_key)
         .collect();
     let in_mesh = options.mesh.is_some();
+    let bootstrap: Vec<String> = options
+        .mesh
+        .as_ref()
+        .map(|m| m.bootstrap.iter().map(ToString::to_string).collect())
+        .unwrap_or_default();
     eprintln!(
         "opening {} and checking its package id...",
         options.model.display()
@@ -580,11 +585,34 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
         );
     }
     let _ = std::io::stdout().flush();
-    tokio::signal::ctrl_c().await?;
+    // A bootstrap nobody answers is said in one line, within 5 s of start
+    // (the node goes on trying, and serves once one answers).
+    let unreached = async {
+        if bootstrap.is_empty() {
+            return std::future::pending().await;
+        }
+        tokio::time::sleep(BOOTSTRAP_REPORT_AFTER).await;
+        if let Some((false, error)) = node.mesh_reach() {
+            eprintln!(
+                "reached no bootstrap in {} s ({}{}); still trying. Is a node running there, with its mesh port open?",
+                BOOTSTRAP_REPORT_AFTER.as_secs(),
+                bootstrap.join(", "),
+                error.map_or(String::new(), |e| format!(": {e}"))
+            );
+        }
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        signal = tokio::signal::ctrl_c() => signal?,
+        () = unreached => {}
+    }
     eprintln!("shutting down");
     node.shutdown().await;
     Ok(())
 }
+
+/// When a node that reached no bootstrap says so.
+const BOOTSTRAP_REPORT_AFTER: Duration = Duration::from_secs(4);
 
 /// The form `generate --out` writes the requester's bundle in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -164,6 +164,9 @@ struct State {
     /// Peers whose last connection closed, and when, until they connect
     /// again: a process that died (bounded by MAX_MEMBERS).
     closed: HashMap<[u8; 32], Instant>,
+    /// Why the last dial that failed failed (a bootstrap that is down, a
+    /// port closed), for the one line a user sees.
+    last_dial_error: Option<String>,
 }
 
 /// Changes to the member set (a join, a leave, a member's first round trip,
@@ -490,6 +493,16 @@ impl Mesh {
         }
     }
 
+    /// Peers this node holds a connection to now.
+    pub fn connected_peers(&self) -> usize {
+        lock(&self.state).connected.len()
+    }
+
+    /// Why the last dial that failed failed, if one did.
+    pub fn last_dial_error(&self) -> Option<String> {
+        lock(&self.state).last_dial_error.clone()
+    }
+
     /// The members whose adverts are current, this node's own included when
     /// it advertises, in node-id order.
     pub fn members(&self) -> Vec<MemberView> {
@@ -633,6 +646,36 @@ async fn run(
     }
 }
 
+/// The cause of a failed dial in a few words (libp2p's error repeats the
+/// address and nests its causes).
+fn dial_cause(said: &str) -> String {
+    const KNOWN: [(&str, &str); 6] = [
+        ("Connection refused", "connection refused"),
+        ("timed out", "timed out"),
+        ("Timeout", "timed out"),
+        ("No route to host", "no route to host"),
+        ("Network is unreachable", "network unreachable"),
+        (
+            "WrongPeerId",
+            "another node answers at that address (its peer id differs)",
+        ),
+    ];
+    KNOWN
+        .iter()
+        .find(|(pattern, _)| said.contains(pattern))
+        .map_or_else(
+            || {
+                said.lines()
+                    .next()
+                    .unwrap_or_default()
+                    .chars()
+                    .take(160)
+                    .collect()
+            },
+            |(_, cause)| cause.to_string(),
+        )
+}
+
 /// Handle one swarm event; true when this node should advertise now.
 fn handle_event(
     swarm: &mut libp2p::Swarm<Behaviour>,
@@ -649,6 +692,9 @@ fn handle_event(
             let full = address.with(Protocol::P2p(local));
             lock(state).addresses.push(full);
             changed.bump();
+        }
+        SwarmEvent::OutgoingConnectionError { error, .. } => {
+            lock(state).last_dial_error = Some(dial_cause(&error.to_string()));
         }
         SwarmEvent::ConnectionEstablished { peer_id, .. } => {
             let mut s = lock(state);

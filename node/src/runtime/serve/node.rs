@@ -369,6 +369,15 @@ impl Node {
             addr: self.addr(),
         }
     }
+    /// Whether this node holds a connection to any other member, and why
+    /// its last failed dial failed; `None` when it is in no mesh.
+    pub fn mesh_reach(&self) -> Option<(bool, Option<String>)> {
+        self.shared
+            .mesh
+            .get()
+            .map(|mesh| (mesh.connected_peers() > 0, mesh.last_dial_error()))
+    }
+
     /// This node's mesh addresses (`…/p2p/PEERID`), once it listens (waits
     /// at most `within`); none when it is in no mesh.
     pub async fn mesh_addresses(&self, within: Duration) -> Vec<libp2p::Multiaddr> {
