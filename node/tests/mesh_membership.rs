@@ -947,6 +947,38 @@ fn a_request_waits_for_the_members_its_plan_needs() {
 /// most `MAX_PENDING_PER_ADDRESS` of the handshake slots (the rest are
 /// closed at once), each for at most `HANDSHAKE_TIMEOUT`, so a new member
 /// still joins and `mesh status` still reaches the mesh.
+/// Addresses people can type: a node joins through a plain HOST:PORT
+/// (the node id learned in the handshake), and `mesh status` looks
+/// through one.
+#[test]
+fn a_node_joins_through_a_plain_host_and_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, _) = mesh_coordinator(dir.path(), &model, &[]);
+    let port = coordinator
+        .mesh
+        .split('/')
+        .skip_while(|part| *part != "tcp")
+        .nth(1)
+        .expect("a TCP mesh address")
+        .to_string();
+    let plain = format!("127.0.0.1:{port}");
+    let joined = mesh_join(dir.path(), &model, &plain, "b", &[]);
+    let seen = members_until(&plain, Duration::from_secs(30), |seen| seen.len() == 2);
+    assert!(
+        seen.contains(&joined.did) && seen.contains(&coordinator.did),
+        "{seen:?}"
+    );
+    let log = std::fs::read_to_string(dir.path().join("b.log")).unwrap();
+    assert!(
+        log.contains(&format!(
+            "bootstrap /ip4/127.0.0.1/tcp/{port} is {}",
+            coordinator.mesh
+        )),
+        "the node id learned is printed: {log}"
+    );
+}
+
 #[test]
 fn raw_connections_that_never_handshake_do_not_keep_members_out() {
     let dir = tempfile::tempdir().unwrap();

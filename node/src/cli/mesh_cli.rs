@@ -18,9 +18,9 @@ use crate::runtime::planner;
 /// Where to look at the mesh from.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ObserveArgs {
-    /// A member's mesh address (`/ip4/HOST/tcp/PORT/p2p/PEERID`); repeat for
-    /// more.
-    #[arg(long = "bootstrap")]
+    /// A member's mesh address: HOST:PORT or `/ip4/HOST/tcp/PORT/p2p/PEERID`;
+    /// repeat for more.
+    #[arg(long = "bootstrap", value_parser = crate::runtime::mesh::parse_bootstrap)]
     pub bootstrap: Vec<libp2p::Multiaddr>,
     /// Do not look for members on the local network by mDNS.
     #[arg(long)]

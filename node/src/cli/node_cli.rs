@@ -231,9 +231,10 @@ pub struct ServeArgs {
 /// How a node joins a mesh (`serve`, `join`).
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct MeshArgs {
-    /// A member's mesh address (`/ip4/HOST/tcp/PORT/p2p/PEERID`, printed by
-    /// every node on start); repeat for more. Joins the mesh through it.
-    #[arg(long = "bootstrap")]
+    /// A member's mesh address: HOST:PORT (its node id is learned in the
+    /// handshake) or `/ip4/HOST/tcp/PORT/p2p/PEERID` (printed by every node
+    /// on start); repeat for more. Joins the mesh through it.
+    #[arg(long = "bootstrap", value_parser = crate::runtime::mesh::parse_bootstrap)]
     pub bootstrap: Vec<libp2p::Multiaddr>,
     /// Where the mesh's libp2p transport listens (default: TCP on the
     /// QUIC endpoint's address and port number, so a node is one port).

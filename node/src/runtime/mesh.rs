@@ -167,6 +167,9 @@ struct State {
     /// Why the last dial that failed failed (a bootstrap that is down, a
     /// port closed), for the one line a user sees.
     last_dial_error: Option<String>,
+    /// Bootstrap addresses given without a peer id, until a handshake
+    /// names the node there.
+    unpinned: Vec<Multiaddr>,
 }
 
 /// Changes to the member set (a join, a leave, a member's first round trip,
@@ -437,19 +440,26 @@ impl Mesh {
                 .listen_on(address.clone())
                 .with_context(|| format!("listening on {address}"))?;
         }
+        let mut unpinned = Vec::new();
         for address in &options.bootstrap {
-            let Some(Protocol::P2p(peer)) = address.iter().last() else {
-                anyhow::bail!("bootstrap address {address} must end in /p2p/PEERID");
-            };
-            swarm
-                .behaviour_mut()
-                .kad
-                .add_address(&peer, address.clone());
+            // A plain HOST:PORT names no peer: its id is learned in the
+            // handshake (and pinned then, `handle_event`).
+            if let Some(Protocol::P2p(peer)) = address.iter().last() {
+                swarm
+                    .behaviour_mut()
+                    .kad
+                    .add_address(&peer, address.clone());
+            } else {
+                unpinned.push(address.clone());
+            }
             swarm
                 .dial(address.clone())
                 .with_context(|| format!("dialling {address}"))?;
         }
-        let state = Arc::new(Mutex::new(State::default()));
+        let state = Arc::new(Mutex::new(State {
+            unpinned,
+            ..State::default()
+        }));
         let changed = Arc::new(Changes::default());
         let (publish, published) = tokio::sync::mpsc::channel(16);
         let task = tokio::spawn(run(
@@ -646,6 +656,42 @@ async fn run(
     }
 }
 
+/// A bootstrap address as a user may give it: a multiaddr
+/// (`/ip4/HOST/tcp/PORT/p2p/PEERID`, the peer id optional) or a plain
+/// `HOST:PORT` (an IP address or a DNS name), whose node id is learned in
+/// the handshake.
+pub fn parse_bootstrap(text: &str) -> Result<Multiaddr, String> {
+    if text.starts_with('/') {
+        return text
+            .parse()
+            .map_err(|e| format!("`{text}` is not a multiaddr: {e}"));
+    }
+    let (host, port) = text
+        .rsplit_once(':')
+        .ok_or_else(|| format!("`{text}`: give HOST:PORT or /ip4/HOST/tcp/PORT/p2p/PEERID"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| format!("`{text}`: the port is not a number"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(format!("`{text}`: no host"));
+    }
+    // A name is resolved once, here (the mesh's transport dials addresses).
+    let ip = match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip,
+        Err(_) => std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+            .map_err(|e| format!("`{text}`: cannot resolve {host}: {e}"))?
+            .next()
+            .ok_or_else(|| format!("`{text}`: {host} has no address"))?
+            .ip(),
+    };
+    let start = match ip {
+        std::net::IpAddr::V4(ip) => Multiaddr::empty().with(Protocol::Ip4(ip)),
+        std::net::IpAddr::V6(ip) => Multiaddr::empty().with(Protocol::Ip6(ip)),
+    };
+    Ok(start.with(Protocol::Tcp(port)))
+}
+
 /// The cause of a failed dial in a few words (libp2p's error repeats the
 /// address and nests its causes).
 fn dial_cause(said: &str) -> String {
@@ -696,8 +742,26 @@ fn handle_event(
         SwarmEvent::OutgoingConnectionError { error, .. } => {
             lock(state).last_dial_error = Some(dial_cause(&error.to_string()));
         }
-        SwarmEvent::ConnectionEstablished { peer_id, .. } => {
+        SwarmEvent::ConnectionEstablished {
+            peer_id, endpoint, ..
+        } => {
             let mut s = lock(state);
+            if let libp2p::core::ConnectedPoint::Dialer { address, .. } = &endpoint
+                && let Some(at) = s.unpinned.iter().position(|a| a == address)
+            {
+                // The node at a plain HOST:PORT bootstrap, as its handshake
+                // proved it: pinned from now on.
+                let address = s.unpinned.swap_remove(at);
+                swarm
+                    .behaviour_mut()
+                    .kad
+                    .add_address(&peer_id, address.clone());
+                tracing::info!(
+                    node = %peer_key(&peer_id).map_or_else(|| peer_id.to_string(), |k| did_key(&k)),
+                    "bootstrap {address} is {}",
+                    address.clone().with(Protocol::P2p(peer_id))
+                );
+            }
             s.connected.insert(peer_id);
             if let Some(key) = peer_key(&peer_id) {
                 s.closed.remove(&key);
@@ -866,5 +930,31 @@ fn refuse(state: &Mutex<State>, sender: &[u8; 32], refusal: &AdvertRefusal) -> M
             MessageAcceptance::Ignore
         }
         AdvertRefusal::Invalid(_) => MessageAcceptance::Reject,
+    }
+}
+
+#[cfg(test)]
+mod bootstrap_tests {
+    use super::*;
+
+    #[test]
+    fn a_bootstrap_is_a_multiaddr_or_a_plain_host_and_port() {
+        assert_eq!(
+            parse_bootstrap("127.0.0.1:4000").unwrap().to_string(),
+            "/ip4/127.0.0.1/tcp/4000"
+        );
+        assert_eq!(
+            parse_bootstrap("[::1]:4000").unwrap().to_string(),
+            "/ip6/::1/tcp/4000"
+        );
+        assert_eq!(
+            parse_bootstrap("localhost:4000").unwrap().iter().last(),
+            Some(Protocol::Tcp(4000))
+        );
+        let full = "/ip4/10.0.0.1/tcp/9/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo";
+        assert_eq!(parse_bootstrap(full).unwrap().to_string(), full);
+        for bad in ["4000", "host:port", ":4000", "/not/a/multiaddr"] {
+            assert!(parse_bootstrap(bad).is_err(), "{bad}");
+        }
     }
 }
