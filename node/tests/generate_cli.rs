@@ -146,3 +146,49 @@ fn an_unsupported_architecture_is_one_line_naming_it_and_the_supported_ones() {
         assert!(errors[0].contains(supported), "{stderr}");
     }
 }
+
+/// Models by name: `models list` shows the known models and what else the
+/// cache holds; a known name not yet fetched says how to fetch it.
+#[test]
+fn models_are_listed_and_named() {
+    let cache = tempfile::tempdir().unwrap();
+    let other = cache.path().join("mine.gguf");
+    std::fs::copy(synthetic(cache.path()), &other).unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+            .env("MESH_MODEL_CACHE", cache.path())
+            .env("MESH_OFFLINE", "1")
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["models", "list", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&"smollm2-135m-instruct") && names.contains(&"gemma-3-270m"));
+    assert!(rows.iter().filter(|r| r["cached"] == false).count() >= 2);
+    let theirs = rows
+        .iter()
+        .find(|r| r["path"] == other.to_str().unwrap())
+        .expect("the other GGUF in the cache is listed");
+    assert_eq!(theirs["architecture"], "llama");
+    let out = run(&["generate", "--model", "smollm2", "--prompt", "hi"]);
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("mesh-node models pull smollm2-135m-instruct"),
+        "{said}"
+    );
+    let out = run(&["models", "pull", "no-such-model"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("models list"));
+    let out = run(&["models", "pull", "gemma3"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("MESH_OFFLINE"));
+}

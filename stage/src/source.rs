@@ -395,6 +395,43 @@ fn architecture_supported(arch: &str) -> Result<(RopeLayout, bool, BlockStyle)> 
     }
 }
 
+/// What a GGUF file says it is, read from its header alone (no tensor is
+/// read, nothing hashed): for listing a model cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GgufSummary {
+    pub architecture: String,
+    /// Its declared quantization (`general.file_type`), by llama.cpp's name.
+    pub file_type: Option<&'static str>,
+    pub name: Option<String>,
+}
+
+/// [`GgufSummary`] of the file at `path`.
+pub fn gguf_summary(path: &Path) -> Result<GgufSummary> {
+    let mut file = File::open(path).map_err(|e| io_error(path, e))?;
+    let content = gguf_file::Content::read(&mut file).map_err(|e| {
+        bad(
+            path,
+            format!("not a readable GGUF file: {}", candle_message(&e)),
+        )
+    })?;
+    let text = |key: &str| match content.metadata.get(key) {
+        Some(gguf_file::Value::String(text)) => Some(text.clone()),
+        _ => None,
+    };
+    let file_type = match content.metadata.get("general.file_type") {
+        Some(gguf_file::Value::U32(code)) => crate::precision::file_type_name(*code),
+        Some(gguf_file::Value::I32(code)) => u32::try_from(*code)
+            .ok()
+            .and_then(crate::precision::file_type_name),
+        _ => None,
+    };
+    Ok(GgufSummary {
+        architecture: text("general.architecture").unwrap_or_else(|| "unknown".into()),
+        file_type,
+        name: text("general.name"),
+    })
+}
+
 impl Source {
     /// A text member of the model's metadata (GGUF only; a safetensors
     /// directory declares none).

@@ -103,6 +103,11 @@ pub enum Command {
         #[command(subcommand)]
         action: StewardAction,
     },
+    /// Models by name: list what is cached and known, pull one.
+    Models {
+        #[command(subcommand)]
+        action: ModelsAction,
+    },
     /// Write or check this project's conformance vectors.
     Vectors {
         #[command(subcommand)]
@@ -141,8 +146,9 @@ pub struct VerifyArgs {
 pub struct ReplayArgs {
     /// The requester's bundle (`generate --out`), or the receipt envelope.
     pub bundle: PathBuf,
-    /// The model file the serve ran (its weights digest must match).
-    #[arg(long)]
+    /// The model file the serve ran (its weights digest must match), or a
+    /// known model's name.
+    #[arg(long, value_parser = crate::cli::models::model_arg)]
     pub model: PathBuf,
     /// The prompt as it was sent.
     #[arg(long)]
@@ -205,9 +211,10 @@ pub struct DecideArgs {
 // The flags of `generate`; its help is the variant's.
 #[derive(Debug, clap::Args)]
 pub struct GenerateArgs {
-    /// A GGUF file or a safetensors model directory (default: the
-    /// built-in synthetic model).
-    #[arg(long, conflicts_with = "coordinator")]
+    /// A GGUF file, a safetensors model directory or a known model's name
+    /// (`mesh-node models list`; default: SmolLM2-135M-Instruct when cached,
+    /// else the built-in synthetic model).
+    #[arg(long, conflicts_with = "coordinator", value_parser = crate::cli::models::model_arg)]
     pub model: Option<PathBuf>,
     /// NODEID@HOST:PORT of a coordinating node.
     #[arg(long)]
@@ -510,6 +517,22 @@ pub enum StewardAction {
         /// Powercap root for RAPL.
         #[arg(long, default_value = crate::runtime::energy::POWERCAP_ROOT)]
         powercap: PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ModelsAction {
+    /// The models this project knows (cached or not) and every other GGUF
+    /// in the model cache: size, architecture, quantization, path.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Download a known model into the cache (checked against its pinned
+    /// SHA-256), showing progress; prints its path.
+    Pull {
+        /// Its name, as `models list` shows it (e.g. smollm2, gemma3).
+        name: String,
     },
 }
 

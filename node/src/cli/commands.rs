@@ -9,8 +9,8 @@ use anyhow::Context;
 
 use crate::cli::args::{
     BenchTarget, Cli, Command, DecideArgs, GenerateArgs, GrantAction, JournalAction, LogAction,
-    MeshAction, ReplayArgs, StatsArgs, StewardAction, VectorsAction, VerifyArgs, WeightsAction,
-    WeightsTarget,
+    MeshAction, ModelsAction, ReplayArgs, StatsArgs, StewardAction, VectorsAction, VerifyArgs,
+    WeightsAction, WeightsTarget,
 };
 
 /// `--io-threads`, set once before any runtime starts.
@@ -73,6 +73,32 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Keygen { out } => keygen(out),
         Command::Log { action } => log(action),
         Command::Vectors { action } => vectors(action),
+        Command::Models { action } => models(action),
+    }
+}
+
+fn models(action: ModelsAction) -> anyhow::Result<ExitCode> {
+    match action {
+        ModelsAction::List { json } => {
+            let rows = crate::cli::models::list();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else {
+                print!("{}", crate::cli::models::render_list(&rows));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        ModelsAction::Pull { name } => {
+            let known = crate::cli::models::known(&name).with_context(|| {
+                format!(
+                    "{name} is not a model this project knows ({}): `mesh-node models list` shows them",
+                    crate::cli::models::KNOWN.map(|m| m.name).join(", ")
+                )
+            })?;
+            let path = crate::cli::models::fetch(&known)?;
+            println!("{}", path.display());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -190,7 +216,7 @@ fn bench(target: BenchTarget) -> anyhow::Result<ExitCode> {
             device,
             json,
         } => {
-            let model = model.map_or_else(crate::cli::engine_cli::synthetic_model_path, Ok)?;
+            let model = model.map_or_else(crate::cli::models::synthetic_model_path, Ok)?;
             let report = runtime()?.block_on(crate::tools::bench_split::bench_split(
                 model,
                 tokens,
@@ -933,16 +959,7 @@ fn init_logging(command: &Command) {
         .try_init();
 }
 
-/// The model a benchmark runs: the one given, else SmolLM2-135M from the
-/// model cache, else the built-in synthetic model.
+/// The model a benchmark runs: the one given, else the default model.
 fn bench_model(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
-    if let Some(model) = model {
-        return Ok(model);
-    }
-    let cached = crate::cli::models::smollm2_path();
-    if cached.is_file() {
-        Ok(cached)
-    } else {
-        crate::cli::engine_cli::synthetic_model_path()
-    }
+    crate::cli::models::default_model(model)
 }

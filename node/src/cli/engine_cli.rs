@@ -5,50 +5,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
 use mesh_stage::ModelHandle;
 use mesh_stage::frame::WireDType;
 use mesh_stage::pipeline::Pipeline;
 use mesh_stage::sampling::{Sampler, SamplingParams};
-use mesh_stage::synthetic::{SyntheticSpec, write_synthetic};
 use serde_json::json;
-
-/// Where the built-in synthetic model is written on first use.
-pub fn synthetic_model_path() -> anyhow::Result<PathBuf> {
-    let base = crate::cli::models::cache_dir();
-    let spec = SyntheticSpec::default();
-    let dir = base.join(format!(
-        "synthetic-v{}-{}",
-        mesh_stage::synthetic::SYNTHETIC_VERSION,
-        spec.seed
-    ));
-    let gguf = dir.join("synthetic-f32.gguf");
-    if !gguf.exists() {
-        eprintln!(
-            "writing the built-in synthetic model (seeded weights, not a trained model) to {}",
-            dir.display()
-        );
-        let staging = base.join(format!(
-            "synthetic-{}.partial-{}",
-            spec.seed,
-            std::process::id()
-        ));
-        write_synthetic(&staging, &spec, &[mesh_stage::GgmlDType::F32])
-            .with_context(|| format!("writing the synthetic model under {}", staging.display()))?;
-        match std::fs::rename(&staging, &dir) {
-            Ok(()) => {}
-            // Another process wrote it first.
-            Err(_) if gguf.exists() => {
-                let _ = std::fs::remove_dir_all(&staging);
-            }
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("moving the synthetic model into {}", dir.display()));
-            }
-        }
-    }
-    Ok(gguf)
-}
 
 /// The options of one local generation.
 #[derive(Debug, Clone)]
@@ -64,10 +25,7 @@ pub struct GenerateOptions {
 }
 
 pub fn open_model(model: Option<&Path>) -> anyhow::Result<ModelHandle> {
-    let path = match model {
-        Some(path) => path.to_path_buf(),
-        None => synthetic_model_path()?,
-    };
+    let path = crate::cli::models::default_model(model.map(Path::to_path_buf))?;
     eprintln!("loading {} …", path.display());
     crate::runtime::open_model(&path)
 }

@@ -155,8 +155,9 @@ pub struct ServeArgs {
     /// Default: none.
     #[arg(long = "http-allow-origin")]
     pub http_allow_origins: Vec<String>,
-    /// This node's copy of the model: a GGUF file or a safetensors directory.
-    #[arg(long)]
+    /// This node's copy of the model: a GGUF file, a safetensors directory,
+    /// or a known model's name (`mesh-node models list`).
+    #[arg(long, value_parser = crate::cli::models::model_arg)]
     pub model: Option<PathBuf>,
     /// Where the steward keeps its journal (default ./mesh-node-data).
     #[arg(long)]
@@ -444,9 +445,10 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
 /// `mesh-node join`: become a stage node of a mesh with one command.
 #[derive(Debug, clap::Args)]
 pub struct JoinArgs {
-    /// This node's copy of the model (default: SmolLM2-135M-Instruct from
-    /// the cache, fetched once as `demo` does).
-    #[arg(long)]
+    /// This node's copy of the model: a path or a known model's name
+    /// (default: SmolLM2-135M-Instruct from the cache, fetched once as
+    /// `demo` does).
+    #[arg(long, value_parser = crate::cli::models::model_arg)]
     pub model: Option<PathBuf>,
     /// Where the node keeps its key, journal and speed measurement (default:
     /// the user's data directory, printed on start).
@@ -714,9 +716,9 @@ pub async fn generate_via(
 pub struct DemoArgs {
     #[arg(long, default_value_t = 3)]
     pub stages: usize,
-    /// A GGUF file or safetensors directory (default: the built-in
-    /// synthetic model).
-    #[arg(long)]
+    /// A GGUF file, a safetensors directory or a known model's name
+    /// (default: the built-in synthetic model).
+    #[arg(long, value_parser = crate::cli::models::model_arg)]
     pub model: Option<PathBuf>,
     #[arg(long)]
     pub prompt: Option<String>,
@@ -749,7 +751,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         None => match crate::cli::models::smollm2() {
             Ok(model) => (model, "model: SmolLM2-135M-Instruct (Q4_1)".to_string()),
             Err(why) => (
-                crate::cli::engine_cli::synthetic_model_path()?,
+                crate::cli::models::synthetic_model_path()?,
                 format!(
                     "model: the built-in synthetic model, whose text is noise, because SmolLM2 could not be had: {why} (fetch it with scripts/fetch-smollm2.sh, or give --model)"
                 ),
