@@ -318,6 +318,48 @@ fn one_altered_forward_byte_breaks_that_hop() {
     assert_eq!(hop0["state"], "agree");
 }
 
+/// Addresses people can type: a coordinator told its stages by HOST:PORT
+/// alone, and a requester that names the coordinator the same way; each
+/// node id is learned in the handshake, said, and pinned.
+#[test]
+fn nodes_named_by_host_and_port_alone_serve_and_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let plain = |peer: &str| peer.rsplit_once('@').unwrap().1.to_string();
+    let b = stage(dir.path(), "b", &model, &[], &[]);
+    let c = stage(dir.path(), "c", &model, &[], &[]);
+    let (pb, pc) = (plain(&b.peer), plain(&c.peer));
+    let coordinator = serve(dir.path(), "coord", &model, &[&pb, &pc], &[], &[]);
+    let bundle = dir.path().join("bundle.json");
+    let out = Command::new(bin())
+        .args([
+            "generate",
+            "--json",
+            "--prompt",
+            "plain addresses",
+            "--max-tokens",
+            "4",
+            "--coordinator",
+            &plain(&coordinator.peer),
+            "--out",
+        ])
+        .arg(&bundle)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        said.contains(&format!(
+            "the node at {} is {}",
+            plain(&coordinator.peer),
+            coordinator.peer.rsplit_once('@').unwrap().0
+        )),
+        "{said}"
+    );
+    let (code, report) = verify(&bundle);
+    assert_eq!(code, 0, "{report:#}");
+}
+
 #[test]
 fn grant_shards_are_enforced_by_every_steward() {
     let dir = tempfile::tempdir().unwrap();

@@ -793,9 +793,12 @@ fn stats(args: StatsArgs) -> anyhow::Result<ExitCode> {
         ..
     } = args;
 
-    let node: crate::runtime::serve::PeerAddr = node.parse()?;
     let key = crate::runtime::keys::load(&key)?;
-    let stats = runtime()?.block_on(crate::runtime::serve::node_stats_remote(&key, &node))?;
+    let (node, stats) = runtime()?.block_on(async {
+        let node = crate::runtime::client::peer_or_learn(&node).await?;
+        let stats = crate::runtime::serve::node_stats_remote(&key, &node).await?;
+        anyhow::Ok((node, stats))
+    })?;
     if json {
         println!("{}", serde_json::to_string_pretty(&stats)?);
     } else if prometheus {

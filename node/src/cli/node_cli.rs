@@ -272,6 +272,21 @@ impl MeshArgs {
     }
 }
 
+/// `--peer`s: NODEID@HOST:PORT as given, and a plain HOST:PORT by the node
+/// id it proves in a handshake (before the node starts; nothing else runs).
+fn learn_peers(peers: &[String]) -> anyhow::Result<Vec<PeerAddr>> {
+    if peers.iter().all(|p| p.contains('@')) {
+        return peers.iter().map(|p| p.parse::<PeerAddr>()).collect();
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    peers
+        .iter()
+        .map(|p| runtime.block_on(crate::runtime::client::peer_or_learn(p)))
+        .collect()
+}
+
 pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
     let file = match &args.config {
         Some(path) => ServeConfig::load(path)?,
@@ -336,10 +351,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
     } else {
         args.peers
     };
-    let peers = peers
-        .iter()
-        .map(|p| p.parse::<PeerAddr>())
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let peers = learn_peers(&peers)?;
     let coordinators = if args.coordinators.is_empty() {
         file.coordinators
     } else {
@@ -683,7 +695,7 @@ pub async fn generate_via(
     out: Option<(&Path, BundleFormat)>,
     json: bool,
 ) -> anyhow::Result<GenerateSummary> {
-    let coordinator: PeerAddr = coordinator.parse()?;
+    let coordinator = crate::runtime::client::peer_or_learn(coordinator).await?;
     let mut stdout = std::io::stdout();
     let summary = generate_remote(&coordinator, &request, &mut |piece| {
         if !json {
@@ -1032,7 +1044,10 @@ pub async fn grant_shard(
     )
     .map_err(|e| anyhow::anyhow!("{} is not a grant: {e}", grant.display()))?;
     let key = crate::runtime::keys::load(holder)?;
-    let stewards = crate::runtime::serve::plan_remote(&coordinator.parse()?).await?;
+    let stewards = crate::runtime::serve::plan_remote(
+        &crate::runtime::client::peer_or_learn(coordinator).await?,
+    )
+    .await?;
     let share = root.grant.budget_uj / stewards.len().max(1) as u64;
     let shares: Vec<(String, u64)> = stewards.iter().map(|s| (s.clone(), share)).collect();
     let shards = root.shard(

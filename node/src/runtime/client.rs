@@ -309,6 +309,35 @@ pub async fn connect_as_requester(
     connect_as(&key, coordinator).await
 }
 
+/// A node named `NODEID@HOST:PORT`, or by `HOST:PORT` alone: then its node
+/// id is learned in a TLS handshake (the node proves its key), said on
+/// stderr, and pinned for every connection after.
+pub async fn peer_or_learn(text: &str) -> anyhow::Result<PeerAddr> {
+    if text.contains('@') {
+        return text.parse();
+    }
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(text)
+        .with_context(|| format!("`{text}`: give HOST:PORT or NODEID@HOST:PORT"))?
+        .next()
+        .with_context(|| format!("`{text}` resolves to no address"))?;
+    tls::install_provider();
+    let identity = TlsIdentity::new(&SigningKey::from_bytes(
+        &crate::runtime::keys::random_bytes()?,
+    ))?;
+    let mut endpoint = quinn::Endpoint::client((std::net::Ipv4Addr::UNSPECIFIED, 0).into())?;
+    endpoint.set_default_client_config(tls::client_config(&identity, None, ALPN_CONTROL)?);
+    let connection =
+        tokio::time::timeout(msg::CONNECT_TIMEOUT, endpoint.connect(addr, "mesh-node")?)
+            .await
+            .with_context(|| format!("timed out reaching a node at {text}"))?
+            .with_context(|| format!("reaching a node at {text}"))?;
+    let key = tls::peer_key(&connection).context("the node proved no Ed25519 key")?;
+    connection.close(0u32.into(), b"learned");
+    let peer = PeerAddr { key, addr };
+    eprintln!("the node at {text} is {} (pinned: {peer})", peer.did());
+    Ok(peer)
+}
+
 /// Connect to a node's `mesh-control/1` proving `key`.
 pub async fn connect_as(
     key: &SigningKey,

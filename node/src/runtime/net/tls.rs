@@ -102,10 +102,12 @@ fn algorithms() -> WebPkiSupportedAlgorithms {
     provider().signature_verification_algorithms
 }
 
-/// Accepts exactly one server key.
+/// Accepts exactly one server key; with none expected, any server that
+/// proves an Ed25519 key (a first contact by HOST:PORT, whose key is then
+/// read from the connection and pinned).
 #[derive(Debug)]
 struct PinnedServer {
-    expected: [u8; 32],
+    expected: Option<[u8; 32]>,
 }
 
 impl ServerCertVerifier for PinnedServer {
@@ -117,12 +119,16 @@ impl ServerCertVerifier for PinnedServer {
         _ocsp: &[u8],
         _now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match certificate_key(end_entity) {
-            Some(key) if key == self.expected => Ok(ServerCertVerified::assertion()),
-            _ => Err(rustls::Error::General(format!(
+        match (certificate_key(end_entity), self.expected) {
+            (Some(key), Some(expected)) if key == expected => Ok(ServerCertVerified::assertion()),
+            (Some(_), None) => Ok(ServerCertVerified::assertion()),
+            (_, Some(expected)) => Err(rustls::Error::General(format!(
                 "peer is not {}",
-                did_key(&self.expected)
+                did_key(&expected)
             ))),
+            (None, None) => Err(rustls::Error::General(
+                "the server's certificate carries no Ed25519 key".into(),
+            )),
         }
     }
     fn verify_tls12_signature(
@@ -232,12 +238,14 @@ pub fn server_config(
     Ok(config)
 }
 
-/// Client side: one ALPN, one pinned peer.
+/// Client side: one ALPN, one pinned peer (`None`: the first contact with
+/// a node known by its address only; its key is read after the handshake).
 pub fn client_config(
     identity: &TlsIdentity,
-    peer: [u8; 32],
+    peer: impl Into<Option<[u8; 32]>>,
     alpn: &[u8],
 ) -> anyhow::Result<quinn::ClientConfig> {
+    let peer = peer.into();
     let (chain, key) = identity.chain();
     let mut tls = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
