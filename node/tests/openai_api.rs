@@ -784,3 +784,39 @@ fn a_request_that_fails_leaves_a_line_saying_why() {
     assert_eq!(lines.len(), 1, "{log}");
     eprintln!("{}: {}", status, lines[0]);
 }
+
+/// `mesh-node chat`: a conversation in the terminal, through the API, the
+/// history sent each turn, each answer streamed and followed by its cost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_terminal_chat_holds_a_conversation_through_the_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, addr) = api_nodes(dir.path()).await;
+    let out = tokio::task::spawn_blocking(move || {
+        let mut child = Command::new(bin())
+            .args(["chat", "--api", &addr.to_string(), "--max-tokens", "6"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"hello there\nand again\n/reset\none more\n/quit\n")
+            .unwrap();
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(said.matches("receipts]").count(), 3, "{said}");
+    assert!(said.contains("(the conversation is forgotten)"), "{said}");
+    assert!(!said.contains("not answered"), "{said}");
+    drop(nodes);
+}

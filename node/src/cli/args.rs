@@ -73,6 +73,10 @@ pub enum Command {
     /// Generate text: in this process (--model), or through a coordinator
     /// (--coordinator), which streams it and returns a verifiable bundle.
     Generate(GenerateArgs),
+    /// Chat in the terminal with a coordinator, through its HTTP API
+    /// (`serve --http`): the whole conversation each turn, the answer
+    /// streaming in, and what the turn cost after it.
+    Chat(ChatArgs),
     /// A running node's pools (request caches, records awaiting a seal,
     /// grant decisions held) and counters: a leak shows as a pool that does
     /// not empty.
@@ -274,6 +278,22 @@ pub struct GenerateArgs {
 }
 
 // The flags of `stats`; its help is the variant's.
+#[derive(Debug, clap::Args)]
+pub struct ChatArgs {
+    /// HOST:PORT of the coordinator's HTTP API.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub api: String,
+    /// A system message before the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens per answer.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// 0: greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+}
+
 #[derive(Debug, clap::Args)]
 pub struct StatsArgs {
     /// NODEID@HOST:PORT of the node.

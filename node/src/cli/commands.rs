@@ -62,6 +62,19 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Chat(args) => {
+            crate::cli::chat::run(
+                &crate::cli::chat::ChatOptions {
+                    api: args.api,
+                    system: args.system,
+                    max_tokens: args.max_tokens,
+                    temperature: args.temperature,
+                },
+                std::io::stdin().lock(),
+                &mut std::io::stdout(),
+            )?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Generate(args) => match args.coordinator.clone() {
             Some(coordinator) => generate_remote(args, coordinator),
             None => generate_local(args),

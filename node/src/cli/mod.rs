@@ -4,6 +4,7 @@
 //! (`render`), and the mesh as an observer sees it (`mesh_cli`).
 
 pub mod args;
+pub mod chat;
 pub mod commands;
 pub mod engine_cli;
 pub mod inspect;
