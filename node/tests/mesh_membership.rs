@@ -542,6 +542,7 @@ async fn forged_and_replayed_adverts_are_refused_and_logged_once() {
             layers: 6,
             decode_us_per_layer: 100,
             precision: None,
+            name: None,
         }],
     };
     // Gossipsub needs a heartbeat or two to know the honest node is
@@ -969,6 +970,28 @@ fn a_node_joins_through_a_plain_host_and_port() {
         seen.contains(&joined.did) && seen.contains(&coordinator.did),
         "{seen:?}"
     );
+    // Each member names its model as people call it, and what it runs it at.
+    let status = run_json(&[
+        "mesh",
+        "status",
+        "--bootstrap",
+        &plain,
+        "--no-mdns",
+        "--wait-ms",
+        "1500",
+        "--json",
+    ]);
+    let stem = model.file_stem().unwrap().to_str().unwrap();
+    for member in status.as_array().unwrap() {
+        assert_eq!(member["models"][0]["name"], stem, "{status:#}");
+        assert!(
+            member["models"][0]["precision"]
+                .as_str()
+                .unwrap()
+                .ends_with("device cpu; wire f32"),
+            "{status:#}"
+        );
+    }
     let log = std::fs::read_to_string(dir.path().join("b.log")).unwrap();
     assert!(
         log.contains(&format!(

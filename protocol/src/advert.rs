@@ -15,7 +15,7 @@ use thiserror::Error;
 use crate::cbor::{Cbor, CborError, FieldError, Fields};
 
 /// The largest signed advert, envelope included.
-pub const MAX_ADVERT_BYTES: usize = 2048;
+pub const MAX_ADVERT_BYTES: usize = 4096;
 /// The most model packages one advert names.
 pub const MAX_ADVERT_MODELS: usize = 8;
 /// The longest an advert may ask to be believed for.
@@ -54,6 +54,9 @@ pub struct AdvertModel {
     /// wire: the file's type, its stored types, the products and the
     /// device (`mesh1.md`); absent when the node does not say.
     pub precision: Option<String>,
+    /// Its name as people call it (the file's name without extension, as
+    /// the node's API lists it); absent when the node does not say.
+    pub name: Option<String>,
 }
 
 /// What a node tells the mesh about itself.
@@ -134,6 +137,9 @@ impl Advert {
                             ];
                             if let Some(precision) = &m.precision {
                                 members.push(("precision", Cbor::text(precision)));
+                            }
+                            if let Some(name) = &m.name {
+                                members.push(("name", Cbor::text(name)));
                             }
                             Cbor::text_map(members)
                         })
@@ -225,8 +231,16 @@ impl Advert {
                 layers: m.u32("layers")?,
                 decode_us_per_layer: m.uint("decode_us_per_layer")?,
                 precision: m.opt_text("precision")?.map(str::to_string),
+                name: m.opt_text("name")?.map(str::to_string),
             };
             m.finish()?;
+            if model
+                .name
+                .as_ref()
+                .is_some_and(|n| n.len() > MAX_ADVERT_TEXT)
+            {
+                return Err(AdvertError::Field(crate::cbor::FieldError::Invalid("name")));
+            }
             if model.layers == 0
                 || model.decode_us_per_layer == 0
                 || model.decode_us_per_layer > MAX_DECODE_US_PER_LAYER
@@ -451,6 +465,7 @@ mod tests {
                 layers: 30,
                 decode_us_per_layer: 250,
                 precision: None,
+                name: None,
             }],
         }
     }
@@ -514,6 +529,7 @@ mod tests {
                 layers: 1,
                 decode_us_per_layer: 1,
                 precision: None,
+                name: None,
             })
             .collect();
         assert_eq!(

@@ -45,6 +45,7 @@ fn the_reference_advert_reproduces_from_its_key_and_fields() {
                 layers: m["layers"].as_u64().unwrap() as u32,
                 decode_us_per_layer: m["decode_us_per_layer"].as_u64().unwrap(),
                 precision: m["precision"].as_str().map(str::to_string),
+                name: m["name"].as_str().map(str::to_string),
             })
             .collect(),
     };

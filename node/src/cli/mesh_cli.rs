@@ -166,6 +166,7 @@ fn described(
                             layers,
                             decode_us_per_layer: m.decode_us_per_layer.max(1),
                             precision: None,
+                            name: None,
                         }]
                     } else {
                         Vec::new()

@@ -236,8 +236,11 @@ pub fn render_members(members: &[MemberView]) -> String {
             a.models
                 .iter()
                 .map(|e| format!(
-                    "{}.. ({} layers, {} us/layer{})",
-                    &mesh_protocol::hex::encode(&e.package_id)[..12],
+                    "{} ({} layers, {} us/layer{})",
+                    e.name.clone().unwrap_or_else(|| format!(
+                        "{}..",
+                        &mesh_protocol::hex::encode(&e.package_id)[..12]
+                    )),
                     e.layers,
                     e.decode_us_per_layer,
                     e.precision
@@ -271,6 +274,7 @@ pub fn members_json(members: &[MemberView]) -> serde_json::Value {
                     "layers": e.layers,
                     "decode_us_per_layer": e.decode_us_per_layer,
                     "precision": e.precision,
+                    "name": e.name,
                 })).collect::<Vec<_>>(),
             }))
             .collect::<Vec<_>>()

@@ -79,6 +79,7 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
                         layers: bench.layers as u32,
                         decode_us_per_layer: 200 + random.below(4_800),
                         precision: None,
+                        name: None,
                     }]
                 } else {
                     Vec::new()

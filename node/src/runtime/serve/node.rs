@@ -508,6 +508,12 @@ async fn start_mesh(
             layers: model.config().layers,
             decode_us_per_layer: speed,
             precision: Some(model.precision(WireDType::F32).to_string()),
+            name: model.path().file_stem().map(|s| {
+                s.to_string_lossy()
+                    .chars()
+                    .take(mesh_protocol::advert::MAX_ADVERT_TEXT)
+                    .collect()
+            }),
         }],
     };
     let facts: mesh::AdvertFacts = Arc::new(move || {

@@ -41,6 +41,7 @@ fn reference(node: &SigningKey) -> Advert {
             layers: 30,
             decode_us_per_layer: 412,
             precision: Some("q4_1 (f32+q4_1+q8_0); products q8/f32; device cpu; wire f32".into()),
+            name: Some("SmolLM2-135M-Instruct.Q4_1".into()),
         }],
     }
 }
@@ -161,6 +162,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             layers: 1,
             decode_us_per_layer: 1,
             precision: None,
+            name: None,
         })
         .collect();
     huge.quic = format!("[{}]:65535", "1:2:3:4:5:6:7:8");
@@ -187,6 +189,15 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
         NOW_MS,
         "malformed",
     )?;
+    let mut named = advert.clone();
+    named.models[0].name = Some("n".repeat(mesh_protocol::advert::MAX_ADVERT_TEXT + 1));
+    case(
+        "name_over_limit".into(),
+        &named.sign(&node),
+        &me,
+        NOW_MS,
+        "malformed",
+    )?;
     // The most an advert may say (eight models, each naming the longest
     // precision) fits the size limit.
     let mut fullest = advert.clone();
@@ -196,6 +207,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             layers: 1,
             decode_us_per_layer: 1,
             precision: Some("p".repeat(mesh_protocol::advert::MAX_ADVERT_PRECISION)),
+            name: Some("n".repeat(mesh_protocol::advert::MAX_ADVERT_TEXT)),
         })
         .collect();
     fullest.quic = format!("[{}]:65535", "1:2:3:4:5:6:7:8");
@@ -281,6 +293,9 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
                 });
                 if let (Some(precision), Some(map)) = (&m.precision, model.as_object_mut()) {
                     map.insert("precision".into(), json!(precision));
+                }
+                if let (Some(name), Some(map)) = (&m.name, model.as_object_mut()) {
+                    map.insert("name".into(), json!(name));
                 }
                 model
             }).collect::<Vec<_>>(),
