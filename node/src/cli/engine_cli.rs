@@ -26,8 +26,10 @@ pub struct GenerateOptions {
 
 pub fn open_model(model: Option<&Path>) -> anyhow::Result<ModelHandle> {
     let path = crate::cli::models::default_model(model.map(Path::to_path_buf))?;
-    eprintln!("loading {} …", path.display());
-    crate::runtime::open_model(&path)
+    crate::cli::progress::showing(
+        &format!("loading {} (its digests checked)", path.display()),
+        || crate::runtime::open_model(&path),
+    )
 }
 
 pub fn generate(options: &GenerateOptions) -> anyhow::Result<()> {
@@ -40,14 +42,16 @@ pub fn generate(options: &GenerateOptions) -> anyhow::Result<()> {
     };
     let mut slices = Vec::with_capacity(ranges.len());
     for (i, range) in ranges.iter().enumerate() {
-        eprintln!(
-            "  slice {}/{}: layers {}..{}",
+        let what = format!(
+            "  loading slice {}/{}: layers {}..{}",
             i + 1,
             ranges.len(),
             range.start,
             range.end
         );
-        slices.push(handle.load_slice(range.clone())?);
+        slices.push(crate::cli::progress::showing(&what, || {
+            handle.load_slice(range.clone())
+        })?);
     }
     let load_time = load_start.elapsed();
     let pipeline = Pipeline::new(slices, options.wire)?;

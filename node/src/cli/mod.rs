@@ -12,6 +12,7 @@ pub mod log;
 pub mod mesh_cli;
 pub mod models;
 pub mod node_cli;
+pub mod progress;
 pub mod render;
 pub mod replay;
 pub mod verify;
