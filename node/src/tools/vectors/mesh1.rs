@@ -765,7 +765,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
 /// must refuse.
 fn route_cases() -> anyhow::Result<Value> {
     use mesh_protocol::route::{
-        Backend, CostBasis, MAX_TABLE_INTEGER, NO_CEILING, Route, RouteRequest, route,
+        Backend, CostBasis, MAX_TABLE_INTEGER, NO_CEILING, Route, RouteRequest, route_within,
     };
     let backend = |name: &str, fidelity: Fidelity, uj_per_token: u64, per_option: u64| Backend {
         name: name.into(),
@@ -807,10 +807,12 @@ fn route_cases() -> anyhow::Result<Value> {
         backend("too-coarse", Fidelity::F0, 1, 1),
         backend("no-option-cost", Fidelity::F3, 120, 0),
     ];
-    // (name, request, backends, chosen, [(est_total_uj, admissible)] by hand)
+    // (name, request, the weights its grant permits, backends, chosen,
+    // [(est_total_uj, admissible)] by hand)
     type Expected<'a> = (
         &'a str,
         RouteRequest,
+        Option<[u8; 32]>,
         Vec<Backend>,
         Option<&'a str>,
         Vec<(u64, bool)>,
@@ -819,6 +821,7 @@ fn route_cases() -> anyhow::Result<Value> {
         (
             "cheapest_below_floor_next_over_ceiling",
             generation(Fidelity::F2, 50_000),
+            None,
             four.clone(),
             Some("mid-q4"),
             vec![(500, false), (90_000, false), (4_000, true), (7_000, true)],
@@ -826,6 +829,7 @@ fn route_cases() -> anyhow::Result<Value> {
         (
             "estimator_costs_are_weighed_and_named",
             generation(Fidelity::F2, 50_000),
+            None,
             estimated,
             Some("mid-q8"),
             vec![(500, false), (90_000, false), (8_000, true), (7_000, true)],
@@ -833,6 +837,7 @@ fn route_cases() -> anyhow::Result<Value> {
         (
             "ties_go_to_the_first_registered",
             generation(Fidelity::F0, NO_CEILING),
+            None,
             vec![
                 backend("second-name-first", Fidelity::F1, 30, 0),
                 backend("a-first-name-second", Fidelity::F1, 30, 0),
@@ -843,6 +848,7 @@ fn route_cases() -> anyhow::Result<Value> {
         (
             "none_admissible_is_a_refusal",
             generation(Fidelity::F4, 60_000),
+            None,
             four.clone(),
             None,
             vec![
@@ -856,6 +862,7 @@ fn route_cases() -> anyhow::Result<Value> {
             // 130 prompt tokens and 20 options; max_tokens is never priced.
             "decision_priced_per_option_scored",
             decision,
+            None,
             deciders.clone(),
             Some("schema-cheap"),
             vec![(19_300, true), (8_800, true), (150, false), (15_600, true)],
@@ -866,6 +873,7 @@ fn route_cases() -> anyhow::Result<Value> {
                 options_scored: None,
                 ..decision
             },
+            None,
             deciders,
             None,
             vec![
@@ -880,6 +888,7 @@ fn route_cases() -> anyhow::Result<Value> {
             // numbers as doubles; u64::MAX has no exact double).
             "no_ceiling_is_no_member",
             generation(Fidelity::F2, NO_CEILING),
+            None,
             four.clone(),
             Some("mid-q4"),
             vec![(500, false), (90_000, true), (4_000, true), (7_000, true)],
@@ -889,16 +898,39 @@ fn route_cases() -> anyhow::Result<Value> {
             // saturate there): the same route as none, hashed alike.
             "ceiling_above_2_53_is_no_ceiling",
             generation(Fidelity::F2, (1 << 60) + 1),
+            None,
             four.clone(),
             Some("mid-q4"),
             vec![(500, false), (90_000, true), (4_000, true), (7_000, true)],
+        ),
+        (
+            // A grant's ModelIn (every caveat of its chains at once): the
+            // cheapest backend serves other weights, one names none; both
+            // are left out with the rule named, and the table binds it.
+            "grant_model_in_leaves_out_other_weights",
+            generation(Fidelity::F2, 50_000),
+            Some([0x11; 32]),
+            {
+                let mut weighed = four.clone();
+                weighed[0].fidelity = Fidelity::F2;
+                weighed[0].weights = Some([0x22; 32]);
+                weighed[2].weights = Some([0x11; 32]);
+                weighed[3].weights = Some([0x11; 32]);
+                weighed
+            },
+            Some("mid-q4"),
+            vec![(500, false), (90_000, false), (4_000, true), (7_000, true)],
         ),
     ];
     let mut routes = Vec::new();
     let mut first_table = None;
     let mut digests = std::collections::BTreeMap::new();
-    for (name, request, backends, chosen, figures) in expected {
-        let routed = route(&request, &backends)?;
+    for (name, request, model_in, backends, chosen, figures) in expected {
+        let routed = route_within(
+            &request,
+            model_in.as_ref().map(std::slice::from_ref),
+            &backends,
+        )?;
         let got: Vec<(u64, bool)> = routed
             .candidates
             .iter()
@@ -931,52 +963,24 @@ fn route_cases() -> anyhow::Result<Value> {
         first_table.get_or_insert_with(|| table.clone());
         routes.push(json!({ "name": name, "chosen": chosen, "table": table }));
     }
-    // A grant's ModelIn (every caveat of its chains at once): the cheapest
-    // backend serves other weights, one names none; both are left out at
-    // routing with the rule named, and the table binds the restriction.
-    {
-        let name = "grant_model_in_leaves_out_other_weights";
-        let permitted = [0x11u8; 32];
-        let mut weighed = four.clone();
-        weighed[0].fidelity = Fidelity::F2;
-        weighed[0].weights = Some([0x22; 32]);
-        weighed[2].weights = Some(permitted);
-        weighed[3].weights = Some(permitted);
-        let routed = mesh_protocol::route::route_within(
-            &generation(Fidelity::F2, 50_000),
-            Some(&[permitted]),
-            &weighed,
-        )?;
-        let got: Vec<(u64, bool)> = routed
-            .candidates
-            .iter()
-            .map(|c| (c.est_total_uj, c.admissible()))
-            .collect();
-        ensure!(
-            got == [(500, false), (90_000, false), (4_000, true), (7_000, true)],
-            "{name}: candidates {got:?}"
-        );
-        ensure!(
-            routed.candidates[0].reason(&routed.request).as_deref()
-                == Some("weights not in the grant's ModelIn")
-                && routed.chosen().map(|c| c.backend.as_str()) == Some("mid-q4"),
-            "{name}: the cheapest is left out by the rule, mid-q4 chosen"
-        );
-        let table = routed.to_json();
-        ensure!(
-            Route::from_json(&table)? == routed,
-            "{name}: the table reads back"
-        );
-        let mut unrestricted = table.clone();
-        if let Some(request) = unrestricted["request"].as_object_mut() {
-            request.remove("model_in");
-        }
-        ensure!(
-            Route::from_json(&unrestricted).is_err(),
-            "{name}: the restriction is bound to the table"
-        );
-        routes.push(json!({ "name": name, "chosen": "mid-q4", "table": table }));
+    // The ModelIn case's table is bound to its restriction: without it the
+    // table recomputes to another route.
+    let restricted = routes
+        .iter()
+        .find(|r| r["name"] == "grant_model_in_leaves_out_other_weights")
+        .context("the ModelIn case")?;
+    ensure!(
+        restricted["table"]["candidates"][0]["reason"] == "weights not in the grant's ModelIn",
+        "the ModelIn case names the rule"
+    );
+    let mut unrestricted = restricted["table"].clone();
+    if let Some(request) = unrestricted["request"].as_object_mut() {
+        request.remove("model_in");
     }
+    ensure!(
+        Route::from_json(&unrestricted).is_err(),
+        "the ModelIn restriction is bound to the table"
+    );
     ensure!(
         digests.get("no_ceiling_is_no_member") == digests.get("ceiling_above_2_53_is_no_ceiling"),
         "a ceiling no estimate can pass hashes as none"
