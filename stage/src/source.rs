@@ -407,29 +407,38 @@ pub struct GgufSummary {
 
 /// [`GgufSummary`] of the file at `path`.
 pub fn gguf_summary(path: &Path) -> Result<GgufSummary> {
-    let mut file = File::open(path).map_err(|e| io_error(path, e))?;
-    let content = gguf_file::Content::read(&mut file).map_err(|e| {
-        bad(
-            path,
-            format!("not a readable GGUF file: {}", candle_message(&e)),
-        )
-    })?;
+    let content = read_gguf(path)?;
     let text = |key: &str| match content.metadata.get(key) {
         Some(gguf_file::Value::String(text)) => Some(text.clone()),
         _ => None,
     };
-    let file_type = match content.metadata.get("general.file_type") {
-        Some(gguf_file::Value::U32(code)) => crate::precision::file_type_name(*code),
-        Some(gguf_file::Value::I32(code)) => u32::try_from(*code)
-            .ok()
-            .and_then(crate::precision::file_type_name),
-        _ => None,
-    };
     Ok(GgufSummary {
         architecture: text("general.architecture").unwrap_or_else(|| "unknown".into()),
-        file_type,
+        file_type: declared_file_type(&content),
         name: text("general.name"),
     })
+}
+
+/// A GGUF file's header and metadata (no tensor read).
+fn read_gguf(path: &Path) -> Result<gguf_file::Content> {
+    let mut file = File::open(path).map_err(|e| io_error(path, e))?;
+    gguf_file::Content::read(&mut file).map_err(|e| {
+        bad(
+            path,
+            format!("not a readable GGUF file: {}", candle_message(&e)),
+        )
+    })
+}
+
+/// The quantization a GGUF declares (`general.file_type`), by llama.cpp's
+/// name.
+fn declared_file_type(content: &gguf_file::Content) -> Option<&'static str> {
+    let code = match content.metadata.get("general.file_type")? {
+        gguf_file::Value::U32(code) => *code,
+        gguf_file::Value::I32(code) => u32::try_from(*code).ok()?,
+        _ => return None,
+    };
+    crate::precision::file_type_name(code)
 }
 
 impl Source {
@@ -457,13 +466,7 @@ impl Source {
 
     fn open_gguf(path: &Path) -> Result<(Self, ModelConfig, FileDigests)> {
         let stamp = file_stamp(path)?;
-        let mut file = File::open(path).map_err(|e| io_error(path, e))?;
-        let content = gguf_file::Content::read(&mut file).map_err(|e| {
-            bad(
-                path,
-                format!("not a readable GGUF file: {}", candle_message(&e)),
-            )
-        })?;
+        let content = read_gguf(path)?;
         let arch = match content.metadata.get("general.architecture") {
             Some(gguf_file::Value::String(arch)) => arch.clone(),
             _ => return Err(bad(path, "no general.architecture in the GGUF metadata")),
@@ -778,13 +781,7 @@ impl Source {
     /// The file's declared quantization (GGUF `general.file_type`), by
     /// llama.cpp's name; `None` when it declares none this engine knows.
     pub fn file_type(&self) -> Option<&'static str> {
-        let content = self.gguf()?;
-        let code = match content.metadata.get("general.file_type")? {
-            gguf_file::Value::U32(code) => *code,
-            gguf_file::Value::I32(code) => u32::try_from(*code).ok()?,
-            _ => return None,
-        };
-        crate::precision::file_type_name(code)
+        declared_file_type(self.gguf()?)
     }
 
     /// Every tensor's name and the bytes it takes in the file.
