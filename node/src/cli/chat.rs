@@ -13,6 +13,9 @@ use serde_json::{Value, json};
 
 /// Longest a turn's answer may take to begin or go on streaming.
 const READ_TIMEOUT: Duration = Duration::from_secs(600);
+/// Most bytes one answer may take on the wire (its head, every chunk and
+/// the usage): a server that sends more is cut off.
+const MAX_ANSWER_BYTES: u64 = 16 * 1024 * 1024;
 /// Turns kept: past this many, the oldest exchange is dropped.
 const MAX_TURNS: usize = 64;
 
@@ -105,7 +108,7 @@ fn turn(options: &ChatOptions, history: &[Value], out: &mut impl Write) -> anyho
         "POST /v1/chat/completions HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )?;
-    let mut reader = BufReader::new(stream);
+    let mut reader = BufReader::new(std::io::Read::take(stream, MAX_ANSWER_BYTES));
     let mut status = String::new();
     reader.read_line(&mut status)?;
     let code: u16 = status
