@@ -7,13 +7,13 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::http::{call, exchange};
 use common::nodes::{Setup, all_stats, cancel_counted_within, pools_empty_within, synthetic};
-use common::processes::{bin, node_id, serve, stage};
+use common::processes::{Served, bin, node_id, serve, stage};
 use serde_json::{Value, json};
 
 /// A Python with the `openai` package (`MESH_OPENAI_PYTHON`, else the
@@ -64,23 +64,8 @@ fn the_openai_python_client_uses_a_three_process_split() {
         &[],
     );
     assert!(!node_id(dir.path(), "coord").is_empty());
-    let api = format!("http://{}/v1", coordinator.api_addr());
     let bundle = dir.path().join("bundle.json");
-    let out = Command::new(python)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/python/openai_client.py"
-        ))
-        .args([api.as_str(), "Name the capital of France.", "24"])
-        .arg(&bundle)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let seen: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let seen = openai_client_session(&python, &coordinator, &bundle);
     let text = seen["text"].as_str().unwrap();
     assert!(text.contains("Paris"), "{seen:#}");
     // Greedy: the streamed deltas are the same text.
@@ -164,6 +149,68 @@ fn the_openai_python_client_uses_a_three_process_split() {
         "{}",
         String::from_utf8_lossy(&verified.stdout)
     );
+}
+
+/// The openai package's client, run by `python` against `coordinator`'s
+/// API (`tests/python/openai_client.py`): what it saw; the bundle behind
+/// its answer's link is written to `bundle`.
+fn openai_client_session(python: &Path, coordinator: &Served, bundle: &Path) -> Value {
+    let api = format!("http://{}/v1", coordinator.api_addr());
+    let out = Command::new(python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/python/openai_client.py"
+        ))
+        .args([api.as_str(), "Name the capital of France.", "24"])
+        .arg(bundle)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// One node with no peers answers the openai client by itself: the
+/// answer, its one served span (the node's own receipt, no stage left
+/// without one), and a plain bundle that verifies.
+#[test]
+fn the_openai_python_client_uses_one_node_alone() {
+    let Some(python) = openai_python() else {
+        return;
+    };
+    let Some(model) = common::smollm2("the openai client test on one node") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let alone = serve(
+        dir.path(),
+        "alone",
+        &model,
+        &[],
+        &["--http", "127.0.0.1:0", "--no-mdns"],
+        &[],
+    );
+    let bundle = dir.path().join("bundle.json");
+    let seen = openai_client_session(&python, &alone, &bundle);
+    assert!(seen["text"].as_str().unwrap().contains("Paris"), "{seen:#}");
+    assert_eq!(seen["streamed"], seen["text"], "{seen:#}");
+    let energy = &seen["usage"]["energy"];
+    let parts = energy["parts"].as_array().unwrap();
+    assert_eq!(parts.len(), 1, "{energy:#}");
+    assert_eq!(parts[0]["backend"], mesh_protocol::replay::LOCAL_BACKEND);
+    assert_eq!(energy["stages_without_receipt"], 0);
+    assert_eq!(energy["microjoules"], parts[0]["microjoules"]);
+    let verified = Command::new(bin())
+        .args(["verify", "--json"])
+        .arg(&bundle)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&verified.stdout).unwrap();
+    assert_eq!(verified.status.code(), Some(0), "{report:#}");
+    assert_eq!(report["form"], "mesh1_bundle");
 }
 
 /// A coordinator with the API on, over two stages, in this process.

@@ -360,6 +360,92 @@ fn nodes_named_by_host_and_port_alone_serve_and_verify() {
     assert_eq!(code, 0, "{report:#}");
 }
 
+/// One node with no peers serves the whole model: the tokens of the local
+/// run, a plain `mesh/1` receipt (no split, backend `mesh-node/local`) in a
+/// `mesh1_bundle` that `verify` accepts and `replay` re-executes; Mesh-LLM's
+/// form, which holds split records, is refused in one line.
+#[test]
+fn one_node_alone_serves_with_a_plain_receipt_that_verifies_and_replays() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let alone = serve(dir.path(), "alone", &model, &[], &["--no-mdns"], &[]);
+    let prompt = "one node runs every layer";
+    let expected = local_tokens(&model, prompt, 6, false);
+    let bundle = dir.path().join("alone.json");
+    let (ok, value) = remote(&alone.peer, prompt, 6, false, &bundle);
+    assert!(ok, "{value:#}");
+    assert_eq!(value["details"]["token_ids"], expected);
+    assert_eq!(value["details"]["stages"].as_array().unwrap().len(), 1);
+    let (code, report) = verify(&bundle);
+    assert_eq!(code, 0, "{report:#}");
+    assert_eq!(report["form"], "mesh1_bundle", "{report:#}");
+    let document: Value = serde_json::from_slice(&std::fs::read(&bundle).unwrap()).unwrap();
+    assert!(document.get("main_record").is_none(), "{document:#}");
+    let envelope =
+        mesh_protocol::hex::decode(document["mesh1_envelope"].as_str().unwrap()).unwrap();
+    let receipt = mesh_protocol::mesh1::SealedReceipt::verify(&envelope)
+        .unwrap()
+        .receipt;
+    assert_eq!(receipt.backend, mesh_protocol::replay::LOCAL_BACKEND);
+    assert!(receipt.split.is_none() && receipt.resumed.is_none());
+    assert_eq!(receipt.deterministic, Some(true));
+
+    // Its steward opens it, and the re-run opens the commitment.
+    let key = dir.path().join("alone.key");
+    let opened = Command::new(bin())
+        .args(["steward", "open"])
+        .arg(&bundle)
+        .arg("--key")
+        .arg(&key)
+        .output()
+        .unwrap();
+    assert!(
+        opened.status.success(),
+        "{}",
+        String::from_utf8_lossy(&opened.stderr)
+    );
+    let opening = String::from_utf8(opened.stdout).unwrap().trim().to_string();
+    let prompt_file = dir.path().join("prompt.txt");
+    std::fs::write(&prompt_file, prompt).unwrap();
+    let replayed = Command::new(bin())
+        .arg("replay")
+        .arg(&bundle)
+        .arg("--model")
+        .arg(&model)
+        .arg("--prompt-file")
+        .arg(&prompt_file)
+        .args(["--opening", &opening, "--json"])
+        .output()
+        .unwrap();
+    let verdict: Value = serde_json::from_slice(&replayed.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&replayed.stderr)));
+    assert_eq!(
+        (replayed.status.code(), verdict["verdict"].as_str()),
+        (Some(0), Some("verified")),
+        "{verdict:#}"
+    );
+
+    let refused = Command::new(bin())
+        .args([
+            "generate",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "2",
+            "--coordinator",
+            &alone.peer,
+            "--format",
+            "mesh-llm",
+            "--out",
+        ])
+        .arg(dir.path().join("mesh-llm.json"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{said}");
+    assert!(said.contains("one node ran this request whole"), "{said}");
+}
+
 #[test]
 fn grant_shards_are_enforced_by_every_steward() {
     let dir = tempfile::tempdir().unwrap();

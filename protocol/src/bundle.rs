@@ -567,6 +567,86 @@ pub fn verify_inclusion(
 /// The marker member of this project's requester bundle.
 pub const MESH_BUNDLE_MEMBER: &str = "mesh_bundle";
 
+/// The marker member of the bundle of a serve one node ran whole.
+pub const MESH1_BUNDLE_MEMBER: &str = "mesh1_bundle";
+
+/// The bundle of a serve one node ran whole (`docs/bundle.md`, form (d)):
+/// no split, so no records and no hops; its `mesh/1` receipt, the one
+/// before it in the same steward's chain, and the route table its `route`
+/// line names. Shape-checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mesh1Bundle<'a> {
+    pub mesh1_envelope: Vec<u8>,
+    pub mesh1_prev_envelope: Option<Vec<u8>>,
+    pub route: Option<&'a Value>,
+}
+
+/// An optional member holding the lowercase hex of a COSE envelope, at
+/// most `MAX_ENVELOPE_BYTES` once decoded.
+fn envelope_member(m: &mut Members<'_>, key: &'static str) -> Result<Option<Vec<u8>>, ShapeError> {
+    let path = m.path(key);
+    m.optional(key)
+        .map(|v| {
+            v.as_str()
+                .filter(|t| t.len() <= 2 * crate::mesh1::MAX_ENVELOPE_BYTES)
+                .and_then(hex::decode)
+                .ok_or_else(|| {
+                    ShapeError::invalid(path.clone(), "must be lowercase hex of a COSE envelope")
+                })
+        })
+        .transpose()
+}
+
+impl<'a> Mesh1Bundle<'a> {
+    pub fn from_value(value: &'a Value) -> Result<Self, ShapeError> {
+        let mut m = Members::of(value, "")?;
+        let marker_path = m.path(MESH1_BUNDLE_MEMBER);
+        if m.u64(MESH1_BUNDLE_MEMBER)? != 1 {
+            return Err(ShapeError::invalid(marker_path, "must be 1"));
+        }
+        let envelope_path = m.path("mesh1_envelope");
+        let mesh1_envelope = envelope_member(&mut m, "mesh1_envelope")?
+            .ok_or_else(|| ShapeError::new(envelope_path, Problem::Missing))?;
+        let mesh1_prev_envelope = envelope_member(&mut m, "mesh1_prev_envelope")?;
+        let route = m.optional("route");
+        m.finish()?;
+        Ok(Self {
+            mesh1_envelope,
+            mesh1_prev_envelope,
+            route,
+        })
+    }
+
+    /// Assemble a bundle document.
+    pub fn to_value(envelope: &[u8], previous: Option<&[u8]>, route: Option<Value>) -> Value {
+        let mut bundle = json!({
+            MESH1_BUNDLE_MEMBER: 1,
+            "mesh1_envelope": hex::encode(envelope),
+        });
+        if let Value::Object(map) = &mut bundle {
+            if let Some(previous) = previous {
+                map.insert("mesh1_prev_envelope".into(), json!(hex::encode(previous)));
+            }
+            if let Some(route) = route {
+                map.insert("route".into(), route);
+            }
+        }
+        bundle
+    }
+}
+
+/// The `mesh/1` envelope and the route table a requester bundle carries:
+/// a `mesh_bundle` (a split, which may carry no envelope) or a
+/// `mesh1_bundle` (a serve one node ran whole).
+pub fn carried_receipt(value: &Value) -> Result<(Option<Vec<u8>>, Option<&Value>), ShapeError> {
+    if value.get(MESH1_BUNDLE_MEMBER).is_some() {
+        let bundle = Mesh1Bundle::from_value(value)?;
+        return Ok((Some(bundle.mesh1_envelope), bundle.route));
+    }
+    let bundle = MeshBundle::from_value(value)?;
+    Ok((bundle.mesh1_envelope, bundle.route))
+}
+
 /// This project's requester bundle (`docs/bundle.md`), shape-checked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MeshBundle<'a> {
@@ -625,25 +705,8 @@ impl<'a> MeshBundle<'a> {
                 format!("more than {MAX_CARRIED_RECORDS} records"),
             ));
         }
-        let hex_member =
-            |m: &mut Members<'_>, key: &'static str| -> Result<Option<Vec<u8>>, ShapeError> {
-                let path = m.path(key);
-                m.optional(key)
-                    .map(|v| {
-                        v.as_str()
-                            .filter(|t| t.len() <= 2 * crate::mesh1::MAX_ENVELOPE_BYTES)
-                            .and_then(hex::decode)
-                            .ok_or_else(|| {
-                                ShapeError::invalid(
-                                    path.clone(),
-                                    "must be lowercase hex of a COSE envelope",
-                                )
-                            })
-                    })
-                    .transpose()
-            };
-        let mesh1_envelope = hex_member(&mut m, "mesh1_envelope")?;
-        let mesh1_prev_envelope = hex_member(&mut m, "mesh1_prev_envelope")?;
+        let mesh1_envelope = envelope_member(&mut m, "mesh1_envelope")?;
+        let mesh1_prev_envelope = envelope_member(&mut m, "mesh1_prev_envelope")?;
         let stewards_path = m.path("stewards");
         let stewards = match m.optional("stewards") {
             None => None,

@@ -15,8 +15,13 @@
 
 use crate::mesh1::{ContentId, MeshReceipt, output_commitment};
 
-/// The backend whose serves this replay knows how to re-execute.
+/// The backend of this project's split serves.
 pub const SPLIT_BACKEND: &str = "mesh-node/split";
+/// The backend of this project's serves one node ran whole (every layer,
+/// no split): the same engine, so replayed alike.
+pub const LOCAL_BACKEND: &str = "mesh-node/local";
+/// The backends whose serves this replay knows how to re-execute.
+pub const REPLAYED_BACKENDS: [&str; 2] = [SPLIT_BACKEND, LOCAL_BACKEND];
 
 /// Why a serve cannot be replayed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,7 +78,7 @@ impl NotReplayable {
                 "the serve was not declared deterministic (it sampled, used a rounding wire, ran its prompt in several steps, or was resumed)".into()
             }
             Self::OtherBackend(backend) => {
-                format!("backend {backend:?} is not one this replay re-executes ({SPLIT_BACKEND:?})")
+                format!("backend {backend:?} is not one this replay re-executes ({})", REPLAYED_BACKENDS.join(", "))
             }
             Self::OtherWeights => "the model given is not the weights the receipt sealed".into(),
             Self::OtherRecipe(recipe) => {
@@ -149,7 +154,7 @@ pub fn check_replayable(
     if receipt.output_commitment.is_none() {
         return Err(NotReplayable::NoCommitment);
     }
-    if receipt.backend != SPLIT_BACKEND {
+    if !REPLAYED_BACKENDS.contains(&receipt.backend.as_str()) {
         return Err(NotReplayable::OtherBackend(receipt.backend.clone()));
     }
     if receipt.deterministic != Some(true) {

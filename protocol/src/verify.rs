@@ -9,7 +9,9 @@ use serde_json::{Value, json};
 use thiserror::Error;
 
 use crate::block::{Side, StageBlock};
-use crate::bundle::{MESH_BUNDLE_MEMBER, MeshBundle, RecordPushBundle};
+use crate::bundle::{
+    MESH_BUNDLE_MEMBER, MESH1_BUNDLE_MEMBER, Mesh1Bundle, MeshBundle, RecordPushBundle,
+};
 use crate::capsule::{SealedRecord, check_capsule_id, references_of, stage_block_of};
 use crate::hex;
 use crate::hopcheck::{Carried, HopReport, check_hops};
@@ -25,6 +27,8 @@ pub enum DocumentForm {
     RecordPushBundle,
     /// This project's `mesh_bundle`.
     MeshBundle,
+    /// This project's `mesh1_bundle`: a serve one node ran whole.
+    Mesh1Bundle,
 }
 
 impl DocumentForm {
@@ -33,6 +37,7 @@ impl DocumentForm {
             DocumentForm::HopCase => "hop_case",
             DocumentForm::RecordPushBundle => "record_push_bundle",
             DocumentForm::MeshBundle => "mesh_bundle",
+            DocumentForm::Mesh1Bundle => "mesh1_bundle",
         }
     }
 }
@@ -215,7 +220,7 @@ impl VerifyReport {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DocumentError {
     #[error(
-        "not a recognised document: expected a hop case {{own, receipt, carried}}, a record_push_bundle or a mesh_bundle"
+        "not a recognised document: expected a hop case {{own, receipt, carried}}, a record_push_bundle, a mesh_bundle or a mesh1_bundle"
     )]
     UnknownForm,
     #[error("{0}")]
@@ -229,6 +234,8 @@ pub fn verify_document(document: &Value) -> Result<VerifyReport, DocumentError> 
         verify_record_push_bundle(document)
     } else if object.contains_key(MESH_BUNDLE_MEMBER) {
         verify_mesh_bundle(document)
+    } else if object.contains_key(MESH1_BUNDLE_MEMBER) {
+        verify_mesh1_bundle(document)
     } else if object.contains_key("own") && object.contains_key("receipt") {
         verify_hop_case(document)
     } else {
@@ -535,6 +542,62 @@ fn verify_log_proof(
 /// Form (c): this project's `mesh_bundle`.
 pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentError> {
     check_mesh_bundle(document).map(|checked| checked.report)
+}
+
+/// Form (d): this project's `mesh1_bundle`, a serve one node ran whole:
+/// its receipt verifies and carries no split or resume (a split's evidence
+/// is its records, which only a `mesh_bundle` carries), follows the
+/// previous envelope when given, and its route table recomputes.
+pub fn verify_mesh1_bundle(document: &Value) -> Result<VerifyReport, DocumentError> {
+    let bundle = Mesh1Bundle::from_value(document)?;
+    let mut report = VerifyReport {
+        form: DocumentForm::Mesh1Bundle,
+        checks: Vec::new(),
+        hop: None,
+        hop_error: None,
+        earlier_segments: Vec::new(),
+        resume: None,
+        stage_receipts: Vec::new(),
+    };
+    let sealed = match crate::mesh1::SealedReceipt::verify(&bundle.mesh1_envelope) {
+        Ok(sealed) => sealed,
+        Err(error) => {
+            report.checks.push(Check {
+                subject: "mesh/1 receipt".into(),
+                property: "COSE signature and receipt rules",
+                outcome: Err(error.to_string()),
+            });
+            return Ok(report);
+        }
+    };
+    let subject = format!("mesh/1 receipt #{}", sealed.receipt.sequence);
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "COSE signature and receipt rules",
+        outcome: Ok(()),
+    });
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "a serve one node ran whole (no split, no resume)",
+        outcome: match (&sealed.receipt.split, &sealed.receipt.resumed) {
+            (None, None) => Ok(()),
+            _ => Err(
+                "the receipt is a split's: its records come in a mesh_bundle, not a mesh1_bundle"
+                    .into(),
+            ),
+        },
+    });
+    if let Some(previous) = &bundle.mesh1_prev_envelope {
+        report.checks.push(Check {
+            subject,
+            property: "follows the previous envelope (sequence, prev)",
+            outcome: crate::mesh1::SealedReceipt::verify(previous)
+                .map_err(|e| format!("previous envelope: {e}"))
+                .and_then(|p| sealed.check_follows(&p).map_err(|e| e.to_string())),
+        });
+    }
+    verify_route_table(&mut report, bundle.route, &sealed.receipt);
+    Ok(report)
 }
 
 /// A verified main record, with its own slice and split receipt when it

@@ -1,6 +1,6 @@
 //! The committed `mesh/1` vectors hold: the signed core is canonical and the
-//! envelope reproduces from it with the published key; every receipt and
-//! grant case verifies or is refused as it says.
+//! envelope reproduces from it with the published key; every receipt,
+//! plain bundle and grant case verifies or is refused as it says.
 
 use std::path::PathBuf;
 
@@ -57,6 +57,23 @@ fn receipt_cases_verify_as_labelled() {
             "{}",
             case["name"]
         );
+    }
+}
+
+/// Each bundle of a serve one node ran whole verifies, fails or is
+/// unreadable as it says (`docs/bundle.md`, form (d)).
+#[test]
+fn plain_bundle_cases_verify_as_labelled() {
+    let cases = json("plain-bundles.json");
+    let cases = cases["cases"].as_array().unwrap();
+    assert!(cases.len() >= 9);
+    for case in cases {
+        let got = match mesh_protocol::verify::verify_document(&case["bundle"]) {
+            Err(_) => "unreadable",
+            Ok(report) if report.success() => "ok",
+            Ok(_) => "fails",
+        };
+        assert_eq!(got, case["verify"], "{}", case["name"]);
     }
 }
 

@@ -117,4 +117,33 @@ proptest! {
             );
         }
     }
+
+    /// A plain bundle (form (d)) changed anywhere is never verified, but
+    /// for the previous envelope left out (a link a requester may drop):
+    /// its other members are the marker and the signed envelope.
+    #[test]
+    fn mutated_plain_bundles_never_panic_or_pass(
+        case in 0usize..2,
+        path in proptest::collection::vec(any::<usize>(), 1..4),
+        replacement in prop_oneof![
+            Just(Value::Null), Just(serde_json::json!(0)), Just(serde_json::json!("x")),
+            Just(serde_json::json!(u64::MAX)), Just(serde_json::json!({})), Just(serde_json::json!([])),
+            Just(serde_json::json!("d2")), Just(serde_json::json!(true)),
+        ],
+    ) {
+        let mut bundle = load("mesh1/plain-bundles.json")["cases"][case]["bundle"].clone();
+        let original = bundle.clone();
+        mutate(&mut bundle, &path, &replacement);
+        if bundle != original
+            && let Ok(report) = verify_document(&bundle)
+        {
+            prop_assert!(
+                !report.success()
+                    || (bundle["mesh1_envelope"] == original["mesh1_envelope"]
+                        && bundle["mesh1_bundle"] == 1
+                        && bundle["mesh1_prev_envelope"].is_null()),
+                "{bundle}"
+            );
+        }
+    }
 }

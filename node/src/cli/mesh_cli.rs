@@ -96,7 +96,8 @@ pub struct PlanArgs {
     /// address's node.
     #[arg(long)]
     pub coordinator: Option<String>,
-    /// Pin the number of stages (default: the planner decides, at least 2).
+    /// Pin the number of stages (default: the planner decides; 1 is the
+    /// coordinator alone).
     #[arg(long)]
     pub stages: Option<usize>,
     /// Plan over the members described in this JSON file instead of a live
@@ -218,7 +219,7 @@ pub async fn plan(args: &PlanArgs) -> anyhow::Result<(serde_json::Value, String)
     let coordinator = parse_did_key(&coordinator)
         .with_context(|| format!("`{coordinator}` is not a did:key node id"))?;
     let shape = planner::model_shape(&model);
-    let stages = args.stages.map_or(Stages::AtLeast(2), Stages::Pinned);
+    let stages = args.stages.map_or(Stages::AtLeast(1), Stages::Pinned);
     let plan = planner::plan_over(&shape, &package_id, &coordinator, &members, stages)?;
     let mut json = planner::plan_json(&plan, &members);
     json["model"] = serde_json::json!({

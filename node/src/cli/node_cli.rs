@@ -248,8 +248,9 @@ pub struct MeshArgs {
     /// what is free at start).
     #[arg(long)]
     pub memory_mib: Option<u64>,
-    /// Pin the number of stages a coordinator plans over the mesh
-    /// (default: the planner decides, at least 2).
+    /// Pin the number of stages a coordinator plans over the mesh; 1 is
+    /// this node alone (default: the planner decides, splitting only where
+    /// that is faster or the model does not fit this node).
     #[arg(long)]
     pub stages: Option<usize>,
     /// Advertise this decode time per layer and token, microseconds,
@@ -664,6 +665,14 @@ pub fn as_record_push_bundle(bundle: &serde_json::Value) -> anyhow::Result<serde
         anyhow::bail!(
             "this request was resumed on a new chain after a stage was lost ({} earlier segment(s)): a record_push_bundle has no place for its earlier segments and resume block; write it with --format mesh",
             earlier.len()
+        );
+    }
+    if bundle
+        .get(mesh_protocol::bundle::MESH1_BUNDLE_MEMBER)
+        .is_some()
+    {
+        anyhow::bail!(
+            "one node ran this request whole: there is no split record to write as a record_push_bundle; write it with --format mesh (a mesh1_bundle: its mesh/1 receipt)"
         );
     }
     let (Some(inclusion), Some(checkpoint)) = (bundle.get("inclusion"), bundle.get("checkpoint"))

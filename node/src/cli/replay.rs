@@ -58,8 +58,8 @@ fn read_output(path: &Path) -> anyhow::Result<Vec<u32>> {
 fn request_figures(path: &Path, sealed: &SealedReceipt) -> Option<RouteRequest> {
     let bytes = std::fs::read(path).ok()?;
     let document = mesh_protocol::json::parse_strict(&bytes).ok()?;
-    let bundle = mesh_protocol::bundle::MeshBundle::from_value(&document).ok()?;
-    let route = mesh_protocol::route::check_table(bundle.route?, &sealed.receipt).ok()?;
+    let (_, route) = mesh_protocol::bundle::carried_receipt(&document).ok()?;
+    let route = mesh_protocol::route::check_table(route?, &sealed.receipt).ok()?;
     Some(route.request)
 }
 

@@ -51,11 +51,9 @@ pub fn read_receipt(path: &Path) -> Result<mesh_protocol::mesh1::SealedReceipt, 
         None => {
             let document =
                 parse_strict(&bytes).map_err(|e| format!("{shown}: not valid JSON: {e}"))?;
-            let bundle = mesh_protocol::bundle::MeshBundle::from_value(&document)
+            let (envelope, _) = mesh_protocol::bundle::carried_receipt(&document)
                 .map_err(|e| format!("{shown}: not a mesh bundle: at {e}"))?;
-            bundle
-                .mesh1_envelope
-                .ok_or_else(|| format!("{shown}: the bundle carries no mesh/1 receipt"))?
+            envelope.ok_or_else(|| format!("{shown}: the bundle carries no mesh/1 receipt"))?
         }
     };
     mesh_protocol::mesh1::SealedReceipt::verify(&envelope)

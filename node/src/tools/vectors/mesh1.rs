@@ -756,6 +756,12 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             pretty(&change_cases(&steward, &first)?),
         ),
         ("mesh1/routes.json".into(), pretty(&route_cases()?)),
+        (
+            "mesh1/plain-bundles.json".into(),
+            pretty(&crate::tools::vectors::plain_bundle::cases(
+                &steward, &first, &second,
+            )?),
+        ),
     ])
 }
 

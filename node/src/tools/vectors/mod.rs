@@ -10,6 +10,7 @@ use anyhow::Context;
 mod file;
 pub mod mesh;
 pub mod mesh1;
+pub mod plain_bundle;
 pub mod split_stage;
 pub mod stage;
 

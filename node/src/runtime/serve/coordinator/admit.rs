@@ -325,7 +325,7 @@ pub(crate) async fn admit<'a>(
             own_presentation.as_ref(),
             &serve,
             Some(coordinator.shared.model.weights_digest()),
-            "mesh-node/split",
+            run.backend(),
             now_ms(),
         )
         .map_err(|error| match own_presentation {

@@ -216,15 +216,16 @@ impl<'s, 'h> Segment<'s, 'h> {
             .copied()
             .collect();
         let lanes = Folding::new(HopSession::new(admitted.scope.clone(), 0));
-        let direct_waiter = if coordinator.settings.return_mode == ReturnMode::Direct {
-            let (sender, receiver) = oneshot::channel();
-            let final_stage = run.keys[run.assigns.len() - 1];
-            lock(&coordinator.directs).insert(admitted.request_id, (final_stage, sender));
-            admitted.held.direct = true;
-            Some(receiver)
-        } else {
-            None
-        };
+        let direct_waiter =
+            if coordinator.settings.return_mode == ReturnMode::Direct && !run.alone() {
+                let (sender, receiver) = oneshot::channel();
+                let final_stage = run.keys[run.assigns.len() - 1];
+                lock(&coordinator.directs).insert(admitted.request_id, (final_stage, sender));
+                admitted.held.direct = true;
+                Some(receiver)
+            } else {
+                None
+            };
         let started = Instant::now();
         let schedule = Schedule::new(
             prefix.len(),
@@ -240,8 +241,9 @@ impl<'s, 'h> Segment<'s, 'h> {
                     outputs.truncate(keep.positions * hidden_size);
                 }
             }
-            // A fresh own cache: its outputs are computed again.
-            _ => progress.own_outputs = Some(Vec::new()),
+            // A fresh own cache: its outputs are computed again (kept for
+            // a replay onto another chain; alone, there is none to replay to).
+            _ => progress.own_outputs = (!run.alone()).then(Vec::new),
         }
         let drafting = coordinator.settings.draft_tokens > 0
             && admitted.decision.is_none()
@@ -295,11 +297,15 @@ impl<'s, 'h> Segment<'s, 'h> {
     }
 
     /// Open the chain, run its steps, STOP it when it is healthy: how the
-    /// steps ended, and what its streams still have to say.
+    /// steps ended, and what its streams still have to say (nothing, when
+    /// this node runs every layer alone).
     async fn run_chain(
         &mut self,
         requester: &mut quinn::SendStream,
-    ) -> anyhow::Result<(anyhow::Result<TerminalState>, Tail)> {
+    ) -> anyhow::Result<(anyhow::Result<TerminalState>, Option<Tail>)> {
+        if self.run.alone() {
+            return Ok((self.steps_alone(requester).await, None));
+        }
         let mut chain = self.open_chain().await?;
         let result = self.steps(&mut chain, requester).await;
         // STOP enters the forward lane only when the chain is healthy. After
@@ -314,7 +320,7 @@ impl<'s, 'h> Segment<'s, 'h> {
         }
         let step_timeout = self.coordinator.shared.step_timeout;
         let tail = chain.into_tail(result.is_err(), self.cursor.owed > 0, step_timeout);
-        Ok((result, tail))
+        Ok((result, Some(tail)))
     }
 
     /// Connect to stage 1 and send OPEN.
@@ -421,7 +427,48 @@ impl<'s, 'h> Segment<'s, 'h> {
             let Some(hidden) = self.take_reply(&reply)? else {
                 continue;
             };
-            if let Some(state) = self.sample(hidden, chain, requester).await? {
+            if let Some(state) = self.sample(hidden, Some(&mut *chain), requester).await? {
+                return Ok(state);
+            }
+        }
+    }
+
+    /// The step loop of a node that runs every layer: each step through the
+    /// own slice, then the head, with no chain between.
+    async fn steps_alone(
+        &mut self,
+        requester: &mut quinn::SendStream,
+    ) -> anyhow::Result<TerminalState> {
+        loop {
+            if self.deadline.is_past() {
+                return Ok(TerminalState::TimedOut);
+            }
+            if self.progress.requester_gone.load(Ordering::Relaxed) {
+                return Ok(TerminalState::ClientCancelled);
+            }
+            let Some(hidden) = self.own_output().await? else {
+                return Ok(TerminalState::PolicyDenied);
+            };
+            // A prefill chunk's last position is sampled only for the
+            // prompt's last chunk.
+            if (self.cursor.step as usize) + 1 < self.schedule.chunks.len() {
+                self.advance();
+                continue;
+            }
+            // A prefill step samples its last position; a decode step every
+            // row (the token sampled and its draft), as a chain returns them.
+            let rows = if self.schedule.decodes(self.cursor.step) {
+                hidden.rows
+            } else {
+                1
+            };
+            let tail = hidden.rows.saturating_sub(rows) * hidden.cols;
+            let hidden = Activations {
+                values: hidden.values.get(tail..).unwrap_or_default().to_vec(),
+                rows,
+                cols: hidden.cols,
+            };
+            if let Some(state) = self.sample(hidden, None, requester).await? {
                 return Ok(state);
             }
         }
@@ -446,6 +493,21 @@ impl<'s, 'h> Segment<'s, 'h> {
                 .context("the own slice's kept outputs")?;
             return Ok(Some(encode_frame(outputs, rows.len(), hidden_size, wire)?));
         }
+        let Some(hidden) = self.own_output().await? else {
+            return Ok(None);
+        };
+        Ok(Some(encode_frame(
+            &hidden.values,
+            hidden.rows,
+            hidden.cols,
+            wire,
+        )?))
+    }
+
+    /// The own slice's output for the step's input. None when the grant's
+    /// energy ceiling was reached.
+    async fn own_output(&mut self) -> anyhow::Result<Option<Activations>> {
+        let step = self.cursor.step as usize;
         let compute_start = Instant::now();
         let held = &mut self.admitted.held;
         let lease = held.cache.take().context("the request's cache")?;
@@ -488,12 +550,7 @@ impl<'s, 'h> Segment<'s, 'h> {
         if let Some(out) = outputs.as_mut() {
             out.extend_from_slice(&hidden.values);
         }
-        Ok(Some(encode_frame(
-            &hidden.values,
-            hidden.rows,
-            hidden.cols,
-            wire,
-        )?))
+        Ok(Some(hidden))
     }
 
     /// Send the step's frame down to stage 1. True when the next step goes
@@ -597,7 +654,7 @@ impl<'s, 'h> Segment<'s, 'h> {
     async fn sample(
         &mut self,
         hidden: Activations,
-        chain: &mut Chain,
+        chain: Option<&mut Chain>,
         requester: &mut quinn::SendStream,
     ) -> anyhow::Result<Option<TerminalState>> {
         let step = self.cursor.step;
@@ -721,8 +778,8 @@ impl<'s, 'h> Segment<'s, 'h> {
     }
 
     /// The rejected positions leave every cache before the next step: the
-    /// own one here, the stages' by REWIND.
-    async fn rewind(&mut self, chain: &mut Chain, rejected: usize) -> anyhow::Result<()> {
+    /// own one here, the stages' (when there is a chain) by REWIND.
+    async fn rewind(&mut self, chain: Option<&mut Chain>, rejected: usize) -> anyhow::Result<()> {
         let lease = self
             .admitted
             .held
@@ -735,6 +792,9 @@ impl<'s, 'h> Segment<'s, 'h> {
         if let Some(out) = self.progress.own_outputs.as_mut() {
             out.truncate(positions * hidden_size);
         }
+        let Some(chain) = chain else {
+            return Ok(());
+        };
         let rewind = Rewind {
             positions: positions as u64,
         };
@@ -773,7 +833,7 @@ impl<'s, 'h> Segment<'s, 'h> {
     /// for a chain that will be resumed), how it ended, what it lost.
     async fn conclude(
         self,
-        outcome: anyhow::Result<(anyhow::Result<TerminalState>, Tail)>,
+        outcome: anyhow::Result<(anyhow::Result<TerminalState>, Option<Tail>)>,
     ) -> Driven {
         let Segment {
             coordinator,
@@ -800,13 +860,13 @@ impl<'s, 'h> Segment<'s, 'h> {
             .copied()
             .collect();
         let (outcome, tail) = match outcome {
-            Ok((result, tail)) => (result, Some(tail)),
+            Ok((result, tail)) => (result, tail),
             Err(error) => (Err(error), None),
         };
         // A stage that left the mesh has nothing more to say: its streams
         // are not drained (they would end only at the QUIC idle timeout).
         let gone = Gone {
-            stage1: lost.contains(&run.keys[1]),
+            stage1: run.keys.get(1).is_some_and(|key| lost.contains(key)),
             final_stage: lost.contains(&run.keys[run.assigns.len() - 1]),
         };
         let chain_failed = outcome.is_err() && budget_stop.is_none();
@@ -815,6 +875,7 @@ impl<'s, 'h> Segment<'s, 'h> {
         // the survivors' last frames complete this segment's lanes by the
         // time it is sealed, and the request goes on at once.
         let resumable = chain_failed
+            && !run.alone()
             && run.projected_us.is_some()
             && !deadline.is_past()
             && tokens < admitted.max_new;

@@ -34,7 +34,7 @@ impl CoordinatorRole {
     /// current run is kept while every stage of it is still a usable member
     /// and the new plan is not `MIN_REPLAN_GAIN` faster: round trips jitter,
     /// and each new run costs every stage a new assignment.
-    pub(crate) fn chain(&self, current: Option<&Run>) -> anyhow::Result<Chain> {
+    pub(crate) fn chain(&self, current: Option<&Run>, at_least: usize) -> anyhow::Result<Chain> {
         let layers = self.shared.model.config().layers;
         if !self.shared.peers.is_empty() {
             let stages = self.shared.peers.len() as u32 + 1;
@@ -56,12 +56,17 @@ impl CoordinatorRole {
             return Ok((self.shared.peers.clone(), ranges, None));
         }
         let Some(mesh) = self.shared.mesh.get() else {
-            bail!(
-                "this node has no peers to split over; start it with --peer NODEID@HOST:PORT, \
-                 or join a mesh (--bootstrap MULTIADDR, or mDNS on a LAN)"
-            );
+            // No peers and no mesh: this node runs every layer itself.
+            if let Some(stages) = self.planning.stages.or(Some(at_least)).filter(|n| *n > 1) {
+                bail!(
+                    "{stages} stages asked for, but this node has no peers to split over; \
+                     start it with --peer HOST:PORT, or join a mesh (--bootstrap HOST:PORT)"
+                );
+            }
+            let every_layer = std::iter::once(0..layers).collect();
+            return Ok((Vec::new(), every_layer, None));
         };
-        let (mut plan, usable, (own, others)) = self.plan_now(mesh)?;
+        let (mut plan, usable, (own, others)) = self.plan_now(mesh, at_least)?;
         // A chain that lost a stage keeps its survivors where they were
         // (their loaded layers, and the caches a resumed request keeps)
         // when that costs little more than the best plan.
@@ -88,6 +93,7 @@ impl CoordinatorRole {
         }
         if let Some(run) = current
             && let Some(before) = run.projected_us
+            && run.assigns.len() >= at_least
             && run.peers.iter().all(|p| usable.contains(&(p.key, p.addr)))
             && plan
                 .projected_us_per_token
@@ -123,6 +129,7 @@ impl CoordinatorRole {
     pub(crate) fn plan_now(
         &self,
         mesh: &crate::runtime::mesh::Mesh,
+        at_least: usize,
     ) -> anyhow::Result<(mesh_protocol::plan::Plan, Vec<Usable>, Candidates)> {
         use mesh_protocol::plan::{LeftOut, Stages};
         // Planning weighs every member (milliseconds for a large model and
@@ -155,6 +162,7 @@ impl CoordinatorRole {
         };
         if let Some(cached) = lock(&self.planning.cache).as_ref()
             && cached.generation == generation
+            && cached.at_least == at_least
             && cached.refused == refused_now
             && cached.addresses == addresses
         {
@@ -175,10 +183,15 @@ impl CoordinatorRole {
                 *reason = Some(LeftOut::Refused);
             }
         }
+        // One stage is this node alone: a split is planned only where it
+        // is faster, or where the model does not fit this node.
         let stages = match self.planning.stages {
-            Some(n) if n < 2 => bail!("split serving needs at least 2 stages, not {n}"),
+            Some(0) => bail!("--stages 0: give at least 1"),
+            Some(n) if n < at_least => {
+                bail!("--stages {n}: a resumed request needs a split of at least {at_least}")
+            }
             Some(n) => Stages::Pinned(n),
-            None => Stages::AtLeast(2),
+            None => Stages::AtLeast(at_least),
         };
         let usable: Vec<Usable> = others
             .iter()
@@ -205,6 +218,7 @@ impl CoordinatorRole {
         })?;
         *lock(&self.planning.cache) = Some(PlanCache {
             generation,
+            at_least,
             addresses,
             refused: refused_now,
             plan: plan.clone(),
@@ -292,14 +306,14 @@ impl CoordinatorRole {
     /// the configured peers or the mesh's members give now. Requests in
     /// flight keep the run they started on. Over a mesh, a chain whose
     /// assignment is refused is planned again around the refusing member.
-    pub(crate) async fn ensure_run(self: &Arc<Self>) -> anyhow::Result<Arc<Run>> {
+    pub(crate) async fn ensure_run(self: &Arc<Self>, at_least: usize) -> anyhow::Result<Arc<Run>> {
         let until = Instant::now() + MESH_SETTLE_WAIT;
         loop {
             let refused_before = self
                 .planning
                 .refusals
                 .load(std::sync::atomic::Ordering::Relaxed);
-            match self.ensure_run_once().await {
+            match self.ensure_run_once(at_least).await {
                 Err(error) if self.shared.mesh.get().is_some() && Instant::now() < until => {
                     tracing::info!("planning again: {error:#}");
                     let refused_now = self
@@ -321,9 +335,12 @@ impl CoordinatorRole {
         }
     }
 
-    pub(crate) async fn ensure_run_once(self: &Arc<Self>) -> anyhow::Result<Arc<Run>> {
+    pub(crate) async fn ensure_run_once(
+        self: &Arc<Self>,
+        at_least: usize,
+    ) -> anyhow::Result<Arc<Run>> {
         let mut guard = self.run.lock().await;
-        let (peers, ranges, projected_us) = self.chain(guard.as_deref())?;
+        let (peers, ranges, projected_us) = self.chain(guard.as_deref(), at_least)?;
         if let Some(run) = guard.as_ref().filter(|run| {
             run.peers == peers
                 && run

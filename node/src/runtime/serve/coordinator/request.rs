@@ -22,7 +22,7 @@ use crate::runtime::serve::coordinator::role::MAX_RESUMES;
 use crate::runtime::serve::coordinator::role::is_busy;
 use crate::runtime::serve::coordinator::role::is_route_refusal;
 use crate::runtime::serve::coordinator::role::send_error;
-use crate::runtime::serve::coordinator::runs::Run;
+use crate::runtime::serve::coordinator::runs::{A_SPLIT, ANY_CHAIN, Run};
 use crate::runtime::serve::coordinator::seal::Interrupted;
 use crate::runtime::serve::coordinator::seal::seal;
 use crate::runtime::serve::coordinator::seal::seal_interrupted;
@@ -41,7 +41,7 @@ pub(crate) async fn handle_plan(
     coordinator: Arc<CoordinatorRole>,
     send: &mut quinn::SendStream,
 ) -> anyhow::Result<()> {
-    match coordinator.ensure_run().await {
+    match coordinator.ensure_run(ANY_CHAIN).await {
         Ok(run) => {
             let plan = ControlReply::Plan {
                 run_id: run.assigns[0].run_id.clone(),
@@ -78,7 +78,7 @@ pub(crate) async fn handle_generate(
         }
         reason
     };
-    let run = match run_by(&coordinator, deadline).await {
+    let run = match run_by(&coordinator, deadline, ANY_CHAIN).await {
         Some(Ok(run)) => run,
         Some(Err(error)) => {
             refused_other();
@@ -111,10 +111,11 @@ pub(crate) async fn handle_generate(
 pub(crate) async fn run_by(
     coordinator: &Arc<CoordinatorRole>,
     deadline: Deadline,
+    at_least: usize,
 ) -> Option<anyhow::Result<Arc<Run>>> {
     let loading = {
         let coordinator = coordinator.clone();
-        tokio::spawn(async move { coordinator.ensure_run().await })
+        tokio::spawn(async move { coordinator.ensure_run(at_least).await })
     };
     match tokio::time::timeout_at(deadline.at(), loading).await {
         Ok(Ok(outcome)) => Some(outcome),
@@ -201,7 +202,7 @@ pub(crate) async fn serve_request(
             tokens = progress.tokens.len(),
             "resuming on a new chain: {failure}"
         );
-        let next = match run_by(coordinator, deadline).await {
+        let next = match run_by(coordinator, deadline, A_SPLIT).await {
             Some(Ok(next)) => next,
             Some(Err(error)) => {
                 driven.failure = Some(format!(

@@ -58,14 +58,15 @@ impl RouteCosts {
     }
 }
 
-/// A backend's name: the chain's stage count and its topology.
+/// A backend's name: the chain's stage count (`local` for this node
+/// alone) and its topology.
 pub(crate) fn chain_name(run: &Run) -> String {
     let topology = &run.assigns[0].topology_hash;
-    format!(
-        "split/{}@{}",
-        run.assigns.len(),
-        &topology[..topology.len().min(16)]
-    )
+    let topology = &topology[..topology.len().min(16)];
+    match run.assigns.len() {
+        1 => format!("local@{topology}"),
+        stages => format!("split/{stages}@{topology}"),
+    }
 }
 
 #[cfg(test)]

@@ -28,9 +28,28 @@ pub(crate) struct Run {
     pub(crate) stale: std::sync::atomic::AtomicBool,
 }
 
+impl Run {
+    /// This node runs every layer itself: no stage, no hop, no split.
+    pub(crate) fn alone(&self) -> bool {
+        self.peers.is_empty()
+    }
+
+    /// The backend its serves are authorised and sealed under: a split's,
+    /// or a node's that runs every layer alone.
+    pub(crate) fn backend(&self) -> &'static str {
+        if self.alone() {
+            mesh_protocol::replay::LOCAL_BACKEND
+        } else {
+            mesh_protocol::replay::SPLIT_BACKEND
+        }
+    }
+}
+
 /// A plan and what it was made from.
 pub(crate) struct PlanCache {
     pub(crate) generation: u64,
+    /// The fewest stages it was planned with.
+    pub(crate) at_least: usize,
     /// Every member's data address (an advert can move it without a
     /// change to the member set).
     pub(crate) addresses: Vec<([u8; 32], String)>,
@@ -54,6 +73,12 @@ pub(crate) type Chain = (Vec<PeerAddr>, Vec<std::ops::Range<u32>>, Option<u64>);
 
 /// A member the planner could use: its key and data address.
 pub(crate) type Usable = ([u8; 32], SocketAddr);
+
+/// The fewest stages of a request's first chain: this node alone will do.
+pub const ANY_CHAIN: usize = 1;
+/// The fewest stages of the chain a request resumes on: its evidence is a
+/// split's (the resume block links the segments' main records).
+pub const A_SPLIT: usize = 2;
 
 /// A new plan replaces the current run only when it is this much faster
 /// (numerator, denominator: 4/5, at least 20 % less time per token).

@@ -13,7 +13,7 @@ use crate::runtime::serve::coordinator::drive::Driven;
 use crate::runtime::serve::coordinator::progress::Progress;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use crate::runtime::serve::coordinator::runs::Run;
-use anyhow::Context;
+use anyhow::{Context, bail};
 use mesh_protocol::block::{TerminalState, Tokens};
 use mesh_protocol::capsule::{Producer, SealedRecord, format_timestamp};
 use mesh_protocol::identity::did_key;
@@ -195,13 +195,8 @@ pub(crate) fn seal(
     let serve = &admitted.serve;
     let tokens = &progress.tokens;
     let Collected { metered, stages } = collected;
-    let (sealed, main_leaf) = seal_segment(coordinator, run, driven, &stages.records)?;
+    let (split, resumed) = seal_final_segment(coordinator, run, driven, &stages.records, &earlier)?;
     let model_id = coordinator.shared.model_id();
-    let resumed = (!earlier.is_empty()).then(|| {
-        let mut segments: Vec<_> = earlier.iter().map(|(_, entry)| entry.clone()).collect();
-        segments.push(segment_entry(&sealed, run, driven));
-        canonical_bytes(&mesh_protocol::resume::ResumeBlock { segments }.to_value())
-    });
 
     let visible: Vec<u32> = tokens
         .iter()
@@ -240,7 +235,7 @@ pub(crate) fn seal(
     let receipt = MeshReceipt {
         request_id: serve.request_id(),
         grant_id: metered.grant_id,
-        backend: mesh_protocol::replay::SPLIT_BACKEND.into(),
+        backend: run.backend().into(),
         recipe: model_id.clone(),
         weights: Some(WeightsBinding {
             weights_digest: coordinator.shared.model.weights_digest(),
@@ -293,7 +288,9 @@ pub(crate) fn seal(
         prev: None,
         nonce: crate::runtime::keys::random_bytes()?,
         steward: String::new(),
-        split: Some(canonical_bytes(&sealed.receipt.to_value())),
+        split: split
+            .as_ref()
+            .map(|(sealed, _)| canonical_bytes(&sealed.receipt.to_value())),
         resumed,
         // The engine's declaration (SPEC §5), under the steward's signature.
         deterministic: Some(progress.deterministic && earlier.is_empty()),
@@ -308,15 +305,52 @@ pub(crate) fn seal(
     };
 
     let earlier = earlier.into_iter().map(|(bundle, _)| bundle).collect();
-    let bundle = request_bundle(
-        coordinator,
-        (&sealed, run, &stages.receipts),
-        admitted,
-        (&envelope, previous_envelope),
-        earlier,
-        main_leaf,
-    );
+    let bundle = match &split {
+        Some((sealed, main_leaf)) => request_bundle(
+            coordinator,
+            (sealed, run, &stages.receipts),
+            admitted,
+            (&envelope, previous_envelope),
+            earlier,
+            *main_leaf,
+        ),
+        None => mesh_protocol::bundle::Mesh1Bundle::to_value(
+            &envelope.envelope,
+            previous_envelope
+                .filter(|_| envelope.receipt.sequence > 0)
+                .as_deref(),
+            Some(admitted.route.to_json()),
+        ),
+    };
     Ok(Sealed { bundle, envelope })
+}
+
+/// A segment's sealed split and its main record's leaf in the log.
+type SplitSealed = (mesh_protocol::split::SealedSplit, u64);
+
+/// The final segment's split (with its main record's leaf in the log),
+/// and for a resumed request the resume block's bytes; no split for a node
+/// that ran every layer alone (its receipt is a plain one).
+fn seal_final_segment(
+    coordinator: &Arc<CoordinatorRole>,
+    run: &Run,
+    driven: &Driven,
+    records: &[Vec<SealedRecord>],
+    earlier: &[(serde_json::Value, mesh_protocol::resume::Segment)],
+) -> anyhow::Result<(Option<SplitSealed>, Option<Vec<u8>>)> {
+    if run.alone() {
+        if !earlier.is_empty() {
+            bail!("a resumed request ended on no split");
+        }
+        return Ok((None, None));
+    }
+    let (sealed, main_leaf) = seal_segment(coordinator, run, driven, records)?;
+    let resumed = (!earlier.is_empty()).then(|| {
+        let mut segments: Vec<_> = earlier.iter().map(|(_, entry)| entry.clone()).collect();
+        segments.push(segment_entry(&sealed, run, driven));
+        canonical_bytes(&mesh_protocol::resume::ResumeBlock { segments }.to_value())
+    });
+    Ok((Some((sealed, main_leaf)), resumed))
 }
 
 /// The request's bundle: its last segment's, with the `mesh/1` envelope
