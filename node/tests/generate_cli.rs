@@ -57,6 +57,51 @@ fn json_output_and_split_equals_unsplit() {
     );
 }
 
+/// A model whose chat template is of no family the engine ever named
+/// (Gemma's turn markers, a filter, a conditional role, `bos_token`)
+/// chats with its own template, rendered as Jinja renders it.
+#[test]
+fn a_model_chats_with_its_own_template_whatever_its_family() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::nodes::synthetic_with(
+        dir.path(),
+        &mesh_stage::synthetic::SyntheticSpec {
+            chat_template: "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + message['content'] | trim }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}".into(),
+            ..Default::default()
+        },
+    );
+    let chatted = generate(dir.path(), &["--chat", "--model", model.to_str().unwrap()]);
+    let handle = mesh_stage::ModelHandle::open(&model).unwrap();
+    let rendered =
+        "<|endoftext|><start_of_turn>user\nHello mesh<end_of_turn>\n<start_of_turn>model\n";
+    let expected = handle.text().encode(rendered).unwrap();
+    assert_eq!(
+        chatted["prompt_token_ids"],
+        serde_json::json!(expected),
+        "the prompt is the template's rendering"
+    );
+    // Without a template there is nothing to chat with: one clear line.
+    let bare = common::nodes::synthetic_with(
+        &dir.path().join("bare"),
+        &mesh_stage::synthetic::SyntheticSpec {
+            chat_template: "{% for message in messages %}".into(),
+            ..Default::default()
+        },
+    );
+    let refused = Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+        .env("MESH_MODEL_CACHE", dir.path())
+        .args(["generate", "--chat", "--prompt", "Hi", "--model"])
+        .arg(&bare)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        said.contains("chat template") && said.contains("run without --chat"),
+        "{said}"
+    );
+}
+
 #[test]
 fn bad_requests_fail_with_a_message() {
     let cache = tempfile::tempdir().unwrap();

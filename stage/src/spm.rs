@@ -146,6 +146,11 @@ impl SpmVocabulary {
         self.ids.get(text).copied()
     }
 
+    /// A token's text, as the vocabulary holds it.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.tokens.get(id as usize).cloned()
+    }
+
     /// The ids of `text`, without a BOS (the caller adds it).
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut output = Vec::new();

@@ -29,6 +29,8 @@ pub struct SyntheticSpec {
     /// Declare a training corpus (SPEC §3.7) in the GGUF metadata: its
     /// digest (64 hex) and authority (`signed`, `logged` or `opaque`).
     pub training: Option<(String, String)>,
+    /// The chat template (Jinja) the GGUF carries (default: ChatML).
+    pub chat_template: String,
 }
 
 impl Default for SyntheticSpec {
@@ -43,6 +45,7 @@ impl Default for SyntheticSpec {
             context: 2048,
             qwen2: false,
             training: None,
+            chat_template: CHAT_TEMPLATE.into(),
         }
     }
 }
@@ -285,7 +288,7 @@ pub fn write_synthetic(
             ("tokenizer.ggml.add_bos_token".into(), V::Bool(false)),
             (
                 "tokenizer.chat_template".into(),
-                V::String(CHAT_TEMPLATE.into()),
+                V::String(spec.chat_template.clone()),
             ),
         ]
         .into_iter()
@@ -359,7 +362,7 @@ pub fn write_synthetic(
         .save(st.join("tokenizer.json"), false)
         .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
     let tokenizer_config = serde_json::json!({
-        "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "add_bos_token": false, "chat_template": CHAT_TEMPLATE,
+        "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "add_bos_token": false, "chat_template": spec.chat_template,
     });
     let tc = st.join("tokenizer_config.json");
     std::fs::write(

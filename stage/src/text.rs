@@ -15,10 +15,13 @@ pub struct TextCodec {
     eos: Vec<u32>,
     bos: Option<u32>,
     add_bos: bool,
-    chat: Option<ChatTemplate>,
-    /// Whether the model carries a chat template at all (recognised or not).
-    has_template: bool,
+    /// The model's chat template, or why there is none to chat with.
+    chat: std::result::Result<ChatTemplate, String>,
 }
+
+/// Why a model without a chat template is not chatted with.
+const NO_CHAT_TEMPLATE: &str =
+    "the model has no chat template (a base model completes text as written)";
 
 /// The text of a growing list of token ids, as `TextCodec::decode` gives
 /// it for the whole list, worked out at each new id from the last few ids
@@ -110,106 +113,101 @@ impl Vocabulary {
             Vocabulary::Spm(v) => v.token_to_id(text),
         }
     }
+
+    fn id_to_token(&self, id: u32) -> Option<String> {
+        match self {
+            Vocabulary::Hf(t) => t.id_to_token(id),
+            Vocabulary::Spm(v) => v.id_to_token(id),
+        }
+    }
 }
 
-/// The chat formats this engine renders (from the model's own template).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ChatTemplate {
-    /// `<|im_start|>role\n…<|im_end|>\n`, with the template's default system
-    /// message when it has one (SmolLM2, Qwen2).
-    ChatMl { default_system: Option<String> },
-    /// Llama 3: `<|start_header_id|>role<|end_header_id|>\n\n…<|eot_id|>`.
-    Llama3,
-    /// Llama 2 / Mistral: `[INST] … [/INST]`.
-    Inst,
+/// Most fuel (minijinja's count of instructions) one rendering of a chat
+/// template may burn: a conversation of the API's most messages renders
+/// in far less, and a template that loops without end stops here.
+const CHAT_TEMPLATE_FUEL: u64 = 2_000_000;
+
+/// A model's own chat template (Jinja), rendered as transformers'
+/// `apply_chat_template` renders it: `messages` (`role`, `content`),
+/// `add_generation_prompt`, `bos_token`, `eos_token` and
+/// `raise_exception`, with Jinja's `trim_blocks` and `lstrip_blocks` and
+/// Python's string methods. Compiled once when the model is read, so a
+/// template this engine cannot render is said then, not at the first chat.
+#[derive(Debug, Clone)]
+pub struct ChatTemplate {
+    source: String,
+    bos_token: String,
+    eos_token: String,
 }
 
 impl ChatTemplate {
-    /// Recognise a Jinja chat template by its markers.
-    pub fn recognise(template: &str) -> Option<Self> {
-        if template.contains("<|im_start|>") {
-            let default_system = template.find("<|im_start|>system\n").and_then(|start| {
-                let rest = &template[start + "<|im_start|>system\n".len()..];
-                let end = rest.find("<|im_end|>")?;
-                let text = &rest[..end];
-                (!text.contains("{{") && !text.contains("message")).then(|| text.to_string())
-            });
-            Some(ChatTemplate::ChatMl { default_system })
-        } else if template.contains("<|start_header_id|>") {
-            Some(ChatTemplate::Llama3)
-        } else if template.contains("[INST]") {
-            Some(ChatTemplate::Inst)
-        } else {
-            None
-        }
+    /// The template `source`, with the model's BOS and EOS texts; refused
+    /// when it does not compile, or does not render a one-turn chat.
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
+        let template = Self {
+            source: source.to_string(),
+            bos_token: bos_token.to_string(),
+            eos_token: eos_token.to_string(),
+        };
+        template.render_user("Hi")?;
+        Ok(template)
+    }
+
+    /// The template's text, as the model carries it.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// A conversation (`role`: system, user or assistant; in order), ready
     /// for the assistant's next answer.
-    pub fn render(&self, turns: &[(&str, String)]) -> String {
-        match self {
-            ChatTemplate::ChatMl { default_system } => {
-                let mut out = String::new();
-                if turns.first().is_none_or(|(role, _)| *role != "system")
-                    && let Some(system) = default_system
-                {
-                    out.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
-                }
-                for (role, content) in turns {
-                    out.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
-                }
-                out.push_str("<|im_start|>assistant\n");
-                out
-            }
-            ChatTemplate::Llama3 => {
-                let mut out = String::from("<|begin_of_text|>");
-                for (role, content) in turns {
-                    out.push_str(&format!(
-                        "<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>"
-                    ));
-                }
-                out.push_str("<|start_header_id|>assistant<|end_header_id|>\n\n");
-                out
-            }
-            ChatTemplate::Inst => {
-                // System text goes before the first user turn, as the
-                // Llama 2 and Mistral templates put it.
-                let mut out = String::new();
-                let mut system = String::new();
-                for (role, content) in turns {
-                    match *role {
-                        "system" => {
-                            system.push_str(content);
-                            system.push_str("\n\n");
-                        }
-                        "assistant" => out.push_str(&format!(" {content}</s>")),
-                        _ => {
-                            out.push_str(&format!("[INST] {system}{content} [/INST]"));
-                            system.clear();
-                        }
-                    }
-                }
-                out
-            }
-        }
+    pub fn render(&self, turns: &[(&str, String)]) -> Result<String> {
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    message,
+                ))
+            },
+        );
+        let template = env
+            .template_from_str(&self.source)
+            .map_err(|e| chat_template_error(&e))?;
+        let messages: Vec<minijinja::Value> = turns
+            .iter()
+            .map(|(role, content)| {
+                minijinja::context! { role => *role, content => content.as_str() }
+            })
+            .collect();
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => true,
+                bos_token => self.bos_token.as_str(),
+                eos_token => self.eos_token.as_str(),
+            })
+            .map_err(|e| chat_template_error(&e))
     }
 
     /// One user turn, ready for the assistant's answer.
-    pub fn render_user(&self, prompt: &str) -> String {
-        match self {
-            ChatTemplate::ChatMl { default_system } => {
-                let system = default_system
-                    .as_ref()
-                    .map(|s| format!("<|im_start|>system\n{s}<|im_end|>\n"))
-                    .unwrap_or_default();
-                format!("{system}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
-            }
-            ChatTemplate::Llama3 => format!(
-                "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-            ),
-            ChatTemplate::Inst => format!("[INST] {prompt} [/INST]"),
-        }
+    pub fn render_user(&self, prompt: &str) -> Result<String> {
+        self.render(&[("user", prompt.to_string())])
     }
+}
+
+fn chat_template_error(error: &minijinja::Error) -> EngineError {
+    let mut why = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(inner) = source {
+        why.push_str(&format!(": {inner}"));
+        source = inner.source();
+    }
+    EngineError::ChatTemplate(format!("the model's chat template: {why}"))
 }
 
 /// A GGUF `gpt2` (byte-level BPE) tokenizer, through candle's reader, with
@@ -277,15 +275,14 @@ impl TextCodec {
             Some(gguf_file::Value::String(t)) => Some(t.as_str()),
             _ => None,
         };
-        let chat = template.and_then(ChatTemplate::recognise);
         let mut codec = Self {
             tokenizer,
             eos: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
             bos: id("tokenizer.ggml.bos_token_id"),
             add_bos,
-            chat,
-            has_template: template.is_some(),
+            chat: Err(NO_CHAT_TEMPLATE.into()),
         };
+        codec.read_chat_template(template);
         codec.add_turn_end_tokens();
         Ok(codec)
     }
@@ -306,18 +303,33 @@ impl TextCodec {
             };
             tokenizer.token_to_id(&text)
         };
-        let template = config["chat_template"].as_str();
-        let chat = template.and_then(ChatTemplate::recognise);
         let mut codec = Self {
             eos: token("eos_token").into_iter().collect(),
             bos: token("bos_token"),
             add_bos: config["add_bos_token"].as_bool().unwrap_or(false),
-            chat,
-            has_template: template.is_some(),
+            chat: Err(NO_CHAT_TEMPLATE.into()),
             tokenizer: Vocabulary::Hf(Box::new(tokenizer)),
         };
+        codec.read_chat_template(config["chat_template"].as_str());
         codec.add_turn_end_tokens();
         Ok(codec)
+    }
+
+    /// The model's own chat template, compiled with its BOS and EOS texts
+    /// (before the turn-end markers join the EOS ids: `eos_token` is the
+    /// model's declared one).
+    fn read_chat_template(&mut self, template: Option<&str>) {
+        let text = |id: Option<u32>| {
+            id.and_then(|id| self.tokenizer.id_to_token(id))
+                .unwrap_or_default()
+        };
+        self.chat = match template {
+            None => Err(NO_CHAT_TEMPLATE.into()),
+            Some(source) => {
+                ChatTemplate::new(source, &text(self.bos), &text(self.eos.first().copied()))
+                    .map_err(|error| format!("{error} (this engine cannot render it)"))
+            }
+        };
     }
 
     /// Chat models end a turn with their own marker; stop there too.
@@ -380,24 +392,19 @@ impl TextCodec {
         self.eos.contains(&id)
     }
 
-    pub fn chat_template(&self) -> Option<&ChatTemplate> {
-        self.chat.as_ref()
+    /// The model's chat template, or why there is none to chat with (it
+    /// has none, or one this engine cannot render).
+    pub fn chat_template(&self) -> std::result::Result<&ChatTemplate, &str> {
+        self.chat.as_ref().map_err(String::as_str)
     }
 
     /// The prompt wrapped in the model's chat template.
     pub fn chat_prompt(&self, prompt: &str) -> Result<String> {
         match &self.chat {
-            Some(template) => Ok(template.render_user(prompt)),
-            None if self.has_template => Err(EngineError::ChatTemplate(
-                "the model's chat template is none this engine recognises (ChatML, Llama 3, \
-                 [INST]); run without --chat"
-                    .into(),
-            )),
-            None => Err(EngineError::ChatTemplate(
-                "the model has no chat template (a base model completes text as written); \
-                 run without --chat"
-                    .into(),
-            )),
+            Ok(template) => template.render_user(prompt),
+            Err(why) => Err(EngineError::ChatTemplate(format!(
+                "{why}; run without --chat"
+            ))),
         }
     }
 }
@@ -434,8 +441,7 @@ mod tests {
             eos: Vec::new(),
             bos: None,
             add_bos: false,
-            chat: None,
-            has_template: false,
+            chat: Err(NO_CHAT_TEMPLATE.into()),
         }
     }
 
@@ -466,46 +472,62 @@ mod tests {
         );
     }
 
-    #[test]
-    fn recognises_smollm2s_template_and_its_default_system_message() {
-        let template = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-        let chat = ChatTemplate::recognise(template).unwrap();
-        assert_eq!(
-            chat.render_user("Hi"),
-            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-        );
-        assert_eq!(ChatTemplate::recognise("{{ bos_token }}"), None);
-    }
+    const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
     #[test]
-    fn a_one_turn_conversation_renders_as_one_user_prompt() {
-        for template in [
-            ChatTemplate::ChatMl {
-                default_system: Some("Be brief.".into()),
-            },
-            ChatTemplate::ChatMl {
-                default_system: None,
-            },
-            ChatTemplate::Llama3,
-            ChatTemplate::Inst,
-        ] {
-            assert_eq!(
-                template.render(&[("user", "Hi".into())]),
-                template.render_user("Hi"),
-                "{template:?}"
-            );
-        }
-        let chatml = ChatTemplate::ChatMl {
-            default_system: Some("Be brief.".into()),
-        };
+    fn smollm2s_own_template_renders_its_default_system_message_and_turns() {
+        let chat = ChatTemplate::new(SMOLLM2_TEMPLATE, "<|im_start|>", "<|im_end|>").unwrap();
         assert_eq!(
-            chatml.render(&[
+            chat.render_user("Hi").unwrap(),
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            chat.render(&[
                 ("system", "Be kind.".into()),
                 ("user", "Hi".into()),
                 ("assistant", "Hello".into()),
                 ("user", "Bye".into())
-            ]),
+            ])
+            .unwrap(),
             "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    /// A template of no family this engine ever named (Gemma's turn
+    /// markers, a namespace, Python string methods, whitespace control,
+    /// `bos_token`) renders as the model's makers wrote it.
+    #[test]
+    fn a_template_of_any_family_renders_as_written() {
+        let template = "{{ bos_token }}\n{%- set ns = namespace(system='') -%}\n{% for message in messages %}\n  {% if message['role'] == 'system' %}\n    {% set ns.system = message['content'].strip() + '\n\n' %}\n  {% else %}\n    {% set role = 'model' if message['role'] == 'assistant' else message['role'] %}\n{{ '<start_of_turn>' + role + '\n' + (ns.system if loop.index0 == 1 else '') + message['content'] | trim }}<end_of_turn>\n  {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
+        let chat = ChatTemplate::new(template, "<bos>", "<eos>").unwrap();
+        assert_eq!(
+            chat.render(&[
+                ("system", "  Be brief. ".into()),
+                ("user", " Hi ".into()),
+                ("assistant", "Hello".into()),
+            ])
+            .unwrap(),
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>model\n"
+        );
+    }
+
+    /// A template that does not compile, raises, or loops past its fuel is
+    /// refused with the template's own words, never a panic or a hang.
+    #[test]
+    fn templates_that_cannot_render_are_refused() {
+        for (template, said) in [
+            ("{% for message in messages %}", "chat template"),
+            (
+                "{{ raise_exception('Only user and assistant roles are supported!') }}",
+                "Only user and assistant roles",
+            ),
+            (
+                "{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}{% endfor %}",
+                "fuel",
+            ),
+        ] {
+            let error = ChatTemplate::new(template, "", "").unwrap_err().to_string();
+            assert!(error.contains(said), "{template}: {error}");
+        }
     }
 }

@@ -783,7 +783,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         let handle = mesh_stage::ModelHandle::open(&model)?;
         (
             handle.config().layers as usize,
-            handle.text().chat_template().is_some(),
+            handle.text().chat_template().is_ok(),
         )
     };
     let stages = args.stages.clamp(2, layers.max(2));

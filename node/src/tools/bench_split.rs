@@ -43,7 +43,7 @@ pub async fn bench_split(
         && mesh_stage::ModelHandle::open(&model)?
             .text()
             .chat_template()
-            .is_some();
+            .is_ok();
     let prompt = bench_prompt(&model, prompt_tokens)?;
     let configurations = [
         (2usize, ReturnMode::Relayed),

@@ -170,11 +170,9 @@ pub(super) fn check_chat(api: &Api, body: Bytes) -> Result<Prepared, ApiError> {
 }
 
 pub(super) fn render_chat(codec: &TextCodec, messages: Vec<Message>) -> Result<String, ApiError> {
-    let Some(template) = codec.chat_template() else {
-        return Err(ApiError::bad(
-            "this model has no chat template (a base model): use /v1/completions",
-        ));
-    };
+    let template = codec
+        .chat_template()
+        .map_err(|why| ApiError::bad(format!("{why}: use /v1/completions")))?;
     if messages.is_empty() || messages.len() > MAX_MESSAGES {
         return Err(ApiError::bad(format!(
             "`messages` must hold 1 to {MAX_MESSAGES} messages"
@@ -217,7 +215,11 @@ pub(super) fn render_chat(codec: &TextCodec, messages: Vec<Message>) -> Result<S
         }
         turns.push((role, content));
     }
-    Ok(template.render(&turns))
+    // A template may refuse a conversation (roles out of its order): its
+    // own words, as a bad request.
+    template
+        .render(&turns)
+        .map_err(|error| ApiError::bad(error.to_string()))
 }
 
 pub(super) fn prepare(

@@ -141,7 +141,7 @@ pub(super) fn model_object(card: &ModelCard) -> Value {
         "mesh": {
             "package_id": model_package(card),
             "context_length": card.context,
-            "chat_template": card.codec.chat_template().is_some(),
+            "chat_template": card.codec.chat_template().is_ok(),
         },
     })
 }
