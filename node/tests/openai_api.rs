@@ -499,6 +499,162 @@ async fn the_console_sends_a_prompt_and_shows_every_hop_agreeing() {
     drop(nodes);
 }
 
+/// A `mesh-node join` child, killed when dropped.
+struct Joined(std::process::Child);
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The console in headless Chromium holds a conversation: two turns sent
+/// from the page, the second ("Repeat your last answer.") answered from
+/// the first's answer, which only the history it sends again gives (alone
+/// the same question gets no capital); and it lists the mesh's members,
+/// three nodes with their device, memory, speed and round trip. The DOM is
+/// checked; a screenshot is written to `MESH_CONSOLE_SCREENSHOT` when set
+/// (how `docs/console.png` is made), else beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_holds_a_conversation_and_lists_the_members() {
+    let Some(chromium) = chromium() else {
+        return;
+    };
+    let Some(model) = common::smollm2("the console conversation test") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let coordinator = serve(
+        dir.path(),
+        "coord",
+        &model,
+        &[],
+        &["--http", "127.0.0.1:0", "--no-mdns"],
+        &[],
+    );
+    let bootstrap = coordinator
+        .banner
+        .iter()
+        .find_map(|line| line.strip_prefix("mesh address: "))
+        .expect("the coordinator prints its mesh address")
+        .to_string();
+    let _joined: Vec<Joined> = ["b", "c"]
+        .iter()
+        .map(|name| {
+            let child = Command::new(bin())
+                .args(["join", "--no-mdns", "--listen", "127.0.0.1:0"])
+                .args(["--decode-us-per-layer", "400", "--bootstrap", &bootstrap])
+                .arg("--model")
+                .arg(&model)
+                .arg("--data")
+                .arg(dir.path().join(name))
+                .stdout(std::process::Stdio::null())
+                .stderr(std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap())
+                .spawn()
+                .unwrap();
+            Joined(child)
+        })
+        .collect();
+    let addr = coordinator.api_addr();
+    let since = Instant::now();
+    loop {
+        let (status, members) = tokio::task::spawn_blocking(move || {
+            call(addr, "GET", "/v1/mesh/members", None).unwrap()
+        })
+        .await
+        .unwrap();
+        assert_eq!(status, 200, "{members}");
+        if members["members"].as_array().is_some_and(|m| m.len() == 3) {
+            break;
+        }
+        assert!(
+            since.elapsed() < Duration::from_secs(60),
+            "the members did not all join: {members:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let url = format!(
+        "http://{addr}/?live=0&prompt=Name%20the%20capital%20of%20France.&prompt=Repeat%20your%20last%20answer."
+    );
+    let browser = |extra: &[String]| {
+        let mut command = Command::new(&chromium);
+        command.args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1100,1000",
+            "--virtual-time-budget=60000",
+        ]);
+        command.args(extra).arg(&url);
+        command
+    };
+    let dump = browser(&["--dump-dom".into()]);
+    let out = tokio::task::spawn_blocking(move || {
+        let mut dump = dump;
+        dump.output().unwrap()
+    })
+    .await
+    .unwrap();
+    let dom = String::from_utf8_lossy(&out.stdout).into_owned();
+    let conversation = dom
+        .split("id=\"conversation\"")
+        .nth(1)
+        .and_then(|rest| rest.split("</section>").next())
+        .unwrap_or_else(|| panic!("no conversation on the page: {dom}"));
+    assert_eq!(
+        conversation.matches("class=\"turn user\"").count(),
+        2,
+        "{conversation}"
+    );
+    assert_eq!(
+        conversation.matches("class=\"turn assistant\"").count(),
+        2,
+        "{conversation}"
+    );
+    let second = conversation
+        .split("id=\"answer\">")
+        .nth(1)
+        .and_then(|rest| rest.split("</pre>").next())
+        .unwrap_or_else(|| panic!("no second answer: {conversation}"));
+    assert!(second.contains("Paris"), "the second answer: {second}");
+    // Alone, the same question has no capital to repeat.
+    let alone = json!({
+        "model": "any", "temperature": 0, "max_tokens": 40,
+        "messages": [{"role": "user", "content": "Repeat your last answer."}],
+    });
+    let (status, reply) = tokio::task::spawn_blocking(move || {
+        call(addr, "POST", "/v1/chat/completions", Some(&alone)).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{reply}");
+    let text = reply["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(!text.contains("Paris"), "without the history: {text}");
+    // The members, each with what it measured and offers.
+    let listed = dom
+        .split("id=\"members\"")
+        .nth(1)
+        .and_then(|rest| rest.split("</section>").next())
+        .unwrap_or_else(|| panic!("no members on the page: {dom}"));
+    assert_eq!(listed.matches("class=\"member\"").count(), 3, "{listed}");
+    assert!(listed.contains("(this node)"), "{listed}");
+    assert!(listed.contains("ms/token alone"), "{listed}");
+    assert!(listed.contains(" GiB"), "{listed}");
+    let shot = std::env::var_os("MESH_CONSOLE_SCREENSHOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| dir.path().join("console.png"));
+    let screenshot = browser(&[format!("--screenshot={}", shot.display())]);
+    tokio::task::spawn_blocking(move || {
+        let mut screenshot = screenshot;
+        screenshot.output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(std::fs::metadata(&shot).is_ok_and(|m| m.len() > 10_000));
+}
+
 /// Grants over the binding (seed 001 §2.3): the request a body is served
 /// as is derived from the body alone and exported, presentations signed
 /// for it are served, one signed for another request is refused with 403,

@@ -75,11 +75,16 @@ pub type Metrics = Arc<
         + Sync,
 >;
 
+/// The mesh's members as the console lists them (`GET /v1/mesh/members`),
+/// `None` once the node is shutting down.
+pub type Members = Arc<dyn Fn() -> Option<Value> + Send + Sync>;
+
 pub(super) struct Api {
     pub(super) coordinator: PeerAddr,
     pub(super) card: ModelCard,
     pub(super) witness: Witness,
     pub(super) metrics: Metrics,
+    pub(super) members: Members,
     /// The coordinator's caches, shared fairly between sources.
     pub(super) gate: super::gate::Gate,
     /// Requests this API answered with its own error, logged (strangers

@@ -35,6 +35,16 @@ pub(super) async fn console_requests(State(api): State<Arc<Api>>) -> Response {
     axum::Json(json!({"requests": requests})).into_response()
 }
 
+/// The mesh's members: device, memory, measured speed, round trip and the
+/// layers each holds now.
+pub(super) async fn console_members(State(api): State<Arc<Api>>) -> Response {
+    match (api.members)() {
+        Some(members) => axum::Json(members).into_response(),
+        None => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the node is shutting down")
+            .into_response(),
+    }
+}
+
 /// Server-sent events: one per request that starts or ends.
 pub(super) async fn console_events(State(api): State<Arc<Api>>) -> Response {
     let Ok(place) = api.console_streams.clone().try_acquire_owned() else {
@@ -99,6 +109,8 @@ pub(super) fn console_entry(id: &str, summary: &GenerateSummary) -> Value {
                 "checks_passed": passed,
                 "checks": report.checks.len(),
             });
+            // A serve one node ran whole has no hops to agree on.
+            entry["alone"] = json!(report.form == mesh_protocol::verify::DocumentForm::Mesh1Bundle);
             if let Some(hop) = &report.hop {
                 entry["handoffs_agree"] = json!(hop.handoffs_agree);
                 entry["lanes"] = hop

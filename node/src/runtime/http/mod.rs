@@ -26,6 +26,6 @@ pub use guard::Access;
 
 pub use api::{
     BODY_READ_TIMEOUT, MAX_BODY_BYTES, MAX_CONSOLE_REQUESTS, MAX_CONSOLE_STREAMS, MAX_KEPT_BUNDLES,
-    MAX_MESSAGES, Metrics, ModelCard, STALLED_READER_TIMEOUT, Witness,
+    MAX_MESSAGES, Members, Metrics, ModelCard, STALLED_READER_TIMEOUT, Witness,
 };
 pub use server::{HttpApi, start};

@@ -18,13 +18,13 @@ use serde_json::{Value, json};
 use super::answer::run;
 use super::api::{
     Api, ApiError, BODY_READ_TIMEOUT, CONSOLE_EVENT_BACKLOG, MAX_BODY_BYTES, MAX_CONSOLE_STREAMS,
-    MAX_KEPT_BUNDLES, Metrics, ModelCard, Witness,
+    MAX_KEPT_BUNDLES, Members, Metrics, ModelCard, Witness,
 };
 use super::body::{
     Prepared, body_error, chat_prompt, check_chat, check_completion, completion_prompt,
     derive_granted, model_package, parse,
 };
-use super::console::{console, console_events, console_requests};
+use super::console::{console, console_events, console_members, console_requests};
 use super::guard::Access;
 use crate::runtime::limit::Source;
 use crate::runtime::net::peers::PeerAddr;
@@ -55,7 +55,7 @@ pub async fn start(
     access: Access,
     coordinator: PeerAddr,
     card: ModelCard,
-    (witness, metrics, max_requests): (Witness, Metrics, usize),
+    (witness, metrics, members, max_requests): (Witness, Metrics, Members, usize),
 ) -> anyhow::Result<HttpApi> {
     use anyhow::Context;
     let listener = tokio::net::TcpListener::bind(listen)
@@ -67,6 +67,7 @@ pub async fn start(
         card,
         witness,
         metrics,
+        members,
         gate: super::gate::Gate::new(max_requests),
         failures_logged: Mutex::new(crate::runtime::limit::PerMinute::new(60)),
         bundles: Mutex::new(VecDeque::new()),
@@ -88,6 +89,7 @@ pub async fn start(
             post(granted_serve_request),
         )
         .route("/v1/mesh/requests", get(console_requests))
+        .route("/v1/mesh/members", get(console_members))
         .route("/v1/mesh/events", get(console_events))
         .route("/", get(console))
         .fallback(not_found)

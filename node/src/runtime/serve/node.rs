@@ -320,12 +320,20 @@ impl Node {
                 Some(control::node_stats(&stage, &coordinator).await.prometheus())
             })
         });
+        let (shared, coordinator) = (
+            Arc::downgrade(&self.shared),
+            Arc::downgrade(&self.coordinator),
+        );
+        let members: crate::runtime::http::Members = Arc::new(move || {
+            let (shared, coordinator) = (shared.upgrade()?, coordinator.upgrade()?);
+            Some(member_list(&shared, &coordinator))
+        });
         crate::runtime::http::start(
             listen,
             access,
             self.peer_addr(),
             self.model_card(),
-            (witness, metrics, self.shared.max_requests),
+            (witness, metrics, members, self.shared.max_requests),
         )
         .await
     }
@@ -416,6 +424,55 @@ impl Node {
         self.stage.release_all();
         self.shared.endpoint.wait_idle().await;
     }
+}
+
+/// The members as the console lists them: each node's device, memory,
+/// measured time per token on this model alone, round trip and the layers
+/// it holds in the current run (none while a run is being set up); the
+/// run's stages alone where there is no mesh (configured peers).
+fn member_list(shared: &Shared, coordinator: &CoordinatorRole) -> serde_json::Value {
+    use mesh_protocol::identity::did_key;
+    let run = coordinator.run.try_lock().ok().and_then(|run| run.clone());
+    let layers_of = |key: &[u8; 32]| {
+        let run = run.as_ref()?;
+        let k = run.keys.iter().position(|held| held == key)?;
+        Some([run.assigns[k].layer_start, run.assigns[k].layer_end])
+    };
+    let own = shared.tls.public_key;
+    let package = shared.model.package_id();
+    let layers = u64::from(shared.model.config().layers);
+    let members: Vec<serde_json::Value> = match shared.mesh.get() {
+        Some(mesh) => mesh
+            .members()
+            .iter()
+            .map(|m| {
+                let model = m.advert.model(&package);
+                serde_json::json!({
+                    "node_id": did_key(&m.advert.node_id),
+                    "this_node": m.advert.node_id == own,
+                    "device": m.advert.device,
+                    "memory_bytes": m.advert.memory_bytes,
+                    "decode_ms_per_token": model.map(|e| e.decode_us_per_layer.saturating_mul(layers) as f64 / 1e3),
+                    "rtt_ms": m.rtt.map(|r| r.as_secs_f64() * 1e3),
+                    "load": m.advert.load,
+                    "model": model.and_then(|e| e.name.clone()),
+                    "layers": layers_of(&m.advert.node_id),
+                })
+            })
+            .collect(),
+        None => run
+            .iter()
+            .flat_map(|run| run.keys.iter())
+            .map(|key| {
+                serde_json::json!({
+                    "node_id": did_key(key),
+                    "this_node": *key == own,
+                    "layers": layers_of(key),
+                })
+            })
+            .collect(),
+    };
+    serde_json::json!({ "members": members })
 }
 
 /// The node's steward, its journal replayed. A change record that does not
