@@ -446,6 +446,78 @@ fn one_node_alone_serves_with_a_plain_receipt_that_verifies_and_replays() {
     assert!(said.contains("one node ran this request whole"), "{said}");
 }
 
+/// SIGTERM stops a node gracefully: the request in flight runs to its end
+/// (its stream finishes with a finish reason, not an error), nothing new
+/// is taken, and the process exits 0 saying so.
+#[test]
+fn sigterm_lets_the_request_in_flight_finish_then_exits() {
+    use std::io::{BufRead, BufReader, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let mut alone = serve(
+        dir.path(),
+        "alone",
+        &model,
+        &[],
+        &["--no-mdns", "--http", "127.0.0.1:0"],
+        &[],
+    );
+    let body =
+        r#"{"model":"m","prompt":"a long answer","max_tokens":1500,"temperature":0,"stream":true}"#;
+    let mut stream = std::net::TcpStream::connect(alone.api_addr()).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    // The first token's event: the request is in flight.
+    while !line.starts_with("data: ") {
+        line.clear();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "no event came");
+    }
+    let killed = Command::new("kill")
+        .args(["-TERM", &alone.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let mut rest = String::new();
+    let _ = reader.read_to_string(&mut rest);
+    let events: Vec<&str> = rest.lines().filter(|l| l.starts_with("data: ")).collect();
+    assert!(
+        events.len() > 10,
+        "the answer went on after SIGTERM: {rest}"
+    );
+    assert_eq!(events.last(), Some(&"data: [DONE]"), "{rest}");
+    assert!(
+        events
+            .iter()
+            .any(|e| e.contains("\"finish_reason\":\"length\"")
+                || e.contains("\"finish_reason\":\"stop\"")),
+        "{rest}"
+    );
+    assert!(!rest.contains("\"error\""), "{rest}");
+    let since = Instant::now();
+    let status = loop {
+        if let Some(status) = alone.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(since.elapsed() < Duration::from_secs(40), "still running");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "{status}");
+    let log = std::fs::read_to_string(dir.path().join("alone.log")).unwrap();
+    assert!(
+        log.contains("taking no new requests") && log.contains("shut down"),
+        "{log}"
+    );
+}
+
 #[test]
 fn grant_shards_are_enforced_by_every_steward() {
     let dir = tempfile::tempdir().unwrap();

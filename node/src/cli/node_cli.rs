@@ -620,11 +620,41 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
     };
     tokio::select! {
         signal = tokio::signal::ctrl_c() => signal?,
+        () = terminated() => {}
         () = unreached => {}
     }
-    eprintln!("shutting down");
+    // No new request is taken; those in flight end first (each within its
+    // own deadline, and all within DRAIN_WAIT).
+    eprintln!(
+        "shutting down: taking no new requests, waiting up to {} s for those in flight",
+        DRAIN_WAIT.as_secs()
+    );
+    let open = node.drain(DRAIN_WAIT).await;
+    if open > 0 {
+        eprintln!(
+            "{open} request(s) still open after {} s: ended",
+            DRAIN_WAIT.as_secs()
+        );
+    }
     node.shutdown().await;
+    eprintln!("shut down");
     Ok(())
+}
+
+/// How long a node shutting down waits for the requests in flight.
+const DRAIN_WAIT: Duration = Duration::from_secs(30);
+
+/// SIGTERM (how service managers and `kill` stop a process): a shutdown
+/// like Ctrl-C's. Never, where the signal cannot be listened for.
+async fn terminated() {
+    #[cfg(unix)]
+    if let Ok(mut signal) =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    {
+        signal.recv().await;
+        return;
+    }
+    std::future::pending::<()>().await
 }
 
 /// When a node that reached no bootstrap says so.

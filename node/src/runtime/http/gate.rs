@@ -68,11 +68,21 @@ struct State {
     queued: usize,
 }
 
-/// The gate of one API.
+/// The gate of one API (a clone is the same gate).
+#[derive(Clone)]
 pub struct Gate {
     state: Arc<Mutex<State>>,
     capacity: usize,
     quota: usize,
+}
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gate")
+            .field("capacity", &self.capacity)
+            .field("quota", &self.quota)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A cache held by one request; given back (to the next source in turn)
@@ -163,8 +173,7 @@ impl Gate {
     }
 
     /// Requests holding a cache now.
-    #[cfg(test)]
-    fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         lock(&self.state).in_flight
     }
 

@@ -34,11 +34,18 @@ use crate::runtime::net::peers::PeerAddr;
 pub struct HttpApi {
     pub(super) addr: SocketAddr,
     pub(super) task: tokio::task::JoinHandle<()>,
+    pub(super) gate: super::gate::Gate,
 }
 
 impl HttpApi {
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Requests this API is answering now (each holds a place at its gate
+    /// until its last byte is written).
+    pub fn in_flight(&self) -> usize {
+        self.gate.in_flight()
     }
 }
 
@@ -62,13 +69,14 @@ pub async fn start(
         .await
         .with_context(|| format!("binding the HTTP API to {listen}"))?;
     let addr = listener.local_addr()?;
+    let gate = super::gate::Gate::new(max_requests);
     let api = Arc::new(Api {
         coordinator,
         card,
         witness,
         metrics,
         members,
-        gate: super::gate::Gate::new(max_requests),
+        gate: gate.clone(),
         failures_logged: Mutex::new(crate::runtime::limit::PerMinute::new(60)),
         bundles: Mutex::new(VecDeque::new()),
         requests: Mutex::new(VecDeque::new()),
@@ -96,7 +104,7 @@ pub async fn start(
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(api);
     let task = tokio::spawn(super::conn::accept_loop(listener, router, Arc::new(access)));
-    Ok(HttpApi { addr, task })
+    Ok(HttpApi { addr, task, gate })
 }
 
 pub(super) async fn not_found() -> ApiError {

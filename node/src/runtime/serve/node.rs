@@ -418,6 +418,26 @@ impl Node {
         lock(&self.shared.steward).meter_name().to_string()
     }
 
+    /// Take no new connection, then wait, at most `within`, for the
+    /// requests in flight here (as coordinator or as stage, queued or
+    /// sealing, or still being written to an API client) to end; how many were still open when it stopped waiting.
+    pub async fn drain(&self, within: Duration) -> u64 {
+        self.accept.abort();
+        let until = std::time::Instant::now() + within;
+        loop {
+            let stats = self.stats().await;
+            let answering = self.http.as_ref().map_or(0, |http| http.in_flight());
+            let open = stats.caches_open.saturating_sub(stats.caches_kept)
+                + stats.requests_queued
+                + stats.records_pending
+                + answering as u64;
+            if open == 0 || std::time::Instant::now() >= until {
+                return open;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     pub async fn shutdown(self) {
         self.shared.endpoint.close(0u32.into(), b"shutting down");
         self.accept.abort();

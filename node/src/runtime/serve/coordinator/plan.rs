@@ -308,6 +308,8 @@ impl CoordinatorRole {
     /// assignment is refused is planned again around the refusing member.
     pub(crate) async fn ensure_run(self: &Arc<Self>, at_least: usize) -> anyhow::Result<Arc<Run>> {
         let until = Instant::now() + MESH_SETTLE_WAIT;
+        // Said once per reason, not at every look.
+        let mut said = String::new();
         loop {
             let refused_before = self
                 .planning
@@ -315,7 +317,11 @@ impl CoordinatorRole {
                 .load(std::sync::atomic::Ordering::Relaxed);
             match self.ensure_run_once(at_least).await {
                 Err(error) if self.shared.mesh.get().is_some() && Instant::now() < until => {
-                    tracing::info!("planning again: {error:#}");
+                    let why = format!("{error:#}");
+                    if why != said {
+                        tracing::info!("planning again: {why}");
+                        said = why;
+                    }
                     let refused_now = self
                         .planning
                         .refusals

@@ -71,6 +71,14 @@ pub(crate) async fn report(
     if terminal == TerminalState::ClientCancelled {
         // Sealed and journalled all the same; there is nobody to tell.
         stats::Counters::bump(&counters.requests_cancelled);
+        tracing::info!(
+            request_id,
+            prompt_tokens = prompt_ids.len(),
+            tokens = tokens.len(),
+            ms = started.elapsed().as_millis() as u64,
+            outcome = terminal.as_str(),
+            "a request ended"
+        );
         return Ok(());
     }
     let n = run.assigns.len() as u32;
@@ -165,6 +173,16 @@ pub(crate) async fn report(
         );
     }
     msg::write_cbor(requester, &done).await?;
+    // One line per request served: its figures, never its text.
+    tracing::info!(
+        request_id,
+        prompt_tokens = prompt_ids.len(),
+        tokens = tokens.len(),
+        ms = started.elapsed().as_millis() as u64,
+        outcome = terminal.as_str(),
+        stages = n,
+        "a request ended"
+    );
     Ok(())
 }
 
