@@ -411,6 +411,72 @@ async fn a_client_that_leaves_mid_stream_frees_every_stage() {
     cancel_counted_within(&nodes[0], left, Duration::from_secs(10)).await;
 }
 
+/// A streamed request that must wait for a place (its address holds its
+/// quarter of the coordinator's places already) is answered at once with
+/// its place in the queue, as an SSE comment clients skip, then streams
+/// its answer to `[DONE]` once a place comes free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_request_that_waits_is_told_its_place_then_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let (nodes, addr) = api_nodes(dir.path()).await;
+    let model = nodes[0].model_card().id;
+    // A streamed completion; `first` tells when its first event came.
+    let streamed = move |max_tokens: u32, first: std::sync::mpsc::Sender<String>| {
+        let body = json!({
+            "model": model, "prompt": "wait your turn", "max_tokens": max_tokens,
+            "stream": true, "temperature": 0,
+        })
+        .to_string();
+        std::thread::spawn(move || {
+            let mut stream = TcpStream::connect(addr).unwrap();
+            write!(
+                stream,
+                "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            let mut seen = Vec::new();
+            let mut buffer = [0u8; 4096];
+            let mut told = false;
+            loop {
+                let n = stream.read(&mut buffer).unwrap();
+                if n == 0 {
+                    break;
+                }
+                seen.extend_from_slice(&buffer[..n]);
+                let text = String::from_utf8_lossy(&seen);
+                if !told && (text.contains("data: ") || text.contains("\n: ")) {
+                    told = true;
+                    let _ = first.send(text.into_owned());
+                }
+            }
+            String::from_utf8_lossy(&seen).into_owned()
+        })
+    };
+    // Two long answers hold this address's places (a quarter of the
+    // coordinator's), or wait for them.
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let holders: Vec<_> = (0..2).map(|_| streamed(400, held_tx.clone())).collect();
+    for _ in 0..2 {
+        held_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    }
+    let (told_tx, told_rx) = std::sync::mpsc::channel();
+    let waiting = streamed(4, told_tx);
+    let told = told_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert!(told.starts_with("HTTP/1.1 200"), "{told}");
+    assert!(
+        told.contains("\n: queued: ") && told.contains(" request(s) ahead"),
+        "the place in the queue comes first: {told}"
+    );
+    let whole = waiting.join().unwrap();
+    assert!(whole.contains("\"finish_reason\":\"length\""), "{whole}");
+    assert!(whole.contains("data: [DONE]"), "{whole}");
+    for holder in holders {
+        assert!(holder.join().unwrap().contains("data: [DONE]"));
+    }
+}
+
 /// Headless Chromium (`MESH_CHROMIUM`, else `chromium` on the PATH), or
 /// `None` with the test SKIPPED; `MESH_REQUIRE_CHROMIUM=1` makes its
 /// absence a failure.

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use super::api::{Api, ApiError, MAX_KEPT_BUNDLES, STALLED_READER_TIMEOUT, STREAM_BACKLOG};
 use super::body::{Flavour, Prepared};
 use super::console::console_entry;
+use super::gate::{Full, Joined, Pass, Queued};
 use crate::runtime::client::{GenerateEvent, GenerateRequest, GenerateSummary, generate_events};
 use crate::runtime::limit::Source;
 use crate::runtime::net::peers::PeerAddr;
@@ -119,40 +120,22 @@ async fn answer(
     stream: bool,
     source: Source,
 ) -> Response {
-    let max_tokens = request.max_tokens;
     // A cache at the coordinator, in this source's turn; held by the
-    // generating task, so it is given back when the generation ends.
-    let pass = match api.gate.enter(source).await {
-        Ok(pass) => pass,
-        Err(full) => {
-            api.log_failure(source, &format!("busy: {full}"));
-            let mut error = ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!("the API is busy: {full}"),
-            )
-            .code("busy");
-            error.retry_after = Some(1);
-            return error.into_response();
+    // generating task, so it is given back when the generation ends. A
+    // streamed request that waits for one is answered at once with its
+    // place in the queue, and streams once its turn comes.
+    let pass = match api.gate.join(source) {
+        Ok(Joined::Admitted(pass)) => pass,
+        Ok(Joined::Queued(queued)) if stream => {
+            return queued_stream(api, flavour, request, source, queued);
         }
+        Ok(Joined::Queued(queued)) => match queued.wait().await {
+            Ok(pass) => pass,
+            Err(full) => return busy(&api, source, full).into_response(),
+        },
+        Err(full) => return busy(&api, source, full).into_response(),
     };
-    let (sender, mut receiver) = mpsc::channel(STREAM_BACKLOG);
-    let coordinator = api.coordinator.clone();
-    let task = AbortOnDrop(tokio::spawn(async move {
-        let _pass = pass;
-        generate_into(&coordinator, &request, &sender, source).await;
-    }));
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let answer = Answer {
-        api: api.clone(),
-        flavour,
-        id: completion_id(flavour),
-        created,
-        max_tokens,
-        source,
-    };
-    api.publish(json!({"id": answer.id, "state": "running", "max_tokens": max_tokens}));
+    let (answer, mut receiver, task) = start(api, flavour, request, source, pass);
     if !stream {
         // A client that goes away drops this future: the guard lists the
         // request as cancelled.
@@ -187,19 +170,108 @@ async fn answer(
         Some(first) => first,
         None => return answer.ended_without_an_answer(),
     };
-    let state = StreamState {
+    Sse::new(stream_of(StreamState::new(
         answer,
         receiver,
-        first: Some(first),
-        queued: VecDeque::new(),
-        started: false,
-        finished: false,
-        _task: task,
+        Some(first),
+        task,
+    )))
+    .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+    .into_response()
+}
+
+/// No cache for `source`'s request: 429, with when to try again.
+fn busy(api: &Api, source: Source, full: Full) -> ApiError {
+    api.log_failure(source, &format!("busy: {full}"));
+    let mut error = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!("the API is busy: {full}"),
+    )
+    .code("busy");
+    error.retry_after = Some(1);
+    error
+}
+
+/// Run `request` on the coordinator holding `pass`: what the answer is
+/// made of, the reports, and the task (ended when dropped).
+fn start(
+    api: Arc<Api>,
+    flavour: Flavour,
+    request: GenerateRequest,
+    source: Source,
+    pass: Pass,
+) -> (Answer, mpsc::Receiver<Progress>, AbortOnDrop) {
+    let max_tokens = request.max_tokens;
+    let (sender, receiver) = mpsc::channel(STREAM_BACKLOG);
+    let coordinator = api.coordinator.clone();
+    let task = AbortOnDrop(tokio::spawn(async move {
+        let _pass = pass;
+        generate_into(&coordinator, &request, &sender, source).await;
+    }));
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let answer = Answer {
+        api: api.clone(),
+        flavour,
+        id: completion_id(flavour),
+        created,
+        max_tokens,
+        source,
     };
-    let events = futures_util::stream::unfold(state, |mut state| async move {
-        let event = state.next_event().await?;
-        Some((Ok::<Event, Infallible>(event), state))
-    });
+    api.publish(json!({"id": answer.id, "state": "running", "max_tokens": max_tokens}));
+    (answer, receiver, task)
+}
+
+/// The events of a stream, one per report.
+type EventStream =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Event, Infallible>> + Send>>;
+
+fn stream_of(state: StreamState) -> EventStream {
+    Box::pin(futures_util::stream::unfold(
+        state,
+        |mut state| async move {
+            let event = state.next_event().await?;
+            Some((Ok::<Event, Infallible>(event), state))
+        },
+    ))
+}
+
+/// A streamed request that waits for a cache: a comment with how many
+/// requests were waiting before it comes at once (an SSE comment, which
+/// clients skip), then the answer once its turn comes; a wait that ends
+/// without one is an error event (the status, 200, was sent already).
+fn queued_stream(
+    api: Arc<Api>,
+    flavour: Flavour,
+    request: GenerateRequest,
+    source: Source,
+    queued: Queued,
+) -> Response {
+    use futures_util::StreamExt;
+    let place = Event::default().comment(format!(
+        "queued: {} request(s) ahead; this answer streams when a place comes free",
+        queued.ahead()
+    ));
+    let turn = futures_util::stream::once(async move {
+        match queued.wait().await {
+            Ok(pass) => {
+                let (answer, receiver, task) = start(api, flavour, request, source, pass);
+                stream_of(StreamState::new(answer, receiver, None, task))
+            }
+            Err(full) => {
+                let error = busy(&api, source, full).body().to_string();
+                let event: EventStream = Box::pin(futures_util::stream::iter([
+                    Ok(Event::default().data(error)),
+                    Ok(Event::default().data("[DONE]")),
+                ]));
+                event
+            }
+        }
+    })
+    .flatten();
+    let events =
+        futures_util::stream::once(async move { Ok::<Event, Infallible>(place) }).chain(turn);
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response()
@@ -446,6 +518,25 @@ pub(super) struct StreamState {
     pub(super) started: bool,
     pub(super) finished: bool,
     pub(super) _task: AbortOnDrop,
+}
+
+impl StreamState {
+    fn new(
+        answer: Answer,
+        receiver: mpsc::Receiver<Progress>,
+        first: Option<Progress>,
+        task: AbortOnDrop,
+    ) -> Self {
+        Self {
+            answer,
+            receiver,
+            first,
+            queued: VecDeque::new(),
+            started: false,
+            finished: false,
+            _task: task,
+        }
+    }
 }
 
 impl Drop for StreamState {

@@ -76,6 +76,37 @@ pub struct Gate {
     quota: usize,
 }
 
+/// What a request found at the gate.
+pub enum Joined {
+    /// A cache, at once.
+    Admitted(Pass),
+    /// A place in the queue.
+    Queued(Queued),
+}
+
+/// A request waiting for a cache.
+pub struct Queued {
+    ahead: usize,
+    receiver: oneshot::Receiver<Pass>,
+}
+
+impl Queued {
+    /// Requests that were waiting when this one joined.
+    pub fn ahead(&self) -> usize {
+        self.ahead
+    }
+
+    /// Wait, at most `QUEUE_WAIT`, for the cache.
+    pub async fn wait(self) -> Result<Pass, Full> {
+        match tokio::time::timeout(QUEUE_WAIT, self.receiver).await {
+            Ok(Ok(pass)) => Ok(pass),
+            // A pass sent after the wait ended is dropped with the
+            // receiver, which gives its cache back.
+            _ => Err(Full::Waited),
+        }
+    }
+}
+
 impl std::fmt::Debug for Gate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Gate")
@@ -178,34 +209,37 @@ impl Gate {
     }
 
     /// Wait for a cache for a request from `source`, in turn.
+    #[cfg(test)]
     pub async fn enter(&self, source: Source) -> Result<Pass, Full> {
-        let receiver = {
-            let mut state = lock(&self.state);
-            let queued_here = state.queues.get(&source).map_or(0, VecDeque::len);
-            if queued_here == 0 && state.may_take(source, self.capacity, self.quota) {
-                state.take(source);
-                return Ok(self.pass(source));
-            }
-            if queued_here >= MAX_QUEUED_PER_SOURCE {
-                return Err(Full::SourceQueue);
-            }
-            if state.queued >= MAX_QUEUED {
-                return Err(Full::Queue);
-            }
-            let (sender, receiver) = oneshot::channel();
-            if queued_here == 0 {
-                state.turns.push_back(source);
-            }
-            state.queues.entry(source).or_default().push_back(sender);
-            state.queued += 1;
-            receiver
-        };
-        match tokio::time::timeout(QUEUE_WAIT, receiver).await {
-            Ok(Ok(pass)) => Ok(pass),
-            // A pass sent after the wait ended is dropped with the
-            // receiver, which gives its cache back.
-            _ => Err(Full::Waited),
+        match self.join(source)? {
+            Joined::Admitted(pass) => Ok(pass),
+            Joined::Queued(queued) => queued.wait().await,
         }
+    }
+
+    /// A cache for a request from `source` now, or its place in the queue
+    /// (refused when the queues are full).
+    pub fn join(&self, source: Source) -> Result<Joined, Full> {
+        let mut state = lock(&self.state);
+        let queued_here = state.queues.get(&source).map_or(0, VecDeque::len);
+        if queued_here == 0 && state.may_take(source, self.capacity, self.quota) {
+            state.take(source);
+            return Ok(Joined::Admitted(self.pass(source)));
+        }
+        if queued_here >= MAX_QUEUED_PER_SOURCE {
+            return Err(Full::SourceQueue);
+        }
+        if state.queued >= MAX_QUEUED {
+            return Err(Full::Queue);
+        }
+        let (sender, receiver) = oneshot::channel();
+        if queued_here == 0 {
+            state.turns.push_back(source);
+        }
+        state.queues.entry(source).or_default().push_back(sender);
+        let ahead = state.queued;
+        state.queued += 1;
+        Ok(Joined::Queued(Queued { ahead, receiver }))
     }
 
     fn pass(&self, source: Source) -> Pass {

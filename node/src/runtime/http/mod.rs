@@ -28,4 +28,4 @@ pub use api::{
     BODY_READ_TIMEOUT, MAX_BODY_BYTES, MAX_CONSOLE_REQUESTS, MAX_CONSOLE_STREAMS, MAX_KEPT_BUNDLES,
     MAX_MESSAGES, Members, Metrics, ModelCard, STALLED_READER_TIMEOUT, Witness,
 };
-pub use server::{HttpApi, start};
+pub use server::{HttpApi, bind, start};

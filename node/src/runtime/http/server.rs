@@ -55,19 +55,16 @@ impl Drop for HttpApi {
     }
 }
 
-/// Bind `listen` and serve the API for the coordinator at `coordinator`,
-/// whose slices hold `max_requests` requests at once.
+/// Serve the API on `listener` (bound before the node's model is opened:
+/// `bind`) for the coordinator at `coordinator`, whose slices hold
+/// `max_requests` requests at once.
 pub async fn start(
-    listen: SocketAddr,
+    listener: tokio::net::TcpListener,
     access: Access,
     coordinator: PeerAddr,
     card: ModelCard,
     (witness, metrics, members, max_requests): (Witness, Metrics, Members, usize),
 ) -> anyhow::Result<HttpApi> {
-    use anyhow::Context;
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("binding the HTTP API to {listen}"))?;
     let addr = listener.local_addr()?;
     let gate = super::gate::Gate::new(max_requests);
     let api = Arc::new(Api {
@@ -105,6 +102,14 @@ pub async fn start(
         .with_state(api);
     let task = tokio::spawn(super::conn::accept_loop(listener, router, Arc::new(access)));
     Ok(HttpApi { addr, task, gate })
+}
+
+/// Bind the API's address, saying which when it cannot be had.
+pub async fn bind(listen: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    use anyhow::Context;
+    tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding the HTTP API to {listen} (is another node using it?)"))
 }
 
 pub(super) async fn not_found() -> ApiError {

@@ -183,6 +183,14 @@ impl Node {
     pub async fn start(options: NodeOptions) -> anyhow::Result<Node> {
         tls::install_provider();
         let tls = TlsIdentity::new(&options.key)?;
+        // Ports first: one taken is said before the model is read.
+        let server = tls::server_config(&tls, &[ALPN_CONTROL, ALPN_STAGE, ALPN_RECORD_PUSH])?;
+        let endpoint = quinn::Endpoint::server(server, options.listen)
+            .with_context(|| format!("binding {} (is another node using it?)", options.listen))?;
+        let http_listener = match options.http {
+            Some(listen) => Some(crate::runtime::http::bind(listen).await?),
+            None => None,
+        };
         let model = crate::runtime::open_model(&options.model)?.on_device(options.device.clone());
         let training = declared_training(&model);
         let draft_model = match options
@@ -204,9 +212,6 @@ impl Node {
             None => None,
         };
         let steward = open_steward(&options.data, &options.key, options.meter, &model)?;
-        let server = tls::server_config(&tls, &[ALPN_CONTROL, ALPN_STAGE, ALPN_RECORD_PUSH])?;
-        let endpoint = quinn::Endpoint::server(server, options.listen)
-            .with_context(|| format!("binding {}", options.listen))?;
         let advertise = advertised(&endpoint, options.advertise, options.mesh.is_some())?;
         let shared = Arc::new(Shared {
             net: Peers::new(endpoint.clone(), tls.clone()),
@@ -287,8 +292,8 @@ impl Node {
             accept,
             http: None,
         };
-        if let Some(listen) = options.http {
-            node.http = Some(node.start_http(listen, options.http_access).await?);
+        if let Some(listener) = http_listener {
+            node.http = Some(node.start_http(listener, options.http_access).await?);
         }
         Ok(node)
     }
@@ -296,7 +301,7 @@ impl Node {
     /// The HTTP API, a requester of this node's own coordinator.
     async fn start_http(
         &self,
-        listen: SocketAddr,
+        listener: tokio::net::TcpListener,
         access: crate::runtime::http::Access,
     ) -> anyhow::Result<crate::runtime::http::HttpApi> {
         // Weak: the API's connections must not keep the steward (and its
@@ -329,7 +334,7 @@ impl Node {
             Some(member_list(&shared, &coordinator))
         });
         crate::runtime::http::start(
-            listen,
+            listener,
             access,
             self.peer_addr(),
             self.model_card(),
