@@ -71,14 +71,7 @@ pub(crate) async fn report(
     if terminal == TerminalState::ClientCancelled {
         // Sealed and journalled all the same; there is nobody to tell.
         stats::Counters::bump(&counters.requests_cancelled);
-        tracing::info!(
-            request_id,
-            prompt_tokens = prompt_ids.len(),
-            tokens = tokens.len(),
-            ms = started.elapsed().as_millis() as u64,
-            outcome = terminal.as_str(),
-            "a request ended"
-        );
+        log_ended(admitted, progress, terminal, run.assigns.len());
         return Ok(());
     }
     let n = run.assigns.len() as u32;
@@ -173,17 +166,22 @@ pub(crate) async fn report(
         );
     }
     msg::write_cbor(requester, &done).await?;
-    // One line per request served: its figures, never its text.
+    log_ended(admitted, progress, terminal, run.assigns.len());
+    Ok(())
+}
+
+/// One line per request served, to its end or not: its figures, never
+/// its text.
+fn log_ended(admitted: &Admitted<'_>, progress: &Progress, terminal: TerminalState, stages: usize) {
     tracing::info!(
-        request_id,
-        prompt_tokens = prompt_ids.len(),
-        tokens = tokens.len(),
-        ms = started.elapsed().as_millis() as u64,
+        request_id = admitted.request_id,
+        prompt_tokens = admitted.prompt_ids.len(),
+        tokens = progress.tokens.len(),
+        ms = progress.started.elapsed().as_millis() as u64,
         outcome = terminal.as_str(),
-        stages = n,
+        stages,
         "a request ended"
     );
-    Ok(())
 }
 
 /// Each stage's figures for the request, appended to `stages`; their
