@@ -771,9 +771,10 @@ fn no_log_line_at_the_most_verbose_level_holds_the_prompt_or_the_output() {
     }
 }
 
-/// Issue 9: sixteen greedy requests at once over three `serve` processes
-/// all complete, each with the tokens it gets alone, and afterwards every
-/// node's pools are empty again.
+/// Issues 9 and 39: sixteen greedy requests at once over three `serve`
+/// processes with the default settings (eight places) all complete, each
+/// with the tokens it gets alone, none refused (eight wait their turn),
+/// and afterwards every node's pools are empty again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_requests_at_once_over_three_processes_give_their_solo_tokens() {
     use common::nodes::alone_then_at_once;
@@ -781,20 +782,11 @@ async fn sixteen_requests_at_once_over_three_processes_give_their_solo_tokens() 
     const REQUESTS: usize = 16;
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    // Room for all sixteen on every node (the default admits eight).
-    let config = dir.path().join("admit.toml");
-    std::fs::write(&config, format!("max_requests = {REQUESTS}\n")).unwrap();
-    let admit = ["--config", config.to_str().unwrap()];
-    let b = stage(dir.path(), "b", &model, &admit, &[]);
-    let c = stage(dir.path(), "c", &model, &admit, &[]);
-    let coordinator = serve(
-        dir.path(),
-        "coord",
-        &model,
-        &[&b.peer, &c.peer],
-        &admit,
-        &[],
-    );
+    // The default settings: eight places on every node, so eight of the
+    // sixteen wait their turn in the coordinator's queue (none refused).
+    let b = stage(dir.path(), "b", &model, &[], &[]);
+    let c = stage(dir.path(), "c", &model, &[], &[]);
+    let coordinator = serve(dir.path(), "coord", &model, &[&b.peer, &c.peer], &[], &[]);
     let address: mesh_node::runtime::serve::PeerAddr = coordinator.peer.parse().unwrap();
     let prompts: Vec<String> = (0..REQUESTS)
         .map(|i| format!("request {i} of sixteen goes"))
@@ -839,4 +831,11 @@ async fn sixteen_requests_at_once_over_three_processes_give_their_solo_tokens() 
     }
     // The sixteen ran together: some forward pass held several steps.
     assert!(batched, "no step was batched with another");
+    let peer: mesh_node::runtime::serve::PeerAddr = coordinator.peer.parse().unwrap();
+    let stats = node_stats_remote(&key, &peer).await.unwrap();
+    assert_eq!(
+        (stats.requests_completed, stats.requests_refused_busy),
+        (2 * REQUESTS as u64, 0),
+        "every request served, none refused: {stats:#?}"
+    );
 }

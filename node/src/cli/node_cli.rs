@@ -132,100 +132,100 @@ pub fn parse_return_mode(text: &str) -> anyhow::Result<ReturnMode> {
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// The node's key file (`mesh-node keygen --out KEYFILE`).
-    #[arg(long)]
+    #[arg(long, help_heading = "Node")]
     pub key: Option<PathBuf>,
     /// HOST:PORT to listen on (default 0.0.0.0:7420).
-    #[arg(long)]
+    #[arg(long, help_heading = "Network")]
     pub listen: Option<SocketAddr>,
     /// HOST:PORT other nodes reach this one at.
-    #[arg(long)]
+    #[arg(long, help_heading = "Network")]
     pub advertise: Option<SocketAddr>,
     /// HOST:PORT to serve the OpenAI-compatible HTTP API on (a coordinator;
     /// default: off). Bind 127.0.0.1 unless the API should be public.
-    #[arg(long)]
+    #[arg(long, help_heading = "HTTP API")]
     pub http: Option<SocketAddr>,
     /// A host name the HTTP API answers besides IP addresses and localhost,
     /// e.g. the machine's name on the LAN; repeat for more (`.example.com`
     /// for any name under it, `*` for any). Other names are refused (403):
     /// a web page that rebinds its own name to this address sends it.
-    #[arg(long = "http-allow-host")]
+    #[arg(long = "http-allow-host", help_heading = "HTTP API")]
     pub http_allow_hosts: Vec<String>,
     /// An origin whose web pages may call the HTTP API from a browser
     /// (CORS), e.g. https://app.example.com; repeat for more, `*` for any.
     /// Default: none.
-    #[arg(long = "http-allow-origin")]
+    #[arg(long = "http-allow-origin", help_heading = "HTTP API")]
     pub http_allow_origins: Vec<String>,
     /// This node's copy of the model: a GGUF file, a safetensors directory,
     /// or a known model's name (`mesh-node models list`).
-    #[arg(long, value_parser = crate::cli::models::model_arg)]
+    #[arg(long, value_parser = crate::cli::models::model_arg, help_heading = "Node")]
     pub model: Option<PathBuf>,
     /// Where the steward keeps its journal (default ./mesh-node-data).
-    #[arg(long)]
+    #[arg(long, help_heading = "Node")]
     pub data: Option<PathBuf>,
     /// NODEID@HOST:PORT, in stage order; repeat for each peer.
-    #[arg(long = "peer")]
+    #[arg(long = "peer", help_heading = "Network")]
     pub peers: Vec<String>,
     /// The node id (did:key) of a coordinator this node serves as a stage;
     /// repeat for each. Assignments from any other key are refused.
-    #[arg(long = "coordinator")]
+    #[arg(long = "coordinator", help_heading = "Network")]
     pub coordinators: Vec<String>,
     /// A TOML file with these settings (flags override it).
-    #[arg(long)]
+    #[arg(long, help_heading = "Node")]
     pub config: Option<PathBuf>,
     /// direct (default) or relayed.
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub return_mode: Option<String>,
     /// How long to wait for stage records (default 2000).
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub deadline_ms: Option<u64>,
     /// How long one step may take at any stage (default 30000).
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub step_timeout_ms: Option<u64>,
     /// The longest a request may take, start to last token (default 600000).
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub request_timeout_ms: Option<u64>,
     /// f32 (default), f16 or bf16 activations between stages.
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub wire: Option<String>,
     /// Where this node's slices compute: cpu (default), cuda or cuda:N (a
     /// binary built with `--features cuda`).
-    #[arg(long)]
+    #[arg(long, help_heading = "Node")]
     pub device: Option<DeviceChoice>,
     /// The fidelity this coordinator rates its model at, F0..F4 (default
     /// F2): the router refuses a request whose floor is above it.
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub fidelity: Option<String>,
     /// Push stage records bare and bundles without inclusion proofs: no
     /// checkpoints of this node's transparency log are signed.
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub no_record_checkpoints: bool,
     /// Prompt positions per prefill step, each its own step through the
     /// chain (default 256, at most 4096).
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub prefill_chunk_tokens: Option<usize>,
     /// Speculative decoding: tokens a coordinator drafts after each token
     /// it samples (with --draft-model, else by prompt lookup), which the
     /// chain verifies in the same step (default 0: off, 4 with
     /// --draft-model; at most 15). Greedy requests only; their tokens are
     /// those of plain decoding.
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub draft_tokens: Option<usize>,
     /// Draft with this model (a GGUF with the served model's tokenizer,
     /// run whole on the coordinator) instead of prompt lookup; turns
     /// drafting on with 4 tokens unless --draft-tokens says otherwise.
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub draft_model: Option<PathBuf>,
     /// Times one request may go on over a new chain after losing a stage
     /// (default 2, at most 7): the new chain replays the prompt and the
     /// tokens so far, and the request continues. Mesh-planned chains only.
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub max_resumes: Option<usize>,
     /// Requests that wait for a place when all --max-requests are taken
     /// (default 32, at most 4096; 0: refuse at once), each until its own
     /// deadline.
-    #[arg(long)]
+    #[arg(long, help_heading = "Serving")]
     pub max_queued: Option<usize>,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Mesh")]
     pub mesh: MeshArgs,
 }
 
