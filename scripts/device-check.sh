@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The engine on an NVIDIA GPU (issue 12, item 6): build mesh-node with the
+# The engine on an NVIDIA GPU (issues 12 and 42): build mesh-node with the
 # `cuda` feature, then run `bench engine --json` and `bench split --json`
-# on `--device cuda`, beside the same benches on the host's CPU.
+# on `--device cuda`, beside the same benches on the host's CPU, and
+# issue 42's scenarios: ten verified 3-stage splits on the GPU, and a
+# mixed mesh (the coordinator on the GPU, two CPU members) whose receipts
+# name each stage's device (`scenario`, below; dry-run on a CPU with
+# `scripts/device-check.sh scenario splits|mixed BIN MODEL cpu`).
 #
 #   scripts/device-check.sh            build, then run (a machine with cargo
 #                                      and a GPU)
@@ -171,6 +175,91 @@ library_path() {
   echo "${dirs#:}"
 }
 
+# Issue 42's scenarios, each printing one JSON object on stdout (run as a
+# step below, or alone for a dry run on a CPU: `scenario NAME BIN MODEL
+# DEVICE`). `splits`: ten 3-stage requests with every node on DEVICE, each
+# bundle verified (`demo` exits 0 only when its verdict is OK). `mixed`: a
+# coordinator on DEVICE and two CPU nodes joined through it, the plan
+# pinned to 3 stages (the planner gives each the layers its measured speed
+# earns); the request's bundle verified, and each stage's layers and the
+# device its receipt names reported.
+scenario() {
+  local name="$1" bin="$2" model="$3" device="$4" work
+  work="$(mktemp -d)"
+  case "$name" in
+    splits)
+      local i ok=0 verdicts=()
+      for i in $(seq 1 10); do
+        if "$bin" demo --device "$device" --stages 3 --quiet --max-tokens 16 \
+          --model "$model" --out "$work/demo$i" > "$work/demo$i.txt" 2>&1; then
+          ok=$((ok + 1))
+          verdicts+=("\"ok\"")
+        else
+          verdicts+=("\"failed: $(tail -1 "$work/demo$i.txt" | tr -d '"\\')\"")
+        fi
+      done
+      local joined
+      joined="$(IFS=,; echo "${verdicts[*]}")"
+      echo "{\"runs\": 10, \"verified\": $ok, \"device\": \"$device\", \"verdicts\": [$joined]}"
+      [[ $ok == 10 ]]
+      ;;
+    mixed)
+      local pids=() status=0
+      "$bin" keygen --out "$work/coord.key" > /dev/null 2>&1
+      "$bin" serve --key "$work/coord.key" --model "$model" --device "$device" \
+        --listen 127.0.0.1:0 --no-mdns --stages 3 --data "$work/coord" \
+        > "$work/coord.out" 2> "$work/coord.log" &
+      pids+=($!)
+      local tries=0 bootstrap="" peer=""
+      while [[ -z $peer && $tries -lt 600 ]]; do
+        sleep 0.1
+        tries=$((tries + 1))
+        bootstrap="$(sed -n 's/^mesh address: //p' "$work/coord.out" | head -1)"
+        peer="$(sed -n 's/^peer address: //p' "$work/coord.out" | head -1)"
+      done
+      local node
+      for node in b c; do
+        "$bin" join --model "$model" --device cpu --no-mdns --listen 127.0.0.1:0 \
+          --bootstrap "$bootstrap" --data "$work/$node" > /dev/null 2> "$work/$node.log" &
+        pids+=($!)
+      done
+      sleep 20
+      if ! "$bin" generate --coordinator "$peer" --prompt "The capital of France is" \
+        --max-tokens 16 --json --out "$work/bundle.json" > "$work/generated.json" 2> "$work/generate.log"; then
+        status=1
+      fi
+      "$bin" verify --json "$work/bundle.json" > "$work/verified.json" 2>&1 || status=1
+      python3 - "$work" "$status" <<'PY'
+import json, sys, binascii
+work, status = sys.argv[1], int(sys.argv[2])
+def load(name):
+    try:
+        return json.load(open(f"{work}/{name}"))
+    except Exception as error:
+        return {"unreadable": str(error)}
+generated, verified, bundle = load("generated.json"), load("verified.json"), load("bundle.json")
+stages = generated.get("details", {}).get("stages", [])
+print(json.dumps({
+    "ok": status == 0 and verified.get("ok") is True,
+    "stages": [{"stage": s.get("stage_index"), "layers": s.get("layers"), "node": s.get("node_id")} for s in stages],
+    "coordinator_precision": generated.get("details", {}).get("receipt", {}).get("precision"),
+    "stage_receipt_precision": {str(r.get("stage_index")): r.get("precision") for r in verified.get("stage_receipts", [])},
+    "energy_parts": generated.get("details", {}).get("energy", {}).get("parts"),
+    "verify_ok": verified.get("ok"),
+    "text": generated.get("text"),
+}))
+PY
+      kill "${pids[@]}" 2> /dev/null || true
+      wait 2> /dev/null || true
+      return "$status"
+      ;;
+    *)
+      echo "device-check: no scenario $name" >&2
+      return 2
+      ;;
+  esac
+}
+
 # The benches on the GPU, then on the host's CPU; exits 1 when any of them
 # failed. The CPU runs use the device machine's spare cores: the engine at
 # 1 to 16 threads (does it scale to the cores given?), hop overhead
@@ -209,6 +298,8 @@ run_benches() {
   # name | seconds allowed | environment | arguments
   local steps=(
     "engine-cuda|90||bench engine --device cuda"
+    "splits-cuda|300||@splits cuda"
+    "mixed-cuda|180||@mixed cuda"
     "split-cuda|120||bench split --device cuda --tokens 128 --rounds 2"
     "engine-cpu-t1|60|CANDLE_NUM_THREADS=1 RAYON_NUM_THREADS=1|$cpu_engine"
     "engine-cpu-t2|60|CANDLE_NUM_THREADS=2 RAYON_NUM_THREADS=2|$cpu_engine"
@@ -228,9 +319,21 @@ run_benches() {
     fi
     echo "device-check: $name: $environment mesh-node $args" >&2
     echo "== $name: $environment mesh-node $args" >> "$out/logs.txt"
-    # shellcheck disable=SC2086 # the environment and arguments are words
-    if timeout "$seconds" env $environment "$bin" $args --model "$model" --json \
-      > "$out/$name.json" 2> "$out/$name.log"; then
+    local ran
+    if [[ $args == @* ]]; then
+      # A scenario: `@NAME DEVICE`.
+      read -r scenario_name scenario_device <<< "${args#@}"
+      export -f scenario
+      ran=0
+      timeout "$seconds" bash -c 'scenario "$@"' _ "$scenario_name" "$bin" "$model" \
+        "$scenario_device" > "$out/$name.json" 2> "$out/$name.log" || ran=$?
+    else
+      ran=0
+      # shellcheck disable=SC2086 # the environment and arguments are words
+      timeout "$seconds" env $environment "$bin" $args --model "$model" --json \
+        > "$out/$name.json" 2> "$out/$name.log" || ran=$?
+    fi
+    if [[ $ran == 0 ]]; then
       reports+=("$(printf '"%s": ' "$name"; cat "$out/$name.json")")
     else
       echo "device-check: $name failed: see $out/logs.txt" >&2
@@ -268,9 +371,11 @@ case "$mode" in
     pack
     ;;
   stash) stash_part "${2:?which part}" ;;
+  # A dry run of one scenario with any binary and device (a CPU here).
+  scenario) scenario "${2:?splits or mixed}" "${3:?binary}" "${4:?model}" "${5:-cpu}" ;;
   run) run_benches stashed "${2:-}" ;;
   *)
-    echo "usage: $0 [build | stash N | run [OUT]]" >&2
+    echo "usage: $0 [build | stash N | run [OUT] | scenario NAME BIN MODEL [DEVICE]]" >&2
     exit 2
     ;;
 esac

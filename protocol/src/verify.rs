@@ -189,6 +189,7 @@ impl VerifyReport {
                                 "node": r.node,
                                 "energy_uj": r.sealed.receipt.energy.uj(),
                                 "energy_provenance": r.sealed.receipt.energy.provenance().as_str(),
+                                "precision": r.sealed.receipt.weights.as_ref().map(|w| &w.precision),
                                 "envelope_id": hex::encode(&r.sealed.envelope_id()),
                             })
                         })
