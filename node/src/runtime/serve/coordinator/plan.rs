@@ -55,16 +55,16 @@ impl CoordinatorRole {
             );
             return Ok((self.shared.peers.clone(), ranges, None));
         }
+        // No peers and no mesh: a node started as a stage of the
+        // coordinators it names (`--coordinator`), which does not take
+        // requests of its own. (A node alone on a machine is in a mesh of
+        // one, and plans as any coordinator does.)
         let Some(mesh) = self.shared.mesh.get() else {
-            // No peers and no mesh: this node runs every layer itself.
-            if let Some(stages) = self.planning.stages.or(Some(at_least)).filter(|n| *n > 1) {
-                bail!(
-                    "{stages} stages asked for, but this node has no peers to split over; \
-                     start it with --peer HOST:PORT, or join a mesh (--bootstrap HOST:PORT)"
-                );
-            }
-            let every_layer = std::iter::once(0..layers).collect();
-            return Ok((Vec::new(), every_layer, None));
+            bail!(
+                "this node serves as a stage of its --coordinator(s) and coordinates no requests; \
+                 start it with --peer HOST:PORT to coordinate over peers, or without \
+                 --coordinator to serve alone or over a mesh"
+            );
         };
         let (mut plan, usable, (own, others)) = self.plan_now(mesh, at_least)?;
         // A chain that lost a stage keeps its survivors where they were
