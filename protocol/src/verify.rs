@@ -579,8 +579,13 @@ pub fn verify_mesh1_bundle(document: &Value) -> Result<VerifyReport, DocumentErr
     });
     report.checks.push(Check {
         subject: subject.clone(),
-        property: "a serve one node ran whole (no split, no resume)",
+        property: "a serve one node ran whole (backend mesh-node/local, no split, no resume)",
         outcome: match (&sealed.receipt.split, &sealed.receipt.resumed) {
+            _ if sealed.receipt.backend != crate::replay::LOCAL_BACKEND => Err(format!(
+                "the receipt's backend is {:?}, not {:?}: a stage's or another backend's receipt is not a whole serve",
+                sealed.receipt.backend,
+                crate::replay::LOCAL_BACKEND
+            )),
             (None, None) => Ok(()),
             _ => Err(
                 "the receipt is a split's: its records come in a mesh_bundle, not a mesh1_bundle"

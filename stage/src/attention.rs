@@ -33,9 +33,9 @@ struct View<'a> {
     positions: usize,
 }
 
-impl View<'_> {
+impl<'a> View<'a> {
     #[inline(always)]
-    fn row(&self, head: usize, position: usize, width: usize) -> Option<&[f32]> {
+    fn row(&self, head: usize, position: usize, width: usize) -> Option<&'a [f32]> {
         let at = self.start + head * self.head_stride + position * self.position_stride;
         self.values.get(at..at + width)
     }
@@ -203,9 +203,88 @@ fn compute_piece(
 ) -> Result<()> {
     #[cfg(target_arch = "x86_64")]
     if let Some(simd) = pulp::x86::V3::try_new() {
-        return simd.vectorize(|| piece_rows(inputs, index, results, scratch));
+        return simd.vectorize(|| rows_of_width(inputs, index, results, scratch));
     }
-    piece_rows(inputs, index, results, scratch)
+    rows_of_width(inputs, index, results, scratch)
+}
+
+/// The piece's rows by the loops for its head width: the common widths
+/// with each row's query and accumulator a fixed-size array the compiler
+/// keeps in registers, any other width by the general loops. Both compute
+/// every row with the same operations in the same order (each score, its
+/// maximum, the exponentials and their total, then each value added in
+/// key order), so they give the same bits
+/// (`the_fixed_width_loops_give_the_general_loops_bits`).
+#[inline(always)]
+fn rows_of_width(
+    inputs: &Inputs<'_>,
+    index: usize,
+    results: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<()> {
+    match inputs.width {
+        64 => piece_rows_fixed::<64>(inputs, index, results, scratch),
+        128 => piece_rows_fixed::<128>(inputs, index, results, scratch),
+        256 => piece_rows_fixed::<256>(inputs, index, results, scratch),
+        _ => piece_rows(inputs, index, results, scratch),
+    }
+}
+
+/// [`piece_rows`] for heads `W` wide, a query head at a time: its query
+/// row and its output row stay in registers while the keys and values
+/// stream past.
+#[inline(always)]
+fn piece_rows_fixed<const W: usize>(
+    inputs: &Inputs<'_>,
+    index: usize,
+    results: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<()> {
+    let Inputs {
+        queries,
+        keys,
+        values,
+        group,
+        kv_heads,
+        scale,
+        span,
+        ..
+    } = *inputs;
+    let (s, kv_head) = (index / kv_heads, index % kv_heads);
+    let query_position = span.position + s;
+    let first = (query_position + 1).saturating_sub(span.window);
+    for (g, result) in results.chunks_exact_mut(W).enumerate().take(group) {
+        let query = *fixed_row::<W>(
+            queries,
+            kv_head * group + g,
+            s,
+            "has a query outside its tensor",
+        )?;
+        let scores = &mut scratch.scores[g];
+        scores.clear();
+        let mut maximum = f32::NEG_INFINITY;
+        for key in first..=query_position {
+            let key_row = fixed_row::<W>(keys, kv_head, key, "has a key outside its cache")?;
+            let score = dot(&query, key_row) * scale;
+            maximum = maximum.max(score);
+            scores.push(score);
+        }
+        let mut total = 0f32;
+        for score in scores.iter_mut() {
+            *score = (*score - maximum).exp();
+            total += *score;
+        }
+        let mut sum = [0f32; W];
+        for (j, key) in (first..=query_position).enumerate() {
+            let value_row = fixed_row::<W>(values, kv_head, key, "has a value outside its cache")?;
+            let weight = scores[j] / total;
+            for (o, v) in sum.iter_mut().zip(value_row) {
+                *o += weight * v;
+            }
+        }
+        result.copy_from_slice(&sum);
+    }
+    Ok(())
 }
 
 #[inline(always)]
@@ -272,6 +351,19 @@ fn piece_rows(
         }
     }
     Ok(())
+}
+
+/// A row `W` wide of a view, as an array.
+#[inline(always)]
+fn fixed_row<'a, const W: usize>(
+    view: &View<'a>,
+    head: usize,
+    position: usize,
+    what: &'static str,
+) -> Result<&'a [f32; W]> {
+    view.row(head, position, W)
+        .and_then(|row| <&[f32; W]>::try_from(row).ok())
+        .ok_or(EngineError::WrongInput(what))
 }
 
 /// A dot product in eight lanes added in a fixed order (no fused
@@ -456,6 +548,59 @@ mod tests {
             .unwrap();
             let bits = crate::tensor_bits;
             assert_eq!(bits(&all.narrow(0, row, 1).unwrap()), bits(&alone), "{row}");
+        }
+    }
+
+    /// The fixed-width loops and the general loops give every row the
+    /// same bits, for each fixed width, grouped heads, windows and steps.
+    #[test]
+    fn the_fixed_width_loops_give_the_general_loops_bits() {
+        for (width, group, kv_heads, seq, cached, window) in [
+            (64, 3, 3, 1, 300, usize::MAX),
+            (64, 3, 3, 7, 40, usize::MAX),
+            (128, 2, 1, 5, 33, 9),
+            (256, 4, 1, 3, 50, 20),
+        ] {
+            let heads = group * kv_heads;
+            let q = random((1, heads, seq, width), 11);
+            let k = random((1, kv_heads, cached, width), 12);
+            let v = random((1, kv_heads, cached, width), 13);
+            let (q_storage, q_layout) = q.storage_and_layout();
+            let (k_storage, k_layout) = k.storage_and_layout();
+            let (v_storage, v_layout) = v.storage_and_layout();
+            let (queries, keys, values) = (
+                view(&q_storage, q_layout).unwrap(),
+                view(&k_storage, k_layout).unwrap(),
+                view(&v_storage, v_layout).unwrap(),
+            );
+            let inputs = Inputs {
+                queries: &queries,
+                keys: &keys,
+                values: &values,
+                group,
+                kv_heads,
+                width,
+                scale: 0.125,
+                span: Span {
+                    position: cached - seq,
+                    window,
+                },
+            };
+            for index in 0..seq * kv_heads {
+                let mut general = vec![0f32; group * width];
+                let mut fixed = vec![0f32; group * width];
+                piece_rows(
+                    &inputs,
+                    index,
+                    &mut general,
+                    &mut Scratch::new(group, cached),
+                )
+                .unwrap();
+                rows_of_width(&inputs, index, &mut fixed, &mut Scratch::new(group, cached))
+                    .unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&general), bits(&fixed), "width {width} piece {index}");
+            }
         }
     }
 

@@ -468,6 +468,9 @@ impl<'s, 'h> Segment<'s, 'h> {
                 rows,
                 cols: hidden.cols,
             };
+            // The draft computed with this step was proposed, as a chain's
+            // is once it goes down.
+            self.progress.spec_proposed += self.draft.len() as u64;
             if let Some(state) = self.sample(hidden, None, requester).await? {
                 return Ok(state);
             }
