@@ -129,6 +129,19 @@ impl SegmentReport {
 }
 
 impl VerifyReport {
+    /// A report of `form` with nothing checked yet.
+    fn empty(form: DocumentForm) -> Self {
+        Self {
+            form,
+            checks: Vec::new(),
+            hop: None,
+            hop_error: None,
+            earlier_segments: Vec::new(),
+            resume: None,
+            stage_receipts: Vec::new(),
+        }
+    }
+
     pub fn checks_passed(&self) -> bool {
         self.checks.iter().all(|c| c.outcome.is_ok()) && self.hop_error.is_none()
     }
@@ -268,15 +281,7 @@ pub fn verify_hop_case(document: &Value) -> Result<VerifyReport, DocumentError> 
         c.finish()?;
         carried.push(Carried { capsule_id, block });
     }
-    let mut report = VerifyReport {
-        form: DocumentForm::HopCase,
-        checks: Vec::new(),
-        hop: None,
-        hop_error: None,
-        earlier_segments: Vec::new(),
-        resume: None,
-        stage_receipts: Vec::new(),
-    };
+    let mut report = VerifyReport::empty(DocumentForm::HopCase);
     let own = StageBlock::from_value_at(own_value, "/own");
     let receipt = CoordinatorReceipt::from_value_at(receipt_value, "/receipt");
     report.checks.push(Check {
@@ -472,15 +477,7 @@ fn verify_carried<'a>(
 /// Form (b): Mesh-LLM's `record_push_bundle`.
 pub fn verify_record_push_bundle(document: &Value) -> Result<VerifyReport, DocumentError> {
     let bundle = RecordPushBundle::from_value(document)?;
-    let mut report = VerifyReport {
-        form: DocumentForm::RecordPushBundle,
-        checks: Vec::new(),
-        hop: None,
-        hop_error: None,
-        earlier_segments: Vec::new(),
-        resume: None,
-        stage_receipts: Vec::new(),
-    };
+    let mut report = VerifyReport::empty(DocumentForm::RecordPushBundle);
     let main = verify_main_record(&mut report, bundle.capsule);
     verify_log_proof(
         &mut report,
@@ -551,15 +548,7 @@ pub fn verify_mesh_bundle(document: &Value) -> Result<VerifyReport, DocumentErro
 /// previous envelope when given, and its route table recomputes.
 pub fn verify_mesh1_bundle(document: &Value) -> Result<VerifyReport, DocumentError> {
     let bundle = Mesh1Bundle::from_value(document)?;
-    let mut report = VerifyReport {
-        form: DocumentForm::Mesh1Bundle,
-        checks: Vec::new(),
-        hop: None,
-        hop_error: None,
-        earlier_segments: Vec::new(),
-        resume: None,
-        stage_receipts: Vec::new(),
-    };
+    let mut report = VerifyReport::empty(DocumentForm::Mesh1Bundle);
     let sealed = match crate::mesh1::SealedReceipt::verify(&bundle.mesh1_envelope) {
         Ok(sealed) => sealed,
         Err(error) => {
@@ -594,13 +583,7 @@ pub fn verify_mesh1_bundle(document: &Value) -> Result<VerifyReport, DocumentErr
         },
     });
     if let Some(previous) = &bundle.mesh1_prev_envelope {
-        report.checks.push(Check {
-            subject,
-            property: "follows the previous envelope (sequence, prev)",
-            outcome: crate::mesh1::SealedReceipt::verify(previous)
-                .map_err(|e| format!("previous envelope: {e}"))
-                .and_then(|p| sealed.check_follows(&p).map_err(|e| e.to_string())),
-        });
+        report.checks.push(follows(subject, &sealed, previous));
     }
     verify_route_table(&mut report, bundle.route, &sealed.receipt);
     Ok(report)
@@ -621,15 +604,7 @@ struct CheckedBundle {
 
 fn check_mesh_bundle(document: &Value) -> Result<CheckedBundle, DocumentError> {
     let bundle = MeshBundle::from_value(document)?;
-    let mut report = VerifyReport {
-        form: DocumentForm::MeshBundle,
-        checks: Vec::new(),
-        hop: None,
-        hop_error: None,
-        earlier_segments: Vec::new(),
-        resume: None,
-        stage_receipts: Vec::new(),
-    };
+    let mut report = VerifyReport::empty(DocumentForm::MeshBundle);
     let main = verify_main_record(&mut report, bundle.main_record);
     if let Some((proof, checkpoint)) = &bundle.log_proof {
         verify_log_proof(
@@ -991,15 +966,21 @@ fn verify_mesh1_link(
         },
     });
     if let Some(previous) = previous {
-        report.checks.push(Check {
-            subject,
-            property: "follows the previous envelope (sequence, prev)",
-            outcome: crate::mesh1::SealedReceipt::verify(previous)
-                .map_err(|e| format!("previous envelope: {e}"))
-                .and_then(|p| sealed.check_follows(&p).map_err(|e| e.to_string())),
-        });
+        report.checks.push(follows(subject, &sealed, previous));
     }
     Some(sealed)
+}
+
+/// The check that `sealed` follows the `previous` envelope in its
+/// steward's chain (sequence and `prev`).
+fn follows(subject: String, sealed: &crate::mesh1::SealedReceipt, previous: &[u8]) -> Check {
+    Check {
+        subject,
+        property: "follows the previous envelope (sequence, prev)",
+        outcome: crate::mesh1::SealedReceipt::verify(previous)
+            .map_err(|e| format!("previous envelope: {e}"))
+            .and_then(|p| sealed.check_follows(&p).map_err(|e| e.to_string())),
+    }
 }
 
 /// A bundle's `stewards` list that cannot be believed.

@@ -401,11 +401,8 @@ impl<'s, 'h> Segment<'s, 'h> {
         loop {
             // Between steps the chain is healthy: STOP tells every stage
             // how the request ended.
-            if self.deadline.is_past() {
-                return Ok(TerminalState::TimedOut);
-            }
-            if self.progress.requester_gone.load(Ordering::Relaxed) {
-                return Ok(TerminalState::ClientCancelled);
+            if let Some(ended) = self.ended_between_steps() {
+                return Ok(ended);
             }
             if self.cursor.to_send {
                 let Some(frame) = self.own_frame().await? else {
@@ -433,6 +430,18 @@ impl<'s, 'h> Segment<'s, 'h> {
         }
     }
 
+    /// How the request ends before its next step, if it does: its
+    /// deadline passed, or its requester went away.
+    fn ended_between_steps(&self) -> Option<TerminalState> {
+        if self.deadline.is_past() {
+            Some(TerminalState::TimedOut)
+        } else if self.progress.requester_gone.load(Ordering::Relaxed) {
+            Some(TerminalState::ClientCancelled)
+        } else {
+            None
+        }
+    }
+
     /// The step loop of a node that runs every layer: each step through the
     /// own slice, then the head, with no chain between.
     async fn steps_alone(
@@ -440,11 +449,8 @@ impl<'s, 'h> Segment<'s, 'h> {
         requester: &mut quinn::SendStream,
     ) -> anyhow::Result<TerminalState> {
         loop {
-            if self.deadline.is_past() {
-                return Ok(TerminalState::TimedOut);
-            }
-            if self.progress.requester_gone.load(Ordering::Relaxed) {
-                return Ok(TerminalState::ClientCancelled);
+            if let Some(ended) = self.ended_between_steps() {
+                return Ok(ended);
             }
             let Some(hidden) = self.own_output().await? else {
                 return Ok(TerminalState::PolicyDenied);
