@@ -447,8 +447,9 @@ fn one_node_alone_serves_with_a_plain_receipt_that_verifies_and_replays() {
 }
 
 /// SIGTERM stops a node gracefully: the request in flight runs to its end
-/// (its stream finishes with a finish reason, not an error), nothing new
-/// is taken, and the process exits 0 saying so.
+/// (its stream finishes with a finish reason, not an error), a new one is
+/// answered 503 saying the node is shutting down, and the process exits 0
+/// saying so.
 #[test]
 fn sigterm_lets_the_request_in_flight_finish_then_exits() {
     use std::io::{BufRead, BufReader, Write};
@@ -486,6 +487,24 @@ fn sigterm_lets_the_request_in_flight_finish_then_exits() {
         .status()
         .unwrap();
     assert!(killed.success());
+    // While the first runs on, a new request is refused at once, saying
+    // why (the signal is handled within a moment: asked until it is).
+    let asked = r#"{"model":"m","prompt":"another","max_tokens":4}"#;
+    let since = Instant::now();
+    let (status, said) = loop {
+        let (status, said) = common::http::exchange(
+            alone.api_addr(),
+            "POST",
+            "/v1/completions",
+            asked.as_bytes(),
+        )
+        .unwrap();
+        if status != 200 || since.elapsed() > Duration::from_secs(5) {
+            break (status, said);
+        }
+    };
+    assert_eq!(status, 503, "{said}");
+    assert!(said.contains("shutting down"), "{said}");
     let mut rest = String::new();
     let _ = reader.read_to_string(&mut rest);
     let events: Vec<&str> = rest.lines().filter(|l| l.starts_with("data: ")).collect();

@@ -175,7 +175,6 @@ struct Inputs<'a> {
 /// One piece's scores, reused from piece to piece.
 struct Scratch {
     scores: Vec<Vec<f32>>,
-    maxima: Vec<f32>,
     totals: Vec<f32>,
 }
 
@@ -183,7 +182,6 @@ impl Scratch {
     fn new(group: usize, cached: usize) -> Self {
         Self {
             scores: vec![Vec::with_capacity(cached); group],
-            maxima: vec![f32::NEG_INFINITY; group],
             totals: vec![0f32; group],
         }
     }
@@ -203,38 +201,45 @@ fn compute_piece(
 ) -> Result<()> {
     #[cfg(target_arch = "x86_64")]
     if let Some(simd) = pulp::x86::V3::try_new() {
-        return simd.vectorize(|| rows_of_width(inputs, index, results, scratch));
+        return simd.vectorize(|| rows_of_width(Some(simd), inputs, index, results, scratch));
     }
-    rows_of_width(inputs, index, results, scratch)
+    rows_of_width(None, inputs, index, results, scratch)
 }
 
 /// The piece's rows by the loops for its head width: the common widths
 /// with each row's query and accumulator a fixed-size array the compiler
 /// keeps in registers, any other width by the general loops. Both compute
-/// every row with the same operations in the same order (each score, its
-/// maximum, the exponentials and their total, then each value added in
-/// key order), so they give the same bits
+/// every row with the same operations in the same order (each score, the
+/// row's maximum, the exponentials and their total, each value added in
+/// key order, then the division by the total), so they give the same bits
 /// (`the_fixed_width_loops_give_the_general_loops_bits`).
 #[inline(always)]
 fn rows_of_width(
+    simd: Simd,
     inputs: &Inputs<'_>,
     index: usize,
     results: &mut [f32],
     scratch: &mut Scratch,
 ) -> Result<()> {
     match inputs.width {
-        64 => piece_rows_fixed::<64>(inputs, index, results, scratch),
-        128 => piece_rows_fixed::<128>(inputs, index, results, scratch),
-        256 => piece_rows_fixed::<256>(inputs, index, results, scratch),
+        64 => piece_rows_fixed::<64>(simd, inputs, index, results, scratch),
+        128 => piece_rows_fixed::<128>(simd, inputs, index, results, scratch),
+        256 => piece_rows_fixed::<256>(simd, inputs, index, results, scratch),
         _ => piece_rows(inputs, index, results, scratch),
     }
 }
 
+const QUERY_OUTSIDE: &str = "has a query outside its tensor";
+const KEY_OUTSIDE: &str = "has a key outside its cache";
+const VALUE_OUTSIDE: &str = "has a value outside its cache";
+
 /// [`piece_rows`] for heads `W` wide, a query head at a time: its query
 /// row and its output row stay in registers while the keys and values
-/// stream past.
+/// stream past, and four keys' scores are summed at once (four
+/// independent chains of additions where one would wait on each add).
 #[inline(always)]
 fn piece_rows_fixed<const W: usize>(
+    simd: Simd,
     inputs: &Inputs<'_>,
     index: usize,
     results: &mut [f32],
@@ -254,35 +259,32 @@ fn piece_rows_fixed<const W: usize>(
     let query_position = span.position + s;
     let first = (query_position + 1).saturating_sub(span.window);
     for (g, result) in results.chunks_exact_mut(W).enumerate().take(group) {
-        let query = *fixed_row::<W>(
-            queries,
-            kv_head * group + g,
-            s,
-            "has a query outside its tensor",
-        )?;
+        let query = *fixed_row::<W>(queries, kv_head * group + g, s, QUERY_OUTSIDE)?;
         let scores = &mut scratch.scores[g];
         scores.clear();
-        let mut maximum = f32::NEG_INFINITY;
-        for key in first..=query_position {
-            let key_row = fixed_row::<W>(keys, kv_head, key, "has a key outside its cache")?;
-            let score = dot(&query, key_row) * scale;
-            maximum = maximum.max(score);
-            scores.push(score);
+        let mut key = first;
+        while key + 4 <= query_position + 1 {
+            let rows = [
+                fixed_row::<W>(keys, kv_head, key, KEY_OUTSIDE)?,
+                fixed_row::<W>(keys, kv_head, key + 1, KEY_OUTSIDE)?,
+                fixed_row::<W>(keys, kv_head, key + 2, KEY_OUTSIDE)?,
+                fixed_row::<W>(keys, kv_head, key + 3, KEY_OUTSIDE)?,
+            ];
+            scores.extend(dots4_fast(simd, &query, rows).map(|dot| dot * scale));
+            key += 4;
         }
-        let mut total = 0f32;
-        for score in scores.iter_mut() {
-            *score = (*score - maximum).exp();
-            total += *score;
+        for key in key..=query_position {
+            let key_row = fixed_row::<W>(keys, kv_head, key, KEY_OUTSIDE)?;
+            scores.push(dot(&query, key_row) * scale);
         }
+        let total = exponentials(scores);
         let mut sum = [0f32; W];
-        for (j, key) in (first..=query_position).enumerate() {
-            let value_row = fixed_row::<W>(values, kv_head, key, "has a value outside its cache")?;
-            let weight = scores[j] / total;
-            for (o, v) in sum.iter_mut().zip(value_row) {
-                *o += weight * v;
-            }
+        add_weighted_rows::<W>(simd, &mut sum, scores, |j| {
+            fixed_row::<W>(values, kv_head, first + j, VALUE_OUTSIDE)
+        })?;
+        for (r, o) in result.iter_mut().zip(sum) {
+            *r = o / total;
         }
-        result.copy_from_slice(&sum);
     }
     Ok(())
 }
@@ -304,56 +306,53 @@ fn piece_rows(
         scale,
         span,
     } = *inputs;
-    let Scratch {
-        scores,
-        maxima,
-        totals,
-    } = scratch;
+    let Scratch { scores, totals } = scratch;
     let (s, kv_head) = (index / kv_heads, index % kv_heads);
     let query_position = span.position + s;
     let first = (query_position + 1).saturating_sub(span.window);
     let query = |g: usize| {
         queries
             .row(kv_head * group + g, s, width)
-            .ok_or(EngineError::WrongInput("has a query outside its tensor"))
+            .ok_or(EngineError::WrongInput(QUERY_OUTSIDE))
     };
-    for g in 0..group {
-        scores[g].clear();
-        maxima[g] = f32::NEG_INFINITY;
+    for scores in scores.iter_mut().take(group) {
+        scores.clear();
     }
     for key in first..=query_position {
         let key_row = keys
             .row(kv_head, key, width)
-            .ok_or(EngineError::WrongInput("has a key outside its cache"))?;
-        for g in 0..group {
-            let score = dot(query(g)?, key_row) * scale;
-            maxima[g] = maxima[g].max(score);
-            scores[g].push(score);
+            .ok_or(EngineError::WrongInput(KEY_OUTSIDE))?;
+        for (g, scores) in scores.iter_mut().enumerate().take(group) {
+            scores.push(dot(query(g)?, key_row) * scale);
         }
     }
     for g in 0..group {
-        let mut total = 0f32;
-        for score in scores[g].iter_mut() {
-            *score = (*score - maxima[g]).exp();
-            total += *score;
-        }
-        totals[g] = total;
+        totals[g] = exponentials(&mut scores[g]);
     }
+    let results = &mut results[..group * width];
+    results.fill(0.0);
     for (j, key) in (first..=query_position).enumerate() {
         let value_row = values
             .row(kv_head, key, width)
-            .ok_or(EngineError::WrongInput("has a value outside its cache"))?;
+            .ok_or(EngineError::WrongInput(VALUE_OUTSIDE))?;
         for (g, result) in results.chunks_exact_mut(width).enumerate() {
-            let weight = scores[g][j] / totals[g];
+            let weight = scores[g][j];
             for (o, v) in result.iter_mut().zip(value_row) {
                 *o += weight * v;
             }
         }
     }
+    for (g, result) in results.chunks_exact_mut(width).enumerate() {
+        for o in result.iter_mut() {
+            *o /= totals[g];
+        }
+    }
     Ok(())
 }
 
-/// A row `W` wide of a view, as an array.
+/// A row `W` wide of a view, as an array. (The error is built only when
+/// the row is missing: built and dropped on every row it cost 3 % of a
+/// long prompt's prefill.)
 #[inline(always)]
 fn fixed_row<'a, const W: usize>(
     view: &View<'a>,
@@ -361,10 +360,81 @@ fn fixed_row<'a, const W: usize>(
     position: usize,
     what: &'static str,
 ) -> Result<&'a [f32; W]> {
-    view.row(head, position, W)
+    match view
+        .row(head, position, W)
         .and_then(|row| <&[f32; W]>::try_from(row).ok())
-        .ok_or(EngineError::WrongInput(what))
+    {
+        Some(row) => Ok(row),
+        None => Err(EngineError::WrongInput(what)),
+    }
 }
+
+/// `sum += weights[j] · row(j)` for each `j` in order, each element's
+/// additions in key order (so [`piece_rows`]' bits). With AVX, eight
+/// vectors of eight lanes at a time, so the sums stay in registers.
+#[inline(always)]
+fn add_weighted_rows<'a, const W: usize>(
+    simd: Simd,
+    sum: &mut [f32; W],
+    weights: &[f32],
+    row: impl Fn(usize) -> Result<&'a [f32; W]>,
+) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = simd
+        && W.is_multiple_of(64)
+    {
+        let (parts, _) = sum.as_chunks_mut::<64>();
+        for (p, part) in parts.iter_mut().enumerate() {
+            let mut lanes: [pulp::f32x8; 8] = pulp::cast(*part);
+            for (j, &weight) in weights.iter().enumerate() {
+                let (values, _) = row(j)?.as_chunks::<64>();
+                let values: [pulp::f32x8; 8] = pulp::cast(values[p]);
+                let weight = simd.splat_f32x8(weight);
+                for (lane, v) in lanes.iter_mut().zip(values) {
+                    *lane = simd.add_f32x8(*lane, simd.mul_f32x8(weight, v));
+                }
+            }
+            *part = pulp::cast(lanes);
+        }
+        return Ok(());
+    }
+    for (j, weight) in weights.iter().enumerate() {
+        for (o, v) in sum.iter_mut().zip(row(j)?) {
+            *o += weight * v;
+        }
+    }
+    Ok(())
+}
+
+/// [`dots4`] in AVX registers where the CPU has them, one per key: each
+/// lane's products added in [`dot`]'s order, so [`dot`]'s bits.
+#[inline(always)]
+fn dots4_fast<const W: usize>(simd: Simd, query: &[f32; W], keys: [&[f32; W]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = simd
+        && W.is_multiple_of(8)
+    {
+        let (q8, _) = query.as_chunks::<8>();
+        let k8 = keys.map(|key| key.as_chunks::<8>().0);
+        let mut sums = [simd.splat_f32x8(0.0); 4];
+        for (c, &q) in q8.iter().enumerate() {
+            let q: pulp::f32x8 = pulp::cast(q);
+            for (sum, key) in sums.iter_mut().zip(k8) {
+                let k: pulp::f32x8 = pulp::cast(key[c]);
+                *sum = simd.add_f32x8(*sum, simd.mul_f32x8(q, k));
+            }
+        }
+        return sums.map(|sum| lanes_total(pulp::cast(sum)) + 0f32);
+    }
+    dots4(query, keys)
+}
+
+/// The vector unit a piece runs on: AVX2's (x86-64-v3) where the CPU has
+/// it, else none (the portable loops, the same bits).
+#[cfg(target_arch = "x86_64")]
+type Simd = Option<pulp::x86::V3>;
+#[cfg(not(target_arch = "x86_64"))]
+type Simd = Option<std::convert::Infallible>;
 
 /// A dot product in eight lanes added in a fixed order (no fused
 /// multiply-add, so every build gives the same bits).
@@ -382,9 +452,119 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     for (x, y) in a8.remainder().iter().zip(b8.remainder()) {
         tail += x * y;
     }
+    lanes_total(lanes) + tail
+}
+
+/// [`dot`] of one query with four keys at once: each key's products and
+/// sums in [`dot`]'s order, so each gives [`dot`]'s bits. Written as
+/// eight-lane arrays so the compiler keeps each key's lanes in one vector
+/// register (its vectoriser otherwise went across the four keys).
+#[inline(always)]
+fn dots4<const W: usize>(query: &[f32; W], keys: [&[f32; W]; 4]) -> [f32; 4] {
+    let (q8, q_tail) = query.as_chunks::<8>();
+    let [k0, k1, k2, k3] = keys.map(|key| key.as_chunks::<8>().0);
+    let mut lanes = [[0f32; 8]; 4];
+    for ((((q, a), b), c), d) in q8.iter().zip(k0).zip(k1).zip(k2).zip(k3) {
+        add_products(&mut lanes[0], q, a);
+        add_products(&mut lanes[1], q, b);
+        add_products(&mut lanes[2], q, c);
+        add_products(&mut lanes[3], q, d);
+    }
+    let whole = W - q_tail.len();
+    let mut dots = [0f32; 4];
+    for ((key, lanes), dot) in keys.iter().zip(lanes).zip(dots.iter_mut()) {
+        let mut tail = 0f32;
+        for (x, y) in q_tail.iter().zip(&key[whole..]) {
+            tail += x * y;
+        }
+        *dot = lanes_total(lanes) + tail;
+    }
+    dots
+}
+
+/// `lanes[i] += a[i] * b[i]`, lane by lane.
+#[inline(always)]
+fn add_products(lanes: &mut [f32; 8], a: &[f32; 8], b: &[f32; 8]) {
+    for lane in 0..8 {
+        lanes[lane] += a[lane] * b[lane];
+    }
+}
+
+/// Eight lanes' sum, in one fixed order.
+#[inline(always)]
+fn lanes_total(lanes: [f32; 8]) -> f32 {
     ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
         + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
-        + tail
+}
+
+/// Each score replaced by `exp(score - maximum)` over the row's maximum;
+/// their total. Eight lanes at a time, each in a fixed order, so the bits
+/// depend on the scores alone.
+#[inline(always)]
+fn exponentials(scores: &mut [f32]) -> f32 {
+    let mut maxima = [f32::NEG_INFINITY; 8];
+    let mut chunks = scores.chunks_exact(8);
+    for chunk in &mut chunks {
+        for lane in 0..8 {
+            maxima[lane] = maxima[lane].max(chunk[lane]);
+        }
+    }
+    let mut maximum = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, s| m.max(*s));
+    for m in maxima {
+        maximum = maximum.max(m);
+    }
+    let mut totals = [0f32; 8];
+    let mut chunks = scores.chunks_exact_mut(8);
+    for chunk in &mut chunks {
+        for lane in 0..8 {
+            let e = exp(chunk[lane] - maximum);
+            chunk[lane] = e;
+            totals[lane] += e;
+        }
+    }
+    let mut tail = 0f32;
+    for score in chunks.into_remainder() {
+        let e = exp(*score - maximum);
+        *score = e;
+        tail += e;
+    }
+    lanes_total(totals) + tail
+}
+
+/// `e^x` for `x <= 0` (scores less their maximum), to about one unit in
+/// the last place: `2^n · p(r)` with `x = n ln 2 + r`, `|r| <= ln 2 / 2`,
+/// and `p` Cephes' `expf` polynomial. Adds and multiplies only (no fused
+/// multiply-add, no table, no branch), so the compiler runs eight at once
+/// and every build gives the same bits. Below -87 (where `e^x` leaves
+/// f32's normal range) it gives `e^-87`, which is nothing beside the
+/// maximum's `1`.
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 in two parts: `n * LN2_HIGH` is exact for the n that occur.
+    const LN2_HIGH: f32 = 0.693_359_4;
+    const LN2_LOW: f32 = -2.121_944_4e-4;
+    // 1.5 · 2^23: adding it rounds to an integer, kept in the low bits.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 0.0);
+    let shifted = x * LOG2_E + ROUND;
+    let n = shifted - ROUND;
+    let r = (x - n * LN2_HIGH) - n * LN2_LOW;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 0.166_666_66;
+    p = p * r + 0.5;
+    let e = p * r * r + r + 1.0;
+    // The integer n sits in `shifted`'s low mantissa bits; 2^n is built
+    // from it as an exponent field (n >= -126 here, so normal).
+    let n_bits = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let two_to_n = f32::from_bits((n_bits.wrapping_add(127) << 23) as u32);
+    e * two_to_n
 }
 
 #[cfg(test)]
@@ -596,12 +776,71 @@ mod tests {
                     &mut Scratch::new(group, cached),
                 )
                 .unwrap();
-                rows_of_width(&inputs, index, &mut fixed, &mut Scratch::new(group, cached))
-                    .unwrap();
+                rows_of_width(
+                    simd(),
+                    &inputs,
+                    index,
+                    &mut fixed,
+                    &mut Scratch::new(group, cached),
+                )
+                .unwrap();
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&general), bits(&fixed), "width {width} piece {index}");
             }
         }
+    }
+
+    fn simd() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        return pulp::x86::V3::try_new();
+        #[cfg(not(target_arch = "x86_64"))]
+        None
+    }
+
+    /// The AVX loops give the portable loops' bits.
+    #[test]
+    fn the_vector_loops_give_the_portable_loops_bits() {
+        let row = |seed: u64| -> [f32; 128] {
+            let values: Vec<f32> = random((1, 1, 1, 128), seed)
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            values.try_into().unwrap()
+        };
+        let query = row(1);
+        let keys = [row(2), row(3), row(4), row(5)];
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let four = dots4_fast(simd(), &query, [&keys[0], &keys[1], &keys[2], &keys[3]]);
+        let portable = dots4(&query, [&keys[0], &keys[1], &keys[2], &keys[3]]);
+        let one_by_one: Vec<f32> = keys.iter().map(|k| dot(&query, k)).collect();
+        assert_eq!(bits(&four), bits(&portable));
+        assert_eq!(bits(&four), bits(&one_by_one));
+        let weights = [0.25f32, 0.5, 0.125, 0.0625];
+        let mut fast = [0f32; 128];
+        add_weighted_rows::<128>(simd(), &mut fast, &weights, |j| Ok(&keys[j])).unwrap();
+        let mut slow = [0f32; 128];
+        for (weight, key) in weights.iter().zip(&keys) {
+            for (o, v) in slow.iter_mut().zip(key) {
+                *o += weight * v;
+            }
+        }
+        assert_eq!(bits(&fast), bits(&slow));
+    }
+
+    #[test]
+    fn exp_is_within_two_units_in_the_last_place_of_std() {
+        let mut worst = 0f64;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            let ours = f64::from(exp(x));
+            let exact = f64::from(x).exp();
+            worst = worst.max(((ours - exact) / exact).abs());
+        }
+        // f32's unit in the last place is 2^-23 of the value (1.2e-7).
+        assert!(worst < 2.4e-7, "relative error {worst}");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(-1000.0) > 0.0 && exp(-1000.0) < 1e-37);
     }
 
     proptest! {

@@ -391,7 +391,8 @@ pub fn bench_engine(
     let handle = ModelHandle::open(model)?.on_device(device.open()?);
     let layers = handle.config().layers;
     // A prompt of exactly `prompt_tokens` ids, as llama-bench's -p uses.
-    let text = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of Constantinople. ".repeat(64);
+    // (The sentence is about 22 tokens: repeated enough for any length.)
+    let text = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of Constantinople. ".repeat(64.max(prompt_tokens / 16 + 1));
     let mut prompt = handle.text().encode(&text)?;
     prompt.truncate(prompt_tokens);
     let memory_before = resident_bytes();

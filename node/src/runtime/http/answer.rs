@@ -180,9 +180,14 @@ async fn answer(
     .into_response()
 }
 
-/// No cache for `source`'s request: 429, with when to try again.
+/// No cache for `source`'s request: 429, with when to try again (503
+/// when the node is shutting down).
 fn busy(api: &Api, source: Source, full: Full) -> ApiError {
     api.log_failure(source, &format!("busy: {full}"));
+    if full == Full::Closed {
+        return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, full.to_string())
+            .code("shutting_down");
+    }
     let mut error = ApiError::new(
         StatusCode::TOO_MANY_REQUESTS,
         format!("the API is busy: {full}"),

@@ -38,6 +38,8 @@ pub enum Full {
     Queue,
     /// It waited `QUEUE_WAIT` without its turn coming.
     Waited,
+    /// The node is shutting down: it takes no new requests.
+    Closed,
 }
 
 impl std::fmt::Display for Full {
@@ -53,6 +55,10 @@ impl std::fmt::Display for Full {
                 "no cache came free within {} s; retry later",
                 QUEUE_WAIT.as_secs()
             ),
+            Full::Closed => write!(
+                f,
+                "this node is shutting down and takes no new requests; send it to another node"
+            ),
         }
     }
 }
@@ -66,6 +72,8 @@ struct State {
     /// Sources with waiting requests, in the order their turns come.
     turns: VecDeque<Source>,
     queued: usize,
+    /// Shutting down: nothing joins, and nobody waits.
+    closed: bool,
 }
 
 /// The gate of one API (a clone is the same gate).
@@ -100,9 +108,11 @@ impl Queued {
     pub async fn wait(self) -> Result<Pass, Full> {
         match tokio::time::timeout(QUEUE_WAIT, self.receiver).await {
             Ok(Ok(pass)) => Ok(pass),
+            // The gate closed: its sender was dropped unsent.
+            Ok(Err(_)) => Err(Full::Closed),
             // A pass sent after the wait ended is dropped with the
             // receiver, which gives its cache back.
-            _ => Err(Full::Waited),
+            Err(_) => Err(Full::Waited),
         }
     }
 }
@@ -180,6 +190,24 @@ impl State {
         }
     }
 
+    /// Forget the waiters whose request went away (its client left, or it
+    /// stopped waiting): they hold no place in the bounds, and are not
+    /// counted ahead of anyone.
+    fn forget_the_gone(&mut self) {
+        let mut forgotten = 0;
+        self.queues.retain(|_, queue| {
+            let before = queue.len();
+            queue.retain(|waiter| !waiter.is_closed());
+            forgotten += before - queue.len();
+            !queue.is_empty()
+        });
+        if forgotten > 0 {
+            self.queued -= forgotten;
+            let queues = &self.queues;
+            self.turns.retain(|source| queues.contains_key(source));
+        }
+    }
+
     fn give_back(&mut self, source: Source) {
         self.in_flight -= 1;
         if let Some(count) = self.per_source.get_mut(&source) {
@@ -221,6 +249,10 @@ impl Gate {
     /// (refused when the queues are full).
     pub fn join(&self, source: Source) -> Result<Joined, Full> {
         let mut state = lock(&self.state);
+        if state.closed {
+            return Err(Full::Closed);
+        }
+        state.forget_the_gone();
         let queued_here = state.queues.get(&source).map_or(0, VecDeque::len);
         if queued_here == 0 && state.may_take(source, self.capacity, self.quota) {
             state.take(source);
@@ -240,6 +272,16 @@ impl Gate {
         let ahead = state.queued;
         state.queued += 1;
         Ok(Joined::Queued(Queued { ahead, receiver }))
+    }
+
+    /// Take no request from now on; those waiting are answered `Closed`
+    /// (those holding a cache run on).
+    pub fn close(&self) {
+        let mut state = lock(&self.state);
+        state.closed = true;
+        state.queues.clear();
+        state.turns.clear();
+        state.queued = 0;
     }
 
     fn pass(&self, source: Source) -> Pass {
@@ -324,6 +366,48 @@ mod tests {
         });
         drop(held);
         assert!(first.await.unwrap_or(false));
+    }
+
+    #[tokio::test]
+    async fn a_waiter_whose_client_left_holds_no_place() {
+        let gate = Gate::new(1);
+        let held = gate.enter(source(9)).await.unwrap();
+        // A source fills its queue, and its clients all leave.
+        let mut left = Vec::new();
+        for _ in 0..MAX_QUEUED_PER_SOURCE {
+            match gate.join(source(9)) {
+                Ok(Joined::Queued(queued)) => left.push(queued),
+                _ => panic!("the queue had room"),
+            }
+        }
+        assert!(matches!(gate.join(source(9)), Err(Full::SourceQueue)));
+        drop(left);
+        // Their places are free again, and nobody is counted ahead.
+        let Ok(Joined::Queued(next)) = gate.join(source(9)) else {
+            panic!("a waiter that left still held its place");
+        };
+        assert_eq!(next.ahead(), 0);
+        drop(held);
+        assert!(
+            next.wait().await.is_ok(),
+            "the cache went to the one still waiting"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_closed_gate_takes_nobody_and_wakes_the_waiting() {
+        let gate = Gate::new(1);
+        let held = gate.enter(source(9)).await.unwrap();
+        let Ok(Joined::Queued(waiting)) = gate.join(source(2)) else {
+            panic!("the second request waits");
+        };
+        gate.close();
+        assert_eq!(waiting.wait().await.err(), Some(Full::Closed));
+        assert!(matches!(gate.join(source(3)), Err(Full::Closed)));
+        // The one holding a cache runs on, and gives it back.
+        assert_eq!(gate.in_flight(), 1);
+        drop(held);
+        assert_eq!(gate.in_flight(), 0);
     }
 
     #[tokio::test]

@@ -47,6 +47,12 @@ impl HttpApi {
     pub fn in_flight(&self) -> usize {
         self.gate.in_flight()
     }
+
+    /// Take no new request (each is answered 503); those being answered
+    /// run on.
+    pub fn close(&self) {
+        self.gate.close();
+    }
 }
 
 impl Drop for HttpApi {

@@ -423,11 +423,22 @@ impl Node {
         lock(&self.shared.steward).meter_name().to_string()
     }
 
-    /// Take no new connection, then wait, at most `within`, for the
-    /// requests in flight here (as coordinator or as stage, queued or
-    /// sealing, or still being written to an API client) to end; how many were still open when it stopped waiting.
+    /// Take no new request (the API answers 503, the coordinator refuses
+    /// new requests and those queued, saying it is shutting down; the
+    /// stage takes no new slice, so coordinators plan around it), then
+    /// wait, at most `within`, for the requests in flight here (as
+    /// coordinator or as stage, sealing, or still being written to an API
+    /// client) to end; how many were still open when it stopped waiting.
+    /// Connections are still accepted meanwhile: a stage's records and a
+    /// client's refusal need them.
     pub async fn drain(&self, within: Duration) -> u64 {
-        self.accept.abort();
+        if let Some(http) = &self.http {
+            http.close();
+        }
+        self.coordinator.queue.close();
+        self.stage
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let until = std::time::Instant::now() + within;
         loop {
             let stats = self.stats().await;

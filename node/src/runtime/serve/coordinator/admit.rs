@@ -527,6 +527,11 @@ pub(crate) async fn admit_in_turn<'a>(
         // Registered before the attempt, so a place freed between a busy
         // answer and the wait is not missed.
         let freed = queue.notified();
+        if queue.is_closed() {
+            return Err(anyhow::anyhow!(
+                crate::runtime::serve::coordinator::queue::SHUTTING_DOWN
+            ));
+        }
         // A waiting request tries again (its prompt read again) only when
         // the own slice has room.
         if busy.is_none() || pool.open_requests() < pool.max_requests() {

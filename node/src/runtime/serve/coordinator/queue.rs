@@ -2,9 +2,10 @@
 //! for one (`admit::admit_in_turn`), as llama-server's requests wait for a slot, instead of being
 //! refused at once. The queue is bounded (`--max-queued`), each request
 //! waits at most until its own deadline, and a request past the bound is
-//! refused as busy, saying so.
+//! refused as busy, saying so. A node shutting down closes its queue:
+//! new requests, and those waiting, are refused, saying so.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// The default bound on requests waiting for a place at a coordinator.
@@ -21,6 +22,9 @@ pub(crate) struct Queue {
     waiting: AtomicUsize,
     /// A request let go of its places.
     freed: tokio::sync::Notify,
+    /// The node is shutting down: no request joins, and those waiting are
+    /// refused.
+    closed: AtomicBool,
 }
 
 /// A request's place in the queue, given back when it is dropped.
@@ -38,6 +42,7 @@ impl Queue {
             max_queued: max_queued.min(MAX_QUEUED),
             waiting: AtomicUsize::new(0),
             freed: tokio::sync::Notify::new(),
+            closed: AtomicBool::new(false),
         }
     }
 
@@ -49,6 +54,17 @@ impl Queue {
     /// A request ended or let go of its places: the waiting look again.
     pub(crate) fn freed(&self) {
         self.freed.notify_waiters();
+    }
+
+    /// Take no new request; wake those waiting, to be refused.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+        self.freed.notify_waiters();
+    }
+
+    /// Whether the node is shutting down.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
     }
 
     pub(crate) fn max_queued(&self) -> usize {
@@ -70,3 +86,7 @@ impl Queue {
             .map(|_| Waiting(self))
     }
 }
+
+/// Why a request was refused by a node shutting down.
+pub(crate) const SHUTTING_DOWN: &str =
+    "shutting down: this node takes no new requests; send the request to another node";

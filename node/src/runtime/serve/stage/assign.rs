@@ -82,6 +82,9 @@ pub(crate) fn handle_assign(
         }
         bail!("this node does not serve coordinator {}", did_key(&peer));
     }
+    if stage.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        bail!("this node is shutting down and takes no new slice");
+    }
     let assign = Assign::from_request(request)?;
     if assign.coordinator != peer {
         bail!("the assignment names a coordinator other than the node that sent it");

@@ -34,6 +34,9 @@ pub(crate) struct StageRole {
     pub(crate) slice_idle: Duration,
     /// Refused assignments from strangers logged (one a minute).
     pub(crate) assign_refusals_logged: Mutex<crate::runtime::limit::PerMinute>,
+    /// The node is shutting down: it takes no new slice, so coordinators
+    /// plan around it, and serves on what it holds.
+    pub(crate) draining: std::sync::atomic::AtomicBool,
 }
 
 impl StageRole {
@@ -47,6 +50,7 @@ impl StageRole {
             max_slices: max_slices.max(1),
             slice_idle,
             assign_refusals_logged: Mutex::new(crate::runtime::limit::PerMinute::new(1)),
+            draining: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
