@@ -116,16 +116,16 @@ pub fn attend(
         scale,
         span,
     };
-    // A piece is one query position's heads that share one KV head. A long
-    // prompt's pieces go to the compute threads; each piece's bits are the
-    // same wherever it runs.
+    // A piece is one query head at one position. A long prompt's pieces,
+    // and a decode step's heads deep in a long context, go to the compute
+    // threads; each piece's bits are the same wherever it runs.
     let pieces: Vec<std::sync::Mutex<&mut [f32]>> = out
-        .chunks_exact_mut(group * width)
+        .chunks_exact_mut(width)
         .map(std::sync::Mutex::new)
         .collect();
     let failure: std::sync::Mutex<Option<EngineError>> = std::sync::Mutex::new(None);
     let run = |range: std::ops::Range<usize>| {
-        let mut scratch = Scratch::new(group, cached);
+        let mut scratch = Scratch::new(cached);
         for index in range {
             let Some(piece) = pieces.get(index) else {
                 continue;
@@ -141,7 +141,7 @@ pub fn attend(
             }
         }
     };
-    if seq * cached >= PARALLEL_WORK {
+    if seq * heads * cached >= PARALLEL_WORK {
         crate::kernels::pool::pool().for_each_piece(pieces.len(), run);
     } else {
         run(0..pieces.len());
@@ -157,9 +157,11 @@ pub fn attend(
     )?))
 }
 
-/// Query positions times cached positions from which a step's pieces are
-/// spread over the compute threads (a prompt chunk, not a decode step).
-const PARALLEL_WORK: usize = 4096;
+/// Query rows (positions times heads) times cached positions from which a
+/// step's pieces are spread over the compute threads: a prompt chunk, or
+/// a decode step about a thousand positions deep (SmolLM2's nine heads;
+/// two thousand for Gemma 3's four).
+const PARALLEL_WORK: usize = 8192;
 
 struct Inputs<'a> {
     queries: &'a View<'a>,
@@ -174,25 +176,21 @@ struct Inputs<'a> {
 
 /// One piece's scores, reused from piece to piece.
 struct Scratch {
-    scores: Vec<Vec<f32>>,
-    totals: Vec<f32>,
+    scores: Vec<f32>,
 }
 
 impl Scratch {
-    fn new(group: usize, cached: usize) -> Self {
+    fn new(cached: usize) -> Self {
         Self {
-            scores: vec![Vec::with_capacity(cached); group],
-            totals: vec![0f32; group],
+            scores: Vec::with_capacity(cached),
         }
     }
 }
 
-/// Piece `index` (query position `index / kv_heads`, KV head `index %
-/// kv_heads`), into `results`: the query heads that share the KV head are
-/// computed together, so each cached key and value row is read once for
-/// all of them (at a 1,000-token context the cache is a third of what a
-/// decode step reads). With AVX2 when the CPU has it: no fused
-/// multiply-add either way, so both give the same bits.
+/// Piece `index` (query position `index / heads`, query head `index %
+/// heads`, which reads KV head `head / group`), into `results`. With AVX2
+/// when the CPU has it: no fused multiply-add either way, so both give the
+/// same bits.
 fn compute_piece(
     inputs: &Inputs<'_>,
     index: usize,
@@ -255,36 +253,36 @@ fn piece_rows_fixed<const W: usize>(
         span,
         ..
     } = *inputs;
-    let (s, kv_head) = (index / kv_heads, index % kv_heads);
+    let heads = group * kv_heads;
+    let (s, head) = (index / heads, index % heads);
+    let kv_head = head / group;
     let query_position = span.position + s;
     let first = (query_position + 1).saturating_sub(span.window);
-    for (g, result) in results.chunks_exact_mut(W).enumerate().take(group) {
-        let query = *fixed_row::<W>(queries, kv_head * group + g, s, QUERY_OUTSIDE)?;
-        let scores = &mut scratch.scores[g];
-        scores.clear();
-        let mut key = first;
-        while key + 4 <= query_position + 1 {
-            let rows = [
-                fixed_row::<W>(keys, kv_head, key, KEY_OUTSIDE)?,
-                fixed_row::<W>(keys, kv_head, key + 1, KEY_OUTSIDE)?,
-                fixed_row::<W>(keys, kv_head, key + 2, KEY_OUTSIDE)?,
-                fixed_row::<W>(keys, kv_head, key + 3, KEY_OUTSIDE)?,
-            ];
-            scores.extend(dots4_fast(simd, &query, rows).map(|dot| dot * scale));
-            key += 4;
-        }
-        for key in key..=query_position {
-            let key_row = fixed_row::<W>(keys, kv_head, key, KEY_OUTSIDE)?;
-            scores.push(dot(&query, key_row) * scale);
-        }
-        let total = exponentials(scores);
-        let mut sum = [0f32; W];
-        add_weighted_rows::<W>(simd, &mut sum, scores, |j| {
-            fixed_row::<W>(values, kv_head, first + j, VALUE_OUTSIDE)
-        })?;
-        for (r, o) in result.iter_mut().zip(sum) {
-            *r = o / total;
-        }
+    let query = *fixed_row::<W>(queries, head, s, QUERY_OUTSIDE)?;
+    let scores = &mut scratch.scores;
+    scores.clear();
+    let mut key = first;
+    while key + 4 <= query_position + 1 {
+        let rows = [
+            fixed_row::<W>(keys, kv_head, key, KEY_OUTSIDE)?,
+            fixed_row::<W>(keys, kv_head, key + 1, KEY_OUTSIDE)?,
+            fixed_row::<W>(keys, kv_head, key + 2, KEY_OUTSIDE)?,
+            fixed_row::<W>(keys, kv_head, key + 3, KEY_OUTSIDE)?,
+        ];
+        scores.extend(dots4_fast(simd, &query, rows).map(|dot| dot * scale));
+        key += 4;
+    }
+    for key in key..=query_position {
+        let key_row = fixed_row::<W>(keys, kv_head, key, KEY_OUTSIDE)?;
+        scores.push(dot(&query, key_row) * scale);
+    }
+    let total = exponentials(scores);
+    let mut sum = [0f32; W];
+    add_weighted_rows::<W>(simd, &mut sum, scores, |j| {
+        fixed_row::<W>(values, kv_head, first + j, VALUE_OUTSIDE)
+    })?;
+    for (r, o) in results.iter_mut().zip(sum) {
+        *r = o / total;
     }
     Ok(())
 }
@@ -306,46 +304,35 @@ fn piece_rows(
         scale,
         span,
     } = *inputs;
-    let Scratch { scores, totals } = scratch;
-    let (s, kv_head) = (index / kv_heads, index % kv_heads);
+    let scores = &mut scratch.scores;
+    let heads = group * kv_heads;
+    let (s, head) = (index / heads, index % heads);
+    let kv_head = head / group;
     let query_position = span.position + s;
     let first = (query_position + 1).saturating_sub(span.window);
-    let query = |g: usize| {
-        queries
-            .row(kv_head * group + g, s, width)
-            .ok_or(EngineError::WrongInput(QUERY_OUTSIDE))
-    };
-    for scores in scores.iter_mut().take(group) {
-        scores.clear();
-    }
+    let query = queries
+        .row(head, s, width)
+        .ok_or(EngineError::WrongInput(QUERY_OUTSIDE))?;
+    scores.clear();
     for key in first..=query_position {
         let key_row = keys
             .row(kv_head, key, width)
             .ok_or(EngineError::WrongInput(KEY_OUTSIDE))?;
-        for (g, scores) in scores.iter_mut().enumerate().take(group) {
-            scores.push(dot(query(g)?, key_row) * scale);
-        }
+        scores.push(dot(query, key_row) * scale);
     }
-    for g in 0..group {
-        totals[g] = exponentials(&mut scores[g]);
-    }
-    let results = &mut results[..group * width];
+    let total = exponentials(scores);
+    let results = &mut results[..width];
     results.fill(0.0);
-    for (j, key) in (first..=query_position).enumerate() {
+    for (weight, key) in scores.iter().zip(first..=query_position) {
         let value_row = values
             .row(kv_head, key, width)
             .ok_or(EngineError::WrongInput(VALUE_OUTSIDE))?;
-        for (g, result) in results.chunks_exact_mut(width).enumerate() {
-            let weight = scores[g][j];
-            for (o, v) in result.iter_mut().zip(value_row) {
-                *o += weight * v;
-            }
+        for (o, v) in results.iter_mut().zip(value_row) {
+            *o += weight * v;
         }
     }
-    for (g, result) in results.chunks_exact_mut(width).enumerate() {
-        for o in result.iter_mut() {
-            *o /= totals[g];
-        }
+    for o in results.iter_mut() {
+        *o /= total;
     }
     Ok(())
 }
@@ -703,7 +690,7 @@ mod tests {
     #[test]
     fn a_spread_prompt_row_has_the_bits_it_gets_alone() {
         let (seq, cached) = (90, 100);
-        assert!(seq * cached >= PARALLEL_WORK);
+        assert!(seq * 6 * cached >= PARALLEL_WORK);
         let q = random((1, 6, seq, 16), 7);
         let k = random((1, 2, cached, 16), 8);
         let v = random((1, 2, cached, 16), 9);
@@ -766,22 +753,16 @@ mod tests {
                     window,
                 },
             };
-            for index in 0..seq * kv_heads {
-                let mut general = vec![0f32; group * width];
-                let mut fixed = vec![0f32; group * width];
-                piece_rows(
-                    &inputs,
-                    index,
-                    &mut general,
-                    &mut Scratch::new(group, cached),
-                )
-                .unwrap();
+            for index in 0..seq * heads {
+                let mut general = vec![0f32; width];
+                let mut fixed = vec![0f32; width];
+                piece_rows(&inputs, index, &mut general, &mut Scratch::new(cached)).unwrap();
                 rows_of_width(
                     simd(),
                     &inputs,
                     index,
                     &mut fixed,
-                    &mut Scratch::new(group, cached),
+                    &mut Scratch::new(cached),
                 )
                 .unwrap();
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
