@@ -163,6 +163,36 @@ pub fn attend(
 /// two thousand for Gemma 3's four).
 const PARALLEL_WORK: usize = 8192;
 
+/// Where one piece sits: its query row and the keys it sees.
+struct Piece {
+    /// The row's index in the step.
+    step_row: usize,
+    head: usize,
+    kv_head: usize,
+    /// The first key the row sees (its window's start).
+    first: usize,
+    /// The row's own position: the last key it sees.
+    query_position: usize,
+}
+
+impl Inputs<'_> {
+    /// Piece `index`: query position `index / heads`, query head `index %
+    /// heads`, which reads KV head `head / group`.
+    #[inline(always)]
+    fn piece(&self, index: usize) -> Piece {
+        let heads = self.group * self.kv_heads;
+        let (step_row, head) = (index / heads, index % heads);
+        let query_position = self.span.position + step_row;
+        Piece {
+            step_row,
+            head,
+            kv_head: head / self.group,
+            first: (query_position + 1).saturating_sub(self.span.window),
+            query_position,
+        }
+    }
+}
+
 struct Inputs<'a> {
     queries: &'a View<'a>,
     keys: &'a View<'a>,
@@ -187,8 +217,7 @@ impl Scratch {
     }
 }
 
-/// Piece `index` (query position `index / heads`, query head `index %
-/// heads`, which reads KV head `head / group`), into `results`. With AVX2
+/// Piece `index` ([`Inputs::piece`]) into `results`. With AVX2
 /// when the CPU has it: no fused multiply-add either way, so both give the
 /// same bits.
 fn compute_piece(
@@ -204,10 +233,9 @@ fn compute_piece(
     rows_of_width(None, inputs, index, results, scratch)
 }
 
-/// The piece's rows by the loops for its head width: the common widths
-/// with each row's query and accumulator a fixed-size array the compiler
-/// keeps in registers, any other width by the general loops. Both compute
-/// every row with the same operations in the same order (each score, the
+/// The piece's row by the loops for its head width: the common widths
+/// with the query and the accumulator fixed-size arrays, any other width
+/// by the general loops. Both compute every row with the same operations in the same order (each score, the
 /// row's maximum, the exponentials and their total, each value added in
 /// key order, then the division by the total), so they give the same bits
 /// (`the_fixed_width_loops_give_the_general_loops_bits`).
@@ -247,18 +275,17 @@ fn piece_rows_fixed<const W: usize>(
         queries,
         keys,
         values,
-        group,
-        kv_heads,
         scale,
-        span,
         ..
     } = *inputs;
-    let heads = group * kv_heads;
-    let (s, head) = (index / heads, index % heads);
-    let kv_head = head / group;
-    let query_position = span.position + s;
-    let first = (query_position + 1).saturating_sub(span.window);
-    let query = *fixed_row::<W>(queries, head, s, QUERY_OUTSIDE)?;
+    let Piece {
+        step_row,
+        head,
+        kv_head,
+        first,
+        query_position,
+    } = inputs.piece(index);
+    let query = *fixed_row::<W>(queries, head, step_row, QUERY_OUTSIDE)?;
     let scores = &mut scratch.scores;
     scores.clear();
     let mut key = first;
@@ -298,20 +325,20 @@ fn piece_rows(
         queries,
         keys,
         values,
-        group,
-        kv_heads,
         width,
         scale,
-        span,
+        ..
     } = *inputs;
+    let Piece {
+        step_row,
+        head,
+        kv_head,
+        first,
+        query_position,
+    } = inputs.piece(index);
     let scores = &mut scratch.scores;
-    let heads = group * kv_heads;
-    let (s, head) = (index / heads, index % heads);
-    let kv_head = head / group;
-    let query_position = span.position + s;
-    let first = (query_position + 1).saturating_sub(span.window);
     let query = queries
-        .row(head, s, width)
+        .row(head, step_row, width)
         .ok_or(EngineError::WrongInput(QUERY_OUTSIDE))?;
     scores.clear();
     for key in first..=query_position {
@@ -321,7 +348,6 @@ fn piece_rows(
         scores.push(dot(query, key_row) * scale);
     }
     let total = exponentials(scores);
-    let results = &mut results[..width];
     results.fill(0.0);
     for (weight, key) in scores.iter().zip(first..=query_position) {
         let value_row = values
@@ -411,6 +437,8 @@ fn dots4_fast<const W: usize>(simd: Simd, query: &[f32; W], keys: [&[f32; W]; 4]
                 *sum = simd.add_f32x8(*sum, simd.mul_f32x8(q, k));
             }
         }
+        // `+ 0.0` as `dot` adds its empty tail: it turns a sum of -0.0
+        // into +0.0, so the bits stay `dot`'s.
         return sums.map(|sum| lanes_total(pulp::cast(sum)) + 0f32);
     }
     dots4(query, keys)
@@ -443,9 +471,9 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// [`dot`] of one query with four keys at once: each key's products and
-/// sums in [`dot`]'s order, so each gives [`dot`]'s bits. Written as
-/// eight-lane arrays so the compiler keeps each key's lanes in one vector
-/// register (its vectoriser otherwise went across the four keys).
+/// sums in [`dot`]'s order, so each gives [`dot`]'s bits. The portable
+/// loops, where the CPU has no AVX2 ([`dots4_fast`]); left to itself,
+/// LLVM vectorised these across the four keys, not along each key.
 #[inline(always)]
 fn dots4<const W: usize>(query: &[f32; W], keys: [&[f32; W]; 4]) -> [f32; 4] {
     let (q8, q_tail) = query.as_chunks::<8>();
