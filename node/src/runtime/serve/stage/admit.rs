@@ -2,6 +2,7 @@
 //! slice's upstream, decide the grant, open (or take over) the cache.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use mesh_protocol::block::ReturnMode;
@@ -155,7 +156,7 @@ pub(crate) async fn admit_stage(
     }
     let opened = match kept_here {
         Some(r) => take_kept(stage, &slot, r, request_id, capacity).await,
-        None => open_cache(stage, &slot, request_id, capacity),
+        None => open_cache(stage, &slot, request_id, capacity).await,
     };
     let cache = match opened {
         Ok(cache) => {
@@ -265,17 +266,35 @@ fn resume_refusal(
     }
 }
 
+/// How often a stage looks again for a place a request is giving back.
+const PLACE_POLL: Duration = Duration::from_millis(5);
+
+/// How long a full stage looks for a place before it refuses: a
+/// request's end reaches a stage within a hop or two, milliseconds on
+/// any link the planner would use.
+const PLACE_WAIT: Duration = Duration::from_millis(250);
+
 /// A new cache for a request, giving back parked caches on the slice when
-/// they are what stands in the way.
-pub(crate) fn open_cache(
+/// they are what stands in the way. A full pool is asked again for up to
+/// [`PLACE_WAIT`]: the coordinator admits its next request as soon as it
+/// has the last token of one, while this stage may still be closing that
+/// request's stream, so with every place taken the next one is moments
+/// away. Only an assigned coordinator's requests get here, and at most
+/// four times `max_requests` of them at once (the tickets), so the wait
+/// is bounded in count as well as time.
+pub(crate) async fn open_cache(
     stage: &StageRole,
     slot: &Slot,
     request_id: u64,
     capacity: usize,
 ) -> anyhow::Result<CacheLease> {
+    let until = tokio::time::Instant::now() + PLACE_WAIT;
     loop {
         match slot.pool.open(&slot.slice, request_id, capacity) {
             Err(mesh_stage::EngineError::Busy(_)) if stage.kept.evict_oldest_on(&slot.slice) => {}
+            Err(mesh_stage::EngineError::Busy(_)) if tokio::time::Instant::now() < until => {
+                tokio::time::sleep(PLACE_POLL).await;
+            }
             opened => return Ok(opened?),
         }
     }
