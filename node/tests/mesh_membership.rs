@@ -38,8 +38,20 @@ fn start(dir: &Path, name: &str, args: &[String]) -> Running {
 
 /// `start`, its data plane (QUIC) on `listen`.
 fn start_at(dir: &Path, name: &str, args: &[String], listen: &str) -> Running {
+    start_with_env(dir, name, args, listen, &[])
+}
+
+/// `start_at`, with `env` set for the process.
+fn start_with_env(
+    dir: &Path,
+    name: &str,
+    args: &[String],
+    listen: &str,
+    env: &[(&str, &str)],
+) -> Running {
     let mut child = Command::new(bin())
         .args(args)
+        .envs(env.iter().copied())
         .args([
             "--listen",
             listen,
@@ -1437,4 +1449,99 @@ async fn a_relayed_chain_resumes_too_and_rebuilds_every_cache() {
     assert_eq!(resumes.len(), 1, "{resumes:?}");
     assert_eq!(resumes[0]["lost"], serde_json::json!([victim.did]));
     assert_eq!(resumes[0]["kept"], serde_json::json!([]));
+}
+
+/// Issue 41: a stage that computes wrongly (its every output nudged, as
+/// altered weights would; each hop still agrees) is caught by the first
+/// audit (`--audit-rate 1`), named, and planned out: the next request runs
+/// on the spare, and its audit passes. The dishonest node advertises
+/// itself as the fastest, so the first plan takes it.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_that_computes_wrongly_is_caught_by_an_audit_and_planned_out() {
+    use mesh_node::runtime::serve::{
+        GenerateRequest, PeerAddr, generate_remote, node_stats_remote,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, key) =
+        mesh_coordinator(dir.path(), &model, &["--stages", "3", "--audit-rate", "1"]);
+    let dishonest = start_with_env(
+        dir.path(),
+        "liar",
+        &join_args(
+            dir.path(),
+            &model,
+            &coordinator.mesh,
+            "liar",
+            &["--decode-us-per-layer", "300"],
+        ),
+        "127.0.0.1:0",
+        &[("MESH_FAULT_WRONG_OUTPUT", "1")],
+    );
+    let honest: Vec<Running> = ["h1", "h2"]
+        .iter()
+        .map(|name| {
+            mesh_join(
+                dir.path(),
+                &model,
+                &coordinator.mesh,
+                name,
+                &["--decode-us-per-layer", "1000"],
+            )
+        })
+        .collect();
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+    let address: PeerAddr = coordinator.peer.parse().unwrap();
+    let key = mesh_node::runtime::keys::load(&key).unwrap();
+    let audits = || async {
+        let stats = node_stats_remote(&key, &address).await.unwrap();
+        (
+            stats.audits_passed,
+            stats.audits_failed,
+            stats.audits_unconcluded,
+        )
+    };
+    let request = GenerateRequest::greedy("who audits the auditors", 8);
+
+    let first = generate_remote(&address, &request, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(first.terminal_state, "completed", "{:?}", first.error);
+    assert!(
+        chain_of(&first).contains(&dishonest.did),
+        "the fastest is planned in"
+    );
+    let since = Instant::now();
+    while audits().await != (0, 1, 0) {
+        assert!(
+            since.elapsed() < Duration::from_secs(30),
+            "no failed audit: {:?}",
+            audits().await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = std::fs::read_to_string(dir.path().join("coord.log")).unwrap();
+    let named = log
+        .lines()
+        .find(|l| l.contains("computed wrongly") && l.contains(&dishonest.did));
+    eprintln!("{named:?}");
+    assert!(named.is_some(), "the log names the stage: {log}");
+
+    let second = generate_remote(&address, &request, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(second.terminal_state, "completed", "{:?}", second.error);
+    let chain = chain_of(&second);
+    assert!(!chain.contains(&dishonest.did), "planned out: {chain:?}");
+    assert!(honest.iter().all(|h| chain.contains(&h.did)), "{chain:?}");
+    let since = Instant::now();
+    while audits().await != (1, 1, 0) {
+        assert!(
+            since.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            audits().await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -113,6 +113,8 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         draft_tokens: mesh_node::runtime::serve::DEFAULT_DRAFT_TOKENS,
         draft_model: None,
         max_resumes: mesh_node::runtime::serve::DEFAULT_MAX_RESUMES,
+        audit_rate: 0.0,
+        audit_pause: mesh_node::runtime::serve::DEFAULT_AUDIT_PAUSE,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),

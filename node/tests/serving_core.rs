@@ -920,3 +920,77 @@ async fn a_split_over_delayed_lossy_links_gives_the_clean_tokens() {
         eprintln!("{mode:?}: {relayed} datagrams relayed, {dropped} dropped");
     }
 }
+
+/// Issue 41: with every request audited (rate 1), honest stages pass every
+/// audit: the coordinator's own run of each stage's layers over the same
+/// inputs gives, byte for byte, the forward lanes the middle stages sealed
+/// and the replies the final stage sent, in both return modes, with
+/// drafts (rows rewound) and with requests batched together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn honest_stages_pass_every_audit() {
+    for (return_mode, draft_tokens, together) in [
+        (ReturnMode::Direct, 0, 1),
+        (ReturnMode::Relayed, 3, 1),
+        (ReturnMode::Direct, 0, 4),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let model = synthetic(dir.path());
+        let mut stages = Vec::new();
+        for (name, seed) in [("b", 2), ("c", 3), ("d", 4)] {
+            stages.push(Setup::stage(&model, dir.path(), name, seed).start().await);
+        }
+        let mut a = Setup::coordinator(
+            &model,
+            dir.path(),
+            stages.iter().map(Node::peer_addr).collect(),
+        );
+        a.audit_rate = 1.0;
+        a.return_mode = return_mode;
+        a.draft_tokens = draft_tokens;
+        let a = a.start().await;
+        let coordinator = a.peer_addr();
+        let asked: Vec<_> = (0..together)
+            .map(|i| {
+                let coordinator = coordinator.clone();
+                tokio::spawn(async move {
+                    ask(
+                        &coordinator,
+                        &request(&format!("audited {i} audited"), 10, None),
+                    )
+                    .await
+                })
+            })
+            .collect();
+        for asked in asked {
+            let summary = asked.await.unwrap().unwrap();
+            assert_eq!(summary.terminal_state, "completed", "{:?}", summary.error);
+        }
+        let since = Instant::now();
+        let stats = loop {
+            let stats = a.stats().await;
+            if stats.audits_passed
+                + stats.audits_failed
+                + stats.audits_unconcluded
+                + stats.audits_let_go
+                >= together
+            {
+                break stats;
+            }
+            assert!(
+                since.elapsed() < Duration::from_secs(60),
+                "no verdict: {stats:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(
+            (stats.audits_failed, stats.audits_unconcluded),
+            (0, 0),
+            "{return_mode:?}, {draft_tokens} drafts, {together} at once: {stats:#?}"
+        );
+        assert!(stats.audits_passed >= 1, "{stats:#?}");
+        a.shutdown().await;
+        for stage in stages {
+            stage.shutdown().await;
+        }
+    }
+}

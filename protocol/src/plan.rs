@@ -80,6 +80,9 @@ pub enum LeftOut {
     /// It refused its last assignment (the coordinator goes around it for
     /// a while).
     Refused,
+    /// Its output failed an audit: the coordinator ran its layers on the
+    /// same input and got other bytes (it goes around it for a while).
+    FailedAudit,
 }
 
 impl LeftOut {
@@ -96,6 +99,7 @@ impl LeftOut {
             LeftOut::Stale => "its advert expired".into(),
             LeftOut::NotConnected => "not connected: no measured round trip".into(),
             LeftOut::Refused => "refused its last assignment".into(),
+            LeftOut::FailedAudit => "failed an audit: its output was not its layers'".into(),
         }
     }
 }

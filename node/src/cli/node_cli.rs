@@ -80,6 +80,12 @@ pub struct ServeConfig {
     /// Times one request may go on over a new chain after losing a stage
     /// (default 2, at most 7; a chain planned over a mesh only).
     pub max_resumes: Option<usize>,
+    /// The share of requests the coordinator audits by running their
+    /// stages' layers itself (default 0.02; 0: none; at most 1).
+    pub audit_rate: Option<f64>,
+    /// Seconds a node whose output failed an audit is left out of plans
+    /// (default 3600).
+    pub audit_pause_s: Option<u64>,
     /// Activation encoding between stages: f32 (default), f16, bf16.
     pub wire: Option<String>,
     /// Where slices compute: `cpu` (default), `cuda` or `cuda:N` (a binary
@@ -220,6 +226,16 @@ pub struct ServeArgs {
     /// tokens so far, and the request continues. Mesh-planned chains only.
     #[arg(long, help_heading = "Serving")]
     pub max_resumes: Option<usize>,
+    /// The share of requests audited: the coordinator runs their stages'
+    /// layers itself on the same inputs and compares the outputs (default
+    /// 0.02; 0: none; 1: every request). A node whose output differs is
+    /// named in the log and left out of plans for --audit-pause-s.
+    #[arg(long, help_heading = "Serving")]
+    pub audit_rate: Option<f64>,
+    /// Seconds a node that failed an audit is left out of plans (default
+    /// 3600).
+    #[arg(long, help_heading = "Serving")]
+    pub audit_pause_s: Option<u64>,
     /// Requests that wait for a place when all --max-requests are taken
     /// (default 32, at most 4096; 0: refuse at once), each until its own
     /// deadline.
@@ -330,6 +346,18 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         "--max-resumes {max_resumes}: give 0 to {}",
         crate::runtime::serve::MAX_RESUMES
     );
+    let audit_rate = args
+        .audit_rate
+        .or(file.audit_rate)
+        .unwrap_or(crate::runtime::serve::DEFAULT_AUDIT_RATE);
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&audit_rate),
+        "--audit-rate {audit_rate}: give a share from 0 (no audits) to 1 (every request)"
+    );
+    let audit_pause = args.audit_pause_s.or(file.audit_pause_s).map_or(
+        crate::runtime::serve::DEFAULT_AUDIT_PAUSE,
+        Duration::from_secs,
+    );
     let max_queued = args
         .max_queued
         .or(file.max_queued)
@@ -431,6 +459,8 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         draft_tokens,
         draft_model,
         max_resumes,
+        audit_rate,
+        audit_pause,
         return_mode: parse_return_mode(
             &args
                 .return_mode
@@ -539,6 +569,8 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         draft_tokens: None,
         draft_model: None,
         max_resumes: None,
+        audit_rate: None,
+        audit_pause_s: None,
         max_queued: None,
         mesh: args.mesh,
     };
@@ -861,6 +893,8 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             draft_tokens: crate::runtime::serve::DEFAULT_DRAFT_TOKENS,
             draft_model: None,
             max_resumes: crate::runtime::serve::DEFAULT_MAX_RESUMES,
+            audit_rate: crate::runtime::serve::DEFAULT_AUDIT_RATE,
+            audit_pause: crate::runtime::serve::DEFAULT_AUDIT_PAUSE,
             return_mode: args.return_mode,
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter::default()),

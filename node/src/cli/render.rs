@@ -268,6 +268,10 @@ pub fn node_stats(
         ),
         ("requests refused (other)", stats.requests_refused_other),
         ("tokens generated", stats.tokens_generated),
+        ("audits passed", stats.audits_passed),
+        ("audits failed", stats.audits_failed),
+        ("audits unconcluded", stats.audits_unconcluded),
+        ("audits let go (queued up)", stats.audits_let_go),
         ("requests served as a stage", stats.stage_requests),
         ("refused as a stage", stats.stage_refusals),
         (

@@ -435,6 +435,9 @@ pub(crate) fn bench_options(
         draft_tokens: 0,
         draft_model: None,
         max_resumes: crate::runtime::serve::DEFAULT_MAX_RESUMES,
+        // Benches measure serving; an audit would share the cores.
+        audit_rate: 0.0,
+        audit_pause: crate::runtime::serve::DEFAULT_AUDIT_PAUSE,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),

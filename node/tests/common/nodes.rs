@@ -46,6 +46,8 @@ pub struct Setup<'a> {
     pub max_requests: usize,
     /// Requests the coordinator lets wait for a place (0: refused at once).
     pub max_queued: usize,
+    /// The share of requests the coordinator audits.
+    pub audit_rate: f64,
     pub max_slices: usize,
     pub slice_idle: Duration,
     pub step_timeout: Duration,
@@ -83,6 +85,7 @@ impl<'a> Setup<'a> {
             coordinators: Vec::new(),
             max_requests: 4,
             max_queued: mesh_node::runtime::serve::DEFAULT_MAX_QUEUED,
+            audit_rate: mesh_node::runtime::serve::DEFAULT_AUDIT_RATE,
             max_slices: 2,
             slice_idle: Duration::from_secs(600),
             return_mode: ReturnMode::Relayed,
@@ -141,6 +144,8 @@ impl<'a> Setup<'a> {
             draft_tokens: self.draft_tokens,
             draft_model: self.draft_model,
             max_resumes: mesh_node::runtime::serve::DEFAULT_MAX_RESUMES,
+            audit_rate: self.audit_rate,
+            audit_pause: mesh_node::runtime::serve::DEFAULT_AUDIT_PAUSE,
             wire: WireDType::F32,
             meter: match self.estimate_milliwatts {
                 None => Box::new(EstimatorMeter {

@@ -165,6 +165,7 @@ pub(crate) async fn node_stats(stage: &StageRole, coordinator: &CoordinatorRole)
     slices.extend(coordinator.draft_model.as_ref().map(|draft| draft.stats()));
     let counter = |c: &AtomicU64| c.load(Ordering::Relaxed);
     let c = &shared.counters;
+    let audits = lock(&coordinator.planning.reputation).audits;
     NodeStats {
         caches_open: slices.iter().map(|s| s.caches_open).sum(),
         caches_kept: stage.kept.parked() as u64,
@@ -184,6 +185,10 @@ pub(crate) async fn node_stats(stage: &StageRole, coordinator: &CoordinatorRole)
         stage_requests: counter(&c.stage_requests),
         stage_refusals: counter(&c.stage_refusals),
         records_proven: counter(&c.records_proven),
+        audits_passed: audits.passed,
+        audits_failed: audits.failed,
+        audits_unconcluded: audits.unconcluded,
+        audits_let_go: audits.let_go,
         step_round_trips: c.round_trips.snapshot(),
         step_round_trips_sum_us: c.round_trips.sum_us(),
     }

@@ -139,6 +139,24 @@ impl Folding {
     }
 }
 
+/// A dishonest stage, for tests: `MESH_FAULT_WRONG_OUTPUT=1` nudges every
+/// output this node computes a little, as altered weights would, before it
+/// is folded and sent: every hop agrees, and only an audit can tell.
+#[cfg(feature = "fault-injection")]
+pub(crate) fn compute_wrongly(output: mesh_stage::SliceOutput) -> mesh_stage::SliceOutput {
+    match output {
+        mesh_stage::SliceOutput::Hidden(mut a)
+            if std::env::var_os("MESH_FAULT_WRONG_OUTPUT").is_some() =>
+        {
+            for value in a.values.iter_mut().step_by(97) {
+                *value += 0.25;
+            }
+            mesh_stage::SliceOutput::Hidden(a)
+        }
+        output => output,
+    }
+}
+
 #[cfg(feature = "fault-injection")]
 pub(crate) fn inject_fault(stage_index: u32, step: u32, bytes: &mut [u8]) {
     // MESH_FAULT_FLIP_FORWARD=STAGE:STEP:OFFSET alters one byte of the

@@ -116,6 +116,11 @@ pub struct NodeOptions {
     /// How many times one request may go on over a new chain after losing
     /// a stage (a chain planned over a mesh only).
     pub max_resumes: usize,
+    /// The share of requests a coordinator audits by running their stages'
+    /// layers itself (0..=1; 0: none).
+    pub audit_rate: f64,
+    /// How long a node whose output failed an audit is left out of plans.
+    pub audit_pause: Duration,
     pub wire: WireDType,
     pub meter: Box<dyn EnergyMeter>,
     /// Serve the OpenAI-compatible HTTP API here (a coordinator; off when
@@ -247,6 +252,8 @@ impl Node {
                 max_queued: options.max_queued,
                 wire: options.wire,
                 seal_deadline: options.stage_seal_deadline,
+                audit_rate: options.audit_rate.clamp(0.0, 1.0),
+                audit_pause: options.audit_pause,
             },
             (options.stages, options.fidelity),
             draft_model,
@@ -474,6 +481,23 @@ fn member_list(shared: &Shared, coordinator: &CoordinatorRole) -> serde_json::Va
         let k = run.keys.iter().position(|held| held == key)?;
         Some([run.assigns[k].layer_start, run.assigns[k].layer_end])
     };
+    // What this coordinator's audits found of each node.
+    let audits_of = |key: &[u8; 32]| {
+        let standing = lock(&coordinator.planning.reputation).standing(key);
+        let left_out_s = standing
+            .out_until
+            .map(|until| {
+                until
+                    .saturating_duration_since(std::time::Instant::now())
+                    .as_secs()
+            })
+            .filter(|s| *s > 0);
+        serde_json::json!({
+            "passed": standing.audits_passed,
+            "failed": standing.audits_failed,
+            "left_out_s": left_out_s,
+        })
+    };
     let own = shared.tls.public_key;
     let package = shared.model.package_id();
     let layers = u64::from(shared.model.config().layers);
@@ -493,6 +517,7 @@ fn member_list(shared: &Shared, coordinator: &CoordinatorRole) -> serde_json::Va
                     "load": m.advert.load,
                     "model": model.and_then(|e| e.name.clone()),
                     "layers": layers_of(&m.advert.node_id),
+                    "audits": audits_of(&m.advert.node_id),
                 })
             })
             .collect(),

@@ -11,6 +11,7 @@ use mesh_protocol::session::Wire;
 use tokio::sync::oneshot;
 
 use crate::runtime::net::msg::{self, kind};
+use crate::runtime::serve::coordinator::audit::Tape;
 use crate::runtime::serve::coordinator::role::{CoordinatorRole, DirectStream};
 use crate::runtime::serve::coordinator::runs::Run;
 use crate::runtime::serve::coordinator::tail::{Tail, wait_direct};
@@ -38,6 +39,8 @@ pub(crate) struct Chain {
     direct: Option<Frames>,
     direct_closed: bool,
     direct_waiter: Option<oneshot::Receiver<DirectStream>>,
+    /// An audited request's frames to stage 1 and replies back.
+    pub(crate) tape: Option<Tape>,
 }
 
 /// What a wait for a reply watches besides the streams: the deadline, the
@@ -75,6 +78,7 @@ impl Chain {
             direct: None,
             direct_closed: false,
             direct_waiter,
+            tape: None,
         }
     }
 
@@ -93,6 +97,9 @@ impl Chain {
         body: &[u8],
         step: u32,
     ) -> anyhow::Result<()> {
+        if let Some(tape) = self.tape.as_mut() {
+            tape.forward(body);
+        }
         write_forward(&mut self.send, body, lanes, 0, step).await
     }
 

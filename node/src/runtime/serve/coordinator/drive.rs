@@ -23,6 +23,7 @@ use crate::runtime::net::ALPN_STAGE;
 use crate::runtime::net::msg::{self, kind};
 use crate::runtime::serve::batch;
 use crate::runtime::serve::coordinator::admit::Admitted;
+use crate::runtime::serve::coordinator::audit::{self, Tape};
 use crate::runtime::serve::coordinator::chain::{Chain, Watch};
 use crate::runtime::serve::coordinator::keep::{KeepPlan, MAX_KEPT_OUTPUT_BYTES};
 use crate::runtime::serve::coordinator::progress::Progress;
@@ -59,6 +60,8 @@ pub(crate) struct Driven {
     /// Positions this segment's own slice ran in decode steps (drafts
     /// included): its block's `decode`.
     pub(crate) own_decode_rows: u64,
+    /// What an audited segment sent to stage 1 and got back.
+    pub(crate) tape: Option<Tape>,
 }
 
 /// Drive: open the chain and run it step by step to the last token, the
@@ -197,6 +200,8 @@ struct Segment<'s, 'h> {
     own_decode_rows: u64,
     replayed_in: Option<Duration>,
     budget_stop: Option<String>,
+    /// Sampled for an audit: the chain keeps a tape, then it is here.
+    tape: Option<Tape>,
 }
 
 impl<'s, 'h> Segment<'s, 'h> {
@@ -256,6 +261,7 @@ impl<'s, 'h> Segment<'s, 'h> {
             progress.drafter.prefill(&history);
         }
         let input = schedule.input(&prefix, 0);
+        let tape = audit::tape_if_sampled(coordinator, run, admitted);
         Self {
             coordinator,
             run,
@@ -282,6 +288,7 @@ impl<'s, 'h> Segment<'s, 'h> {
             own_decode_rows: 0,
             replayed_in: None,
             budget_stop: None,
+            tape,
         }
     }
 
@@ -318,6 +325,12 @@ impl<'s, 'h> Segment<'s, 'h> {
             let body = msg::stage_body(kind::STOP, self.admitted.request_id, step, &stop.encode());
             chain.write(&mut self.lanes, &body, step).await?;
         }
+        // Only a chain that completed is audited: after it ended otherwise
+        // a reply may come after STOP, and is not on the tape.
+        self.tape = chain
+            .tape
+            .take()
+            .filter(|_| matches!(result, Ok(TerminalState::Completed)));
         let step_timeout = self.coordinator.shared.step_timeout;
         let tail = chain.into_tail(result.is_err(), self.cursor.owed > 0, step_timeout);
         Ok((result, Some(tail)))
@@ -340,6 +353,7 @@ impl<'s, 'h> Segment<'s, 'h> {
             max_reply(self.hidden_size()),
             self.direct_waiter.take(),
         );
+        chain.tape = self.tape.take();
         chain.write(&mut self.lanes, &body, 0).await?;
         Ok(chain)
     }
@@ -421,6 +435,9 @@ impl<'s, 'h> Segment<'s, 'h> {
             let Some(reply) = chain.next_reply(&mut self.lanes, &watch).await? else {
                 return Ok(TerminalState::TimedOut);
             };
+            if let Some(tape) = chain.tape.as_mut() {
+                tape.reply(&reply);
+            }
             let Some(hidden) = self.take_reply(&reply)? else {
                 continue;
             };
@@ -857,6 +874,7 @@ impl<'s, 'h> Segment<'s, 'h> {
             own_decode_rows,
             replayed_in,
             budget_stop,
+            tape,
             ..
         } = self;
         // The stages that left the mesh during this segment: lost, for a
@@ -928,6 +946,7 @@ impl<'s, 'h> Segment<'s, 'h> {
                 .filter(|_| tokens > first_token)
                 .map_or(Vec::new(), |keep| keep.nodes.clone()),
             own_decode_rows,
+            tape,
         }
     }
 }

@@ -10,10 +10,12 @@
 //! - [`resume`]: the same request on a new chain, keeping caches ([`keep`]);
 //! - [`collect`]: the stages' records and the bill;
 //! - [`seal`]: the split's records and the `mesh/1` receipt;
+//! - [`audit`]: a sampled request's stages run again here, and compared;
 //! - [`energy`]: every served span, as the bundle's receipts say;
 //! - [`report`]: the reply to the requester.
 
 mod admit;
+pub(crate) mod audit;
 mod chain;
 mod collect;
 pub(crate) mod decision;
@@ -25,6 +27,7 @@ pub(crate) mod plan;
 mod progress;
 pub(crate) mod queue;
 mod report;
+pub(crate) mod reputation;
 pub(crate) mod request;
 mod resume;
 pub(crate) mod role;
@@ -34,8 +37,10 @@ mod seal;
 mod tail;
 mod text;
 
+pub use audit::{DEFAULT_AUDIT_PAUSE, DEFAULT_AUDIT_RATE, MAX_TAPE_BYTES};
 pub use keep::MAX_KEPT_OUTPUT_BYTES;
 pub use queue::{DEFAULT_MAX_QUEUED, MAX_QUEUED};
+pub use reputation::MAX_AUDITS_WAITING;
 pub use role::{
     DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_RESUMES, DEFAULT_PREFILL_CHUNK_TOKENS, DRAFT_MODEL_TOKENS,
     MAX_DRAFT_TOKENS, MAX_PREFILL_CHUNK_TOKENS, MAX_RESUMES, MAX_UNSERVED_LOGGED,

@@ -160,10 +160,12 @@ impl CoordinatorRole {
             keys.sort_unstable();
             keys
         };
+        let failed_audit = lock(&self.planning.reputation).left_out(Instant::now());
         if let Some(cached) = lock(&self.planning.cache).as_ref()
             && cached.generation == generation
             && cached.at_least == at_least
             && cached.refused == refused_now
+            && cached.failed_audit == failed_audit
             && cached.addresses == addresses
         {
             return Ok((
@@ -181,6 +183,9 @@ impl CoordinatorRole {
         for (candidate, reason) in &mut others {
             if reason.is_none() && refused_now.binary_search(&candidate.node_id).is_ok() {
                 *reason = Some(LeftOut::Refused);
+            }
+            if reason.is_none() && failed_audit.binary_search(&candidate.node_id).is_ok() {
+                *reason = Some(LeftOut::FailedAudit);
             }
         }
         // One stage is this node alone: a split is planned only where it
@@ -221,6 +226,7 @@ impl CoordinatorRole {
             at_least,
             addresses,
             refused: refused_now,
+            failed_audit,
             plan: plan.clone(),
             usable: usable.clone(),
             candidates: (own.clone(), others.clone()),

@@ -11,6 +11,7 @@ use crate::runtime::clock::now_ms;
 use crate::runtime::net::msg;
 use crate::runtime::serve::coordinator::admit::Admitted;
 use crate::runtime::serve::coordinator::admit::admit_in_turn;
+use crate::runtime::serve::coordinator::audit;
 use crate::runtime::serve::coordinator::collect::collect;
 use crate::runtime::serve::coordinator::drive::Driven;
 use crate::runtime::serve::coordinator::drive::drive;
@@ -251,6 +252,11 @@ pub(crate) async fn serve_request(
     progress.drafter.release().await;
     let earlier = seal_interrupted(coordinator, interrupted).await?;
     let collected = collect(coordinator, &mut admitted, &mut driven).await?;
+    // A sampled request is audited once it is sealed, in the background.
+    let audit = driven.tape.take().map(|tape| {
+        let scope = admitted.scope.clone();
+        (scope, collected.stages.records.clone(), tape)
+    });
     let sealed = seal(
         coordinator,
         &run,
@@ -260,6 +266,9 @@ pub(crate) async fn serve_request(
         collected,
         earlier,
     )?;
+    if let Some((scope, records, tape)) = audit {
+        audit::launch(coordinator, &run, scope, &records, tape);
+    }
     report(
         coordinator,
         &run,

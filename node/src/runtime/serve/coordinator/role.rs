@@ -64,6 +64,10 @@ pub(crate) struct Planning {
     /// The last plan over the mesh, for the member set (its generation) and
     /// the refused members it was made for.
     pub(crate) cache: Mutex<Option<PlanCache>>,
+    /// Each node's standing: one that failed an audit is left out a while.
+    pub(crate) reputation: Mutex<crate::runtime::serve::coordinator::reputation::Reputation>,
+    /// Audits waiting or running (at most `MAX_AUDITS_WAITING` + 1).
+    pub(crate) auditing: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 /// What the router (SPEC §4) weighs.
@@ -91,6 +95,10 @@ pub(crate) struct Settings {
     pub(crate) wire: WireDType,
     /// How long it waits for the stage records after a request.
     pub(crate) seal_deadline: Duration,
+    /// The share of requests audited by running their stages' layers here
+    /// (0: none), and how long a node that fails one is left out of plans.
+    pub(crate) audit_rate: f64,
+    pub(crate) audit_pause: Duration,
 }
 
 impl CoordinatorRole {
@@ -110,6 +118,10 @@ impl CoordinatorRole {
                 refused: Mutex::new(HashMap::new()),
                 refusals: std::sync::atomic::AtomicU64::new(0),
                 cache: Mutex::new(None),
+                reputation: Mutex::default(),
+                auditing: std::sync::Arc::new(tokio::sync::Semaphore::new(
+                    crate::runtime::serve::coordinator::reputation::MAX_AUDITS_WAITING + 1,
+                )),
             },
             directs: Mutex::new(HashMap::new()),
             collector: Mutex::new(Collector::default()),

@@ -54,6 +54,8 @@ pub(crate) struct PlanCache {
     /// change to the member set).
     pub(crate) addresses: Vec<([u8; 32], String)>,
     pub(crate) refused: Vec<[u8; 32]>,
+    /// The members left out for a failed audit.
+    pub(crate) failed_audit: Vec<[u8; 32]>,
     pub(crate) plan: mesh_protocol::plan::Plan,
     pub(crate) usable: Vec<Usable>,
     /// The coordinator and the members as the planner weighed them.

@@ -342,6 +342,8 @@ impl<'a> StageRun<'a> {
         let input = batch::StepInput::Hidden(activations);
         let bill = self.ticket.bill();
         let (output, lease, engine) = self.slot.batcher.step(input, lease, decode, bill).await?;
+        #[cfg(feature = "fault-injection")]
+        let output = crate::runtime::serve::frames::compute_wrongly(output);
         self.cache = Some(lease);
         self.stats.compute += start.elapsed();
         if decode {

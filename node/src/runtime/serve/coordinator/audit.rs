@@ -1,0 +1,540 @@
+//! Audits by redundant execution. Hop agreement proves that both ends of
+//! every hop saw the same bytes, not that a stage computed them honestly.
+//! For a sampled request the coordinator keeps what it wrote to stage 1 and
+//! what the final stage returned (the [`Tape`]); once the request is sealed
+//! it runs every stage's layers itself over the same inputs, stage after
+//! stage, and compares: a middle stage's recomputed forward lane with the
+//! `downstream.sent` digest its own record sealed, the final stage's
+//! recomputed replies with the bytes that came back. The first stage that
+//! differs is named; the planner leaves its node out ([`Audits`]).
+//!
+//! The unit audited is a request, not a step: a decode step's output
+//! depends on every position the stage's cache holds, so checking one step
+//! costs running its whole prefix again. A request is audited with
+//! probability `--audit-rate`; a stage that is always dishonest is caught
+//! within `n` requests with probability `1 - (1 - rate)^n` (on average
+//! `1 / rate` requests).
+//!
+//! Exact equality is what the engine gives on one device kind (a split's
+//! bits are the unsplit run's; a batched step's are its own alone). A stage
+//! whose advert names another device kind is not audited (its rounding
+//! differs); neither is a request that was resumed on a new chain or kept
+//! caches (its stages saw replays the tape does not hold).
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use mesh_protocol::block::{SplitKey, prefixed_sha256};
+use mesh_protocol::capsule::SealedRecord;
+use mesh_protocol::cbor::Cbor;
+use mesh_protocol::fold::LaneDigest;
+use mesh_protocol::identity::did_key;
+use mesh_protocol::session::{HopSession, RequestScope, Wire};
+use mesh_protocol::stage_frame::Rewind;
+use mesh_stage::frame::{WireDType, decode_frame, encode_frame};
+use mesh_stage::{ModelHandle, SliceInput, SliceOutput};
+use sha2::Digest;
+
+use crate::runtime::clock::lock;
+use crate::runtime::net::msg::{self, kind};
+use crate::runtime::serve::coordinator::admit::Admitted;
+use crate::runtime::serve::coordinator::reputation::Reputation;
+use crate::runtime::serve::coordinator::role::CoordinatorRole;
+use crate::runtime::serve::coordinator::runs::Run;
+
+/// The most a request's tape holds (its frames to stage 1 and the final
+/// stage's replies); a longer request is not audited.
+pub const MAX_TAPE_BYTES: usize = 64 << 20;
+
+/// How long a node that failed an audit is left out of plans.
+pub const DEFAULT_AUDIT_PAUSE: Duration = Duration::from_secs(60 * 60);
+
+/// The default share of requests audited.
+pub const DEFAULT_AUDIT_RATE: f64 = 0.02;
+
+/// What a sampled request's chain was given and gave back, at the
+/// coordinator: whole frames, exactly as they crossed.
+#[derive(Debug, Default)]
+pub(crate) struct Tape {
+    /// Every frame written to stage 1, in order.
+    forward: Vec<Vec<u8>>,
+    /// Every HIDDEN reply from the final stage, in order.
+    replies: Vec<Vec<u8>>,
+    bytes: usize,
+    /// Past `MAX_TAPE_BYTES`: nothing more is kept, and it is not audited.
+    overflowed: bool,
+}
+
+impl Tape {
+    /// A frame written to stage 1 (`body` as framed on the wire).
+    pub(crate) fn forward(&mut self, body: &[u8]) {
+        if self.room(body.len() + 4)
+            && let Ok(frame) = msg::frame(body)
+        {
+            self.forward.push(frame);
+        }
+    }
+
+    /// A reply that came back; only the final stage's hidden states count.
+    pub(crate) fn reply(&mut self, frame: &[u8]) {
+        let hidden = matches!(msg::parse_stage(frame), Ok((kind::HIDDEN, ..)));
+        if hidden && self.room(frame.len()) {
+            self.replies.push(frame.to_vec());
+        }
+    }
+
+    fn room(&mut self, bytes: usize) -> bool {
+        self.bytes += bytes;
+        self.overflowed |= self.bytes > MAX_TAPE_BYTES;
+        !self.overflowed
+    }
+}
+
+/// One remote stage of the audited chain.
+#[derive(Debug, Clone)]
+pub(crate) struct AuditedStage {
+    pub(crate) index: u32,
+    pub(crate) node: [u8; 32],
+    pub(crate) layers: Range<u32>,
+    /// The `downstream.sent` lane its record sealed (a middle stage).
+    pub(crate) claimed_sent: Option<LaneDigest>,
+}
+
+/// Everything one audit needs, taken from the sealed request.
+#[derive(Debug)]
+pub(crate) struct AuditCase {
+    pub(crate) scope: RequestScope,
+    pub(crate) stages: Vec<AuditedStage>,
+    pub(crate) tape: Tape,
+}
+
+/// What an audit found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Every stage's output is what its layers give on its input.
+    Passed,
+    /// The first stage whose output differs.
+    Failed {
+        stage: u32,
+        node: [u8; 32],
+        /// The step whose output differs first, where the bytes are at
+        /// hand (the final stage's replies); a middle stage's lane says
+        /// only that one of its frames differs.
+        step: Option<u32>,
+        /// What its layers give, and what it sent.
+        expected: String,
+        claimed: String,
+    },
+    /// Nothing could be concluded, and why.
+    Unauditable(String),
+}
+
+impl Verdict {
+    /// One line for the log.
+    pub(crate) fn describe(&self, split: &SplitKey) -> String {
+        match self {
+            Verdict::Passed => format!("audit of request {} passed", split.request_id),
+            Verdict::Failed {
+                stage,
+                node,
+                step,
+                expected,
+                claimed,
+            } => format!(
+                "audit of request {}: stage {stage} ({}) computed wrongly{}: its layers give {expected}, it sent {claimed}; left out of plans",
+                split.request_id,
+                did_key(node),
+                step.map_or(String::new(), |s| format!(" at step {s}")),
+            ),
+            Verdict::Unauditable(why) => {
+                format!("request {} not audited: {why}", split.request_id)
+            }
+        }
+    }
+}
+
+/// The `downstream.sent` lane of stage `index`'s own record of the request.
+pub(crate) fn claimed_sent(records: &[Vec<SealedRecord>], index: u32) -> Option<LaneDigest> {
+    records
+        .get(index as usize)?
+        .iter()
+        .filter_map(|record| record.stage_block().ok())
+        .find(|block| block.stage_index == index)
+        .and_then(|block| block.downstream.map(|d| d.sent))
+}
+
+/// Run every audited stage's layers over the inputs the tape holds, in
+/// chain order, and compare with what each stage sent. Blocking: minutes
+/// of compute for a long request on a large model.
+pub(crate) fn audit(model: &ModelHandle, case: &AuditCase) -> Verdict {
+    if case.tape.overflowed {
+        return Verdict::Unauditable(format!("its frames passed {MAX_TAPE_BYTES} bytes"));
+    }
+    match run_stages(model, case) {
+        Ok(verdict) => verdict,
+        Err(error) => Verdict::Unauditable(format!("{error:#}")),
+    }
+}
+
+fn run_stages(model: &ModelHandle, case: &AuditCase) -> anyhow::Result<Verdict> {
+    let open = case.tape.forward.first().context("no OPEN on the tape")?;
+    let (open_kind, _, _, open_body) = msg::parse_stage(open)?;
+    if open_kind != kind::OPEN {
+        bail!("the tape does not start with OPEN");
+    }
+    let open = Cbor::decode(open_body).context("the OPEN it sent")?;
+    let field = |name: &str| open.get(name).and_then(Cbor::as_uint);
+    let prefill_steps = field("prefill_steps").context("OPEN's prefill_steps")?;
+    let capacity = usize::try_from(field("capacity").context("OPEN's capacity")?)?;
+    let mut inputs: Vec<Vec<u8>> = case.tape.forward.clone();
+    let last = case.stages.len().checked_sub(1).context("no stage")?;
+    for (i, stage) in case.stages.iter().enumerate() {
+        let outputs = run_stage(model, stage, &inputs, prefill_steps, capacity, i == last)?;
+        if i == last {
+            return Ok(compare_replies(stage, &outputs, &case.tape.replies));
+        }
+        let claimed = stage
+            .claimed_sent
+            .with_context(|| format!("stage {} sealed no downstream lane", stage.index))?;
+        // Folded as the stage itself folds what it writes downstream.
+        let mut session = HopSession::new(case.scope.clone(), stage.index);
+        session.open_downstream();
+        for frame in &outputs {
+            session.fold(Wire::ToDownstream, frame);
+        }
+        let expected = session
+            .digests()
+            .downstream
+            .context("a downstream lane")?
+            .sent;
+        if expected != claimed {
+            return Ok(Verdict::Failed {
+                stage: stage.index,
+                node: stage.node,
+                step: None,
+                expected: lane_words(&expected),
+                claimed: lane_words(&claimed),
+            });
+        }
+        inputs = outputs;
+    }
+    bail!("no stage audited")
+}
+
+fn lane_words(lane: &LaneDigest) -> String {
+    format!(
+        "{} frames folding to {}",
+        lane.frames,
+        prefixed_sha256(&lane.digest)
+    )
+}
+
+/// What `stage` sends for `inputs` (the frames it was given): a middle
+/// stage's forward frames (OPEN, REWIND and STOP passed on as they came,
+/// each step's activations computed), or the final stage's replies.
+fn run_stage(
+    model: &ModelHandle,
+    stage: &AuditedStage,
+    inputs: &[Vec<u8>],
+    prefill_steps: u64,
+    capacity: usize,
+    last: bool,
+) -> anyhow::Result<Vec<Vec<u8>>> {
+    let slice = model.load_chain_slice(stage.layers.clone(), false)?;
+    let mut cache = slice.new_cache(capacity)?;
+    let hidden = slice.config().hidden;
+    let mut outputs = Vec::with_capacity(inputs.len());
+    let mut steps = 0u64;
+    for frame in inputs {
+        let (message_kind, request_id, step, payload) = msg::parse_stage(frame)?;
+        match message_kind {
+            kind::ACTIVATIONS => {
+                let (activations, wire) = decode_frame(payload, hidden)?;
+                // As the stage runs it: a decode step's rows each alone.
+                let decode = steps >= prefill_steps;
+                steps += 1;
+                let mut jobs = [(SliceInput::Hidden(&activations), &mut cache)];
+                let output = slice
+                    .forward_batch_rows(&mut jobs, &[decode])?
+                    .pop()
+                    .context("no output")?;
+                let SliceOutput::Hidden(a) = output else {
+                    bail!("a stage's slice returned logits");
+                };
+                let body = if last {
+                    // The final stage answers every row of a decode step,
+                    // a prefill step's last, in f32.
+                    let answered = if decode { a.rows } else { 1 };
+                    let rows = a
+                        .values
+                        .get(a.rows.saturating_sub(answered) * a.cols..)
+                        .context("no hidden state")?;
+                    let payload = encode_frame(rows, answered, a.cols, WireDType::F32)?;
+                    msg::stage_body(kind::HIDDEN, request_id, step, &payload)
+                } else {
+                    let payload = encode_frame(&a.values, a.rows, a.cols, wire)?;
+                    msg::stage_body(kind::ACTIVATIONS, request_id, step, &payload)
+                };
+                outputs.push(msg::frame(&body)?);
+            }
+            kind::REWIND => {
+                let Rewind { positions } = Rewind::parse(payload)?;
+                cache.truncate(usize::try_from(positions)?)?;
+                if !last {
+                    outputs.push(frame.clone());
+                }
+            }
+            _ if !last => outputs.push(frame.clone()),
+            _ => {}
+        }
+    }
+    Ok(outputs)
+}
+
+/// The final stage's replies against what its layers give.
+fn compare_replies(stage: &AuditedStage, expected: &[Vec<u8>], received: &[Vec<u8>]) -> Verdict {
+    let step_of = |frame: &Vec<u8>| msg::parse_stage(frame).ok().map(|(_, _, step, _)| step);
+    let words = |frame: &Vec<u8>| {
+        format!(
+            "a reply hashing to {}",
+            prefixed_sha256(&sha2::Sha256::digest(frame).into())
+        )
+    };
+    for (i, want) in expected.iter().enumerate() {
+        match received.get(i) {
+            Some(got) if got == want => {}
+            Some(got) => {
+                return Verdict::Failed {
+                    stage: stage.index,
+                    node: stage.node,
+                    step: step_of(want),
+                    expected: words(want),
+                    claimed: words(got),
+                };
+            }
+            None => {
+                return Verdict::Unauditable(format!(
+                    "{} replies came back, its inputs give {}",
+                    received.len(),
+                    expected.len()
+                ));
+            }
+        }
+    }
+    if received.len() != expected.len() {
+        return Verdict::Unauditable(format!(
+            "{} replies came back, its inputs give {}",
+            received.len(),
+            expected.len()
+        ));
+    }
+    Verdict::Passed
+}
+
+/// Audit a sealed request in the background, when it was sampled: one
+/// audit runs at a time, at most `MAX_AUDITS_WAITING` wait, others are let
+/// go (counted). The verdict is logged and counted in the nodes' standing;
+/// a failed stage's node is left out of the plans that follow.
+pub(crate) fn launch(
+    coordinator: &Arc<CoordinatorRole>,
+    run: &Arc<Run>,
+    scope: RequestScope,
+    records: &[Vec<SealedRecord>],
+    tape: Tape,
+) {
+    let Ok(permit) = coordinator.planning.auditing.clone().try_acquire_owned() else {
+        lock(&coordinator.planning.reputation).audits.let_go += 1;
+        return;
+    };
+    let own_device = mesh_stage::device_name(coordinator.shared.model.device());
+    let ours = device_kind(&own_device);
+    let members = coordinator
+        .shared
+        .mesh
+        .get()
+        .map(|mesh| mesh.members())
+        .unwrap_or_default();
+    let mut stages = Vec::with_capacity(run.assigns.len().saturating_sub(1));
+    for (assign, node) in run.assigns.iter().zip(&run.keys).skip(1) {
+        let theirs = members
+            .iter()
+            .find(|m| m.advert.node_id == *node)
+            .map(|m| device_kind(&m.advert.device));
+        if theirs.is_some_and(|theirs| theirs != ours) {
+            // Another device kind rounds otherwise: equality would not hold.
+            tracing::debug!(
+                request_id = scope.split.request_id,
+                "not audited: stage {} computes on another device kind",
+                assign.stage_index
+            );
+            return;
+        }
+        stages.push(AuditedStage {
+            index: assign.stage_index,
+            node: *node,
+            layers: assign.layer_start..assign.layer_end,
+            claimed_sent: claimed_sent(records, assign.stage_index),
+        });
+    }
+    let case = AuditCase {
+        scope,
+        stages,
+        tape,
+    };
+    let coordinator = coordinator.clone();
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let verdict = {
+            let _turn = lock(&AUDIT_TURN);
+            audit(&coordinator.shared.model, &case)
+        };
+        let line = verdict.describe(&case.scope.split);
+        match &verdict {
+            Verdict::Failed { .. } => tracing::warn!("{line}"),
+            _ => tracing::info!("{line}"),
+        }
+        // The next plan leaves a failed node out (`plan_now`).
+        let mut reputation = lock(&coordinator.planning.reputation);
+        record(
+            &mut reputation,
+            &case,
+            &verdict,
+            coordinator.settings.audit_pause,
+        );
+    });
+}
+
+/// Count a verdict: every stage of a passed audit passed; a failed one
+/// names one stage, left out for `pause` (the stages before it passed).
+fn record(reputation: &mut Reputation, case: &AuditCase, verdict: &Verdict, pause: Duration) {
+    let tally = &mut reputation.audits;
+    match verdict {
+        Verdict::Passed => tally.passed += 1,
+        Verdict::Failed { .. } => tally.failed += 1,
+        Verdict::Unauditable(_) => tally.unconcluded += 1,
+    }
+    let failed = match verdict {
+        Verdict::Failed { stage, node, .. } => Some((*stage, *node)),
+        Verdict::Passed => None,
+        Verdict::Unauditable(_) => return,
+    };
+    for stage in &case.stages {
+        match failed {
+            Some((index, node)) if stage.index == index => {
+                reputation.failed(node, Instant::now() + pause);
+                return;
+            }
+            _ => reputation.passed(stage.node),
+        }
+    }
+}
+
+/// One audit at a time in a process: each runs a whole model's layers.
+static AUDIT_TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `cpu`, `cuda`, `metal`: what rounds alike, whichever card.
+fn device_kind(name: &str) -> &str {
+    name.split(':').next().unwrap_or(name)
+}
+
+/// A tape for a request sampled for an audit. Only a request's first and
+/// only chain, with no cache kept from another, is audited: its stages
+/// saw nothing the tape misses.
+pub(crate) fn tape_if_sampled(
+    coordinator: &CoordinatorRole,
+    run: &Run,
+    admitted: &Admitted<'_>,
+) -> Option<Tape> {
+    let fresh = !run.alone() && admitted.resumes.is_none() && admitted.keep.is_none();
+    (fresh && sampled(coordinator.settings.audit_rate)).then(Tape::default)
+}
+
+/// True with probability `rate` (0 never, 1 always): whether a request is
+/// audited.
+fn sampled(rate: f64) -> bool {
+    if rate <= 0.0 {
+        return false;
+    }
+    let mut bytes = [0u8; 8];
+    if getrandom::fill(&mut bytes).is_err() {
+        return false;
+    }
+    // 53 random bits, uniform in [0, 1).
+    let draw = (u64::from_le_bytes(bytes) >> 11) as f64 / (1u64 << 53) as f64;
+    draw < rate
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn case() -> AuditCase {
+        let stage = |index: u32, seed: u8| AuditedStage {
+            index,
+            node: [seed; 32],
+            layers: 0..1,
+            claimed_sent: None,
+        };
+        AuditCase {
+            scope: RequestScope {
+                split: SplitKey {
+                    coordinator_node_id: "did:key:z6Mk".into(),
+                    run_id: "run".into(),
+                    request_id: 1,
+                },
+                stage_count: 4,
+                return_mode: mesh_protocol::block::ReturnMode::Direct,
+            },
+            stages: vec![stage(1, 1), stage(2, 2), stage(3, 3)],
+            tape: Tape::default(),
+        }
+    }
+
+    #[test]
+    fn a_failed_audit_leaves_out_its_stage_only_and_counts_the_ones_before_as_passed() {
+        let case = case();
+        let mut reputation = Reputation::default();
+        let failed = Verdict::Failed {
+            stage: 2,
+            node: [2; 32],
+            step: None,
+            expected: String::new(),
+            claimed: String::new(),
+        };
+        record(&mut reputation, &case, &failed, Duration::from_secs(60));
+        assert_eq!(reputation.left_out(Instant::now()), vec![[2; 32]]);
+        assert_eq!(reputation.standing(&[1; 32]).audits_passed, 1);
+        assert_eq!(reputation.standing(&[2; 32]).audits_failed, 1);
+        assert_eq!(reputation.standing(&[3; 32]).audits_passed, 0);
+        record(
+            &mut reputation,
+            &case,
+            &Verdict::Passed,
+            Duration::from_secs(60),
+        );
+        assert_eq!(reputation.standing(&[3; 32]).audits_passed, 1);
+        let unconcluded = Verdict::Unauditable("no record".into());
+        record(
+            &mut reputation,
+            &case,
+            &unconcluded,
+            Duration::from_secs(60),
+        );
+        assert_eq!(reputation.standing(&[3; 32]).audits_passed, 1);
+        let tally = reputation.audits;
+        assert_eq!((tally.passed, tally.failed, tally.unconcluded), (1, 1, 1));
+    }
+
+    #[test]
+    fn a_tape_past_its_bound_keeps_nothing_more() {
+        let mut tape = Tape::default();
+        tape.forward(&[1, 2, 3]);
+        assert_eq!(tape.forward.len(), 1);
+        tape.forward(&vec![0u8; MAX_TAPE_BYTES]);
+        tape.forward(&[1, 2, 3]);
+        assert!(tape.overflowed);
+        assert_eq!(tape.forward.len(), 1, "nothing kept past the bound");
+    }
+}
