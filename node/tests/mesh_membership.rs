@@ -1508,9 +1508,51 @@ async fn a_stage_that_computes_wrongly_is_caught_by_an_audit_and_planned_out() {
         .await
         .unwrap();
     assert_eq!(first.terminal_state, "completed", "{:?}", first.error);
+    let chain = chain_of(&first);
+    let liar_at = chain.iter().position(|d| *d == dishonest.did);
+    let liar_at = liar_at.expect("the fastest is planned in");
+    // The bundle carries the coordinator's signed verdict: `verify` fails
+    // it and names the stage.
+    let bundle = first.bundle.clone().unwrap();
+    let audit = &bundle["audit"]["statement"];
+    let verdicts: Vec<&str> = audit["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["verdict"].as_str().unwrap())
+        .collect();
+    let mut expected = vec!["passed"; liar_at - 1];
+    expected.push("failed");
+    expected.resize(2, "not_reached");
+    assert_eq!(verdicts, expected, "{audit:#}");
+    let saved = dir.path().join("audited.json");
+    std::fs::write(&saved, serde_json::to_vec(&bundle).unwrap()).unwrap();
+    let verified = Command::new(bin())
+        .args(["verify", "--json"])
+        .arg(&saved)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&verified.stdout).unwrap();
+    assert_eq!(verified.status.code(), Some(1), "{report:#}");
+    let said = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["ok"] == false)
+        .map(|c| c["error"].as_str().unwrap().to_string())
+        .unwrap();
     assert!(
-        chain_of(&first).contains(&dishonest.did),
-        "the fastest is planned in"
+        said.contains("computed wrongly") && said.contains(&dishonest.did),
+        "{said}"
+    );
+    // Every hop agreed: only the audit tells.
+    assert!(
+        report["lanes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|lane| lane["state"] != "break"),
+        "{report:#}"
     );
     let since = Instant::now();
     while audits().await != (0, 1, 0) {

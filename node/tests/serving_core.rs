@@ -961,10 +961,23 @@ async fn honest_stages_pass_every_audit() {
                 })
             })
             .collect();
+        let mut audited = 0;
         for asked in asked {
             let summary = asked.await.unwrap().unwrap();
             assert_eq!(summary.terminal_state, "completed", "{:?}", summary.error);
+            // The signed verdict is in the bundle, and verifies.
+            let bundle = summary.bundle.unwrap();
+            if let Some(audit) = bundle.get("audit") {
+                audited += 1;
+                let stages = audit["statement"]["stages"].as_array().unwrap();
+                assert_eq!(stages.len(), 3, "{audit:#}");
+                assert!(stages.iter().all(|s| s["verdict"] == "passed"), "{audit:#}");
+                let (code, report) = verify(dir.path(), &bundle);
+                assert_eq!(code, 0, "{report:#}");
+                assert_eq!(report["audit"], audit["statement"]);
+            }
         }
+        assert!(audited >= 1, "no bundle carries an audit");
         let since = Instant::now();
         let stats = loop {
             let stats = a.stats().await;

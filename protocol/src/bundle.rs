@@ -675,6 +675,9 @@ pub struct MeshBundle<'a> {
     /// (`stage_receipt`), at most one per stage; empty when none is
     /// carried.
     pub stage_receipts: Vec<crate::stage_receipt::CarriedStageReceipt>,
+    /// The coordinator's audit of the request, when it was sampled for one
+    /// (`crate::audit`).
+    pub audit: Option<crate::audit::SignedAudit>,
 }
 
 impl<'a> MeshBundle<'a> {
@@ -787,6 +790,11 @@ impl<'a> MeshBundle<'a> {
                 ));
             }
         };
+        let audit_path = m.path("audit");
+        let audit = m
+            .optional("audit")
+            .map(|audit| crate::audit::SignedAudit::from_value_at(audit, &audit_path))
+            .transpose()?;
         m.finish()?;
         Ok(Self {
             main_record,
@@ -799,6 +807,7 @@ impl<'a> MeshBundle<'a> {
             earlier_segments,
             route,
             stage_receipts,
+            audit,
         })
     }
 

@@ -6,6 +6,7 @@
 )]
 
 pub mod advert;
+pub mod audit;
 pub mod block;
 pub mod bundle;
 pub mod capsule;

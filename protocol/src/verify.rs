@@ -70,6 +70,9 @@ pub struct VerifyReport {
     /// The stages' own receipts the bundle carries that belong to their
     /// stage (each also a check), in stage order.
     pub stage_receipts: Vec<StageReceiptReport>,
+    /// The coordinator's audit the bundle carries (each of its checks is
+    /// also a check).
+    pub audit: Option<crate::audit::AuditStatement>,
 }
 
 /// A stage's own `mesh/1` receipt, checked against the stage it is for.
@@ -139,6 +142,7 @@ impl VerifyReport {
             earlier_segments: Vec::new(),
             resume: None,
             stage_receipts: Vec::new(),
+            audit: None,
         }
     }
 
@@ -190,6 +194,9 @@ impl VerifyReport {
             }
             if let Some(resume) = &self.resume {
                 map.insert("resumed".into(), resume.to_value());
+            }
+            if let Some(audit) = &self.audit {
+                map.insert("audit".into(), audit.to_value());
             }
             if !self.stage_receipts.is_empty() {
                 map.insert(
@@ -666,12 +673,81 @@ fn check_mesh_bundle(document: &Value) -> Result<CheckedBundle, DocumentError> {
                 Some("the main record carries no valid split (own slice and receipt)".into())
         }
     }
+    if let Some(audit) = &bundle.audit {
+        verify_audit(&mut report, audit, main.as_ref());
+    }
     verify_segments(&mut report, &bundle, resumed.as_deref(), main.as_ref());
     Ok(CheckedBundle {
         report,
         standalone: bundle.mesh1_envelope.is_none() && bundle.earlier_segments.is_empty(),
         main,
     })
+}
+
+/// The coordinator's audit: signed with the main record's key, naming this
+/// request and its chain's stages in order, and every stage passed. A
+/// failed audit names the stage that computed wrongly.
+fn verify_audit(
+    report: &mut VerifyReport,
+    audit: &crate::audit::SignedAudit,
+    main: Option<&MainRecord>,
+) {
+    let statement = &audit.statement;
+    let subject = format!("audit of request {}", statement.request_id);
+    let Some((sealed, Some((own, receipt)))) = main else {
+        report.checks.push(Check {
+            subject,
+            property: "checked against the main record's split",
+            outcome: Err("the main record carries no valid split".into()),
+        });
+        return;
+    };
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "signed by the coordinator (the main record's key)",
+        outcome: if audit.signed_by(&sealed.key_id()) {
+            Ok(())
+        } else {
+            Err("the signature is not the main record's key's".into())
+        },
+    });
+    let nodes = routed_nodes(receipt);
+    let names_it = statement.coordinator_node_id == own.coordinator_node_id
+        && statement.run_id == own.run_id
+        && statement.request_id == own.request_id
+        && statement.stages.len() + 1 == nodes.len()
+        && statement
+            .stages
+            .iter()
+            .zip(nodes.iter().skip(1))
+            .all(|(stage, node)| &stage.node_id == node);
+    report.checks.push(Check {
+        subject: subject.clone(),
+        property: "names this request and its chain's stages",
+        outcome: if names_it {
+            Ok(())
+        } else {
+            Err("it names another request, run or chain".into())
+        },
+    });
+    report.checks.push(Check {
+        subject,
+        property: "every stage's output is what its layers give",
+        outcome: match statement.failed() {
+            None => Ok(()),
+            Some(failed) => Err(format!(
+                "stage {} ({}) computed wrongly{}: its layers give {}, it sent {}",
+                failed.stage_index,
+                failed.node_id,
+                failed
+                    .step
+                    .map_or(String::new(), |step| format!(" at step {step}")),
+                failed.expected.as_deref().unwrap_or("?"),
+                failed.claimed.as_deref().unwrap_or("?"),
+            )),
+        },
+    });
+    report.audit = Some(statement.clone());
 }
 
 /// The chain nodes a split receipt routed, stage 0 first.

@@ -1,12 +1,14 @@
 //! The vectors this project publishes under `vectors/`: `split_stage` (lane
 //! folds, stage blocks, records, hop cases, bundles), `mesh1` (receipts,
-//! grants, requests, routes), `mesh` (node adverts) and `stage` (the
+//! grants, requests, routes), `mesh` (node adverts), `audit` (the signed
+//! audit statement a bundle carries) and `stage` (the
 //! `mesh-stage/1` message bodies and REWIND payloads). Every file is a pure
 //! function of fixed seeds, so regenerating leaves the committed files
 //! unchanged (CI checks it).
 
 use anyhow::Context;
 
+pub mod audit;
 mod file;
 pub mod mesh;
 pub mod mesh1;
@@ -21,6 +23,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     let mut files = split_stage::generate()?;
     files.extend(mesh1::generate()?);
     files.extend(mesh::generate()?);
+    files.extend(audit::generate()?);
     files.extend(stage::generate()?);
     Ok(files)
 }

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use mesh_protocol::audit::{self as protocol_audit, AuditStatement, SignedAudit, StageVerdict};
 use mesh_protocol::block::{SplitKey, prefixed_sha256};
 use mesh_protocol::capsule::SealedRecord;
 use mesh_protocol::cbor::Cbor;
@@ -333,21 +334,60 @@ fn compare_replies(stage: &AuditedStage, expected: &[Vec<u8>], received: &[Vec<u
     Verdict::Passed
 }
 
-/// Audit a sealed request in the background, when it was sampled: one
-/// audit runs at a time, at most `MAX_AUDITS_WAITING` wait, others are let
-/// go (counted). The verdict is logged and counted in the nodes' standing;
-/// a failed stage's node is left out of the plans that follow.
-pub(crate) fn launch(
+/// Audit a request that was sampled, once its stages' records are in and
+/// before it is sealed: one audit runs at a time, at most
+/// `MAX_AUDITS_WAITING` wait, others are let go (counted). The verdict is
+/// logged and counted in the nodes' standing (a failed stage's node is left
+/// out of the plans that follow), and comes back signed for the bundle;
+/// nothing when no conclusion was reached.
+pub(crate) async fn audit_request(
     coordinator: &Arc<CoordinatorRole>,
-    run: &Arc<Run>,
+    run: &Run,
+    scope: &RequestScope,
+    records: &[Vec<SealedRecord>],
+    tape: Option<Tape>,
+) -> Option<SignedAudit> {
+    let tape = tape?;
+    let Ok(permit) = coordinator.planning.auditing.clone().try_acquire_owned() else {
+        lock(&coordinator.planning.reputation).audits.let_go += 1;
+        return None;
+    };
+    let case = audit_case(coordinator, run, scope.clone(), records, tape)?;
+    let auditor = coordinator.clone();
+    let (case, verdict) = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let _turn = lock(&AUDIT_TURN);
+        let verdict = audit(&auditor.shared.model, &case);
+        (case, verdict)
+    })
+    .await
+    .ok()?;
+    let line = verdict.describe(&case.scope.split);
+    match &verdict {
+        Verdict::Failed { .. } => tracing::warn!("{line}"),
+        _ => tracing::info!("{line}"),
+    }
+    // The next plan leaves a failed node out (`plan_now`).
+    record(
+        &mut lock(&coordinator.planning.reputation),
+        &case,
+        &verdict,
+        coordinator.settings.audit_pause,
+    );
+    let statement = statement(&case, &verdict)?;
+    Some(SignedAudit::sign(statement, &coordinator.shared.key))
+}
+
+/// What an audit needs of the run and the records; none when a stage
+/// advertises another device kind (it rounds otherwise: equality would
+/// not hold).
+fn audit_case(
+    coordinator: &CoordinatorRole,
+    run: &Run,
     scope: RequestScope,
     records: &[Vec<SealedRecord>],
     tape: Tape,
-) {
-    let Ok(permit) = coordinator.planning.auditing.clone().try_acquire_owned() else {
-        lock(&coordinator.planning.reputation).audits.let_go += 1;
-        return;
-    };
+) -> Option<AuditCase> {
     let own_device = mesh_stage::device_name(coordinator.shared.model.device());
     let ours = device_kind(&own_device);
     let members = coordinator
@@ -363,13 +403,12 @@ pub(crate) fn launch(
             .find(|m| m.advert.node_id == *node)
             .map(|m| device_kind(&m.advert.device));
         if theirs.is_some_and(|theirs| theirs != ours) {
-            // Another device kind rounds otherwise: equality would not hold.
             tracing::debug!(
                 request_id = scope.split.request_id,
                 "not audited: stage {} computes on another device kind",
                 assign.stage_index
             );
-            return;
+            return None;
         }
         stages.push(AuditedStage {
             index: assign.stage_index,
@@ -378,32 +417,60 @@ pub(crate) fn launch(
             claimed_sent: claimed_sent(records, assign.stage_index),
         });
     }
-    let case = AuditCase {
+    Some(AuditCase {
         scope,
         stages,
         tape,
+    })
+}
+
+/// The verdict as the bundle carries it: every stage in order, passed up
+/// to the one that failed, not reached after it.
+fn statement(case: &AuditCase, verdict: &Verdict) -> Option<AuditStatement> {
+    let failed_at = match verdict {
+        Verdict::Passed => None,
+        Verdict::Failed { stage, .. } => Some(*stage),
+        Verdict::Unauditable(_) => return None,
     };
-    let coordinator = coordinator.clone();
-    tokio::task::spawn_blocking(move || {
-        let _permit = permit;
-        let verdict = {
-            let _turn = lock(&AUDIT_TURN);
-            audit(&coordinator.shared.model, &case)
-        };
-        let line = verdict.describe(&case.scope.split);
-        match &verdict {
-            Verdict::Failed { .. } => tracing::warn!("{line}"),
-            _ => tracing::info!("{line}"),
-        }
-        // The next plan leaves a failed node out (`plan_now`).
-        let mut reputation = lock(&coordinator.planning.reputation);
-        record(
-            &mut reputation,
-            &case,
-            &verdict,
-            coordinator.settings.audit_pause,
-        );
-    });
+    let stages = case
+        .stages
+        .iter()
+        .map(|stage| {
+            let (verdict, step, expected, claimed) = match (failed_at, verdict) {
+                (
+                    Some(at),
+                    Verdict::Failed {
+                        step,
+                        expected,
+                        claimed,
+                        ..
+                    },
+                ) if at == stage.index => (
+                    StageVerdict::Failed,
+                    *step,
+                    Some(expected.clone()),
+                    Some(claimed.clone()),
+                ),
+                (Some(at), _) if stage.index > at => (StageVerdict::NotReached, None, None, None),
+                _ => (StageVerdict::Passed, None, None, None),
+            };
+            protocol_audit::AuditedStage {
+                stage_index: stage.index,
+                node_id: did_key(&stage.node),
+                verdict,
+                step,
+                expected,
+                claimed,
+            }
+        })
+        .collect();
+    let split = &case.scope.split;
+    Some(AuditStatement {
+        coordinator_node_id: split.coordinator_node_id.clone(),
+        run_id: split.run_id.clone(),
+        request_id: split.request_id,
+        stages,
+    })
 }
 
 /// Count a verdict: every stage of a passed audit passed; a failed one

@@ -252,12 +252,11 @@ pub(crate) async fn serve_request(
     progress.drafter.release().await;
     let earlier = seal_interrupted(coordinator, interrupted).await?;
     let collected = collect(coordinator, &mut admitted, &mut driven).await?;
-    // A sampled request is audited once it is sealed, in the background.
-    let audit = driven.tape.take().map(|tape| {
-        let scope = admitted.scope.clone();
-        (scope, collected.stages.records.clone(), tape)
-    });
-    let sealed = seal(
+    // A sampled request is audited once its stages' records are in.
+    let records = &collected.stages.records;
+    let tape = driven.tape.take();
+    let audit = audit::audit_request(coordinator, &run, &admitted.scope, records, tape).await;
+    let mut sealed = seal(
         coordinator,
         &run,
         &admitted,
@@ -266,9 +265,7 @@ pub(crate) async fn serve_request(
         collected,
         earlier,
     )?;
-    if let Some((scope, records, tape)) = audit {
-        audit::launch(coordinator, &run, scope, &records, tape);
-    }
+    sealed.carry(audit);
     report(
         coordinator,
         &run,

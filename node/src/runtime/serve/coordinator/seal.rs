@@ -33,6 +33,15 @@ pub(crate) struct Sealed {
     pub(crate) envelope: mesh_protocol::mesh1::SealedReceipt,
 }
 
+impl Sealed {
+    /// The bundle carries the request's signed audit, when it had one.
+    pub(crate) fn carry(&mut self, audit: Option<mesh_protocol::audit::SignedAudit>) {
+        if let (Some(audit), serde_json::Value::Object(bundle)) = (audit, &mut self.bundle) {
+            bundle.insert("audit".into(), audit.to_value());
+        }
+    }
+}
+
 /// Seal one segment's split: the own block (its lanes and what it
 /// prefilled and decoded), the stage-exchange records and the main record,
 /// chained after the coordinator's last.
