@@ -1587,3 +1587,72 @@ async fn a_stage_that_computes_wrongly_is_caught_by_an_audit_and_planned_out() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Issue 41: how many requests it takes to catch a stage that is always
+/// wrong, at an audit rate `p`. Each request is audited with probability
+/// `p`, so the requests up to a detection are geometric: `1 / p` on
+/// average (4 at p = 0.25), and within `n` with probability
+/// `1 - (1 - p)^n`. With no pause after a failure (`--audit-pause-s 0`)
+/// the liar stays in every plan, so one mesh gives 20 detections in a row;
+/// their mean must be near `1 / p` (the bound is five standard deviations
+/// of a mean of 20).
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_liar_is_caught_within_the_requests_the_audit_rate_predicts() {
+    use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
+    const RATE: f64 = 0.25;
+    const DETECTIONS: usize = 20;
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, _) = mesh_coordinator(
+        dir.path(),
+        &model,
+        &[
+            "--stages",
+            "2",
+            "--audit-rate",
+            "0.25",
+            "--audit-pause-s",
+            "0",
+        ],
+    );
+    let _liar = start_with_env(
+        dir.path(),
+        "liar",
+        &join_args(dir.path(), &model, &coordinator.mesh, "liar", &[]),
+        "127.0.0.1:0",
+        &[("MESH_FAULT_WRONG_OUTPUT", "1")],
+    );
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 2);
+    let address: PeerAddr = coordinator.peer.parse().unwrap();
+    let request = GenerateRequest::greedy("count the requests", 4);
+    let mut counts = Vec::new();
+    let mut since_last = 0;
+    let mut sent = 0;
+    while counts.len() < DETECTIONS {
+        sent += 1;
+        assert!(sent < 2_000, "{counts:?}");
+        let summary = generate_remote(&address, &request, &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!(summary.terminal_state, "completed", "{:?}", summary.error);
+        since_last += 1;
+        let bundle = summary.bundle.unwrap();
+        if let Some(audit) = bundle.get("audit") {
+            let verdict = &audit["statement"]["stages"][0]["verdict"];
+            assert_eq!(verdict, "failed", "{audit:#}");
+            counts.push(since_last);
+            since_last = 0;
+        }
+    }
+    let mean = counts.iter().sum::<usize>() as f64 / DETECTIONS as f64;
+    let expected = 1.0 / RATE;
+    let sd_of_mean = (1.0 - RATE).sqrt() / RATE / (DETECTIONS as f64).sqrt();
+    eprintln!(
+        "requests to each detection at rate {RATE}: {counts:?}; mean {mean:.2}, expected {expected:.2} (sd of the mean {sd_of_mean:.2})"
+    );
+    assert!(
+        (mean - expected).abs() < 5.0 * sd_of_mean,
+        "mean {mean} against {expected}: {counts:?}"
+    );
+}

@@ -671,6 +671,30 @@ pub enum BenchTarget {
         #[arg(long)]
         json: bool,
     },
+    /// What audits cost: the same greedy requests one after another over a
+    /// three-node split in this process at each audit rate, in rotating
+    /// rounds; throughput (tokens over the wall time to the last bundle)
+    /// against no audits.
+    Audit {
+        /// A GGUF file (default: SmolLM2-135M from the model cache, else the
+        /// built-in synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Tokens each request generates.
+        #[arg(long, default_value_t = 32)]
+        tokens: usize,
+        /// Requests per run, one after another.
+        #[arg(long, default_value_t = 10)]
+        requests: usize,
+        /// Audit rates, the first 0 (the baseline).
+        #[arg(long, value_delimiter = ',', default_value = "0,0.02,1")]
+        rates: Vec<f64>,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Aggregate decode tokens/s of concurrent greedy requests over three
     /// `serve` processes on 127.0.0.1 (continuous batching), next to
     /// llama.cpp's llama-server with as many parallel slots when given.

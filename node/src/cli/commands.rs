@@ -271,6 +271,25 @@ fn bench(target: BenchTarget) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        BenchTarget::Audit {
+            model,
+            tokens,
+            requests,
+            rates,
+            rounds,
+            json,
+        } => {
+            let model = bench_model(model)?;
+            let report = runtime()?.block_on(crate::tools::bench_audit::bench_audit(
+                &model, tokens, requests, rounds, &rates,
+            ))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", crate::tools::bench_audit::render_audit(&report));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         BenchTarget::Concurrency {
             model,
             tokens,

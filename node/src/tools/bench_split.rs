@@ -294,7 +294,37 @@ impl BenchSplit {
         return_mode: ReturnMode,
         device: &mesh_stage::Device,
     ) -> anyhow::Result<Self> {
-        Self::start_with(model, stages, (http, return_mode), device, None, (0, None)).await
+        Self::start_with(
+            model,
+            stages,
+            (http, return_mode),
+            device,
+            None,
+            (0, None),
+            0.0,
+        )
+        .await
+    }
+
+    /// A split on the CPU whose coordinator audits `audit_rate` of its
+    /// requests.
+    pub async fn audited(
+        model: &Path,
+        stages: usize,
+        return_mode: ReturnMode,
+        audit_rate: f64,
+    ) -> anyhow::Result<Self> {
+        let cpu = &mesh_stage::Device::Cpu;
+        Self::start_with(
+            model,
+            stages,
+            (None, return_mode),
+            cpu,
+            None,
+            (0, None),
+            audit_rate,
+        )
+        .await
     }
 
     /// Every node behind its own [`DelayProxy`] shaped `shape` (seeded from
@@ -315,6 +345,7 @@ impl BenchSplit {
             &mesh_stage::Device::Cpu,
             Some((shape, seed)),
             drafts,
+            0.0,
         )
         .await
     }
@@ -326,6 +357,7 @@ impl BenchSplit {
         device: &mesh_stage::Device,
         links: Option<(LinkShape, u64)>,
         (draft_tokens, draft_model): (usize, Option<&Path>),
+        audit_rate: f64,
     ) -> anyhow::Result<Self> {
         let scratch = tempfile_dir()?;
         let coordinator_key =
@@ -364,6 +396,7 @@ impl BenchSplit {
         options.return_mode = return_mode;
         options.draft_tokens = draft_tokens;
         options.draft_model = draft_model.map(Path::to_path_buf);
+        options.audit_rate = audit_rate;
         options.advertise = own_proxy.as_ref().map(DelayProxy::addr);
         let coordinator = Node::start(options).await?;
         if let Some(proxy) = own_proxy {

@@ -16,6 +16,7 @@ use crate::runtime::clock::lock;
 use crate::runtime::net::ALPN_CONTROL;
 use crate::runtime::net::msg::{self};
 use crate::runtime::net::peers::PeerAddr;
+use crate::runtime::serve::coordinator::reputation::Reputation;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use crate::runtime::serve::coordinator::runs::Candidates;
 use crate::runtime::serve::coordinator::runs::Chain;
@@ -160,12 +161,19 @@ impl CoordinatorRole {
             keys.sort_unstable();
             keys
         };
-        let failed_audit = lock(&self.planning.reputation).left_out(Instant::now());
+        let (failed_audit, planned_speeds) = {
+            let reputation = lock(&self.planning.reputation);
+            (
+                reputation.left_out(Instant::now()),
+                reputation.planned_speeds(),
+            )
+        };
         if let Some(cached) = lock(&self.planning.cache).as_ref()
             && cached.generation == generation
             && cached.at_least == at_least
             && cached.refused == refused_now
             && cached.failed_audit == failed_audit
+            && cached.planned_speeds == planned_speeds
             && cached.addresses == addresses
         {
             return Ok((
@@ -188,6 +196,8 @@ impl CoordinatorRole {
                 *reason = Some(LeftOut::FailedAudit);
             }
         }
+        // An over-claimer is planned at the speed it showed, discounted.
+        Reputation::discount(&mut others, &planned_speeds);
         // One stage is this node alone: a split is planned only where it
         // is faster, or where the model does not fit this node.
         let stages = match self.planning.stages {
@@ -227,6 +237,7 @@ impl CoordinatorRole {
             addresses,
             refused: refused_now,
             failed_audit,
+            planned_speeds,
             plan: plan.clone(),
             usable: usable.clone(),
             candidates: (own.clone(), others.clone()),

@@ -82,8 +82,10 @@ pub(crate) async fn report(
     let mut stages = vec![
         json!({ "stage_index": 0, "node_id": coordinator_id, "layers": [run.own.slice.range.start, run.own.slice.range.end], "compute_ms": own_compute.as_secs_f64() * 1e3, "decode_engine_ms": own_decode_engine.as_secs_f64() * 1e3, "fold_us": fold_time.as_micros() as u64 }),
     ];
+    // Decode steps of one row each: what an advert's speed is per token.
+    let plain_steps = (!progress.drafted).then_some(progress.decode_steps);
     let (remote_compute, remote_decode_engine) =
-        stage_figures(coordinator, run, request_id, &mut stages).await;
+        stage_figures(coordinator, run, (request_id, plain_steps), &mut stages).await;
     let decode_engine = *own_decode_engine + remote_decode_engine;
     let steps = tokens.len().max(1) as f64;
     let hops = one_way_hops_per_step(n as usize, return_mode) as f64;
@@ -191,7 +193,7 @@ fn log_ended(admitted: &Admitted<'_>, progress: &Progress, terminal: TerminalSta
 async fn stage_figures(
     coordinator: &Arc<CoordinatorRole>,
     run: &Run,
-    request_id: u64,
+    (request_id, plain_steps): (u64, Option<u64>),
     stages: &mut Vec<serde_json::Value>,
 ) -> (Duration, Duration) {
     let mut compute = Duration::ZERO;
@@ -214,9 +216,40 @@ async fn stage_figures(
         compute += stats.compute;
         decode_engine += stats.decode_engine;
         let a = &run.topology[k + 1];
+        if let Some(steps) = plain_steps {
+            measured_speed(
+                coordinator,
+                &peer.key,
+                &stats,
+                steps * u64::from(a.layer_end - a.layer_start),
+            );
+        }
         stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "decode_engine_ms": stats.decode_engine.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
     }
     (compute, decode_engine)
+}
+
+/// What a stage's decode steps took per layer per token, set against its
+/// advert in the node's standing (over a mesh, where plans use adverts).
+fn measured_speed(
+    coordinator: &CoordinatorRole,
+    node: &[u8; 32],
+    stats: &StageStats,
+    layer_steps: u64,
+) {
+    let Some(mesh) = coordinator.shared.mesh.get() else {
+        return;
+    };
+    let package = coordinator.shared.model.package_id();
+    let advertised = mesh
+        .members()
+        .iter()
+        .find(|m| m.advert.node_id == *node)
+        .and_then(|m| m.advert.model(&package).map(|e| e.decode_us_per_layer));
+    let measured = u64::try_from(stats.decode_engine.as_micros()).unwrap_or(u64::MAX);
+    if let Some(advertised) = advertised.filter(|_| layer_steps > 0 && measured > 0) {
+        lock(&coordinator.planning.reputation).measured(*node, advertised, measured / layer_steps);
+    }
 }
 
 /// How long the coordinator waits for the stages' figures after a request.

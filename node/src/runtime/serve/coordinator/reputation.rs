@@ -1,8 +1,13 @@
-//! Each node's standing with this coordinator: what its audits found. A
-//! node whose output failed an audit is left out of plans for a while.
+//! Each node's standing with this coordinator: what its audits found, and
+//! how fast its steps ran against the speed it advertises. A node whose
+//! output failed an audit is left out of plans for a while; one whose
+//! steps run well below its advertised speed is planned at what it showed,
+//! discounted again by how much it over-claimed.
 
 use std::collections::HashMap;
 use std::time::Instant;
+
+use mesh_protocol::plan::Candidate;
 
 /// Audits waiting for the one that runs: more sampled requests than that
 /// are let go unaudited (counted), so audits never queue up behind load.
@@ -32,7 +37,24 @@ pub(crate) struct Standing {
     pub(crate) audits_failed: u64,
     /// Left out of plans until then.
     pub(crate) out_until: Option<Instant>,
+    /// Its decode time per layer per token, as its steps ran (a running
+    /// mean over requests, each new one weighing a quarter), and the advert
+    /// it was set against.
+    pub(crate) measured_us_per_layer: Option<u64>,
+    pub(crate) advertised_us_per_layer: Option<u64>,
+    /// Requests measured.
+    pub(crate) measured_requests: u64,
 }
+
+/// How many times its advertised decode time a node's measured time may
+/// be before it counts as over-claiming (its steps share cores and
+/// batches with other work, which its advert's measurement did not), as a
+/// ratio of integers: 2/1.
+const OVERCLAIM_TOLERANCE: (u64, u64) = (2, 1);
+
+/// Requests measured before a node can count as over-claiming: one slow
+/// request is not a lie.
+const MEASURED_BEFORE_JUDGED: u64 = 2;
 
 impl Reputation {
     /// The node's output passed an audit.
@@ -45,6 +67,54 @@ impl Reputation {
         let standing = self.nodes.entry(node).or_default();
         standing.audits_failed += 1;
         standing.out_until = Some(standing.out_until.map_or(until, |u| u.max(until)));
+    }
+
+    /// What a request's decode steps took at `node` per layer per token,
+    /// against the `advertised` figure its advert gave then.
+    pub(crate) fn measured(&mut self, node: [u8; 32], advertised: u64, measured: u64) {
+        let standing = self.nodes.entry(node).or_default();
+        let mean = standing
+            .measured_us_per_layer
+            .map_or(measured, |before| before / 4 * 3 + measured / 4);
+        standing.measured_us_per_layer = Some(mean.max(1));
+        standing.advertised_us_per_layer = Some(advertised.max(1));
+        standing.measured_requests += 1;
+    }
+
+    /// The decode time per layer each over-claiming node is planned at,
+    /// sorted by node: a node whose measured time is past
+    /// `OVERCLAIM_TOLERANCE` times its advert is planned at the measured
+    /// time, times the ratio it over-claimed by (measured² / advertised),
+    /// so a liar is planned below an honest node of the speed it showed.
+    /// Others are planned at their advert.
+    pub(crate) fn planned_speeds(&self) -> Vec<([u8; 32], u64)> {
+        let (over, under) = OVERCLAIM_TOLERANCE;
+        let mut planned: Vec<([u8; 32], u64)> = self
+            .nodes
+            .iter()
+            .filter(|(_, s)| s.measured_requests >= MEASURED_BEFORE_JUDGED)
+            .filter_map(|(node, s)| {
+                let (measured, advertised) = (s.measured_us_per_layer?, s.advertised_us_per_layer?);
+                (measured.saturating_mul(under) > advertised.saturating_mul(over))
+                    .then(|| (*node, measured.saturating_mul(measured) / advertised.max(1)))
+            })
+            .collect();
+        planned.sort_unstable();
+        planned
+    }
+
+    /// Plan each over-claimer in `members` at the speed it showed,
+    /// discounted (`planned_speeds`, sorted by node).
+    pub(crate) fn discount(
+        members: &mut [(Candidate, Option<mesh_protocol::plan::LeftOut>)],
+        planned_speeds: &[([u8; 32], u64)],
+    ) {
+        for (candidate, _) in members {
+            if let Ok(i) = planned_speeds.binary_search_by(|(node, _)| node.cmp(&candidate.node_id))
+            {
+                candidate.decode_us_per_layer = planned_speeds[i].1;
+            }
+        }
     }
 
     /// The nodes left out of plans now, sorted.
@@ -89,6 +159,67 @@ mod tests {
         assert_eq!(
             reputation.left_out(now + Duration::from_secs(30)),
             vec![[2; 32]]
+        );
+    }
+
+    #[test]
+    fn an_over_claimer_is_planned_below_an_honest_node_of_the_speed_it_showed() {
+        let mut reputation = Reputation::default();
+        // Both run at 900 us a layer; one said so, one claimed 300.
+        for _ in 0..2 {
+            reputation.measured([1; 32], 900, 900);
+            reputation.measured([2; 32], 300, 900);
+        }
+        // Within the tolerance: planned at the advert.
+        reputation.measured([3; 32], 500, 700);
+        reputation.measured([3; 32], 500, 700);
+        assert_eq!(reputation.planned_speeds(), vec![([2; 32], 2700)]);
+        // A mean over requests: one slow request does not flag a node.
+        reputation.measured([3; 32], 500, 1400);
+        assert_eq!(reputation.planned_speeds().len(), 1);
+        // One request is not judged.
+        reputation.measured([4; 32], 100, 900);
+        assert_eq!(reputation.planned_speeds().len(), 1);
+    }
+
+    /// Issue 41: two members that run alike, one advertising 3x the speed
+    /// it shows. On its advert it gets more layers than the honest one;
+    /// once its steps were measured, fewer.
+    #[test]
+    fn an_over_claimer_gets_fewer_layers_than_an_honest_equal_one() {
+        use mesh_protocol::plan::{ModelShape, Stages, plan};
+        let node = |id: u8, us: u64| Candidate {
+            node_id: [id; 32],
+            memory_bytes: 1 << 30,
+            decode_us_per_layer: us,
+            rtt_us: 1_000,
+        };
+        let model = ModelShape {
+            layer_bytes: vec![1_000; 30],
+            head_bytes: 10_000,
+            kv_bytes_per_layer: 100,
+        };
+        let coordinator = node(0, 900);
+        let (honest, liar) = ([1; 32], [2; 32]);
+        let mut members = vec![(node(1, 900), None), (node(2, 300), None)];
+        let layers_of = |plan: &mesh_protocol::plan::Plan, id: [u8; 32]| {
+            plan.stages
+                .iter()
+                .find(|s| s.node_id == id)
+                .map_or(0, |s| s.layers.len())
+        };
+        let believed = plan(&model, &coordinator, &members, Stages::Pinned(3)).unwrap();
+        assert!(layers_of(&believed, liar) > layers_of(&believed, honest));
+        let mut reputation = Reputation::default();
+        for _ in 0..MEASURED_BEFORE_JUDGED {
+            reputation.measured(honest, 900, 950);
+            reputation.measured(liar, 300, 900);
+        }
+        Reputation::discount(&mut members, &reputation.planned_speeds());
+        let measured = plan(&model, &coordinator, &members, Stages::Pinned(3)).unwrap();
+        assert!(
+            layers_of(&measured, liar) < layers_of(&measured, honest),
+            "{measured:?}"
         );
     }
 }
