@@ -1656,3 +1656,103 @@ async fn a_liar_is_caught_within_the_requests_the_audit_rate_predicts() {
         "mean {mean} against {expected}: {counts:?}"
     );
 }
+
+/// Issue 41: a stage that accepts a step and then stalls is planned out
+/// after its first stall. The chain times out on the step (2 s), the
+/// coordinator names the stage still inside the request once those before
+/// it ended theirs, counts it lost and resumes without it: the request
+/// completes with its greedy tokens, its bundle verifies (the staller is
+/// the segment's declared loss), and the next request is planned around
+/// it. The staller advertises itself as the fastest, so the first plan
+/// takes it.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_that_stalls_is_planned_out_after_its_first_stall() {
+    use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, _) = mesh_coordinator(
+        dir.path(),
+        &model,
+        &[
+            "--stages",
+            "3",
+            "--step-timeout-ms",
+            "2000",
+            "--audit-rate",
+            "0",
+        ],
+    );
+    let staller = start_with_env(
+        dir.path(),
+        "staller",
+        &join_args(
+            dir.path(),
+            &model,
+            &coordinator.mesh,
+            "staller",
+            &["--decode-us-per-layer", "300"],
+        ),
+        "127.0.0.1:0",
+        &[("MESH_FAULT_STALL", "1")],
+    );
+    let _honest: Vec<Running> = ["h1", "h2"]
+        .iter()
+        .map(|name| {
+            mesh_join(
+                dir.path(),
+                &model,
+                &coordinator.mesh,
+                name,
+                &["--decode-us-per-layer", "1000"],
+            )
+        })
+        .collect();
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+    let address: PeerAddr = coordinator.peer.parse().unwrap();
+    let request = GenerateRequest::greedy("who waits for the slow one", 8);
+
+    let first = generate_remote(&address, &request, &mut |_| {})
+        .await
+        .unwrap();
+    let log = || std::fs::read_to_string(dir.path().join("coord.log")).unwrap_or_default();
+    assert_eq!(
+        first.terminal_state,
+        "completed",
+        "{:?}\n{}",
+        first.error,
+        log()
+    );
+    let resumes = first.details["resumes"].as_array().unwrap();
+    assert_eq!(resumes.len(), 1, "{resumes:?}");
+    assert_eq!(resumes[0]["lost"], serde_json::json!([staller.did]));
+    assert!(!chain_of(&first).contains(&staller.did));
+    assert!(
+        log()
+            .lines()
+            .any(|l| l.contains("stalled") && l.contains(&staller.did)),
+        "{}",
+        log()
+    );
+    let saved = dir.path().join("stalled.json");
+    std::fs::write(&saved, serde_json::to_vec(&first.bundle).unwrap()).unwrap();
+    let verified = Command::new(bin())
+        .args(["verify", "--json"])
+        .arg(&saved)
+        .output()
+        .unwrap();
+    let report: Value = serde_json::from_slice(&verified.stdout).unwrap();
+    assert_eq!(verified.status.code(), Some(0), "{report:#}");
+
+    let second = generate_remote(&address, &request, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(second.terminal_state, "completed", "{:?}", second.error);
+    assert!(
+        second.details["resumes"]
+            .as_array()
+            .is_none_or(Vec::is_empty)
+    );
+    assert!(!chain_of(&second).contains(&staller.did));
+    assert_eq!(second.details["token_ids"], first.details["token_ids"]);
+}

@@ -83,6 +83,9 @@ pub enum LeftOut {
     /// Its output failed an audit: the coordinator ran its layers on the
     /// same input and got other bytes (it goes around it for a while).
     FailedAudit,
+    /// It accepted a step and did not answer within the step timeout (it
+    /// goes around it for a while).
+    Stalled,
 }
 
 impl LeftOut {
@@ -100,6 +103,7 @@ impl LeftOut {
             LeftOut::NotConnected => "not connected: no measured round trip".into(),
             LeftOut::Refused => "refused its last assignment".into(),
             LeftOut::FailedAudit => "failed an audit: its output was not its layers'".into(),
+            LeftOut::Stalled => "stalled on a step past the step timeout".into(),
         }
     }
 }

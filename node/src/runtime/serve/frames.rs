@@ -157,6 +157,16 @@ pub(crate) fn compute_wrongly(output: mesh_stage::SliceOutput) -> mesh_stage::Sl
     }
 }
 
+/// A stage that accepts and then stalls, for tests: with
+/// `MESH_FAULT_STALL=1` this node holds every step it is given for an
+/// hour before computing it.
+#[cfg(feature = "fault-injection")]
+pub(crate) async fn stall_if_told() {
+    if std::env::var_os("MESH_FAULT_STALL").is_some() {
+        tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+    }
+}
+
 #[cfg(feature = "fault-injection")]
 pub(crate) fn inject_fault(stage_index: u32, step: u32, bytes: &mut [u8]) {
     // MESH_FAULT_FLIP_FORWARD=STAGE:STEP:OFFSET alters one byte of the

@@ -495,6 +495,7 @@ fn member_list(shared: &Shared, coordinator: &CoordinatorRole) -> serde_json::Va
         serde_json::json!({
             "passed": standing.audits_passed,
             "failed": standing.audits_failed,
+            "stalls": standing.stalls,
             "left_out_s": left_out_s,
         })
     };

@@ -7,7 +7,8 @@
 //!   decision, the router's choice ([`route`], [`decision`]);
 //! - [`drive`]: the step loop ([`draft`] drafts, [`text`] shows text,
 //!   [`tail`] drains a lost chain's last replies);
-//! - [`resume`]: the same request on a new chain, keeping caches ([`keep`]);
+//! - [`resume`]: the same request on a new chain, keeping caches ([`keep`]),
+//!   without a stage that stalled ([`stall`]);
 //! - [`collect`]: the stages' records and the bill;
 //! - [`seal`]: the split's records and the `mesh/1` receipt;
 //! - [`audit`]: a sampled request's stages run again here, and compared;
@@ -34,6 +35,7 @@ pub(crate) mod role;
 pub(crate) mod route;
 pub(crate) mod runs;
 mod seal;
+mod stall;
 mod tail;
 mod text;
 
@@ -48,3 +50,4 @@ pub use role::{
 };
 pub use route::MAX_COSTED_CHAINS;
 pub use runs::{MESH_SETTLE_WAIT, MIN_REPLAN_GAIN, REFUSED_MEMBER_PAUSE};
+pub use stall::STALL_PAUSE;

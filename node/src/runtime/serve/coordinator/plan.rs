@@ -161,10 +161,12 @@ impl CoordinatorRole {
             keys.sort_unstable();
             keys
         };
-        let (failed_audit, planned_speeds) = {
+        let (failed_audit, stalled, planned_speeds) = {
             let reputation = lock(&self.planning.reputation);
+            let now = Instant::now();
             (
-                reputation.left_out(Instant::now()),
+                reputation.left_out(now),
+                reputation.stalled_out(now),
                 reputation.planned_speeds(),
             )
         };
@@ -173,6 +175,7 @@ impl CoordinatorRole {
             && cached.at_least == at_least
             && cached.refused == refused_now
             && cached.failed_audit == failed_audit
+            && cached.stalled == stalled
             && cached.planned_speeds == planned_speeds
             && cached.addresses == addresses
         {
@@ -194,6 +197,9 @@ impl CoordinatorRole {
             }
             if reason.is_none() && failed_audit.binary_search(&candidate.node_id).is_ok() {
                 *reason = Some(LeftOut::FailedAudit);
+            }
+            if reason.is_none() && stalled.binary_search(&candidate.node_id).is_ok() {
+                *reason = Some(LeftOut::Stalled);
             }
         }
         // An over-claimer is planned at the speed it showed, discounted.
@@ -237,6 +243,7 @@ impl CoordinatorRole {
             addresses,
             refused: refused_now,
             failed_audit,
+            stalled,
             planned_speeds,
             plan: plan.clone(),
             usable: usable.clone(),

@@ -210,7 +210,7 @@ async fn stage_figures(
         .collect();
     for (k, (peer, asked)) in run.peers.iter().zip(asked).enumerate() {
         let stats = match asked.await {
-            Ok(Ok(Ok(stats))) => stats,
+            Ok(Ok(Ok(Some(stats)))) => stats,
             _ => StageStats::default(),
         };
         compute += stats.compute;
@@ -255,11 +255,13 @@ fn measured_speed(
 /// How long the coordinator waits for the stages' figures after a request.
 pub(crate) const STATS_WAIT: Duration = Duration::from_millis(750);
 
+/// A stage's figures for a request it ended its part of; none while it is
+/// still inside the request (or never had it).
 pub(crate) async fn query_stats(
     coordinator: &Arc<CoordinatorRole>,
     peer: &PeerAddr,
     request_id: u64,
-) -> anyhow::Result<StageStats> {
+) -> anyhow::Result<Option<StageStats>> {
     let (mut send, mut recv) = coordinator.shared.net.open(peer, ALPN_CONTROL).await?;
     let request = ControlRequest::Stats { request_id }.to_cbor();
     let reply = msg::exchange(&mut send, &mut recv, &request, Duration::from_secs(2))
@@ -267,17 +269,17 @@ pub(crate) async fn query_stats(
         .context("no stats")?;
     match ControlReply::from_cbor(&reply)? {
         ControlReply::Stats {
+            found,
             compute_us,
             decode_engine_us,
             fold_us,
             steps,
-            ..
-        } => Ok(StageStats {
+        } => Ok(found.then(|| StageStats {
             compute: Duration::from_micros(compute_us),
             decode_engine: Duration::from_micros(decode_engine_us),
             fold: Duration::from_micros(fold_us),
             steps: u32::try_from(steps).unwrap_or(u32::MAX),
-        }),
+        })),
         other => bail!("a stage answered `{}` to stats", other.kind()),
     }
 }

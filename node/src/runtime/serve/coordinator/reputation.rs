@@ -44,6 +44,10 @@ pub(crate) struct Standing {
     pub(crate) advertised_us_per_layer: Option<u64>,
     /// Requests measured.
     pub(crate) measured_requests: u64,
+    /// Steps it stalled on past the step timeout.
+    pub(crate) stalls: u64,
+    /// Left out for a stall (not an audit) until then.
+    pub(crate) stalled_until: Option<Instant>,
 }
 
 /// How many times its advertised decode time a node's measured time may
@@ -117,12 +121,33 @@ impl Reputation {
         }
     }
 
-    /// The nodes left out of plans now, sorted.
+    /// The node stalled on a step past the step timeout: left out of plans
+    /// until `until`.
+    pub(crate) fn stalled(&mut self, node: [u8; 32], until: Instant) {
+        let standing = self.nodes.entry(node).or_default();
+        standing.stalls += 1;
+        standing.stalled_until = Some(standing.stalled_until.map_or(until, |u| u.max(until)));
+    }
+
+    /// The nodes left out of plans now for a failed audit, sorted.
     pub(crate) fn left_out(&self, now: Instant) -> Vec<[u8; 32]> {
+        self.left_out_by(now, |s| s.out_until)
+    }
+
+    /// The nodes left out of plans now for a stall, sorted.
+    pub(crate) fn stalled_out(&self, now: Instant) -> Vec<[u8; 32]> {
+        self.left_out_by(now, |s| s.stalled_until)
+    }
+
+    fn left_out_by(
+        &self,
+        now: Instant,
+        until: impl Fn(&Standing) -> Option<Instant>,
+    ) -> Vec<[u8; 32]> {
         let mut out: Vec<[u8; 32]> = self
             .nodes
             .iter()
-            .filter(|(_, s)| s.out_until.is_some_and(|until| now < until))
+            .filter(|(_, s)| until(s).is_some_and(|until| now < until))
             .map(|(key, _)| *key)
             .collect();
         out.sort_unstable();

@@ -27,6 +27,7 @@ use crate::runtime::serve::coordinator::runs::{A_SPLIT, ANY_CHAIN, Run};
 use crate::runtime::serve::coordinator::seal::Interrupted;
 use crate::runtime::serve::coordinator::seal::seal;
 use crate::runtime::serve::coordinator::seal::seal_interrupted;
+use crate::runtime::serve::coordinator::stall;
 use crate::runtime::serve::shared::Deadline;
 use crate::runtime::serve::stats;
 use anyhow::anyhow;
@@ -163,6 +164,7 @@ pub(crate) async fn serve_request(
         if !driven.resumable {
             break driven;
         }
+        stall::blame(coordinator, &run, admitted.request_id, &mut driven).await;
         let lost: Vec<String> = interrupted
             .iter()
             .flat_map(|i| &i.driven.lost)

@@ -56,6 +56,8 @@ pub(crate) struct PlanCache {
     pub(crate) refused: Vec<[u8; 32]>,
     /// The members left out for a failed audit.
     pub(crate) failed_audit: Vec<[u8; 32]>,
+    /// The members left out for a stall.
+    pub(crate) stalled: Vec<[u8; 32]>,
     /// The over-claimers' decode times it was planned with.
     pub(crate) planned_speeds: Vec<([u8; 32], u64)>,
     pub(crate) plan: mesh_protocol::plan::Plan,

@@ -337,6 +337,8 @@ impl<'a> StageRun<'a> {
             self.rewindable = 0;
         }
         self.stats.steps += 1;
+        #[cfg(feature = "fault-injection")]
+        crate::runtime::serve::frames::stall_if_told().await;
         let start = Instant::now();
         let lease = self.cache.take().context("the request's cache")?;
         let input = batch::StepInput::Hidden(activations);
