@@ -1464,8 +1464,19 @@ async fn a_stage_that_computes_wrongly_is_caught_by_an_audit_and_planned_out() {
     };
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let (coordinator, key) =
-        mesh_coordinator(dir.path(), &model, &["--stages", "3", "--audit-rate", "1"]);
+    let tapes = dir.path().join("tapes");
+    let (coordinator, key) = mesh_coordinator(
+        dir.path(),
+        &model,
+        &[
+            "--stages",
+            "3",
+            "--audit-rate",
+            "1",
+            "--audit-tapes",
+            tapes.to_str().unwrap(),
+        ],
+    );
     let dishonest = start_with_env(
         dir.path(),
         "liar",
@@ -1554,6 +1565,28 @@ async fn a_stage_that_computes_wrongly_is_caught_by_an_audit_and_planned_out() {
             .all(|lane| lane["state"] != "break"),
         "{report:#}"
     );
+    // With the tape the coordinator kept, anyone holding the model finds
+    // the same stage offline.
+    let replay_tape = |summary: &mesh_node::runtime::serve::GenerateSummary, name: &str| {
+        let saved = dir.path().join(name);
+        std::fs::write(&saved, serde_json::to_vec(&summary.bundle).unwrap()).unwrap();
+        let id = summary.details["request_id"].as_str().unwrap();
+        let out = Command::new(bin())
+            .args(["replay", "--json", "--model"])
+            .arg(&model)
+            .arg("--tape")
+            .arg(tapes.join(format!("{id}.tape")))
+            .arg(&saved)
+            .output()
+            .unwrap();
+        let said: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+        (out.status.code(), said)
+    };
+    let (code, said) = replay_tape(&first, "first.json");
+    assert_eq!(code, Some(1), "{said:#}");
+    assert_eq!(said["diverged_stage"], liar_at, "{said:#}");
+    assert_eq!(said["node_id"], dishonest.did.as_str(), "{said:#}");
     let since = Instant::now();
     while audits().await != (0, 1, 0) {
         assert!(
@@ -1577,6 +1610,9 @@ async fn a_stage_that_computes_wrongly_is_caught_by_an_audit_and_planned_out() {
     let chain = chain_of(&second);
     assert!(!chain.contains(&dishonest.did), "planned out: {chain:?}");
     assert!(honest.iter().all(|h| chain.contains(&h.did)), "{chain:?}");
+    let (code, said) = replay_tape(&second, "second.json");
+    assert_eq!(code, Some(0), "{said:#}");
+    assert_eq!(said["verdict"], "agreed");
     let since = Instant::now();
     while audits().await != (1, 1, 0) {
         assert!(

@@ -115,6 +115,7 @@ async fn pushes_from_unknown_keys_are_refused_with_signed_reasons() {
         max_resumes: mesh_node::runtime::serve::DEFAULT_MAX_RESUMES,
         audit_rate: 0.0,
         audit_pause: mesh_node::runtime::serve::DEFAULT_AUDIT_PAUSE,
+        audit_tapes: None,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),

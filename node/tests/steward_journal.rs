@@ -502,3 +502,51 @@ fn a_backend_with_a_change_record_serves_and_seals_only_the_weights_in_effect() 
             .is_ok()
     );
 }
+
+/// Issue 41: what a coordinator found of other nodes is journalled before
+/// it acts, survives a restart as it was written, and `journal inspect`
+/// shows it.
+#[test]
+fn judgements_of_other_nodes_survive_a_restart() {
+    use mesh_node::runtime::journal::{Judged, Judgement};
+    let node = node();
+    let judged = [
+        Judged {
+            node: [2; 32],
+            judgement: Judgement::AuditFailed,
+            at_ms: 1_000,
+            until_ms: 3_601_000,
+        },
+        Judged {
+            node: [3; 32],
+            judgement: Judgement::Stalled,
+            at_ms: 2_000,
+            until_ms: 602_000,
+        },
+        Judged {
+            node: [4; 32],
+            judgement: Judgement::AuditPassed,
+            at_ms: 3_000,
+            until_ms: 3_000,
+        },
+    ];
+    {
+        let mut steward = open(&node).unwrap();
+        for one in judged {
+            steward.record_judgement(one).unwrap();
+        }
+    }
+    let steward = open(&node).unwrap();
+    assert_eq!(steward.judged().iter().copied().collect::<Vec<_>>(), judged);
+    drop(steward);
+    let shown = mesh_node()
+        .args(["journal", "inspect"])
+        .arg(&node.data)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        text.contains("audit_failed, left out of plans for 3600 s") && text.contains("stalled"),
+        "{text}"
+    );
+}

@@ -30,6 +30,7 @@ pub mod session;
 pub mod split;
 pub mod stage_frame;
 pub mod stage_receipt;
+pub mod tape;
 pub mod verify;
 
 pub use ed25519_dalek::{SigningKey, VerifyingKey};

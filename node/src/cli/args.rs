@@ -155,8 +155,13 @@ pub struct ReplayArgs {
     #[arg(long, value_parser = crate::cli::models::model_arg)]
     pub model: PathBuf,
     /// The prompt as it was sent.
-    #[arg(long)]
-    pub prompt_file: PathBuf,
+    #[arg(long, required_unless_present = "tape")]
+    pub prompt_file: Option<PathBuf>,
+    /// Instead of the tokens, check each stage: run every stage's layers on
+    /// the inputs this tape (`serve --audit-tapes`) says it was given, and
+    /// name the first stage whose output is not its layers' (exit 1).
+    #[arg(long, conflicts_with_all = ["prompt_file", "opening", "output_file", "chat"])]
+    pub tape: Option<PathBuf>,
     /// The prompt was sent with the chat template (`generate --chat`).
     #[arg(long)]
     pub chat: bool,

@@ -607,19 +607,22 @@ fn replay(args: ReplayArgs) -> anyhow::Result<ExitCode> {
         output_file,
         device,
         json,
-        ..
+        tape,
     } = args;
-
-    let replayed = crate::cli::replay::replay(&crate::cli::replay::ReplayArgs {
-        bundle: &bundle,
-        model: &model,
-        prompt_file: &prompt_file,
-        chat,
-        opening: opening.as_deref(),
-        output_file: output_file.as_deref(),
-        device,
-        json,
-    });
+    let replayed = match (tape, prompt_file) {
+        (Some(tape), _) => crate::cli::replay::replay_tape(&bundle, &model, &tape, device, json),
+        (None, Some(prompt_file)) => crate::cli::replay::replay(&crate::cli::replay::ReplayArgs {
+            bundle: &bundle,
+            model: &model,
+            prompt_file: &prompt_file,
+            chat,
+            opening: opening.as_deref(),
+            output_file: output_file.as_deref(),
+            device,
+            json,
+        }),
+        (None, None) => Err(anyhow::anyhow!("give --prompt-file, or --tape")),
+    };
     // Exit 1 means diverged: input that cannot be read is 2.
     Ok(replayed.unwrap_or_else(|error| {
         eprintln!("mesh-node replay: {error:#}");

@@ -106,6 +106,24 @@ pub fn render_journal(
                 format!("refused     request {}: {line}{skipped}", short(request_id))
             }
             Entry::Logged { capsule_id } => format!("logged      record {}", short(capsule_id)),
+            Entry::Judged(judged) => {
+                let crate::runtime::journal::Judged {
+                    node,
+                    judgement,
+                    at_ms,
+                    until_ms,
+                } = judged;
+                let out = if until_ms > at_ms {
+                    format!(", left out of plans for {} s", (until_ms - at_ms) / 1000)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "judged      {}: {}{out}",
+                    mesh_protocol::identity::did_key(node),
+                    judgement.as_str()
+                )
+            }
             Entry::Checkpointed { size, root } => {
                 format!("checkpoint  log size {size} root {}", short(root))
             }

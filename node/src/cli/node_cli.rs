@@ -86,6 +86,8 @@ pub struct ServeConfig {
     /// Seconds a node whose output failed an audit is left out of plans
     /// (default 3600).
     pub audit_pause_s: Option<u64>,
+    /// Keep each audited request's tape here, for `replay --tape`.
+    pub audit_tapes: Option<PathBuf>,
     /// Activation encoding between stages: f32 (default), f16, bf16.
     pub wire: Option<String>,
     /// Where slices compute: `cpu` (default), `cuda` or `cuda:N` (a binary
@@ -236,6 +238,12 @@ pub struct ServeArgs {
     /// 3600).
     #[arg(long, help_heading = "Serving")]
     pub audit_pause_s: Option<u64>,
+    /// Keep each audited request's tape (its frames to stage 1 and the
+    /// final stage's replies) in DIR as REQUEST_ID.tape, for `replay
+    /// --tape`. A tape holds the prompt's activations: keep it as private
+    /// as the prompt.
+    #[arg(long, value_name = "DIR", help_heading = "Serving")]
+    pub audit_tapes: Option<PathBuf>,
     /// Requests that wait for a place when all --max-requests are taken
     /// (default 32, at most 4096; 0: refuse at once), each until its own
     /// deadline.
@@ -461,6 +469,7 @@ pub fn node_options(args: ServeArgs) -> anyhow::Result<NodeOptions> {
         max_resumes,
         audit_rate,
         audit_pause,
+        audit_tapes: args.audit_tapes.or(file.audit_tapes),
         return_mode: parse_return_mode(
             &args
                 .return_mode
@@ -571,6 +580,7 @@ pub fn join_options(args: JoinArgs) -> anyhow::Result<NodeOptions> {
         max_resumes: None,
         audit_rate: None,
         audit_pause_s: None,
+        audit_tapes: None,
         max_queued: None,
         mesh: args.mesh,
     };
@@ -895,6 +905,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
             max_resumes: crate::runtime::serve::DEFAULT_MAX_RESUMES,
             audit_rate: crate::runtime::serve::DEFAULT_AUDIT_RATE,
             audit_pause: crate::runtime::serve::DEFAULT_AUDIT_PAUSE,
+            audit_tapes: None,
             return_mode: args.return_mode,
             wire: WireDType::F32,
             meter: Box::new(EstimatorMeter::default()),

@@ -227,3 +227,105 @@ pub fn open(receipt: &Path, key: &mesh_protocol::SigningKey, json: bool) -> anyh
     }
     Ok(())
 }
+
+/// `mesh-node replay BUNDLE --model M --tape TAPE`: run each stage's layers
+/// again, stage after stage, on the inputs the tape says stage 1 was given
+/// (and, after it, what the stage before computes), and name the first
+/// stage whose output is not what its layers give: a middle stage against
+/// the forward lane its own signed record sealed, the final stage against
+/// the replies the tape holds. Exit 0 every stage agreed, 1 a stage
+/// diverged, 3 not replayable.
+pub fn replay_tape(
+    bundle: &Path,
+    model: &Path,
+    tape: &Path,
+    device: mesh_stage::DeviceChoice,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    use crate::runtime::serve::coordinator::audit::{AuditCase, AuditedStage, Verdict, audit};
+    let device = device.open()?;
+    let bytes = std::fs::read(bundle).with_context(|| format!("reading {}", bundle.display()))?;
+    let document = mesh_protocol::json::parse_strict(&bytes)
+        .map_err(|e| anyhow::anyhow!("{}: not JSON: {e}", bundle.display()))?;
+    let carried = mesh_protocol::bundle::MeshBundle::from_value(&document)
+        .map_err(|e| anyhow::anyhow!("{}: not a split's bundle: {e}", bundle.display()))?;
+    let main = mesh_protocol::capsule::SealedRecord::verify(carried.main_record.clone())
+        .context("the bundle's main record")?;
+    let own = main.stage_block().context("the main record's own slice")?;
+    let tape_bytes = std::fs::read(tape).with_context(|| format!("reading {}", tape.display()))?;
+    let tape = mesh_protocol::tape::Tape::decode(&tape_bytes)
+        .with_context(|| format!("{}: not a mesh-node-tape/1 file", tape.display()))?;
+    let handle = mesh_stage::ModelHandle::open(model)?.on_device(device);
+    if handle.package_id() != own.package_id {
+        bail!(
+            "{} is not the model the serve ran (its package id differs)",
+            model.display()
+        );
+    }
+    let mut stages = Vec::new();
+    for k in 1..own.stage_count {
+        let block = carried
+            .split_stage_records
+            .iter()
+            .filter_map(|record| mesh_protocol::capsule::SealedRecord::verify(record.clone()).ok())
+            .find_map(|record| {
+                let block = record.stage_block().ok()?;
+                (block.stage_index == k && block.split_key() == own.split_key())
+                    .then_some((record.key_id(), block))
+            });
+        let Some((node, block)) = block else {
+            bail!("stage {k}'s signed record is not in the bundle: nothing to hold it to");
+        };
+        stages.push(AuditedStage {
+            index: k,
+            node,
+            layers: block.layer_start..block.layer_end,
+            claimed_sent: block.downstream.map(|d| d.sent),
+        });
+    }
+    let case = AuditCase {
+        scope: mesh_protocol::session::RequestScope {
+            split: own.split_key(),
+            stage_count: own.stage_count,
+            return_mode: own.return_mode,
+        },
+        stages,
+        tape,
+    };
+    let verdict = audit(&handle, &case);
+    let (name, code) = match &verdict {
+        Verdict::Passed => ("every stage agreed", ExitCode::SUCCESS),
+        Verdict::Failed { .. } => ("a stage diverged", ExitCode::from(1)),
+        Verdict::Unauditable(_) => ("not replayable", ExitCode::from(EXIT_NOT_REPLAYABLE)),
+    };
+    let line = verdict.describe(&case.scope.split);
+    if json {
+        let (stage, node, step) = match &verdict {
+            Verdict::Failed {
+                stage, node, step, ..
+            } => (
+                Some(*stage),
+                Some(mesh_protocol::identity::did_key(node)),
+                *step,
+            ),
+            _ => (None, None, None),
+        };
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "verdict": match verdict {
+                    Verdict::Passed => "agreed",
+                    Verdict::Failed { .. } => "diverged",
+                    Verdict::Unauditable(_) => "not_replayable",
+                },
+                "diverged_stage": stage,
+                "node_id": node,
+                "step": step,
+                "said": line,
+            }))?
+        );
+    } else {
+        println!("{}: {name}\n{line}", bundle.display());
+    }
+    Ok(code)
+}

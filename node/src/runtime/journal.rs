@@ -22,7 +22,7 @@ use redb::{Database, ReadOnlyDatabase, ReadableDatabase, ReadableTable, TableDef
 use thiserror::Error;
 
 mod entry;
-pub use entry::Entry;
+pub use entry::{Entry, Judged, Judgement};
 
 const RECORDS: TableDefinition<u64, &[u8]> = TableDefinition::new("journal_records");
 /// One row (key 0): the signed head, `{seq, hash, steward, signature}`,

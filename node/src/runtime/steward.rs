@@ -142,6 +142,9 @@ pub struct Steward {
     /// The last checkpoint issued (size, root), which the next names.
     last_checkpoint: Option<(u64, [u8; 32])>,
     witnessed: Witnessed,
+    /// What it found of other nodes (`Replay::judged`), for the
+    /// coordinator's reputation on start.
+    judged: std::collections::VecDeque<Judged>,
 }
 
 /// What replaying a journal established.
@@ -161,6 +164,23 @@ pub struct Replay {
     /// The last checkpoint issued over it (size, root).
     pub last_checkpoint: Option<(u64, ContentId)>,
     pub witnessed: Witnessed,
+    /// What this node found of others as a coordinator, oldest first (at
+    /// most `MAX_JUDGEMENTS_HELD`, the latest).
+    pub judged: std::collections::VecDeque<Judged>,
+}
+
+pub use crate::runtime::journal::Judged;
+
+/// Judgements a steward holds for its coordinator to rebuild its nodes'
+/// standing from on start (the journal keeps them all).
+pub const MAX_JUDGEMENTS_HELD: usize = 4096;
+
+/// Hold the latest `MAX_JUDGEMENTS_HELD` judgements.
+fn hold_judgement(held: &mut std::collections::VecDeque<Judged>, judged: Judged) {
+    if held.len() == MAX_JUDGEMENTS_HELD {
+        held.pop_front();
+    }
+    held.push_back(judged);
 }
 
 /// What the witness rule knows beyond the receipts held.
@@ -206,6 +226,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
     // operator; the highest shown in a halt, plus one.
     let mut acknowledged_through = 0u64;
     let mut shown_past = 0u64;
+    let mut judged = std::collections::VecDeque::new();
     let steward_key = mesh_protocol::identity::parse_did_key(steward_did);
     for record in records {
         let foreign = |why: String| StewardError::ForeignJournal {
@@ -292,6 +313,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
                 acknowledged_through = acknowledged_through.max(next_sequence.saturating_add(lost));
             }
             Entry::Refused { .. } => {}
+            Entry::Judged(one) => hold_judgement(&mut judged, *one),
             Entry::Logged { capsule_id } => {
                 if log.held() > MAX_LOG_NODES_HELD {
                     log.forget(LOG_NODES_KEPT as u64);
@@ -317,6 +339,7 @@ pub fn replay(steward_did: &str, records: &[Record]) -> Result<Replay, StewardEr
     }
     let unresolved = unresolved_of(&mut gate, pending, started);
     Ok(Replay {
+        judged,
         witnessed: Witnessed {
             acknowledged_through,
             shown_past,
@@ -420,6 +443,7 @@ impl Steward {
             log: replayed.log,
             last_checkpoint: replayed.last_checkpoint,
             witnessed: replayed.witnessed,
+            judged: replayed.judged,
         })
     }
 
@@ -572,6 +596,18 @@ impl Steward {
             at_ms: now_ms,
         })?;
         Ok(())
+    }
+
+    /// Journal what this node found of another (before it acts on it).
+    pub fn record_judgement(&mut self, judged: Judged) -> Result<(), StewardError> {
+        self.journal.append(Entry::Judged(judged))?;
+        hold_judgement(&mut self.judged, judged);
+        Ok(())
+    }
+
+    /// What this node found of others, oldest first.
+    pub fn judged(&self) -> &std::collections::VecDeque<Judged> {
+        &self.judged
     }
 
     /// The estimator the meter falls back to.

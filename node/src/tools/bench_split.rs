@@ -471,6 +471,7 @@ pub(crate) fn bench_options(
         // Benches measure serving; an audit would share the cores.
         audit_rate: 0.0,
         audit_pause: crate::runtime::serve::DEFAULT_AUDIT_PAUSE,
+        audit_tapes: None,
         return_mode: ReturnMode::Relayed,
         wire: WireDType::F32,
         meter: Box::new(EstimatorMeter::default()),

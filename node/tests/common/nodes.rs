@@ -146,6 +146,7 @@ impl<'a> Setup<'a> {
             max_resumes: mesh_node::runtime::serve::DEFAULT_MAX_RESUMES,
             audit_rate: self.audit_rate,
             audit_pause: mesh_node::runtime::serve::DEFAULT_AUDIT_PAUSE,
+            audit_tapes: None,
             wire: WireDType::F32,
             meter: match self.estimate_milliwatts {
                 None => Box::new(EstimatorMeter {

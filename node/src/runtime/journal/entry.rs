@@ -90,6 +90,56 @@ pub enum Entry {
     /// A record this node sealed, appended to its transparency log (an
     /// MMR of record ids, `split-stage.md`), before the record leaves.
     Logged { capsule_id: ContentId },
+    /// What this node, as a coordinator, found of another node (its
+    /// reputation), before it acts on it.
+    Judged(Judged),
+}
+
+/// One judgement of a node: an audit of its output passed or failed, or it
+/// stalled on a step; left out of plans until `until_ms` (`at_ms` for a
+/// pass).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Judged {
+    pub node: ContentId,
+    pub judgement: Judgement,
+    pub at_ms: u64,
+    pub until_ms: u64,
+}
+
+impl Judged {
+    fn to_cbor(self) -> Cbor {
+        Cbor::text_map([
+            ("kind", Cbor::text("judged")),
+            ("node", Cbor::bytes(self.node.to_vec())),
+            ("judgement", Cbor::text(self.judgement.as_str())),
+            ("at_ms", Cbor::Uint(self.at_ms)),
+            ("until_ms", Cbor::Uint(self.until_ms)),
+        ])
+    }
+}
+
+/// What a coordinator found of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Judgement {
+    AuditPassed,
+    AuditFailed,
+    Stalled,
+}
+
+impl Judgement {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Judgement::AuditPassed => "audit_passed",
+            Judgement::AuditFailed => "audit_failed",
+            Judgement::Stalled => "stalled",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        [Self::AuditPassed, Self::AuditFailed, Self::Stalled]
+            .into_iter()
+            .find(|j| j.as_str() == text)
+    }
 }
 
 fn energy_cbor(energy: &Energy) -> Cbor {
@@ -263,6 +313,7 @@ impl Entry {
                 ("kind", Cbor::text("logged")),
                 ("capsule_id", Cbor::bytes(capsule_id.to_vec())),
             ]),
+            Entry::Judged(judged) => judged.to_cbor(),
         }
     }
 
@@ -366,6 +417,12 @@ impl Entry {
             "logged" => Ok(Entry::Logged {
                 capsule_id: id(value.get("capsule_id").ok_or("`capsule_id`")?)?,
             }),
+            "judged" => Ok(Entry::Judged(Judged {
+                node: id(value.get("node").ok_or("`node`")?)?,
+                judgement: Judgement::parse(text("judgement")?).ok_or("`judgement`")?,
+                at_ms: uint("at_ms")?,
+                until_ms: uint("until_ms")?,
+            })),
             "changed" => Ok(Entry::Changed {
                 envelope: value
                     .get("envelope")

@@ -16,7 +16,7 @@
 
 pub(crate) mod batch;
 mod control;
-mod coordinator;
+pub(crate) mod coordinator;
 pub(crate) mod frames;
 mod node;
 mod push;

@@ -121,6 +121,8 @@ pub struct NodeOptions {
     pub audit_rate: f64,
     /// How long a node whose output failed an audit is left out of plans.
     pub audit_pause: Duration,
+    /// Keep each audited request's tape here (`replay --tape`).
+    pub audit_tapes: Option<PathBuf>,
     pub wire: WireDType,
     pub meter: Box<dyn EnergyMeter>,
     /// Serve the OpenAI-compatible HTTP API here (a coordinator; off when
@@ -254,6 +256,7 @@ impl Node {
                 seal_deadline: options.stage_seal_deadline,
                 audit_rate: options.audit_rate.clamp(0.0, 1.0),
                 audit_pause: options.audit_pause,
+                audit_tapes: options.audit_tapes.clone(),
             },
             (options.stages, options.fidelity),
             draft_model,

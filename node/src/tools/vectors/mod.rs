@@ -15,6 +15,7 @@ pub mod mesh1;
 pub mod plain_bundle;
 pub mod split_stage;
 pub mod stage;
+pub mod tape;
 
 pub use file::VectorFile;
 
@@ -24,6 +25,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     files.extend(mesh1::generate()?);
     files.extend(mesh::generate()?);
     files.extend(audit::generate()?);
+    files.extend(tape::generate()?);
     files.extend(stage::generate()?);
     Ok(files)
 }

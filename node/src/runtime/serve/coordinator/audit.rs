@@ -34,20 +34,28 @@ use mesh_protocol::fold::LaneDigest;
 use mesh_protocol::identity::did_key;
 use mesh_protocol::session::{HopSession, RequestScope, Wire};
 use mesh_protocol::stage_frame::Rewind;
+use mesh_protocol::tape::Tape as TapeFile;
 use mesh_stage::frame::{WireDType, decode_frame, encode_frame};
 use mesh_stage::{ModelHandle, SliceInput, SliceOutput};
 use sha2::Digest;
 
-use crate::runtime::clock::lock;
+use crate::runtime::clock::{lock, now_ms};
+use crate::runtime::journal::Judgement;
 use crate::runtime::net::msg::{self, kind};
 use crate::runtime::serve::coordinator::admit::Admitted;
 use crate::runtime::serve::coordinator::reputation::Reputation;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use crate::runtime::serve::coordinator::runs::Run;
+use crate::runtime::steward::Judged;
 
-/// The most a request's tape holds (its frames to stage 1 and the final
-/// stage's replies); a longer request is not audited.
-pub const MAX_TAPE_BYTES: usize = 64 << 20;
+/// The most a request's tape holds, as its file (`mesh-node-tape/1`: its
+/// frames to stage 1 and the final stage's replies); a longer request is
+/// not audited.
+pub const MAX_TAPE_BYTES: usize = mesh_protocol::tape::MAX_TAPE_BYTES;
+
+/// A tape file's bytes besides its frames: the magic, the request id, the
+/// two counts.
+const TAPE_FILE_HEADER: usize = mesh_protocol::tape::TAPE_MAGIC.len() + 8 + 4 + 4;
 
 /// How long a node that failed an audit is left out of plans.
 pub const DEFAULT_AUDIT_PAUSE: Duration = Duration::from_secs(60 * 60);
@@ -57,15 +65,25 @@ pub const DEFAULT_AUDIT_RATE: f64 = 0.02;
 
 /// What a sampled request's chain was given and gave back, at the
 /// coordinator: whole frames, exactly as they crossed.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Tape {
-    /// Every frame written to stage 1, in order.
-    forward: Vec<Vec<u8>>,
-    /// Every HIDDEN reply from the final stage, in order.
-    replies: Vec<Vec<u8>>,
+    /// Every frame written to stage 1 and every HIDDEN reply from the
+    /// final stage, in order.
+    frames: TapeFile,
+    /// What its file would take.
     bytes: usize,
     /// Past `MAX_TAPE_BYTES`: nothing more is kept, and it is not audited.
     overflowed: bool,
+}
+
+impl Default for Tape {
+    fn default() -> Self {
+        Self {
+            frames: TapeFile::default(),
+            bytes: TAPE_FILE_HEADER,
+            overflowed: false,
+        }
+    }
 }
 
 impl Tape {
@@ -74,7 +92,7 @@ impl Tape {
         if self.room(body.len() + 4)
             && let Ok(frame) = msg::frame(body)
         {
-            self.forward.push(frame);
+            self.frames.forward.push(frame);
         }
     }
 
@@ -82,14 +100,23 @@ impl Tape {
     pub(crate) fn reply(&mut self, frame: &[u8]) {
         let hidden = matches!(msg::parse_stage(frame), Ok((kind::HIDDEN, ..)));
         if hidden && self.room(frame.len()) {
-            self.replies.push(frame.to_vec());
+            self.frames.replies.push(frame.to_vec());
         }
     }
 
+    /// Room for a frame of `bytes` (and its length in the file).
     fn room(&mut self, bytes: usize) -> bool {
-        self.bytes += bytes;
+        self.bytes += bytes + 4;
         self.overflowed |= self.bytes > MAX_TAPE_BYTES;
         !self.overflowed
+    }
+
+    /// The tape as its file holds it, unless it overflowed.
+    pub(crate) fn into_file(self, request_id: u64) -> Option<TapeFile> {
+        (!self.overflowed).then_some(TapeFile {
+            request_id,
+            ..self.frames
+        })
     }
 }
 
@@ -108,7 +135,7 @@ pub(crate) struct AuditedStage {
 pub(crate) struct AuditCase {
     pub(crate) scope: RequestScope,
     pub(crate) stages: Vec<AuditedStage>,
-    pub(crate) tape: Tape,
+    pub(crate) tape: TapeFile,
 }
 
 /// What an audit found.
@@ -170,8 +197,11 @@ pub(crate) fn claimed_sent(records: &[Vec<SealedRecord>], index: u32) -> Option<
 /// chain order, and compare with what each stage sent. Blocking: minutes
 /// of compute for a long request on a large model.
 pub(crate) fn audit(model: &ModelHandle, case: &AuditCase) -> Verdict {
-    if case.tape.overflowed {
-        return Verdict::Unauditable(format!("its frames passed {MAX_TAPE_BYTES} bytes"));
+    if case.tape.request_id != case.scope.split.request_id {
+        return Verdict::Unauditable(format!(
+            "the tape is of request {}, not {}",
+            case.tape.request_id, case.scope.split.request_id
+        ));
     }
     match run_stages(model, case) {
         Ok(verdict) => verdict,
@@ -347,7 +377,15 @@ pub(crate) async fn audit_request(
     records: &[Vec<SealedRecord>],
     tape: Option<Tape>,
 ) -> Option<SignedAudit> {
-    let tape = tape?;
+    let request_id = scope.split.request_id;
+    let Some(tape) = tape?.into_file(request_id) else {
+        lock(&coordinator.planning.reputation).audits.unconcluded += 1;
+        tracing::info!(
+            request_id,
+            "not audited: its frames passed {MAX_TAPE_BYTES} bytes"
+        );
+        return None;
+    };
     let Ok(permit) = coordinator.planning.auditing.clone().try_acquire_owned() else {
         lock(&coordinator.planning.reputation).audits.let_go += 1;
         return None;
@@ -358,6 +396,9 @@ pub(crate) async fn audit_request(
         let _permit = permit;
         let _turn = lock(&AUDIT_TURN);
         let verdict = audit(&auditor.shared.model, &case);
+        if let Some(dir) = &auditor.settings.audit_tapes {
+            keep_tape(dir, &case.tape);
+        }
         (case, verdict)
     })
     .await
@@ -367,7 +408,9 @@ pub(crate) async fn audit_request(
         Verdict::Failed { .. } => tracing::warn!("{line}"),
         _ => tracing::info!("{line}"),
     }
-    // The next plan leaves a failed node out (`plan_now`).
+    // Journalled first; then the next plan leaves a failed node out
+    // (`plan_now`).
+    journal_verdict(coordinator, &case, &verdict);
     record(
         &mut lock(&coordinator.planning.reputation),
         &case,
@@ -378,6 +421,16 @@ pub(crate) async fn audit_request(
     Some(SignedAudit::sign(statement, &coordinator.shared.key))
 }
 
+/// Keep an audited request's tape as `DIR/REQUEST_ID.tape` (`--audit-tapes`),
+/// for `replay --tape`; a tape that cannot be written is said, not fatal.
+fn keep_tape(dir: &std::path::Path, tape: &TapeFile) {
+    let path = dir.join(format!("{}.tape", tape.request_id));
+    let written = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, tape.encode()));
+    if let Err(error) = written {
+        tracing::warn!("could not keep the tape {}: {error}", path.display());
+    }
+}
+
 /// What an audit needs of the run and the records; none when a stage
 /// advertises another device kind (it rounds otherwise: equality would
 /// not hold).
@@ -386,7 +439,7 @@ fn audit_case(
     run: &Run,
     scope: RequestScope,
     records: &[Vec<SealedRecord>],
-    tape: Tape,
+    tape: TapeFile,
 ) -> Option<AuditCase> {
     let own_device = mesh_stage::device_name(coordinator.shared.model.device());
     let ours = device_kind(&own_device);
@@ -498,6 +551,53 @@ fn record(reputation: &mut Reputation, case: &AuditCase, verdict: &Verdict, paus
     }
 }
 
+/// Journal what the coordinator found of a node, before it acts on it
+/// (the standing is rebuilt from the journal on start): left out for
+/// `pause` from now (nothing for a pass).
+pub(crate) fn journal_judgement(
+    coordinator: &CoordinatorRole,
+    node: [u8; 32],
+    judgement: Judgement,
+    pause: Duration,
+) {
+    let at_ms = now_ms();
+    let until_ms = at_ms.saturating_add(u64::try_from(pause.as_millis()).unwrap_or(u64::MAX));
+    let judged = Judged {
+        node,
+        judgement,
+        at_ms,
+        until_ms,
+    };
+    if let Err(error) = lock(&coordinator.shared.steward).record_judgement(judged) {
+        // The standing in memory still holds it: the node is left out
+        // until this process ends, just not after a restart.
+        tracing::warn!(
+            "could not journal a judgement of {}: {error}",
+            did_key(&node)
+        );
+    }
+}
+
+/// Journal an audit's verdict for every stage it judged.
+fn journal_verdict(coordinator: &CoordinatorRole, case: &AuditCase, verdict: &Verdict) {
+    let failed = match verdict {
+        Verdict::Failed { stage, .. } => Some(*stage),
+        Verdict::Passed => None,
+        Verdict::Unauditable(_) => return,
+    };
+    for stage in &case.stages {
+        if failed.is_some_and(|at| stage.index > at) {
+            break;
+        }
+        let (judgement, pause) = if failed == Some(stage.index) {
+            (Judgement::AuditFailed, coordinator.settings.audit_pause)
+        } else {
+            (Judgement::AuditPassed, Duration::ZERO)
+        };
+        journal_judgement(coordinator, stage.node, judgement, pause);
+    }
+}
+
 /// One audit at a time in a process: each runs a whole model's layers.
 static AUDIT_TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -555,7 +655,7 @@ mod tests {
                 return_mode: mesh_protocol::block::ReturnMode::Direct,
             },
             stages: vec![stage(1, 1), stage(2, 2), stage(3, 3)],
-            tape: Tape::default(),
+            tape: TapeFile::default(),
         }
     }
 
@@ -598,10 +698,20 @@ mod tests {
     fn a_tape_past_its_bound_keeps_nothing_more() {
         let mut tape = Tape::default();
         tape.forward(&[1, 2, 3]);
-        assert_eq!(tape.forward.len(), 1);
+        assert_eq!(tape.frames.forward.len(), 1);
         tape.forward(&vec![0u8; MAX_TAPE_BYTES]);
         tape.forward(&[1, 2, 3]);
         assert!(tape.overflowed);
-        assert_eq!(tape.forward.len(), 1, "nothing kept past the bound");
+        assert_eq!(tape.frames.forward.len(), 1, "nothing kept past the bound");
+        assert!(tape.into_file(1).is_none());
+        let mut kept = Tape::default();
+        kept.forward(&[1, 2, 3]);
+        let bytes = kept.bytes;
+        let file = kept.into_file(9).unwrap();
+        assert_eq!(
+            file.encode().len(),
+            bytes,
+            "what is counted is what its file takes"
+        );
     }
 }

@@ -9,6 +9,9 @@ use std::time::Instant;
 
 use mesh_protocol::plan::Candidate;
 
+use crate::runtime::journal::Judgement;
+use crate::runtime::steward::Judged;
+
 /// Audits waiting for the one that runs: more sampled requests than that
 /// are let go unaudited (counted), so audits never queue up behind load.
 pub const MAX_AUDITS_WAITING: usize = 2;
@@ -61,6 +64,25 @@ const OVERCLAIM_TOLERANCE: (u64, u64) = (2, 1);
 const MEASURED_BEFORE_JUDGED: u64 = 2;
 
 impl Reputation {
+    /// The standing a steward's journalled judgements give at `now_ms`
+    /// (the coordinator's on start): counts, and the nodes still left out.
+    pub(crate) fn from_judged<'a>(
+        judged: impl IntoIterator<Item = &'a Judged>,
+        now_ms: u64,
+    ) -> Self {
+        let mut reputation = Self::default();
+        let now = Instant::now();
+        for j in judged {
+            let until = now + std::time::Duration::from_millis(j.until_ms.saturating_sub(now_ms));
+            match j.judgement {
+                Judgement::AuditPassed => reputation.passed(j.node),
+                Judgement::AuditFailed => reputation.failed(j.node, until),
+                Judgement::Stalled => reputation.stalled(j.node, until),
+            }
+        }
+        reputation
+    }
+
     /// The node's output passed an audit.
     pub(crate) fn passed(&mut self, node: [u8; 32]) {
         self.nodes.entry(node).or_default().audits_passed += 1;
@@ -185,6 +207,30 @@ mod tests {
             reputation.left_out(now + Duration::from_secs(30)),
             vec![[2; 32]]
         );
+    }
+
+    #[test]
+    fn the_journalled_judgements_give_the_same_standing_after_a_restart() {
+        let at = |node: u8, judgement, at_ms, until_ms| Judged {
+            node: [node; 32],
+            judgement,
+            at_ms,
+            until_ms,
+        };
+        let journalled = [
+            at(1, Judgement::AuditPassed, 1_000, 1_000),
+            // Still out at 10 s: failed at 5 s for an hour.
+            at(2, Judgement::AuditFailed, 5_000, 3_605_000),
+            // Out until 8 s: back in by 10 s.
+            at(3, Judgement::Stalled, 2_000, 8_000),
+            at(4, Judgement::Stalled, 9_000, 609_000),
+        ];
+        let reputation = Reputation::from_judged(&journalled, 10_000);
+        let now = Instant::now();
+        assert_eq!(reputation.left_out(now), vec![[2; 32]]);
+        assert_eq!(reputation.stalled_out(now), vec![[4; 32]]);
+        assert_eq!(reputation.standing(&[1; 32]).audits_passed, 1);
+        assert_eq!(reputation.standing(&[3; 32]).stalls, 1);
     }
 
     #[test]

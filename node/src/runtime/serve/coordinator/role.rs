@@ -10,6 +10,7 @@ use crate::runtime::clock::now_ms;
 use crate::runtime::net::msg;
 use crate::runtime::records::Collector;
 use crate::runtime::serve::coordinator::draft;
+use crate::runtime::serve::coordinator::reputation::Reputation;
 use crate::runtime::serve::coordinator::runs::PlanCache;
 use crate::runtime::serve::coordinator::runs::Run;
 use crate::runtime::serve::shared::Shared;
@@ -65,7 +66,7 @@ pub(crate) struct Planning {
     /// the refused members it was made for.
     pub(crate) cache: Mutex<Option<PlanCache>>,
     /// Each node's standing: one that failed an audit is left out a while.
-    pub(crate) reputation: Mutex<crate::runtime::serve::coordinator::reputation::Reputation>,
+    pub(crate) reputation: Mutex<Reputation>,
     /// Audits waiting or running (at most `MAX_AUDITS_WAITING` + 1).
     pub(crate) auditing: std::sync::Arc<tokio::sync::Semaphore>,
 }
@@ -81,7 +82,7 @@ pub(crate) struct Routing {
 }
 
 /// How a coordinator runs its requests.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Settings {
     pub(crate) return_mode: ReturnMode,
     /// Prompt positions per prefill step.
@@ -99,6 +100,8 @@ pub(crate) struct Settings {
     /// (0: none), and how long a node that fails one is left out of plans.
     pub(crate) audit_rate: f64,
     pub(crate) audit_pause: Duration,
+    /// Where audited requests' tapes are kept (`--audit-tapes`).
+    pub(crate) audit_tapes: Option<std::path::PathBuf>,
 }
 
 impl CoordinatorRole {
@@ -109,6 +112,9 @@ impl CoordinatorRole {
         draft_model: Option<Arc<draft::DraftModel>>,
         training: Option<mesh_protocol::mesh1::TrainingBinding>,
     ) -> Self {
+        // What its journal says it found of others before a restart.
+        let reputation = Reputation::from_judged(lock(&shared.steward).judged(), now_ms());
+        let max_queued = settings.max_queued;
         Self {
             shared,
             run: tokio::sync::Mutex::new(None),
@@ -118,7 +124,7 @@ impl CoordinatorRole {
                 refused: Mutex::new(HashMap::new()),
                 refusals: std::sync::atomic::AtomicU64::new(0),
                 cache: Mutex::new(None),
-                reputation: Mutex::default(),
+                reputation: Mutex::new(reputation),
                 auditing: std::sync::Arc::new(tokio::sync::Semaphore::new(
                     crate::runtime::serve::coordinator::reputation::MAX_AUDITS_WAITING + 1,
                 )),
@@ -139,7 +145,7 @@ impl CoordinatorRole {
             training,
             settings,
             unserved_logged: Mutex::new(crate::runtime::limit::PerMinute::new(MAX_UNSERVED_LOGGED)),
-            queue: crate::runtime::serve::coordinator::queue::Queue::new(settings.max_queued),
+            queue: crate::runtime::serve::coordinator::queue::Queue::new(max_queued),
         }
     }
 

@@ -14,6 +14,8 @@ use mesh_protocol::block::TerminalState;
 use mesh_protocol::identity::did_key;
 
 use crate::runtime::clock::lock;
+use crate::runtime::journal::Judgement;
+use crate::runtime::serve::coordinator::audit;
 use crate::runtime::serve::coordinator::drive::Driven;
 use crate::runtime::serve::coordinator::report::{STATS_WAIT, query_stats};
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
@@ -50,6 +52,7 @@ pub(crate) async fn blame(
         did_key(&staller),
         STALL_PAUSE.as_secs()
     );
+    audit::journal_judgement(coordinator, staller, Judgement::Stalled, STALL_PAUSE);
     lock(&coordinator.planning.reputation).stalled(staller, Instant::now() + STALL_PAUSE);
     driven.lost.push(staller);
 }
