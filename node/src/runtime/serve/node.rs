@@ -499,6 +499,7 @@ fn member_list(shared: &Shared, coordinator: &CoordinatorRole) -> serde_json::Va
             "passed": standing.audits_passed,
             "failed": standing.audits_failed,
             "stalls": standing.stalls,
+            "refused_assignments": standing.refusals,
             "left_out_s": left_out_s,
         })
     };

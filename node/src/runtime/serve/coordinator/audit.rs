@@ -273,6 +273,7 @@ fn run_stage(
     capacity: usize,
     last: bool,
 ) -> anyhow::Result<Vec<Vec<u8>>> {
+    room_for(model, stage, capacity)?;
     let slice = model.load_chain_slice(stage.layers.clone(), false)?;
     let mut cache = slice.new_cache(capacity)?;
     let hidden = slice.config().hidden;
@@ -322,6 +323,28 @@ fn run_stage(
         }
     }
     Ok(outputs)
+}
+
+/// A stage's layers are loaded here only when this machine has room for
+/// them and their cache now, a quarter to spare: a model is split because
+/// it does not fit one machine, and an audit must not take a coordinator's
+/// memory from under it (the layers are loaded one stage at a time, and let
+/// go before the next).
+fn room_for(model: &ModelHandle, stage: &AuditedStage, capacity: usize) -> anyhow::Result<()> {
+    let layers = model.layer_bytes().layers;
+    let (start, end) = (stage.layers.start as usize, stage.layers.end as usize);
+    let weights: u64 = layers.get(start..end).map_or(0, |l| l.iter().sum());
+    let config = model.config();
+    let kv_per_position = 2 * config.kv_heads as u64 * config.head_dim as u64 * 4;
+    let kv = kv_per_position * capacity as u64 * (end - start) as u64;
+    let need = (weights + kv).saturating_mul(5) / 4;
+    match crate::runtime::planner::available_memory() {
+        Some(free) if free < need => bail!(
+            "this machine has {free} B free; stage {}'s layers and cache need {need} B",
+            stage.index
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// The final stage's replies against what its layers give.

@@ -313,6 +313,7 @@ impl CoordinatorRole {
                         self.planning
                             .refusals
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        lock(&self.planning.reputation).refused(peer.key);
                     }
                     failed.get_or_insert(error);
                 }

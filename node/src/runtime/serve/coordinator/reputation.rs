@@ -49,6 +49,9 @@ pub(crate) struct Standing {
     pub(crate) measured_requests: u64,
     /// Steps it stalled on past the step timeout.
     pub(crate) stalls: u64,
+    /// Assignments it refused (each leaves it out for a short pause,
+    /// `REFUSED_MEMBER_PAUSE`, kept by the planner).
+    pub(crate) refusals: u64,
     /// Left out for a stall (not an audit) until then.
     pub(crate) stalled_until: Option<Instant>,
 }
@@ -141,6 +144,11 @@ impl Reputation {
                 candidate.decode_us_per_layer = planned_speeds[i].1;
             }
         }
+    }
+
+    /// The node refused an assignment.
+    pub(crate) fn refused(&mut self, node: [u8; 32]) {
+        self.nodes.entry(node).or_default().refusals += 1;
     }
 
     /// The node stalled on a step past the step timeout: left out of plans
