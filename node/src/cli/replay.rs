@@ -280,7 +280,7 @@ pub fn replay_tape(
             index: k,
             node,
             layers: block.layer_start..block.layer_end,
-            claimed_sent: block.downstream.map(|d| d.sent),
+            claimed_sent: crate::runtime::serve::coordinator::audit::sent_on(&block),
         });
     }
     let case = AuditCase {

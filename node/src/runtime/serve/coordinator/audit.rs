@@ -183,14 +183,25 @@ impl Verdict {
     }
 }
 
-/// The `downstream.sent` lane of stage `index`'s own record of the request.
+/// The lane stage `index`'s own record of the request says it sent on.
 pub(crate) fn claimed_sent(records: &[Vec<SealedRecord>], index: u32) -> Option<LaneDigest> {
     records
         .get(index as usize)?
         .iter()
         .filter_map(|record| record.stage_block().ok())
         .find(|block| block.stage_index == index)
-        .and_then(|block| block.downstream.map(|d| d.sent))
+        .and_then(|block| sent_on(&block))
+}
+
+/// What a stage's block says it sent on: a middle stage's forward lane
+/// (`downstream.sent`), the final stage's replies (`direct_return.sent`
+/// in direct mode, `upstream.replies_sent` relayed).
+pub(crate) fn sent_on(block: &mesh_protocol::block::StageBlock) -> Option<LaneDigest> {
+    match (block.downstream, block.direct_return) {
+        (Some(downstream), _) => Some(downstream.sent),
+        (None, Some(mesh_protocol::block::DirectReturn::Sent(lane))) => Some(lane),
+        (None, _) => block.upstream.map(|upstream| upstream.replies_sent),
+    }
 }
 
 /// Run every audited stage's layers over the inputs the tape holds, in
@@ -223,23 +234,19 @@ fn run_stages(model: &ModelHandle, case: &AuditCase) -> anyhow::Result<Verdict> 
     let last = case.stages.len().checked_sub(1).context("no stage")?;
     for (i, stage) in case.stages.iter().enumerate() {
         let outputs = run_stage(model, stage, &inputs, prefill_steps, capacity, i == last)?;
-        if i == last {
-            return Ok(compare_replies(stage, &outputs, &case.tape.replies));
-        }
         let claimed = stage
             .claimed_sent
-            .with_context(|| format!("stage {} sealed no downstream lane", stage.index))?;
-        // Folded as the stage itself folds what it writes downstream.
-        let mut session = HopSession::new(case.scope.clone(), stage.index);
-        session.open_downstream();
-        for frame in &outputs {
-            session.fold(Wire::ToDownstream, frame);
+            .with_context(|| format!("stage {} sealed no lane of what it sent", stage.index))?;
+        // Folded as the stage itself folds what it sends on.
+        let expected = sent_lane(&case.scope, stage.index, &outputs, i == last)?;
+        if i == last {
+            return Ok(judge_final(
+                stage,
+                (expected, claimed),
+                &outputs,
+                &case.tape.replies,
+            ));
         }
-        let expected = session
-            .digests()
-            .downstream
-            .context("a downstream lane")?
-            .sent;
         if expected != claimed {
             return Ok(Verdict::Failed {
                 stage: stage.index,
@@ -344,6 +351,75 @@ fn room_for(model: &ModelHandle, stage: &AuditedStage, capacity: usize) -> anyho
             stage.index
         ),
         _ => Ok(()),
+    }
+}
+
+/// The lane stage `index` folds what it sends on into: a middle stage's
+/// forward lane; the final stage's replies, on the direct return (after
+/// its opening) or relayed up.
+fn sent_lane(
+    scope: &RequestScope,
+    index: u32,
+    outputs: &[Vec<u8>],
+    last: bool,
+) -> anyhow::Result<LaneDigest> {
+    let mut session = HopSession::new(scope.clone(), index);
+    let digests = if !last {
+        session.open_downstream();
+        for frame in outputs {
+            session.fold(Wire::ToDownstream, frame);
+        }
+        session.digests().downstream.map(|d| d.sent)
+    } else if scope.return_mode == mesh_protocol::block::ReturnMode::Direct {
+        session.open_direct();
+        let opening = msg::stage_body(kind::DIRECT_OPEN, scope.split.request_id, 0, &[]);
+        session.fold(Wire::DirectSent, &msg::frame(&opening)?);
+        for frame in outputs {
+            session.fold(Wire::DirectSent, frame);
+        }
+        match session.digests().direct_return {
+            Some(mesh_protocol::block::DirectReturn::Sent(lane)) => Some(lane),
+            _ => None,
+        }
+    } else {
+        for frame in outputs {
+            session.fold(Wire::ToUpstream, frame);
+        }
+        session.digests().upstream.map(|u| u.replies_sent)
+    };
+    digests.context("the lane it sends on")
+}
+
+/// The final stage: held to its own record of the replies it sent; the
+/// replies that came back name the step. A record that agrees with its
+/// layers while the replies that came back do not means they changed on
+/// the way (relayed, a stage between may have altered them: the hop check
+/// shows where), not that the final stage computed wrongly.
+fn judge_final(
+    stage: &AuditedStage,
+    (expected, claimed): (LaneDigest, LaneDigest),
+    outputs: &[Vec<u8>],
+    received: &[Vec<u8>],
+) -> Verdict {
+    let by_bytes = compare_replies(stage, outputs, received);
+    if expected != claimed {
+        return Verdict::Failed {
+            stage: stage.index,
+            node: stage.node,
+            step: match by_bytes {
+                Verdict::Failed { step, .. } => step,
+                _ => None,
+            },
+            expected: lane_words(&expected),
+            claimed: lane_words(&claimed),
+        };
+    }
+    match by_bytes {
+        Verdict::Failed { .. } => Verdict::Unauditable(format!(
+            "the final stage's replies changed on their way back, though its own record agrees with its layers (stage {}): the hop check shows where",
+            stage.index
+        )),
+        verdict => verdict,
     }
 }
 
@@ -715,6 +791,46 @@ mod tests {
         assert_eq!(reputation.standing(&[3; 32]).audits_passed, 1);
         let tally = reputation.audits;
         assert_eq!((tally.passed, tally.failed, tally.unconcluded), (1, 1, 1));
+    }
+
+    /// A relayed reply altered by a stage between: the final stage's own
+    /// record agrees with its layers, so it is not the one blamed.
+    #[test]
+    fn the_final_stage_is_held_to_its_own_record_not_to_what_came_back() {
+        let stage = AuditedStage {
+            index: 3,
+            node: [3; 32],
+            layers: 4..6,
+            claimed_sent: None,
+        };
+        let reply = |step: u32, byte: u8| {
+            msg::frame(&msg::stage_body(kind::HIDDEN, 1, step, &[byte; 8])).unwrap()
+        };
+        let computed = vec![reply(0, 1), reply(1, 2)];
+        let altered = vec![reply(0, 1), reply(1, 9)];
+        let lane = |digest: u8| LaneDigest {
+            frames: 2,
+            digest: [digest; 32],
+        };
+        let agreed = judge_final(&stage, (lane(1), lane(1)), &computed, &altered);
+        assert!(
+            matches!(&agreed, Verdict::Unauditable(why) if why.contains("changed on their way back")),
+            "{agreed:?}"
+        );
+        let lied = judge_final(&stage, (lane(1), lane(2)), &computed, &altered);
+        assert!(
+            matches!(
+                lied,
+                Verdict::Failed {
+                    stage: 3,
+                    step: Some(1),
+                    ..
+                }
+            ),
+            "{lied:?}"
+        );
+        let honest = judge_final(&stage, (lane(1), lane(1)), &computed, &computed);
+        assert_eq!(honest, Verdict::Passed);
     }
 
     #[test]
