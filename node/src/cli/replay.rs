@@ -249,6 +249,25 @@ pub fn replay_tape(
         .map_err(|e| anyhow::anyhow!("{}: not JSON: {e}", bundle.display()))?;
     let carried = mesh_protocol::bundle::MeshBundle::from_value(&document)
         .map_err(|e| anyhow::anyhow!("{}: not a split's bundle: {e}", bundle.display()))?;
+    // The records it holds each stage to must be the routed nodes' own:
+    // the bundle's checks first (signatures, stewards as routed, each
+    // stage's record signed by its node). A failed audit it carries is
+    // what this run looks at again, not a reason to stop.
+    let report = mesh_protocol::verify::verify_document(&document)
+        .map_err(|e| anyhow::anyhow!("{}: at {e}", bundle.display()))?;
+    if let Some(failed) = report
+        .checks
+        .iter()
+        .find(|c| c.outcome.is_err() && !c.subject.starts_with("audit"))
+    {
+        bail!(
+            "{}: the bundle does not verify ({} {}: {}): `mesh-node verify` says more",
+            bundle.display(),
+            failed.subject,
+            failed.property,
+            failed.outcome.as_ref().err().map_or("", String::as_str)
+        );
+    }
     let main = mesh_protocol::capsule::SealedRecord::verify(carried.main_record.clone())
         .context("the bundle's main record")?;
     let own = main.stage_block().context("the main record's own slice")?;
@@ -281,6 +300,7 @@ pub fn replay_tape(
             node,
             layers: block.layer_start..block.layer_end,
             claimed_sent: crate::runtime::serve::coordinator::audit::sent_on(&block),
+            claimed_received: block.upstream.map(|u| u.received),
         });
     }
     let case = AuditCase {

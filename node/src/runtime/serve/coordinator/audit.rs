@@ -89,8 +89,8 @@ impl Default for Tape {
 impl Tape {
     /// A frame written to stage 1 (`body` as framed on the wire).
     pub(crate) fn forward(&mut self, body: &[u8]) {
-        if self.room(body.len() + 4)
-            && let Ok(frame) = msg::frame(body)
+        if let Ok(frame) = msg::frame(body)
+            && self.room(frame.len())
         {
             self.frames.forward.push(frame);
         }
@@ -126,8 +126,10 @@ pub(crate) struct AuditedStage {
     pub(crate) index: u32,
     pub(crate) node: [u8; 32],
     pub(crate) layers: Range<u32>,
-    /// The `downstream.sent` lane its record sealed (a middle stage).
+    /// The lane its own record says it sent on (`sent_on`).
     pub(crate) claimed_sent: Option<LaneDigest>,
+    /// The forward lane its own record says it received.
+    pub(crate) claimed_received: Option<LaneDigest>,
 }
 
 /// Everything one audit needs, taken from the sealed request.
@@ -183,14 +185,20 @@ impl Verdict {
     }
 }
 
-/// The lane stage `index`'s own record of the request says it sent on.
-pub(crate) fn claimed_sent(records: &[Vec<SealedRecord>], index: u32) -> Option<LaneDigest> {
-    records
-        .get(index as usize)?
-        .iter()
-        .filter_map(|record| record.stage_block().ok())
-        .find(|block| block.stage_index == index)
-        .and_then(|block| sent_on(&block))
+/// The lanes stage `index`'s own record of the request says it sent on
+/// and received.
+fn claimed_lanes(
+    records: &[Vec<SealedRecord>],
+    index: u32,
+) -> (Option<LaneDigest>, Option<LaneDigest>) {
+    let block = records.get(index as usize).and_then(|held| {
+        held.iter()
+            .filter_map(|record| record.stage_block().ok())
+            .find(|block| block.stage_index == index)
+    });
+    block.map_or((None, None), |block| {
+        (sent_on(&block), block.upstream.map(|u| u.received))
+    })
 }
 
 /// What a stage's block says it sent on: a middle stage's forward lane
@@ -231,8 +239,20 @@ fn run_stages(model: &ModelHandle, case: &AuditCase) -> anyhow::Result<Verdict> 
     let prefill_steps = field("prefill_steps").context("OPEN's prefill_steps")?;
     let capacity = usize::try_from(field("capacity").context("OPEN's capacity")?)?;
     let mut inputs: Vec<Vec<u8>> = case.tape.forward.clone();
+    // What stage 1 was sent: hop 0's forward lane, as this node folded it.
+    let mut sent_before = sent_lane(&case.scope, 0, &inputs, false)?;
     let last = case.stages.len().checked_sub(1).context("no stage")?;
     for (i, stage) in case.stages.iter().enumerate() {
+        // A stage is judged on inputs both ends of its hop agree on: one
+        // that says it received other bytes than the stage before says it
+        // sent is a disputed hop (the hop check shows it), and an honest
+        // stage after a liar is not blamed for the liar's bytes.
+        if stage.claimed_received != Some(sent_before) {
+            return Ok(Verdict::Unauditable(format!(
+                "stage {} says it received other bytes than were sent to it: a disputed hop (the hop check shows it)",
+                stage.index
+            )));
+        }
         let outputs = run_stage(model, stage, &inputs, prefill_steps, capacity, i == last)?;
         let claimed = stage
             .claimed_sent
@@ -240,11 +260,12 @@ fn run_stages(model: &ModelHandle, case: &AuditCase) -> anyhow::Result<Verdict> 
         // Folded as the stage itself folds what it sends on.
         let expected = sent_lane(&case.scope, stage.index, &outputs, i == last)?;
         if i == last {
+            let relayed = case.scope.return_mode == mesh_protocol::block::ReturnMode::Relayed;
             return Ok(judge_final(
                 stage,
                 (expected, claimed),
-                &outputs,
-                &case.tape.replies,
+                (&outputs, &case.tape.replies),
+                relayed,
             ));
         }
         if expected != claimed {
@@ -256,6 +277,7 @@ fn run_stages(model: &ModelHandle, case: &AuditCase) -> anyhow::Result<Verdict> 
                 claimed: lane_words(&claimed),
             });
         }
+        sent_before = claimed;
         inputs = outputs;
     }
     bail!("no stage audited")
@@ -343,8 +365,10 @@ fn room_for(model: &ModelHandle, stage: &AuditedStage, capacity: usize) -> anyho
     let weights: u64 = layers.get(start..end).map_or(0, |l| l.iter().sum());
     let config = model.config();
     let kv_per_position = 2 * config.kv_heads as u64 * config.head_dim as u64 * 4;
-    let kv = kv_per_position * capacity as u64 * (end - start) as u64;
-    let need = (weights + kv).saturating_mul(5) / 4;
+    let kv = kv_per_position
+        .saturating_mul(capacity as u64)
+        .saturating_mul(end.saturating_sub(start) as u64);
+    let need = weights.saturating_add(kv).saturating_mul(5) / 4;
     match crate::runtime::planner::available_memory() {
         Some(free) if free < need => bail!(
             "this machine has {free} B free; stage {}'s layers and cache need {need} B",
@@ -391,15 +415,16 @@ fn sent_lane(
 }
 
 /// The final stage: held to its own record of the replies it sent; the
-/// replies that came back name the step. A record that agrees with its
-/// layers while the replies that came back do not means they changed on
-/// the way (relayed, a stage between may have altered them: the hop check
-/// shows where), not that the final stage computed wrongly.
+/// replies that came back name the step. Relayed, a record that agrees
+/// with its layers while the replies that came back do not means they
+/// changed on the way (a stage between may have altered them: the hop
+/// check shows where), not that the final stage computed wrongly; direct,
+/// they came from it alone, on a stream it proved it holds.
 fn judge_final(
     stage: &AuditedStage,
     (expected, claimed): (LaneDigest, LaneDigest),
-    outputs: &[Vec<u8>],
-    received: &[Vec<u8>],
+    (outputs, received): (&[Vec<u8>], &[Vec<u8>]),
+    relayed: bool,
 ) -> Verdict {
     let by_bytes = compare_replies(stage, outputs, received);
     if expected != claimed {
@@ -415,6 +440,7 @@ fn judge_final(
         };
     }
     match by_bytes {
+        Verdict::Failed { .. } if !relayed => by_bytes,
         Verdict::Failed { .. } => Verdict::Unauditable(format!(
             "the final stage's replies changed on their way back, though its own record agrees with its layers (stage {}): the hop check shows where",
             stage.index
@@ -472,10 +498,11 @@ fn compare_replies(stage: &AuditedStage, expected: &[Vec<u8>], received: &[Vec<u
 pub(crate) async fn audit_request(
     coordinator: &Arc<CoordinatorRole>,
     run: &Run,
-    scope: &RequestScope,
+    admitted: &Admitted<'_>,
     records: &[Vec<SealedRecord>],
-    tape: Option<Tape>,
+    (tape, deadline): (Option<Tape>, crate::runtime::serve::shared::Deadline),
 ) -> Option<SignedAudit> {
+    let scope = &admitted.scope;
     let request_id = scope.split.request_id;
     let Some(tape) = tape?.into_file(request_id) else {
         lock(&coordinator.planning.reputation).audits.unconcluded += 1;
@@ -491,33 +518,46 @@ pub(crate) async fn audit_request(
     };
     let case = audit_case(coordinator, run, scope.clone(), records, tape)?;
     let auditor = coordinator.clone();
-    let (case, verdict) = tokio::task::spawn_blocking(move || {
+    // The verdict is acted on in the task, whoever waits for it: a request
+    // whose deadline comes first is sealed without it.
+    let audited = tokio::task::spawn_blocking(move || {
         let _permit = permit;
         let _turn = lock(&AUDIT_TURN);
         let verdict = audit(&auditor.shared.model, &case);
         if let Some(dir) = &auditor.settings.audit_tapes {
             keep_tape(dir, &case.tape);
         }
-        (case, verdict)
-    })
-    .await
-    .ok()?;
+        act_on(&auditor, &case, &verdict);
+        let statement = statement(&case, &verdict)?;
+        Some(SignedAudit::sign(statement, &auditor.shared.key))
+    });
+    match tokio::time::timeout(deadline.left(), audited).await {
+        Ok(Ok(signed)) => signed,
+        _ => {
+            tracing::info!(
+                request_id,
+                "sealed before its audit ended: its deadline came first"
+            );
+            None
+        }
+    }
+}
+
+/// Log a verdict, journal it, then count it in the nodes' standing (the
+/// next plan leaves a failed node out, `plan_now`).
+fn act_on(coordinator: &CoordinatorRole, case: &AuditCase, verdict: &Verdict) {
     let line = verdict.describe(&case.scope.split);
-    match &verdict {
+    match verdict {
         Verdict::Failed { .. } => tracing::warn!("{line}"),
         _ => tracing::info!("{line}"),
     }
-    // Journalled first; then the next plan leaves a failed node out
-    // (`plan_now`).
-    journal_verdict(coordinator, &case, &verdict);
+    journal_verdict(coordinator, case, verdict);
     record(
         &mut lock(&coordinator.planning.reputation),
-        &case,
-        &verdict,
+        case,
+        verdict,
         coordinator.settings.audit_pause,
     );
-    let statement = statement(&case, &verdict)?;
-    Some(SignedAudit::sign(statement, &coordinator.shared.key))
 }
 
 /// Keep an audited request's tape as `DIR/REQUEST_ID.tape` (`--audit-tapes`),
@@ -530,9 +570,12 @@ fn keep_tape(dir: &std::path::Path, tape: &TapeFile) {
     }
 }
 
-/// What an audit needs of the run and the records; none when a stage
-/// advertises another device kind (it rounds otherwise: equality would
-/// not hold).
+/// What an audit needs of the run and the records; none unless this node
+/// computes on the CPU and every stage that is a mesh member advertises
+/// the CPU: the engine's CPU paths give the same bits on every CPU
+/// (docs/engine.md), a GPU's may differ by card, and no advert says which
+/// card. Configured peers (`--peer`) are the operator's own: audited
+/// (`--audit-rate 0` for peers on GPUs).
 fn audit_case(
     coordinator: &CoordinatorRole,
     run: &Run,
@@ -542,6 +585,9 @@ fn audit_case(
 ) -> Option<AuditCase> {
     let own_device = mesh_stage::device_name(coordinator.shared.model.device());
     let ours = device_kind(&own_device);
+    if ours != "cpu" {
+        return None;
+    }
     let members = coordinator
         .shared
         .mesh
@@ -554,7 +600,7 @@ fn audit_case(
             .iter()
             .find(|m| m.advert.node_id == *node)
             .map(|m| device_kind(&m.advert.device));
-        if theirs.is_some_and(|theirs| theirs != ours) {
+        if theirs.is_some_and(|theirs| theirs != "cpu") {
             tracing::debug!(
                 request_id = scope.split.request_id,
                 "not audited: stage {} computes on another device kind",
@@ -562,11 +608,13 @@ fn audit_case(
             );
             return None;
         }
+        let (claimed_sent, claimed_received) = claimed_lanes(records, assign.stage_index);
         stages.push(AuditedStage {
             index: assign.stage_index,
             node: *node,
             layers: assign.layer_start..assign.layer_end,
-            claimed_sent: claimed_sent(records, assign.stage_index),
+            claimed_sent,
+            claimed_received,
         });
     }
     Some(AuditCase {
@@ -742,6 +790,7 @@ mod tests {
             node: [seed; 32],
             layers: 0..1,
             claimed_sent: None,
+            claimed_received: None,
         };
         AuditCase {
             scope: RequestScope {
@@ -802,6 +851,7 @@ mod tests {
             node: [3; 32],
             layers: 4..6,
             claimed_sent: None,
+            claimed_received: None,
         };
         let reply = |step: u32, byte: u8| {
             msg::frame(&msg::stage_body(kind::HIDDEN, 1, step, &[byte; 8])).unwrap()
@@ -812,12 +862,12 @@ mod tests {
             frames: 2,
             digest: [digest; 32],
         };
-        let agreed = judge_final(&stage, (lane(1), lane(1)), &computed, &altered);
+        let agreed = judge_final(&stage, (lane(1), lane(1)), (&computed, &altered), true);
         assert!(
             matches!(&agreed, Verdict::Unauditable(why) if why.contains("changed on their way back")),
             "{agreed:?}"
         );
-        let lied = judge_final(&stage, (lane(1), lane(2)), &computed, &altered);
+        let lied = judge_final(&stage, (lane(1), lane(2)), (&computed, &altered), true);
         assert!(
             matches!(
                 lied,
@@ -829,8 +879,21 @@ mod tests {
             ),
             "{lied:?}"
         );
-        let honest = judge_final(&stage, (lane(1), lane(1)), &computed, &computed);
+        let honest = judge_final(&stage, (lane(1), lane(1)), (&computed, &computed), true);
         assert_eq!(honest, Verdict::Passed);
+        // Direct, what came back came from the final stage alone.
+        let direct = judge_final(&stage, (lane(1), lane(1)), (&computed, &altered), false);
+        assert!(
+            matches!(
+                direct,
+                Verdict::Failed {
+                    stage: 3,
+                    step: Some(1),
+                    ..
+                }
+            ),
+            "{direct:?}"
+        );
     }
 
     #[test]

@@ -255,9 +255,8 @@ pub(crate) async fn serve_request(
     let earlier = seal_interrupted(coordinator, interrupted).await?;
     let collected = collect(coordinator, &mut admitted, &mut driven).await?;
     // A sampled request is audited once its stages' records are in.
-    let records = &collected.stages.records;
-    let tape = driven.tape.take();
-    let audit = audit::audit_request(coordinator, &run, &admitted.scope, records, tape).await;
+    let (tape, records) = (driven.tape.take(), &collected.stages.records);
+    let audit = audit::audit_request(coordinator, &run, &admitted, records, (tape, deadline)).await;
     let mut sealed = seal(
         coordinator,
         &run,
