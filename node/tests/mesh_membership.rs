@@ -1792,3 +1792,42 @@ async fn a_stage_that_stalls_is_planned_out_after_its_first_stall() {
     assert!(!chain_of(&second).contains(&staller.did));
     assert_eq!(second.details["token_ids"], first.details["token_ids"]);
 }
+
+/// Issue 41: a stage wrong only now and then (each output nudged with
+/// probability 0.2) passes the audits of requests whose steps it computed
+/// honestly and fails the first audit of one where it did not: the audit
+/// judges bytes, not a node's habits.
+#[cfg(feature = "fault-injection")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_wrong_now_and_then_is_caught_by_the_first_audit_that_holds_a_wrong_step() {
+    use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let (coordinator, _) = mesh_coordinator(
+        dir.path(),
+        &model,
+        &["--stages", "2", "--audit-rate", "1", "--audit-pause-s", "0"],
+    );
+    let _liar = start_with_env(
+        dir.path(),
+        "liar",
+        &join_args(dir.path(), &model, &coordinator.mesh, "liar", &[]),
+        "127.0.0.1:0",
+        &[("MESH_FAULT_WRONG_OUTPUT", "0.2")],
+    );
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 2);
+    let address: PeerAddr = coordinator.peer.parse().unwrap();
+    let request = GenerateRequest::greedy("now and then", 3);
+    let mut verdicts = Vec::new();
+    while !verdicts.contains(&"failed".to_string()) {
+        assert!(verdicts.len() < 60, "never caught: {verdicts:?}");
+        let summary = generate_remote(&address, &request, &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!(summary.terminal_state, "completed", "{:?}", summary.error);
+        let bundle = summary.bundle.unwrap();
+        let verdict = bundle["audit"]["statement"]["stages"][0]["verdict"].clone();
+        verdicts.push(verdict.as_str().unwrap().to_string());
+    }
+    eprintln!("verdicts until caught: {verdicts:?}");
+}

@@ -139,15 +139,21 @@ impl Folding {
     }
 }
 
-/// A dishonest stage, for tests: `MESH_FAULT_WRONG_OUTPUT=1` nudges every
-/// output this node computes a little, as altered weights would, before it
-/// is folded and sent: every hop agrees, and only an audit can tell.
+/// A dishonest stage, for tests: `MESH_FAULT_WRONG_OUTPUT=P` nudges each
+/// output this node computes a little with probability P (1: every one,
+/// as altered weights would), before it is folded and sent: every hop
+/// agrees, and only an audit can tell.
 #[cfg(feature = "fault-injection")]
 pub(crate) fn compute_wrongly(output: mesh_stage::SliceOutput) -> mesh_stage::SliceOutput {
+    let share = std::env::var("MESH_FAULT_WRONG_OUTPUT")
+        .ok()
+        .and_then(|p| p.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    let mut draw = [0u8; 8];
+    let _ = getrandom::fill(&mut draw);
+    let drawn = (u64::from_le_bytes(draw) >> 11) as f64 / (1u64 << 53) as f64;
     match output {
-        mesh_stage::SliceOutput::Hidden(mut a)
-            if std::env::var_os("MESH_FAULT_WRONG_OUTPUT").is_some() =>
-        {
+        mesh_stage::SliceOutput::Hidden(mut a) if drawn < share => {
             for value in a.values.iter_mut().step_by(97) {
                 *value += 0.25;
             }
