@@ -15,6 +15,20 @@ pub fn random_bytes<const N: usize>() -> anyhow::Result<[u8; N]> {
     Ok(bytes)
 }
 
+/// True with probability `p` (0 never, 1 always; never when the OS gives
+/// no randomness).
+pub fn chance(p: f64) -> bool {
+    if p <= 0.0 {
+        return false;
+    }
+    let Ok(bytes) = random_bytes::<8>() else {
+        return false;
+    };
+    // 53 random bits, uniform in [0, 1).
+    let draw = (u64::from_le_bytes(bytes) >> 11) as f64 / (1u64 << 53) as f64;
+    draw < p
+}
+
 /// Write a new key to `path`, refusing to overwrite one.
 pub fn generate(path: &Path) -> anyhow::Result<SigningKey> {
     let seed = random_bytes::<32>()?;

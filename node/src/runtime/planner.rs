@@ -25,13 +25,18 @@ pub fn planned_context(model: &ModelHandle) -> usize {
 /// V, f32, every KV head).
 pub fn model_shape(model: &ModelHandle) -> ModelShape {
     let bytes = model.layer_bytes().with_head_on_first();
-    let config = model.config();
-    let kv_per_token = 2 * config.kv_heads as u64 * config.head_dim as u64 * 4;
     ModelShape {
         layer_bytes: bytes.layers,
         head_bytes: bytes.embedding,
-        kv_bytes_per_layer: kv_per_token * planned_context(model) as u64,
+        kv_bytes_per_layer: kv_bytes_per_position(model) * planned_context(model) as u64,
     }
+}
+
+/// The KV cache bytes one layer holds per position: K and V, f32, every
+/// KV head.
+pub fn kv_bytes_per_position(model: &ModelHandle) -> u64 {
+    let config = model.config();
+    2 * config.kv_heads as u64 * config.head_dim as u64 * 4
 }
 
 /// A member as the planner weighs it: with the reason it is left out, if

@@ -149,11 +149,8 @@ pub(crate) fn compute_wrongly(output: mesh_stage::SliceOutput) -> mesh_stage::Sl
         .ok()
         .and_then(|p| p.parse::<f64>().ok())
         .unwrap_or(0.0);
-    let mut draw = [0u8; 8];
-    let _ = getrandom::fill(&mut draw);
-    let drawn = (u64::from_le_bytes(draw) >> 11) as f64 / (1u64 << 53) as f64;
     match output {
-        mesh_stage::SliceOutput::Hidden(mut a) if drawn < share => {
+        mesh_stage::SliceOutput::Hidden(mut a) if crate::runtime::keys::chance(share) => {
             for value in a.values.iter_mut().step_by(97) {
                 *value += 0.25;
             }

@@ -363,9 +363,7 @@ fn room_for(model: &ModelHandle, stage: &AuditedStage, capacity: usize) -> anyho
     let layers = model.layer_bytes().layers;
     let (start, end) = (stage.layers.start as usize, stage.layers.end as usize);
     let weights: u64 = layers.get(start..end).map_or(0, |l| l.iter().sum());
-    let config = model.config();
-    let kv_per_position = 2 * config.kv_heads as u64 * config.head_dim as u64 * 4;
-    let kv = kv_per_position
+    let kv = crate::runtime::planner::kv_bytes_per_position(model)
         .saturating_mul(capacity as u64)
         .saturating_mul(end.saturating_sub(start) as u64);
     let need = weights.saturating_add(kv).saturating_mul(5) / 4;
@@ -762,22 +760,7 @@ pub(crate) fn tape_if_sampled(
     admitted: &Admitted<'_>,
 ) -> Option<Tape> {
     let fresh = !run.alone() && admitted.resumes.is_none() && admitted.keep.is_none();
-    (fresh && sampled(coordinator.settings.audit_rate)).then(Tape::default)
-}
-
-/// True with probability `rate` (0 never, 1 always): whether a request is
-/// audited.
-fn sampled(rate: f64) -> bool {
-    if rate <= 0.0 {
-        return false;
-    }
-    let mut bytes = [0u8; 8];
-    if getrandom::fill(&mut bytes).is_err() {
-        return false;
-    }
-    // 53 random bits, uniform in [0, 1).
-    let draw = (u64::from_le_bytes(bytes) >> 11) as f64 / (1u64 << 53) as f64;
-    draw < rate
+    (fresh && crate::runtime::keys::chance(coordinator.settings.audit_rate)).then(Tape::default)
 }
 
 #[cfg(test)]

@@ -208,6 +208,21 @@ async fn stage_figures(
             })
         })
         .collect();
+    // Each stage's advertised speed, read once for the request.
+    let package = coordinator.shared.model.package_id();
+    let advertised: Vec<([u8; 32], u64)> = match (coordinator.shared.mesh.get(), plain_steps) {
+        (Some(mesh), Some(_)) => mesh
+            .members()
+            .iter()
+            .filter_map(|m| {
+                Some((
+                    m.advert.node_id,
+                    m.advert.model(&package)?.decode_us_per_layer,
+                ))
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
     for (k, (peer, asked)) in run.peers.iter().zip(asked).enumerate() {
         let stats = match asked.await {
             Ok(Ok(Ok(Some(stats)))) => stats,
@@ -216,13 +231,10 @@ async fn stage_figures(
         compute += stats.compute;
         decode_engine += stats.decode_engine;
         let a = &run.topology[k + 1];
-        if let Some(steps) = plain_steps {
-            measured_speed(
-                coordinator,
-                &peer.key,
-                &stats,
-                steps * u64::from(a.layer_end - a.layer_start),
-            );
+        let advert = advertised.iter().find(|(node, _)| *node == peer.key);
+        if let (Some(steps), Some((node, advertised))) = (plain_steps, advert) {
+            let layer_steps = steps * u64::from(a.layer_end - a.layer_start);
+            measured_speed(coordinator, (node, *advertised), &stats, layer_steps);
         }
         stages.push(json!({ "stage_index": k + 1, "node_id": peer.did(), "layers": [a.layer_start, a.layer_end], "compute_ms": stats.compute.as_secs_f64() * 1e3, "decode_engine_ms": stats.decode_engine.as_secs_f64() * 1e3, "fold_us": stats.fold.as_micros() as u64, "steps": stats.steps }));
     }
@@ -233,21 +245,12 @@ async fn stage_figures(
 /// advert in the node's standing (over a mesh, where plans use adverts).
 fn measured_speed(
     coordinator: &CoordinatorRole,
-    node: &[u8; 32],
+    (node, advertised): (&[u8; 32], u64),
     stats: &StageStats,
     layer_steps: u64,
 ) {
-    let Some(mesh) = coordinator.shared.mesh.get() else {
-        return;
-    };
-    let package = coordinator.shared.model.package_id();
-    let advertised = mesh
-        .members()
-        .iter()
-        .find(|m| m.advert.node_id == *node)
-        .and_then(|m| m.advert.model(&package).map(|e| e.decode_us_per_layer));
     let measured = u64::try_from(stats.decode_engine.as_micros()).unwrap_or(u64::MAX);
-    if let Some(advertised) = advertised.filter(|_| layer_steps > 0 && measured > 0) {
+    if layer_steps > 0 && measured > 0 {
         lock(&coordinator.planning.reputation).measured(*node, advertised, measured / layer_steps);
     }
 }
