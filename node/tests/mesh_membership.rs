@@ -132,6 +132,55 @@ fn join_args(dir: &Path, model: &Path, bootstrap: &str, name: &str, extra: &[&st
     args
 }
 
+/// `mesh-node verify --json` on `bundle`, saved under `dir` as `name`: its
+/// exit status and report.
+fn verify_saved(dir: &Path, name: &str, bundle: &impl serde::Serialize) -> (Option<i32>, Value) {
+    let saved = dir.join(name);
+    std::fs::write(&saved, serde_json::to_vec(bundle).unwrap()).unwrap();
+    let verified = Command::new(bin())
+        .args(["verify", "--json"])
+        .arg(&saved)
+        .output()
+        .unwrap();
+    let report = serde_json::from_slice(&verified.stdout).unwrap();
+    (verified.status.code(), report)
+}
+
+/// A mesh coordinator (`coordinator_args`) with one faulty joiner, `name`,
+/// with `fault` set in its environment, and `honest` more joiners (`h1`,
+/// …): beside honest ones, the faulty one advertises itself fastest (300
+/// us a layer against 1000), so the first plan takes it. Every member seen;
+/// the coordinator's key file with them.
+#[cfg(feature = "fault-injection")]
+fn mesh_with_a_faulty_member(
+    dir: &Path,
+    model: &Path,
+    coordinator_args: &[&str],
+    (name, fault): (&str, (&str, &str)),
+    honest: usize,
+) -> (Running, PathBuf, Running, Vec<Running>) {
+    let (coordinator, key) = mesh_coordinator(dir, model, coordinator_args);
+    let speed: &[&str] = if honest > 0 {
+        &["--decode-us-per-layer", "300"]
+    } else {
+        &[]
+    };
+    let args = join_args(dir, model, &coordinator.mesh, name, speed);
+    let faulty = start_with_env(dir, name, &args, "127.0.0.1:0", &[fault]);
+    let honest: Vec<Running> = (1..=honest)
+        .map(|i| {
+            let name = format!("h{i}");
+            let slower = &["--decode-us-per-layer", "1000"];
+            mesh_join(dir, model, &coordinator.mesh, &name, slower)
+        })
+        .collect();
+    let members = honest.len() + 2;
+    members_until(&coordinator.mesh, Duration::from_secs(30), |m| {
+        m.len() == members
+    });
+    (coordinator, key, faulty, honest)
+}
+
 fn run_json(args: &[&str]) -> Value {
     let out = Command::new(bin()).args(args).output().unwrap();
     assert!(
@@ -1231,15 +1280,8 @@ async fn a_stage_killed_mid_request(
             && !refused.to_string().contains('\n'),
         "{refused:#}"
     );
-    let saved = dir.path().join("resumed.json");
-    std::fs::write(&saved, serde_json::to_vec(&bundle).unwrap()).unwrap();
-    let verified = Command::new(bin())
-        .args(["verify", "--json"])
-        .arg(&saved)
-        .output()
-        .unwrap();
-    let report: Value = serde_json::from_slice(&verified.stdout).unwrap();
-    assert_eq!(verified.status.code(), Some(0), "{report:#}");
+    let (code, report) = verify_saved(dir.path(), "resumed.json", &bundle);
+    assert_eq!(code, Some(0), "{report:#}");
     let segments = report["resumed"]["segments"].as_array().unwrap();
     assert_eq!(segments.len(), 2);
     assert_eq!(segments[0]["lost"], serde_json::json!([victim.did]));
@@ -1281,7 +1323,7 @@ async fn a_stage_killed_mid_request(
     // Shown one after the other, the loss visible.
     let shown = Command::new(bin())
         .arg("verify")
-        .arg(&saved)
+        .arg(dir.path().join("resumed.json"))
         .output()
         .unwrap();
     let shown = String::from_utf8_lossy(&shown.stdout);
@@ -1465,44 +1507,17 @@ async fn a_stage_that_computes_wrongly_is_caught_by_an_audit_and_planned_out() {
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
     let tapes = dir.path().join("tapes");
-    let (coordinator, key) = mesh_coordinator(
-        dir.path(),
-        &model,
-        &[
-            "--stages",
-            "3",
-            "--audit-rate",
-            "1",
-            "--audit-tapes",
-            tapes.to_str().unwrap(),
-        ],
-    );
-    let dishonest = start_with_env(
-        dir.path(),
-        "liar",
-        &join_args(
-            dir.path(),
-            &model,
-            &coordinator.mesh,
-            "liar",
-            &["--decode-us-per-layer", "300"],
-        ),
-        "127.0.0.1:0",
-        &[("MESH_FAULT_WRONG_OUTPUT", "1")],
-    );
-    let honest: Vec<Running> = ["h1", "h2"]
-        .iter()
-        .map(|name| {
-            mesh_join(
-                dir.path(),
-                &model,
-                &coordinator.mesh,
-                name,
-                &["--decode-us-per-layer", "1000"],
-            )
-        })
-        .collect();
-    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+    let args = [
+        "--stages",
+        "3",
+        "--audit-rate",
+        "1",
+        "--audit-tapes",
+        tapes.to_str().unwrap(),
+    ];
+    let fault = ("liar", ("MESH_FAULT_WRONG_OUTPUT", "1"));
+    let (coordinator, key, dishonest, honest) =
+        mesh_with_a_faulty_member(dir.path(), &model, &args, fault, 2);
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let key = mesh_node::runtime::keys::load(&key).unwrap();
     let audits = || async {
@@ -1536,15 +1551,8 @@ async fn a_stage_that_computes_wrongly_is_caught_by_an_audit_and_planned_out() {
     expected.push("failed");
     expected.resize(2, "not_reached");
     assert_eq!(verdicts, expected, "{audit:#}");
-    let saved = dir.path().join("audited.json");
-    std::fs::write(&saved, serde_json::to_vec(&bundle).unwrap()).unwrap();
-    let verified = Command::new(bin())
-        .args(["verify", "--json"])
-        .arg(&saved)
-        .output()
-        .unwrap();
-    let report: Value = serde_json::from_slice(&verified.stdout).unwrap();
-    assert_eq!(verified.status.code(), Some(1), "{report:#}");
+    let (code, report) = verify_saved(dir.path(), "audited.json", &bundle);
+    assert_eq!(code, Some(1), "{report:#}");
     let said = report["checks"]
         .as_array()
         .unwrap()
@@ -1640,26 +1648,16 @@ async fn a_liar_is_caught_within_the_requests_the_audit_rate_predicts() {
     const DETECTIONS: usize = 20;
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let (coordinator, _) = mesh_coordinator(
-        dir.path(),
-        &model,
-        &[
-            "--stages",
-            "2",
-            "--audit-rate",
-            "0.25",
-            "--audit-pause-s",
-            "0",
-        ],
-    );
-    let _liar = start_with_env(
-        dir.path(),
-        "liar",
-        &join_args(dir.path(), &model, &coordinator.mesh, "liar", &[]),
-        "127.0.0.1:0",
-        &[("MESH_FAULT_WRONG_OUTPUT", "1")],
-    );
-    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 2);
+    let args = [
+        "--stages",
+        "2",
+        "--audit-rate",
+        "0.25",
+        "--audit-pause-s",
+        "0",
+    ];
+    let fault = ("liar", ("MESH_FAULT_WRONG_OUTPUT", "1"));
+    let (coordinator, _, _liar, _) = mesh_with_a_faulty_member(dir.path(), &model, &args, fault, 0);
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let request = GenerateRequest::greedy("count the requests", 4);
     let mut counts = Vec::new();
@@ -1707,44 +1705,17 @@ async fn a_stage_that_stalls_is_planned_out_after_its_first_stall() {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let (coordinator, _) = mesh_coordinator(
-        dir.path(),
-        &model,
-        &[
-            "--stages",
-            "3",
-            "--step-timeout-ms",
-            "2000",
-            "--audit-rate",
-            "0",
-        ],
-    );
-    let staller = start_with_env(
-        dir.path(),
-        "staller",
-        &join_args(
-            dir.path(),
-            &model,
-            &coordinator.mesh,
-            "staller",
-            &["--decode-us-per-layer", "300"],
-        ),
-        "127.0.0.1:0",
-        &[("MESH_FAULT_STALL", "1")],
-    );
-    let _honest: Vec<Running> = ["h1", "h2"]
-        .iter()
-        .map(|name| {
-            mesh_join(
-                dir.path(),
-                &model,
-                &coordinator.mesh,
-                name,
-                &["--decode-us-per-layer", "1000"],
-            )
-        })
-        .collect();
-    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 4);
+    let args = [
+        "--stages",
+        "3",
+        "--step-timeout-ms",
+        "2000",
+        "--audit-rate",
+        "0",
+    ];
+    let fault = ("staller", ("MESH_FAULT_STALL", "1"));
+    let (coordinator, _, staller, _honest) =
+        mesh_with_a_faulty_member(dir.path(), &model, &args, fault, 2);
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let request = GenerateRequest::greedy("who waits for the slow one", 8);
 
@@ -1770,15 +1741,8 @@ async fn a_stage_that_stalls_is_planned_out_after_its_first_stall() {
         "{}",
         log()
     );
-    let saved = dir.path().join("stalled.json");
-    std::fs::write(&saved, serde_json::to_vec(&first.bundle).unwrap()).unwrap();
-    let verified = Command::new(bin())
-        .args(["verify", "--json"])
-        .arg(&saved)
-        .output()
-        .unwrap();
-    let report: Value = serde_json::from_slice(&verified.stdout).unwrap();
-    assert_eq!(verified.status.code(), Some(0), "{report:#}");
+    let (code, report) = verify_saved(dir.path(), "stalled.json", &first.bundle);
+    assert_eq!(code, Some(0), "{report:#}");
 
     let second = generate_remote(&address, &request, &mut |_| {})
         .await
@@ -1803,19 +1767,9 @@ async fn a_stage_wrong_now_and_then_is_caught_by_the_first_audit_that_holds_a_wr
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
     let model = synthetic(dir.path());
-    let (coordinator, _) = mesh_coordinator(
-        dir.path(),
-        &model,
-        &["--stages", "2", "--audit-rate", "1", "--audit-pause-s", "0"],
-    );
-    let _liar = start_with_env(
-        dir.path(),
-        "liar",
-        &join_args(dir.path(), &model, &coordinator.mesh, "liar", &[]),
-        "127.0.0.1:0",
-        &[("MESH_FAULT_WRONG_OUTPUT", "0.2")],
-    );
-    members_until(&coordinator.mesh, Duration::from_secs(30), |m| m.len() == 2);
+    let args = ["--stages", "2", "--audit-rate", "1", "--audit-pause-s", "0"];
+    let fault = ("liar", ("MESH_FAULT_WRONG_OUTPUT", "0.2"));
+    let (coordinator, _, _liar, _) = mesh_with_a_faulty_member(dir.path(), &model, &args, fault, 0);
     let address: PeerAddr = coordinator.peer.parse().unwrap();
     let request = GenerateRequest::greedy("now and then", 3);
     let mut verdicts = Vec::new();
