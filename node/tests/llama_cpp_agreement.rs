@@ -34,6 +34,46 @@ const PROMPTS: [&str; 3] = [
     "The three primary colors are",
 ];
 
+/// A prompt of about 2,000 tokens (SmolLM2's and Gemma 3's tokenizers
+/// give 2,004 and 1,911), so the greedy tokens come from attention over a
+/// long context: notes on towns along a road, then a question on them.
+fn long_prompt() -> String {
+    const TOWNS: [&str; 8] = [
+        "Arden", "Bellmoor", "Calder", "Dunmere", "Elmstead", "Fairholt", "Glenrock", "Harrow",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    const CRAFTS: [&str; 5] = [
+        "weaving",
+        "pottery",
+        "cheese",
+        "clockmaking",
+        "boatbuilding",
+    ];
+    let mut text = String::from("Notes on the towns along the old river road.\n\n");
+    for i in 0..41 {
+        let (town, next) = (TOWNS[i % 8], TOWNS[(i + 3) % 8]);
+        text += &format!(
+            "Visit {}: {town} lies {} miles north of the river mouth. Its market opens on {}, \
+             and its people are known for their {}. The road from {town} to {next} crosses {} \
+             bridges.\n",
+            i + 1,
+            7 + (i * 13) % 90,
+            DAYS[i % 7],
+            CRAFTS[i % 5],
+            1 + (i * 7) % 6,
+        );
+    }
+    text + "\nOf all these towns, the one whose market opens first in the week is"
+}
+
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_mesh-node")
 }
@@ -84,7 +124,7 @@ impl LlamaServer {
             .arg("-m")
             .arg(model)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["-c", "1024", "-np", "1", "-t", "2"])
+            .args(["-c", "4096", "-np", "1", "-t", "2"])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(log).unwrap())
             .spawn()
@@ -231,13 +271,19 @@ fn agree(name: &str, model: &Path, splits: [&str; 2]) {
         eprintln!("SKIPPED {name}: the llama-server build here does not run");
         return;
     };
-    for prompt in PROMPTS {
+    for prompt in PROMPTS.map(String::from).into_iter().chain([long_prompt()]) {
+        let prompt = prompt.as_str();
+        let shown = if prompt.len() > 80 {
+            format!("{:?}… ({} bytes)", &prompt[..40], prompt.len())
+        } else {
+            format!("{prompt:?}")
+        };
         let (prompt_ids, tokens) = ours(model, prompt, None);
         for split in splits {
             assert_eq!(
                 ours(model, prompt, Some(split)).1,
                 tokens,
-                "{name}, {prompt:?}: split {split} differs from unsplit"
+                "{name}, {shown}: split {split} differs from unsplit"
             );
         }
         let Theirs {
@@ -247,7 +293,7 @@ fn agree(name: &str, model: &Path, splits: [&str; 2]) {
         } = theirs(&server, prompt);
         assert_eq!(
             prompt_ids, their_prompt,
-            "{name}, {prompt:?}: the prompt's token ids differ from llama.cpp's"
+            "{name}, {shown}: the prompt's token ids differ from llama.cpp's"
         );
         let first_difference = tokens.iter().zip(&their_tokens).position(|(a, b)| a != b);
         match first_difference {
@@ -255,10 +301,10 @@ fn agree(name: &str, model: &Path, splits: [&str; 2]) {
                 assert_eq!(
                     tokens.len(),
                     their_tokens.len(),
-                    "{name}, {prompt:?}: one side stopped early: ours {tokens:?}, llama.cpp's {their_tokens:?}"
+                    "{name}, {shown}: one side stopped early: ours {tokens:?}, llama.cpp's {their_tokens:?}"
                 );
                 eprintln!(
-                    "{name}, {prompt:?}: all {} greedy tokens equal llama.cpp's",
+                    "{name}, {shown}: all {} greedy tokens equal llama.cpp's",
                     tokens.len()
                 );
             }
@@ -270,7 +316,7 @@ fn agree(name: &str, model: &Path, splits: [&str; 2]) {
                     .find(|(id, _)| *id == tokens[step])
                     .map(|(_, logprob)| best - logprob);
                 let message = format!(
-                    "{name}, {prompt:?}: the first different token is step {step}: ours {}, \
+                    "{name}, {shown}: the first different token is step {step}: ours {}, \
                      llama.cpp's {}; llama.cpp's log-probability gap {gap:?} (tolerance {NEAR_TIE})",
                     tokens[step], their_tokens[step]
                 );

@@ -10,6 +10,8 @@
 //! each query row is computed alone, in a fixed order, so its bits do not
 //! depend on how many rows the step has, on the batch, or on the threads.
 
+use std::sync::Mutex;
+
 use candle_core::{DType, Device, Storage, Tensor};
 
 use crate::error::{EngineError, Result};
@@ -23,29 +25,107 @@ pub struct Span {
     pub window: usize,
 }
 
-/// A rank-4 `(1, heads, positions, head_dim)` f32 tensor's values and the
+/// A rank-4 `(1, heads, positions, head_dim)` tensor's values and the
 /// strides of its head and position axes (its last axis is contiguous).
-struct View<'a> {
-    values: &'a [f32],
+struct View<'a, T> {
+    values: &'a [T],
     start: usize,
     head_stride: usize,
     position_stride: usize,
     positions: usize,
 }
 
-impl<'a> View<'a> {
+impl<'a, T: Stored> View<'a, T> {
     #[inline(always)]
-    fn row(&self, head: usize, position: usize, width: usize) -> Option<&'a [f32]> {
+    fn row(&self, head: usize, position: usize, width: usize) -> Option<&'a [T]> {
         let at = self.start + head * self.head_stride + position * self.position_stride;
         self.values.get(at..at + width)
     }
+
+    /// Rows `positions` of `head` as f32, `width` apart: read in place
+    /// where they are contiguous f32, else widened into `into` (one
+    /// conversion for the lot where they are contiguous).
+    #[inline(always)]
+    fn tile<'s>(
+        &self,
+        head: usize,
+        positions: std::ops::Range<usize>,
+        width: usize,
+        into: &'s mut [f32],
+        what: &'static str,
+    ) -> Result<&'s [f32]>
+    where
+        'a: 's,
+    {
+        let count = positions.len();
+        if self.position_stride == width {
+            let at = self.start + head * self.head_stride + positions.start * width;
+            let rows = self
+                .values
+                .get(at..at + count * width)
+                .ok_or_else(|| outside(what))?;
+            if let Some(rows) = T::as_f32(rows) {
+                return Ok(rows);
+            }
+            let into = into.get_mut(..count * width).ok_or_else(|| outside(what))?;
+            T::widen(rows, into);
+            return Ok(into);
+        }
+        let into = into.get_mut(..count * width).ok_or_else(|| outside(what))?;
+        for (position, into) in positions.zip(into.chunks_exact_mut(width)) {
+            let row = self
+                .row(head, position, width)
+                .ok_or_else(|| outside(what))?;
+            T::widen(row, into);
+        }
+        Ok(into)
+    }
 }
 
-fn view<'a>(storage: &'a Storage, layout: &candle_core::Layout) -> Option<View<'a>> {
+/// The error for a row outside its view, built only when one is (built
+/// and dropped on every row it cost 3 % of a long prompt's prefill).
+fn outside(what: &'static str) -> EngineError {
+    EngineError::WrongInput(what)
+}
+
+/// What a KV cache holds: f16, as the engine's own route keeps it (and as
+/// llama.cpp does: half the bytes to read at every step deep in a long
+/// context), or f32 (candle's route, and the queries). Widening is exact,
+/// so where the conversion runs does not change a bit.
+trait Stored: candle_core::WithDType {
+    /// `into` (as long as `rows`) = `rows` as f32.
+    fn widen(rows: &[Self], into: &mut [f32]);
+    /// `rows` themselves, when they are f32 already.
+    fn as_f32(rows: &[Self]) -> Option<&[f32]>;
+}
+
+impl Stored for f32 {
+    #[inline(always)]
+    fn widen(rows: &[f32], into: &mut [f32]) {
+        into.copy_from_slice(rows);
+    }
+    #[inline(always)]
+    fn as_f32(rows: &[f32]) -> Option<&[f32]> {
+        Some(rows)
+    }
+}
+
+impl Stored for half::f16 {
+    #[inline(always)]
+    fn widen(rows: &[half::f16], into: &mut [f32]) {
+        crate::kernels::widen_f16(rows, into);
+    }
+    #[inline(always)]
+    fn as_f32(_: &[half::f16]) -> Option<&[f32]> {
+        None
+    }
+}
+
+fn view<'a, T: Stored>(storage: &'a Storage, layout: &candle_core::Layout) -> Option<View<'a, T>> {
     let Storage::Cpu(cpu) = storage else {
         return None;
     };
-    let values = cpu.as_slice::<f32>().ok()?;
+    let values = cpu.as_slice::<T>().ok()?;
     match (layout.dims(), layout.stride()) {
         ([1, _, positions, _], [_, head_stride, position_stride, 1]) => Some(View {
             values,
@@ -62,7 +142,8 @@ fn view<'a>(storage: &'a Storage, layout: &candle_core::Layout) -> Option<View<'
 /// `(1, heads, seq, head_dim)` against the cache's `k`, `v` of shape
 /// `(1, kv_heads, cached, head_dim)` (query head `h` reads KV head
 /// `h / (heads / kv_heads)`), as `(seq, heads * head_dim)`. `None` when the
-/// tensors are not f32 on the CPU: the caller takes candle's route.
+/// tensors are not on the CPU, the queries not f32, or the cache neither
+/// f16 nor f32: the caller takes candle's route.
 pub fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -70,9 +151,35 @@ pub fn attend(
     scale: f32,
     span: Span,
 ) -> Result<Option<Tensor>> {
-    if !matches!(q.device(), Device::Cpu) || [q.dtype(), k.dtype(), v.dtype()] != [DType::F32; 3] {
+    if !matches!(q.device(), Device::Cpu) || q.dtype() != DType::F32 || k.dtype() != v.dtype() {
         return Ok(None);
     }
+    match k.dtype() {
+        DType::F32 => attend_over::<f32>(q, k, v, scale, span),
+        // A prompt chunk's rows each read every key: the cache is widened
+        // once for all of them (exact, so the same bits) rather than a
+        // tile at a time for each row.
+        DType::F16 if q.dim(2)? >= WIDEN_WHOLE_ROWS => {
+            let (k, v) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+            attend_over::<f32>(q, &k, &v, scale, span)
+        }
+        DType::F16 => attend_over::<half::f16>(q, k, v, scale, span),
+        _ => Ok(None),
+    }
+}
+
+/// Rows of a step from which an f16 cache is widened whole before the
+/// step attends, instead of a tile at a time per row.
+const WIDEN_WHOLE_ROWS: usize = 8;
+
+/// [`attend`] over a cache of `T`.
+fn attend_over<T: Stored>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    span: Span,
+) -> Result<Option<Tensor>> {
     let (_, heads, seq, width) = q.dims4()?;
     let kv_heads = k.dim(1)?;
     if heads == 0
@@ -92,9 +199,9 @@ pub fn attend(
     let (k_storage, k_layout) = k.storage_and_layout();
     let (v_storage, v_layout) = v.storage_and_layout();
     let (Some(queries), Some(keys), Some(values)) = (
-        view(&q_storage, q_layout),
-        view(&k_storage, k_layout),
-        view(&v_storage, v_layout),
+        view::<f32>(&q_storage, q_layout),
+        view::<T>(&k_storage, k_layout),
+        view::<T>(&v_storage, v_layout),
     ) else {
         return Ok(None);
     };
@@ -116,39 +223,13 @@ pub fn attend(
         scale,
         span,
     };
-    // A piece is one query head at one position. A long prompt's pieces,
-    // and a decode step's heads deep in a long context, go to the compute
-    // threads; each piece's bits are the same wherever it runs.
-    let pieces: Vec<std::sync::Mutex<&mut [f32]>> = out
-        .chunks_exact_mut(width)
-        .map(std::sync::Mutex::new)
-        .collect();
-    let failure: std::sync::Mutex<Option<EngineError>> = std::sync::Mutex::new(None);
-    let run = |range: std::ops::Range<usize>| {
-        let mut scratch = Scratch::new(cached);
-        for index in range {
-            let Some(piece) = pieces.get(index) else {
-                continue;
-            };
-            let mut results = match piece.lock() {
-                Ok(guard) => guard,
-                Err(poisoned) => poisoned.into_inner(),
-            };
-            if let Err(error) = compute_piece(&inputs, index, &mut results, &mut scratch)
-                && let Ok(mut failure) = failure.lock()
-            {
-                *failure = Some(error);
-            }
-        }
-    };
-    if seq * heads * cached >= PARALLEL_WORK {
-        crate::kernels::pool::pool().for_each_piece(pieces.len(), run);
+    let pool = crate::kernels::pool::pool();
+    let spread = seq * heads * cached >= PARALLEL_WORK;
+    let blocks = (span.position + seq).div_ceil(KEY_BLOCK);
+    if spread && blocks > 1 && seq * kv_heads < 4 * pool.threads() {
+        by_blocks(&inputs, blocks, &mut out)?;
     } else {
-        run(0..pieces.len());
-    }
-    drop(pieces);
-    if let Some(error) = failure.into_inner().ok().flatten() {
-        return Err(error);
+        by_groups(&inputs, spread, &mut out)?;
     }
     Ok(Some(Tensor::from_vec(
         out,
@@ -163,40 +244,176 @@ pub fn attend(
 /// two thousand for Gemma 3's four).
 const PARALLEL_WORK: usize = 8192;
 
-/// Where one piece sits: its query row and the keys it sees.
-struct Piece {
-    /// The row's index in the step.
-    step_row: usize,
-    head: usize,
-    kv_head: usize,
-    /// The first key the row sees (its window's start).
-    first: usize,
-    /// The row's own position: the last key it sees.
-    query_position: usize,
+/// Keys per block of a row's softmax, at absolute positions (block `b`
+/// holds keys `b * KEY_BLOCK..(b + 1) * KEY_BLOCK`): a row's scores are
+/// exponentiated and its values summed a block at a time, and the blocks
+/// folded together in key order ([`merge`]). No row needs more than a
+/// block of scores, and a row deep in a long context can be spread over
+/// the threads by its blocks. Where the blocks fall depends on positions
+/// only, so a row's bits do not depend on the step, the batch or the
+/// threads.
+const KEY_BLOCK: usize = 256;
+
+/// Keys (and values) widened to f32 at a time and used by every head of
+/// a KV group before the next are read: each row is read from memory
+/// once for the group and from the L1 cache for the other heads.
+const TILE: usize = 16;
+
+/// Each step row's KV groups one piece at a time, each piece every block
+/// of its row in order: a prompt chunk, or a step shallower than a block.
+fn by_groups<T: Stored>(inputs: &Inputs<'_, T>, spread: bool, out: &mut [f32]) -> Result<()> {
+    let pieces: Vec<Mutex<&mut [f32]>> = out
+        .chunks_exact_mut(inputs.group * inputs.width)
+        .map(Mutex::new)
+        .collect();
+    let failure: Mutex<Option<EngineError>> = Mutex::new(None);
+    let run = |range: std::ops::Range<usize>| {
+        let mut scratch = Scratch::default();
+        for index in range {
+            let Some(piece) = pieces.get(index) else {
+                continue;
+            };
+            let mut results = piece
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if let Err(error) = with_simd(|simd| {
+                by_width(inputs.width, |width| {
+                    group_rows(simd, inputs, width, index, &mut results, &mut scratch)
+                })
+            }) {
+                keep(&failure, error);
+            }
+        }
+    };
+    if spread {
+        crate::kernels::pool::pool().for_each_piece(pieces.len(), run);
+    } else {
+        run(0..pieces.len());
+    }
+    drop(pieces);
+    failure.into_inner().ok().flatten().map_or(Ok(()), Err)
 }
 
-impl Inputs<'_> {
-    /// Piece `index`: query position `index / heads`, query head `index %
-    /// heads`, which reads KV head `head / group`.
-    #[inline(always)]
-    fn piece(&self, index: usize) -> Piece {
-        let heads = self.group * self.kv_heads;
-        let (step_row, head) = (index / heads, index % heads);
-        let query_position = self.span.position + step_row;
-        Piece {
-            step_row,
-            head,
-            kv_head: head / self.group,
-            first: (query_position + 1).saturating_sub(self.span.window),
-            query_position,
+/// A few rows deep in a long context (a decode step, a draft's rows):
+/// every block of every row's KV groups is a piece for the threads, then
+/// each row's blocks are folded in key order, as [`group_rows`] folds
+/// them.
+fn by_blocks<T: Stored>(inputs: &Inputs<'_, T>, blocks: usize, out: &mut [f32]) -> Result<()> {
+    let Inputs {
+        group,
+        kv_heads,
+        width,
+        ..
+    } = *inputs;
+    let record = width + 2;
+    let seq = out.len() / (group * kv_heads * width).max(1);
+    let mut partials = vec![0f32; seq * kv_heads * blocks * group * record];
+    let pieces: Vec<Mutex<&mut [f32]>> = partials
+        .chunks_exact_mut(group * record)
+        .map(Mutex::new)
+        .collect();
+    let failure: Mutex<Option<EngineError>> = Mutex::new(None);
+    let run = |range: std::ops::Range<usize>| {
+        let mut work = Work::default();
+        for index in range {
+            let (group_index, block) = (index / blocks, index % blocks);
+            let (step_row, kv_head) = (group_index / kv_heads, group_index % kv_heads);
+            let keys = block_keys(inputs.keys_of(step_row), block);
+            let Some(piece) = pieces.get(index).filter(|_| !keys.is_empty()) else {
+                continue;
+            };
+            let mut records = piece
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if let Err(error) = with_simd(|simd| {
+                by_width(width, |width| {
+                    let at = (step_row, kv_head, keys.clone());
+                    block_partial(simd, inputs, width, at, &mut work, &mut records)
+                })
+            }) {
+                keep(&failure, error);
+            }
         }
+    };
+    crate::kernels::pool::pool().for_each_piece(pieces.len(), run);
+    drop(pieces);
+    if let Some(error) = failure.into_inner().ok().flatten() {
+        return Err(error);
+    }
+    let mut running = vec![0f32; group * record];
+    for ((group_index, results), partials) in out
+        .chunks_exact_mut(group * width)
+        .enumerate()
+        .zip(partials.chunks_exact(blocks * group * record))
+    {
+        let keys = inputs.keys_of(group_index / kv_heads);
+        let in_row = (0..blocks).filter(|&block| !block_keys(keys.clone(), block).is_empty());
+        for (n, block) in in_row.enumerate() {
+            let records = partials
+                .get(block * group * record..(block + 1) * group * record)
+                .ok_or(EngineError::WrongInput(KEY_OUTSIDE))?;
+            if n == 0 {
+                running.copy_from_slice(records);
+            } else {
+                for (into, from) in running
+                    .chunks_exact_mut(record)
+                    .zip(records.chunks_exact(record))
+                {
+                    merge(into, from);
+                }
+            }
+        }
+        finish(&running, results, width);
+    }
+    Ok(())
+}
+
+fn keep(failure: &Mutex<Option<EngineError>>, error: EngineError) {
+    if let Ok(mut failure) = failure.lock() {
+        *failure = Some(error);
     }
 }
 
-struct Inputs<'a> {
-    queries: &'a View<'a>,
-    keys: &'a View<'a>,
-    values: &'a View<'a>,
+/// `f` on AVX2's vector unit (x86-64-v3) where the CPU has it, else on
+/// the portable loops: no fused multiply-add either way, so both give the
+/// same bits.
+#[inline(always)]
+fn with_simd<R>(f: impl FnOnce(Simd) -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = pulp::x86::V3::try_new() {
+        return simd.vectorize(|| f(Some(simd)));
+    }
+    f(None)
+}
+
+/// `f` with the common head widths as constants, so the loops inside are
+/// compiled for them (each row's query and sums held in registers); any
+/// other width as it comes. The same operations in the same order either
+/// way, so the same bits.
+#[inline(always)]
+fn by_width<R>(width: usize, f: impl FnOnce(usize) -> R) -> R {
+    match width {
+        64 => f(64),
+        128 => f(128),
+        256 => f(256),
+        other => f(other),
+    }
+}
+
+/// The keys a row sees: from its window's start to its own position.
+type Keys = std::ops::Range<usize>;
+
+/// The keys of `keys` inside block `block` (empty when none are).
+fn block_keys(keys: Keys, block: usize) -> Keys {
+    let start = keys.start.max(block * KEY_BLOCK);
+    let end = keys.end.min((block + 1) * KEY_BLOCK);
+    start..end.max(start)
+}
+
+struct Inputs<'a, T> {
+    queries: &'a View<'a, f32>,
+    keys: &'a View<'a, T>,
+    values: &'a View<'a, T>,
     group: usize,
     kv_heads: usize,
     width: usize,
@@ -204,54 +421,202 @@ struct Inputs<'a> {
     span: Span,
 }
 
-/// One piece's scores, reused from piece to piece.
-struct Scratch {
-    scores: Vec<f32>,
+impl<T> Inputs<'_, T> {
+    /// The keys step row `step_row` sees.
+    fn keys_of(&self, step_row: usize) -> Keys {
+        let query_position = self.span.position + step_row;
+        (query_position + 1).saturating_sub(self.span.window)..query_position + 1
+    }
 }
 
-impl Scratch {
-    fn new(cached: usize) -> Self {
-        Self {
-            scores: Vec::with_capacity(cached),
+/// One piece's scores and block records, reused from piece to piece.
+#[derive(Default)]
+struct Scratch {
+    work: Work,
+    running: Vec<f32>,
+    block: Vec<f32>,
+}
+
+/// A block's scores (one run per head of the group) and the tile of keys
+/// or values it is reading, widened to f32.
+#[derive(Default)]
+struct Work {
+    scores: Vec<f32>,
+    tile: Vec<f32>,
+}
+
+/// Piece `index` (step row `index / kv_heads`, KV head `index %
+/// kv_heads`): every query head of the KV group at that row, its blocks
+/// computed and folded in key order, into `results` (`group` rows of
+/// `width`).
+#[inline(always)]
+fn group_rows<T: Stored>(
+    simd: Simd,
+    inputs: &Inputs<'_, T>,
+    width: usize,
+    index: usize,
+    results: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<()> {
+    let (step_row, kv_head) = (index / inputs.kv_heads, index % inputs.kv_heads);
+    let keys = inputs.keys_of(step_row);
+    let size = inputs.group * (width + 2);
+    let Scratch {
+        work,
+        running,
+        block,
+    } = scratch;
+    running.resize(size, 0.0);
+    block.resize(size, 0.0);
+    let blocks = keys.start / KEY_BLOCK..keys.end.div_ceil(KEY_BLOCK);
+    for (n, b) in blocks.enumerate() {
+        let at = (step_row, kv_head, block_keys(keys.clone(), b));
+        if n == 0 {
+            block_partial(simd, inputs, width, at, work, running)?;
+        } else {
+            block_partial(simd, inputs, width, at, work, block)?;
+            for (into, from) in running
+                .chunks_exact_mut(width + 2)
+                .zip(block.chunks_exact(width + 2))
+            {
+                merge(into, from);
+            }
         }
     }
+    finish(running, results, width);
+    Ok(())
 }
 
-/// Piece `index` ([`Inputs::piece`]) into `results`. With AVX2
-/// when the CPU has it: no fused multiply-add either way, so both give the
-/// same bits.
-fn compute_piece(
-    inputs: &Inputs<'_>,
-    index: usize,
-    results: &mut [f32],
-    scratch: &mut Scratch,
-) -> Result<()> {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(simd) = pulp::x86::V3::try_new() {
-        return simd.vectorize(|| rows_of_width(Some(simd), inputs, index, results, scratch));
-    }
-    rows_of_width(None, inputs, index, results, scratch)
-}
-
-/// The piece's row by the loops for its head width: the common widths
-/// with the query and the accumulator fixed-size arrays, any other width
-/// by the general loops. Both compute every row with the same operations in the same order (each score, the
-/// row's maximum, the exponentials and their total, each value added in
-/// key order, then the division by the total), so they give the same bits
-/// (`the_fixed_width_loops_give_the_general_loops_bits`).
+/// One block of keys for every query head of a KV group at one step row,
+/// into `records` (one per head, `width + 2` long): the scores' maximum,
+/// the total of `exp(score - maximum)`, and the values weighted by those
+/// exponentials, each element's additions in key order. Each key and
+/// value row is read once for the whole group.
 #[inline(always)]
-fn rows_of_width(
+fn block_partial<T: Stored>(
     simd: Simd,
-    inputs: &Inputs<'_>,
-    index: usize,
-    results: &mut [f32],
-    scratch: &mut Scratch,
+    inputs: &Inputs<'_, T>,
+    width: usize,
+    (step_row, kv_head, keys): (usize, usize, Keys),
+    work: &mut Work,
+    records: &mut [f32],
 ) -> Result<()> {
-    match inputs.width {
-        64 => piece_rows_fixed::<64>(simd, inputs, index, results, scratch),
-        128 => piece_rows_fixed::<128>(simd, inputs, index, results, scratch),
-        256 => piece_rows_fixed::<256>(simd, inputs, index, results, scratch),
-        _ => piece_rows(inputs, index, results, scratch),
+    let Inputs {
+        queries,
+        keys: key_rows,
+        values,
+        group,
+        scale,
+        ..
+    } = *inputs;
+    let count = keys.len();
+    let Work { scores, tile } = work;
+    scores.clear();
+    scores.resize(group * count, 0.0);
+    tile.resize(TILE * width, 0.0);
+    let query = |h: usize| row_of(queries, kv_head * group + h, step_row, width, QUERY_OUTSIDE);
+    for tile_start in (0..count).step_by(TILE) {
+        let tile_keys = keys.start + tile_start..keys.start + (tile_start + TILE).min(count);
+        let in_tile = tile_keys.len();
+        let tile = key_rows.tile(kv_head, tile_keys, width, tile, KEY_OUTSIDE)?;
+        let mut at = 0;
+        while at + 4 <= in_tile {
+            let rows = [
+                tile_row(tile, at, width)?,
+                tile_row(tile, at + 1, width)?,
+                tile_row(tile, at + 2, width)?,
+                tile_row(tile, at + 3, width)?,
+            ];
+            for (h, head_scores) in scores.chunks_exact_mut(count).enumerate() {
+                let dots = dots4_fast(simd, query(h)?, rows);
+                let first = tile_start + at;
+                for (score, dot) in head_scores[first..first + 4].iter_mut().zip(dots) {
+                    *score = dot * scale;
+                }
+            }
+            at += 4;
+        }
+        for at in at..in_tile {
+            let key = tile_row(tile, at, width)?;
+            for (h, head_scores) in scores.chunks_exact_mut(count).enumerate() {
+                head_scores[tile_start + at] = dot(query(h)?, key) * scale;
+            }
+        }
+    }
+    for (record, head_scores) in records
+        .chunks_exact_mut(width + 2)
+        .zip(scores.chunks_exact_mut(count))
+    {
+        let (maximum, total) = exponentials(head_scores);
+        record[0] = maximum;
+        record[1] = total;
+        record[2..].fill(0.0);
+    }
+    for tile_start in (0..count).step_by(TILE) {
+        let end = (tile_start + TILE).min(count);
+        let tile = values.tile(
+            kv_head,
+            keys.start + tile_start..keys.start + end,
+            width,
+            tile,
+            VALUE_OUTSIDE,
+        )?;
+        for (record, head_scores) in records
+            .chunks_exact_mut(width + 2)
+            .zip(scores.chunks_exact(count))
+        {
+            add_weighted_rows(simd, &mut record[2..], &head_scores[tile_start..end], |j| {
+                tile_row(tile, j, width)
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Row `at` of a tile.
+#[inline(always)]
+fn tile_row(tile: &[f32], at: usize, width: usize) -> Result<&[f32]> {
+    match tile.get(at * width..(at + 1) * width) {
+        Some(row) => Ok(row),
+        None => Err(EngineError::WrongInput(KEY_OUTSIDE)),
+    }
+}
+
+/// Fold a later block's record into a row's running one: both totals and
+/// both sums scaled to the larger maximum (`exp(0)` is exactly 1, so the
+/// side holding the maximum is kept as it is).
+#[inline(always)]
+fn merge(running: &mut [f32], block: &[f32]) {
+    let (
+        [running_maximum, running_total, sums @ ..],
+        [block_maximum, block_total, block_sums @ ..],
+    ) = (running, block)
+    else {
+        return;
+    };
+    let maximum = running_maximum.max(*block_maximum);
+    let (a, b) = (
+        exp(*running_maximum - maximum),
+        exp(*block_maximum - maximum),
+    );
+    *running_maximum = maximum;
+    *running_total = *running_total * a + *block_total * b;
+    for (sum, block_sum) in sums.iter_mut().zip(block_sums) {
+        *sum = *sum * a + *block_sum * b;
+    }
+}
+
+/// Each head's sums divided by its total, into its output row.
+#[inline(always)]
+fn finish(running: &[f32], results: &mut [f32], width: usize) {
+    for (record, row) in running
+        .chunks_exact(width + 2)
+        .zip(results.chunks_exact_mut(width))
+    {
+        let total = record[1];
+        for (r, sum) in row.iter_mut().zip(&record[2..]) {
+            *r = sum / total;
+        }
     }
 }
 
@@ -259,149 +624,46 @@ const QUERY_OUTSIDE: &str = "has a query outside its tensor";
 const KEY_OUTSIDE: &str = "has a key outside its cache";
 const VALUE_OUTSIDE: &str = "has a value outside its cache";
 
-/// [`piece_rows`] for heads `W` wide, a query head at a time: its query
-/// row and its output row stay in registers while the keys and values
-/// stream past, and four keys' scores are summed at once (four
-/// independent chains of additions where one would wait on each add).
+/// A row `width` wide of a view. (The error is built only when the row is
+/// missing: built and dropped on every row it cost 3 % of a long prompt's
+/// prefill.)
 #[inline(always)]
-fn piece_rows_fixed<const W: usize>(
-    simd: Simd,
-    inputs: &Inputs<'_>,
-    index: usize,
-    results: &mut [f32],
-    scratch: &mut Scratch,
-) -> Result<()> {
-    let Inputs {
-        queries,
-        keys,
-        values,
-        scale,
-        ..
-    } = *inputs;
-    let Piece {
-        step_row,
-        head,
-        kv_head,
-        first,
-        query_position,
-    } = inputs.piece(index);
-    let query = *fixed_row::<W>(queries, head, step_row, QUERY_OUTSIDE)?;
-    let scores = &mut scratch.scores;
-    scores.clear();
-    let mut key = first;
-    while key + 4 <= query_position + 1 {
-        let rows = [
-            fixed_row::<W>(keys, kv_head, key, KEY_OUTSIDE)?,
-            fixed_row::<W>(keys, kv_head, key + 1, KEY_OUTSIDE)?,
-            fixed_row::<W>(keys, kv_head, key + 2, KEY_OUTSIDE)?,
-            fixed_row::<W>(keys, kv_head, key + 3, KEY_OUTSIDE)?,
-        ];
-        scores.extend(dots4_fast(simd, &query, rows).map(|dot| dot * scale));
-        key += 4;
-    }
-    for key in key..=query_position {
-        let key_row = fixed_row::<W>(keys, kv_head, key, KEY_OUTSIDE)?;
-        scores.push(dot(&query, key_row) * scale);
-    }
-    let total = exponentials(scores);
-    let mut sum = [0f32; W];
-    add_weighted_rows::<W>(simd, &mut sum, scores, |j| {
-        fixed_row::<W>(values, kv_head, first + j, VALUE_OUTSIDE)
-    })?;
-    for (r, o) in results.iter_mut().zip(sum) {
-        *r = o / total;
-    }
-    Ok(())
-}
-
-#[inline(always)]
-fn piece_rows(
-    inputs: &Inputs<'_>,
-    index: usize,
-    results: &mut [f32],
-    scratch: &mut Scratch,
-) -> Result<()> {
-    let Inputs {
-        queries,
-        keys,
-        values,
-        width,
-        scale,
-        ..
-    } = *inputs;
-    let Piece {
-        step_row,
-        head,
-        kv_head,
-        first,
-        query_position,
-    } = inputs.piece(index);
-    let scores = &mut scratch.scores;
-    let query = queries
-        .row(head, step_row, width)
-        .ok_or(EngineError::WrongInput(QUERY_OUTSIDE))?;
-    scores.clear();
-    for key in first..=query_position {
-        let key_row = keys
-            .row(kv_head, key, width)
-            .ok_or(EngineError::WrongInput(KEY_OUTSIDE))?;
-        scores.push(dot(query, key_row) * scale);
-    }
-    let total = exponentials(scores);
-    results.fill(0.0);
-    for (weight, key) in scores.iter().zip(first..=query_position) {
-        let value_row = values
-            .row(kv_head, key, width)
-            .ok_or(EngineError::WrongInput(VALUE_OUTSIDE))?;
-        for (o, v) in results.iter_mut().zip(value_row) {
-            *o += weight * v;
-        }
-    }
-    for o in results.iter_mut() {
-        *o /= total;
-    }
-    Ok(())
-}
-
-/// A row `W` wide of a view, as an array. (The error is built only when
-/// the row is missing: built and dropped on every row it cost 3 % of a
-/// long prompt's prefill.)
-#[inline(always)]
-fn fixed_row<'a, const W: usize>(
-    view: &View<'a>,
+fn row_of<'a>(
+    view: &View<'a, f32>,
     head: usize,
     position: usize,
+    width: usize,
     what: &'static str,
-) -> Result<&'a [f32; W]> {
-    match view
-        .row(head, position, W)
-        .and_then(|row| <&[f32; W]>::try_from(row).ok())
-    {
+) -> Result<&'a [f32]> {
+    match view.row(head, position, width) {
         Some(row) => Ok(row),
         None => Err(EngineError::WrongInput(what)),
     }
 }
 
 /// `sum += weights[j] · row(j)` for each `j` in order, each element's
-/// additions in key order (so [`piece_rows`]' bits). With AVX, eight
-/// vectors of eight lanes at a time, so the sums stay in registers.
+/// additions in key order. With AVX, eight vectors of eight lanes at a
+/// time, so the sums stay in registers.
 #[inline(always)]
-fn add_weighted_rows<'a, const W: usize>(
+fn add_weighted_rows<'a>(
     simd: Simd,
-    sum: &mut [f32; W],
+    sum: &mut [f32],
     weights: &[f32],
-    row: impl Fn(usize) -> Result<&'a [f32; W]>,
+    row: impl Fn(usize) -> Result<&'a [f32]>,
 ) -> Result<()> {
     #[cfg(target_arch = "x86_64")]
     if let Some(simd) = simd
-        && W.is_multiple_of(64)
+        && sum.len().is_multiple_of(64)
     {
         let (parts, _) = sum.as_chunks_mut::<64>();
         for (p, part) in parts.iter_mut().enumerate() {
             let mut lanes: [pulp::f32x8; 8] = pulp::cast(*part);
             for (j, &weight) in weights.iter().enumerate() {
                 let (values, _) = row(j)?.as_chunks::<64>();
-                let values: [pulp::f32x8; 8] = pulp::cast(values[p]);
+                let Some(values) = values.get(p) else {
+                    return Err(EngineError::WrongInput(VALUE_OUTSIDE));
+                };
+                let values: [pulp::f32x8; 8] = pulp::cast(*values);
                 let weight = simd.splat_f32x8(weight);
                 for (lane, v) in lanes.iter_mut().zip(values) {
                     *lane = simd.add_f32x8(*lane, simd.mul_f32x8(weight, v));
@@ -422,10 +684,11 @@ fn add_weighted_rows<'a, const W: usize>(
 /// [`dots4`] in AVX registers where the CPU has them, one per key: each
 /// lane's products added in [`dot`]'s order, so [`dot`]'s bits.
 #[inline(always)]
-fn dots4_fast<const W: usize>(simd: Simd, query: &[f32; W], keys: [&[f32; W]; 4]) -> [f32; 4] {
+fn dots4_fast(simd: Simd, query: &[f32], keys: [&[f32]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
     if let Some(simd) = simd
-        && W.is_multiple_of(8)
+        && query.len().is_multiple_of(8)
+        && keys.iter().all(|key| key.len() == query.len())
     {
         let (q8, _) = query.as_chunks::<8>();
         let k8 = keys.map(|key| key.as_chunks::<8>().0);
@@ -439,9 +702,31 @@ fn dots4_fast<const W: usize>(simd: Simd, query: &[f32; W], keys: [&[f32; W]; 4]
         }
         // `+ 0.0` as `dot` adds its empty tail: it turns a sum of -0.0
         // into +0.0, so the bits stay `dot`'s.
-        return sums.map(|sum| lanes_total(pulp::cast(sum)) + 0f32);
+        return totals4(simd, sums).map(|total| total + 0f32);
     }
     dots4(query, keys)
+}
+
+/// Four keys' [`lanes_total`]s at once, each added in its order: each
+/// key's halves (`l0 + l4`, …, two keys to a register), then neighbouring
+/// pairs, then the two pair sums. A key at a time, the sums cost as much
+/// as the products before them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn totals4(simd: pulp::x86::V3, sums: [pulp::f32x8; 4]) -> [f32; 4] {
+    use std::arch::x86_64::__m256;
+    let avx = simd.avx;
+    let [s0, s1, s2, s3]: [__m256; 4] = sums.map(pulp::cast);
+    let halves = |a: __m256, b: __m256| {
+        avx._mm256_add_ps(
+            avx._mm256_permute2f128_ps::<0x20>(a, b),
+            avx._mm256_permute2f128_ps::<0x31>(a, b),
+        )
+    };
+    let pairs = avx._mm256_hadd_ps(halves(s0, s1), halves(s2, s3));
+    let totals: [f32; 8] = pulp::cast(avx._mm256_hadd_ps(pairs, pairs));
+    // Keys 0 and 2 in the low 128 bits, 1 and 3 in the high.
+    [totals[0], totals[4], totals[1], totals[5]]
 }
 
 /// The vector unit a piece runs on: AVX2's (x86-64-v3) where the CPU has
@@ -475,7 +760,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// loops, where the CPU has no AVX2 ([`dots4_fast`]); left to itself,
 /// LLVM vectorised these across the four keys, not along each key.
 #[inline(always)]
-fn dots4<const W: usize>(query: &[f32; W], keys: [&[f32; W]; 4]) -> [f32; 4] {
+fn dots4(query: &[f32], keys: [&[f32]; 4]) -> [f32; 4] {
     let (q8, q_tail) = query.as_chunks::<8>();
     let [k0, k1, k2, k3] = keys.map(|key| key.as_chunks::<8>().0);
     let mut lanes = [[0f32; 8]; 4];
@@ -485,11 +770,11 @@ fn dots4<const W: usize>(query: &[f32; W], keys: [&[f32; W]; 4]) -> [f32; 4] {
         add_products(&mut lanes[2], q, c);
         add_products(&mut lanes[3], q, d);
     }
-    let whole = W - q_tail.len();
+    let whole = query.len() - q_tail.len();
     let mut dots = [0f32; 4];
     for ((key, lanes), dot) in keys.iter().zip(lanes).zip(dots.iter_mut()) {
         let mut tail = 0f32;
-        for (x, y) in q_tail.iter().zip(&key[whole..]) {
+        for (x, y) in q_tail.iter().zip(key.get(whole..).unwrap_or_default()) {
             tail += x * y;
         }
         *dot = lanes_total(lanes) + tail;
@@ -512,11 +797,11 @@ fn lanes_total(lanes: [f32; 8]) -> f32 {
         + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
 }
 
-/// Each score replaced by `exp(score - maximum)` over the row's maximum;
-/// their total. Eight lanes at a time, each in a fixed order, so the bits
+/// Each score replaced by `exp(score - maximum)` over the scores'
+/// maximum; that maximum and their total. Eight lanes at a time, each in a fixed order, so the bits
 /// depend on the scores alone.
 #[inline(always)]
-fn exponentials(scores: &mut [f32]) -> f32 {
+fn exponentials(scores: &mut [f32]) -> (f32, f32) {
     let mut maxima = [f32::NEG_INFINITY; 8];
     let mut chunks = scores.chunks_exact(8);
     for chunk in &mut chunks {
@@ -546,7 +831,7 @@ fn exponentials(scores: &mut [f32]) -> f32 {
         *score = e;
         tail += e;
     }
-    lanes_total(totals) + tail
+    (maximum, lanes_total(totals) + tail)
 }
 
 /// `e^x` for `x <= 0` (scores less their maximum), to about one unit in
@@ -657,6 +942,10 @@ mod tests {
             // Spread over the compute threads.
             (4, 2, 70, 80, 16, usize::MAX),
             (4, 1, 70, 80, 32, 24),
+            // Several blocks of keys, folded in one piece and spread.
+            (9, 3, 1, 700, 64, usize::MAX),
+            (9, 3, 40, 700, 64, usize::MAX),
+            (4, 1, 2, 1100, 256, 512),
         ] {
             let q = random((1, heads, seq, width), 1);
             let k = random((1, kv_heads, cached, width), 2);
@@ -717,7 +1006,9 @@ mod tests {
     /// row the bits that row gets decoded alone.
     #[test]
     fn a_spread_prompt_row_has_the_bits_it_gets_alone() {
-        let (seq, cached) = (90, 100);
+        // Rows several blocks deep: the prompt's rows fold their blocks in
+        // one piece each, a row alone spreads its blocks over the threads.
+        let (seq, cached) = (90, 600);
         assert!(seq * 6 * cached >= PARALLEL_WORK);
         let q = random((1, 6, seq, 16), 7);
         let k = random((1, 2, cached, 16), 8);
@@ -746,57 +1037,79 @@ mod tests {
         }
     }
 
-    /// The fixed-width loops and the general loops give every row the
-    /// same bits, for each fixed width, grouped heads, windows and steps.
+    /// The portable loops, the vector loops, a row's blocks in one piece
+    /// and its blocks spread over the threads give every row the same
+    /// bits, for each common width and another, grouped heads, windows,
+    /// steps, and rows one block or several deep.
     #[test]
-    fn the_fixed_width_loops_give_the_general_loops_bits() {
+    fn every_route_gives_a_row_the_same_bits() {
         for (width, group, kv_heads, seq, cached, window) in [
-            (64, 3, 3, 1, 300, usize::MAX),
+            (64, 3, 3, 1, 700, usize::MAX),
             (64, 3, 3, 7, 40, usize::MAX),
-            (128, 2, 1, 5, 33, 9),
-            (256, 4, 1, 3, 50, 20),
+            (128, 2, 1, 5, 600, 300),
+            (256, 4, 1, 3, 530, 20),
+            (13, 2, 2, 2, 300, usize::MAX),
         ] {
             let heads = group * kv_heads;
             let q = random((1, heads, seq, width), 11);
             let k = random((1, kv_heads, cached, width), 12);
             let v = random((1, kv_heads, cached, width), 13);
-            let (q_storage, q_layout) = q.storage_and_layout();
-            let (k_storage, k_layout) = k.storage_and_layout();
-            let (v_storage, v_layout) = v.storage_and_layout();
-            let (queries, keys, values) = (
-                view(&q_storage, q_layout).unwrap(),
-                view(&k_storage, k_layout).unwrap(),
-                view(&v_storage, v_layout).unwrap(),
-            );
-            let inputs = Inputs {
-                queries: &queries,
-                keys: &keys,
-                values: &values,
+            let case = (
                 group,
                 kv_heads,
                 width,
-                scale: 0.125,
-                span: Span {
+                Span {
                     position: cached - seq,
                     window,
                 },
-            };
-            for index in 0..seq * heads {
-                let mut general = vec![0f32; width];
-                let mut fixed = vec![0f32; width];
-                piece_rows(&inputs, index, &mut general, &mut Scratch::new(cached)).unwrap();
-                rows_of_width(
-                    simd(),
-                    &inputs,
-                    index,
-                    &mut fixed,
-                    &mut Scratch::new(cached),
-                )
-                .unwrap();
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&general), bits(&fixed), "width {width} piece {index}");
-            }
+            );
+            routes_agree::<f32>(&q, &k, &v, case);
+            let (k, v) = (
+                k.to_dtype(DType::F16).unwrap(),
+                v.to_dtype(DType::F16).unwrap(),
+            );
+            routes_agree::<half::f16>(&q, &k, &v, case);
         }
+    }
+
+    fn routes_agree<T: Stored>(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        (group, kv_heads, width, span): (usize, usize, usize, Span),
+    ) {
+        let (q_storage, q_layout) = q.storage_and_layout();
+        let (k_storage, k_layout) = k.storage_and_layout();
+        let (v_storage, v_layout) = v.storage_and_layout();
+        let (queries, keys, values) = (
+            view::<f32>(&q_storage, q_layout).unwrap(),
+            view::<T>(&k_storage, k_layout).unwrap(),
+            view::<T>(&v_storage, v_layout).unwrap(),
+        );
+        let inputs = Inputs {
+            queries: &queries,
+            keys: &keys,
+            values: &values,
+            group,
+            kv_heads,
+            width,
+            scale: 0.125,
+            span,
+        };
+        let size = q.elem_count();
+        let cached = keys.positions;
+        let mut spread = vec![0f32; size];
+        by_blocks(&inputs, cached.div_ceil(KEY_BLOCK), &mut spread).unwrap();
+        let mut grouped = vec![0f32; size];
+        by_groups(&inputs, true, &mut grouped).unwrap();
+        let mut portable = vec![0f32; size];
+        for (index, results) in portable.chunks_exact_mut(group * width).enumerate() {
+            let mut scratch = Scratch::default();
+            group_rows(None, &inputs, width, index, results, &mut scratch).unwrap();
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&portable), bits(&grouped), "width {width}");
+        assert_eq!(bits(&portable), bits(&spread), "width {width}");
     }
 
     fn simd() -> Simd {
@@ -820,14 +1133,15 @@ mod tests {
         let query = row(1);
         let keys = [row(2), row(3), row(4), row(5)];
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let four = dots4_fast(simd(), &query, [&keys[0], &keys[1], &keys[2], &keys[3]]);
-        let portable = dots4(&query, [&keys[0], &keys[1], &keys[2], &keys[3]]);
+        let four_keys = [&keys[0][..], &keys[1], &keys[2], &keys[3]];
+        let four = dots4_fast(simd(), &query, four_keys);
+        let portable = dots4(&query, four_keys);
         let one_by_one: Vec<f32> = keys.iter().map(|k| dot(&query, k)).collect();
         assert_eq!(bits(&four), bits(&portable));
         assert_eq!(bits(&four), bits(&one_by_one));
         let weights = [0.25f32, 0.5, 0.125, 0.0625];
         let mut fast = [0f32; 128];
-        add_weighted_rows::<128>(simd(), &mut fast, &weights, |j| Ok(&keys[j])).unwrap();
+        add_weighted_rows(simd(), &mut fast, &weights, |j| Ok(&keys[j][..])).unwrap();
         let mut slow = [0f32; 128];
         for (weight, key) in weights.iter().zip(&keys) {
             for (o, v) in slow.iter_mut().zip(key) {

@@ -58,6 +58,8 @@
 //! A product's rows are cut into pieces that the calling thread and the
 //! engine's compute workers take from one cursor (`pool`, the engine's
 //! other `unsafe`: the workers read the caller's closure in place).
+//! `widen` widens the KV cache's f16 rows with F16C (its one `unsafe`
+//! block, once the CPU is seen to have it).
 
 use std::sync::Mutex;
 
@@ -65,12 +67,16 @@ use half::f16;
 
 mod grouped;
 mod pages;
+// Its only `unsafe`: the F16C conversion, once the CPU is seen to have it.
+#[allow(unsafe_code)]
+mod widen;
 // The pool's only `unsafe`: a product's closure, borrowed from the
 // caller's stack, read by the workers while the caller waits for them.
 #[allow(unsafe_code)]
 pub mod pool;
 
 pub use pages::WeightPages;
+pub use widen::widen_f16;
 
 /// Weights per block of activations, and of the 32-weight formats.
 pub const BLOCK_ELEMS: usize = 32;

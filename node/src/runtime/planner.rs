@@ -22,7 +22,7 @@ pub fn planned_context(model: &ModelHandle) -> usize {
 
 /// The model as the planner sees it: stored bytes per layer, what only
 /// stage 0 holds, and the KV one layer needs for the planned context (K and
-/// V, f32, every KV head).
+/// V, f16, every KV head).
 pub fn model_shape(model: &ModelHandle) -> ModelShape {
     let bytes = model.layer_bytes().with_head_on_first();
     ModelShape {
@@ -32,11 +32,12 @@ pub fn model_shape(model: &ModelHandle) -> ModelShape {
     }
 }
 
-/// The KV cache bytes one layer holds per position: K and V, f32, every
-/// KV head.
+/// The KV cache bytes one layer holds per position: K and V, f16 (as the
+/// engine's own attention keeps them; a GPU's caches, on candle's route,
+/// hold f32, twice this), every KV head.
 pub fn kv_bytes_per_position(model: &ModelHandle) -> u64 {
     let config = model.config();
-    2 * config.kv_heads as u64 * config.head_dim as u64 * 4
+    2 * config.kv_heads as u64 * config.head_dim as u64 * 2
 }
 
 /// A member as the planner weighs it: with the reason it is left out, if
