@@ -193,6 +193,11 @@ fn attend_over<T: Stored>(
             "has attention shapes that do not fit",
         ));
     }
+    // A row sees at least its own key (a model with a window of none is
+    // refused when it is opened; this keeps every row's keys non-empty).
+    if span.window == 0 {
+        return Err(EngineError::WrongInput("has a window of no keys"));
+    }
     let group = heads / kv_heads;
     let q = q.contiguous()?;
     let (q_storage, q_layout) = q.storage_and_layout();
@@ -225,8 +230,8 @@ fn attend_over<T: Stored>(
     };
     let pool = crate::kernels::pool::pool();
     let spread = seq * heads * cached >= PARALLEL_WORK;
-    let blocks = (span.position + seq).div_ceil(KEY_BLOCK);
-    if spread && blocks > 1 && seq * kv_heads < 4 * pool.threads() {
+    let blocks = inputs.keys_of(0).start / KEY_BLOCK..(span.position + seq).div_ceil(KEY_BLOCK);
+    if spread && blocks.len() > 1 && seq * kv_heads < 4 * pool.threads() {
         by_blocks(&inputs, blocks, &mut out)?;
     } else {
         by_groups(&inputs, spread, &mut out)?;
@@ -298,7 +303,13 @@ fn by_groups<T: Stored>(inputs: &Inputs<'_, T>, spread: bool, out: &mut [f32]) -
 /// every block of every row's KV groups is a piece for the threads, then
 /// each row's blocks are folded in key order, as [`group_rows`] folds
 /// them.
-fn by_blocks<T: Stored>(inputs: &Inputs<'_, T>, blocks: usize, out: &mut [f32]) -> Result<()> {
+/// `blocks`: the blocks (absolute, [`KEY_BLOCK`]) any of the step's rows
+/// sees, from its first row's first key to its last row's position.
+fn by_blocks<T: Stored>(
+    inputs: &Inputs<'_, T>,
+    blocks: std::ops::Range<usize>,
+    out: &mut [f32],
+) -> Result<()> {
     let Inputs {
         group,
         kv_heads,
@@ -307,6 +318,7 @@ fn by_blocks<T: Stored>(inputs: &Inputs<'_, T>, blocks: usize, out: &mut [f32]) 
     } = *inputs;
     let record = width + 2;
     let seq = out.len() / (group * kv_heads * width).max(1);
+    let (first_block, blocks) = (blocks.start, blocks.len().max(1));
     let mut partials = vec![0f32; seq * kv_heads * blocks * group * record];
     let pieces: Vec<Mutex<&mut [f32]>> = partials
         .chunks_exact_mut(group * record)
@@ -318,7 +330,7 @@ fn by_blocks<T: Stored>(inputs: &Inputs<'_, T>, blocks: usize, out: &mut [f32]) 
         for index in range {
             let (group_index, block) = (index / blocks, index % blocks);
             let (step_row, kv_head) = (group_index / kv_heads, group_index % kv_heads);
-            let keys = block_keys(inputs.keys_of(step_row), block);
+            let keys = block_keys(inputs.keys_of(step_row), first_block + block);
             let Some(piece) = pieces.get(index).filter(|_| !keys.is_empty()) else {
                 continue;
             };
@@ -347,7 +359,8 @@ fn by_blocks<T: Stored>(inputs: &Inputs<'_, T>, blocks: usize, out: &mut [f32]) 
         .zip(partials.chunks_exact(blocks * group * record))
     {
         let keys = inputs.keys_of(group_index / kv_heads);
-        let in_row = (0..blocks).filter(|&block| !block_keys(keys.clone(), block).is_empty());
+        let in_row =
+            (0..blocks).filter(|&block| !block_keys(keys.clone(), first_block + block).is_empty());
         for (n, block) in in_row.enumerate() {
             let records = partials
                 .get(block * group * record..(block + 1) * group * record)
@@ -1000,6 +1013,11 @@ mod tests {
             window: usize::MAX,
         };
         assert!(attend(&q, &uneven, &uneven, 1.0, at).is_err());
+        let no_window = Span {
+            position: 1,
+            window: 0,
+        };
+        assert!(attend(&q, &k, &k, 1.0, no_window).is_err());
     }
 
     /// A prompt long enough to spread over the compute threads gives each
@@ -1099,7 +1117,8 @@ mod tests {
         let size = q.elem_count();
         let cached = keys.positions;
         let mut spread = vec![0f32; size];
-        by_blocks(&inputs, cached.div_ceil(KEY_BLOCK), &mut spread).unwrap();
+        let blocks = inputs.keys_of(0).start / KEY_BLOCK..cached.div_ceil(KEY_BLOCK);
+        by_blocks(&inputs, blocks, &mut spread).unwrap();
         let mut grouped = vec![0f32; size];
         by_groups(&inputs, true, &mut grouped).unwrap();
         let mut portable = vec![0f32; size];
