@@ -8,8 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use mesh_node::runtime::energy::EstimatorMeter;
-use mesh_node::runtime::journal::JournalError;
-use mesh_node::runtime::steward::{Steward, StewardError};
+use mesh_node::runtime::steward::Steward;
 use mesh_protocol::SigningKey;
 
 fn mesh_node() -> Command {
@@ -66,7 +65,13 @@ fn data_directories_journals_and_keys_are_owner_only() {
     // As `serve` lays it out: DATA/steward/journal.redb.
     let data = scratch.path().join("data");
     let steward_dir = data.join("steward");
-    drop(open_steward(&steward_dir));
+    let steward = Steward::open(
+        &steward_dir,
+        SigningKey::from_bytes(&[1; 32]),
+        Box::new(EstimatorMeter::default()),
+    )
+    .unwrap();
+    drop(steward);
     assert_eq!(mode(&data), 0o700, "the data directory");
     assert_eq!(mode(&steward_dir), 0o700, "the steward directory");
     for file in ["journal.redb", "journal.lock"] {
@@ -79,29 +84,15 @@ fn data_directories_journals_and_keys_are_owner_only() {
         std::fs::Permissions::from_mode(0o644),
     )
     .unwrap();
-    drop(open_steward(&steward_dir));
-    assert_eq!(mode(&steward_dir.join("journal.redb")), 0o600);
-}
-
-/// Open a steward on `dir`, waiting out (at most 5 s) a test beside this
-/// one that forked to spawn a process while this test's journal lock file
-/// was open: the child holds a copy of the descriptor, and so the lock,
-/// until it execs. (CI saw the reopen above refused as locked once.)
-fn open_steward(dir: &Path) -> Steward {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let opened = Steward::open(
-            dir,
+    drop(
+        Steward::open(
+            &steward_dir,
             SigningKey::from_bytes(&[1; 32]),
             Box::new(EstimatorMeter::default()),
-        );
-        match opened {
-            Err(StewardError::Journal(JournalError::Locked(_))) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            other => return other.unwrap(),
-        }
-    }
+        )
+        .unwrap(),
+    );
+    assert_eq!(mode(&steward_dir.join("journal.redb")), 0o600);
 }
 
 #[test]

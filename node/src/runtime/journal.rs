@@ -252,6 +252,30 @@ fn guarded<T>(
     })
 }
 
+/// How long taking the journal's lock waits while it is held.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// `try_lock` again every 10 ms while the lock is held, for at most
+/// [`LOCK_WAIT`]. A child this process spawns holds a copy of every open
+/// descriptor, the lock file's included (and so the lock), from its fork
+/// until it execs: a steward dropped and opened again, or a journal read
+/// just after its steward stopped, can find the lock held for that moment
+/// (CI saw it, with tests spawning processes beside each other). A lock
+/// another steward holds is still refused, after the wait.
+fn wait_for_lock(
+    mut try_lock: impl FnMut() -> Result<(), std::fs::TryLockError>,
+) -> Result<(), std::fs::TryLockError> {
+    let deadline = std::time::Instant::now() + LOCK_WAIT;
+    loop {
+        match try_lock() {
+            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Create `dir` and any missing parents owner-only (0700 on unix). An
 /// existing directory is left as it is.
 fn create_private_dir(dir: &Path) -> std::io::Result<()> {
@@ -522,7 +546,7 @@ impl Journal {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(error) => return Err(io(error)),
         };
-        match lock.try_lock_shared() {
+        match wait_for_lock(|| lock.try_lock_shared()) {
             Ok(()) => Ok(Some(lock)),
             Err(std::fs::TryLockError::WouldBlock) => Err(JournalError::Locked(dir.to_path_buf())),
             Err(std::fs::TryLockError::Error(error)) => Err(io(error)),
@@ -562,7 +586,7 @@ impl Journal {
         };
         create_private_dir(dir).map_err(io)?;
         let lock = private_file(&dir.join(LOCK_FILE)).map_err(io)?;
-        match lock.try_lock() {
+        match wait_for_lock(|| lock.try_lock()) {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
                 return Err(JournalError::Locked(dir.to_path_buf()));
