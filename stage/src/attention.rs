@@ -230,7 +230,7 @@ fn attend_over<T: Stored>(
     };
     let pool = crate::kernels::pool::pool();
     let spread = seq * heads * cached >= PARALLEL_WORK;
-    let blocks = inputs.keys_of(0).start / KEY_BLOCK..(span.position + seq).div_ceil(KEY_BLOCK);
+    let blocks = inputs.blocks(seq);
     if spread && blocks.len() > 1 && seq * kv_heads < 4 * pool.threads() {
         by_blocks(&inputs, blocks, &mut out)?;
     } else {
@@ -435,6 +435,12 @@ struct Inputs<'a, T> {
 }
 
 impl<T> Inputs<'_, T> {
+    /// The blocks ([`KEY_BLOCK`]) a step of `seq` rows sees, from its
+    /// first row's first key to its last row's own key.
+    fn blocks(&self, seq: usize) -> std::ops::Range<usize> {
+        self.keys_of(0).start / KEY_BLOCK..(self.span.position + seq).div_ceil(KEY_BLOCK)
+    }
+
     /// The keys step row `step_row` sees.
     fn keys_of(&self, step_row: usize) -> Keys {
         let query_position = self.span.position + step_row;
@@ -1117,8 +1123,7 @@ mod tests {
         let size = q.elem_count();
         let cached = keys.positions;
         let mut spread = vec![0f32; size];
-        let blocks = inputs.keys_of(0).start / KEY_BLOCK..cached.div_ceil(KEY_BLOCK);
-        by_blocks(&inputs, blocks, &mut spread).unwrap();
+        by_blocks(&inputs, inputs.blocks(cached - span.position), &mut spread).unwrap();
         let mut grouped = vec![0f32; size];
         by_groups(&inputs, true, &mut grouped).unwrap();
         let mut portable = vec![0f32; size];
