@@ -74,7 +74,7 @@ fn a_model_chats_with_its_own_template_whatever_its_family() {
     let handle = mesh_stage::ModelHandle::open(&model).unwrap();
     let rendered =
         "<|endoftext|><start_of_turn>user\nHello mesh<end_of_turn>\n<start_of_turn>model\n";
-    let expected = handle.text().encode(rendered).unwrap();
+    let expected = handle.text().unwrap().encode(rendered).unwrap();
     assert_eq!(
         chatted["prompt_token_ids"],
         serde_json::json!(expected),

@@ -236,7 +236,7 @@ fn error_of(reply: &Value) -> (&str, &str) {
 async fn bad_input_gets_openai_errors_with_the_right_status() {
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addr) = api_nodes(dir.path()).await;
-    let model = nodes[0].model_card().id;
+    let model = nodes[0].model_id();
     let cases: Vec<(&str, Vec<u8>, u16)> = vec![
         ("malformed JSON", b"{\"model\": ".to_vec(), 400),
         (
@@ -380,7 +380,7 @@ async fn bad_input_gets_openai_errors_with_the_right_status() {
 async fn a_client_that_leaves_mid_stream_frees_every_stage() {
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addr) = api_nodes(dir.path()).await;
-    let model = nodes[0].model_card().id;
+    let model = nodes[0].model_id();
     let body = json!({
         "model": model, "prompt": "a long answer please", "max_tokens": 1500, "stream": true,
     })
@@ -419,7 +419,7 @@ async fn a_client_that_leaves_mid_stream_frees_every_stage() {
 async fn a_streamed_request_that_waits_is_told_its_place_then_answered() {
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addr) = api_nodes(dir.path()).await;
-    let model = nodes[0].model_card().id;
+    let model = nodes[0].model_id();
     // A streamed completion; `first` tells when its first event came.
     let streamed = move |max_tokens: u32, first: std::sync::mpsc::Sender<String>| {
         let body = json!({
@@ -732,7 +732,7 @@ async fn grants_ride_on_the_binding_and_a_receipt_is_witnessed() {
     use mesh_node::runtime::serve::GrantedServe;
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addr) = api_nodes(dir.path()).await;
-    let model = nodes[0].model_card().id;
+    let model = nodes[0].model_id();
     // A budget from an owner to a holder, sharded over the three stewards.
     let (shards, holder) = grants(dir.path(), &nodes[0], 90_000_000).await;
     let prompt = "a granted hello";
@@ -843,7 +843,7 @@ async fn a_reencoded_receipt_halts_nothing_and_a_real_conflict_halts_until_clear
         (a, addr)
     };
     let (a, addr) = start().await;
-    let model_id = a.model_card().id;
+    let model_id = a.model_id();
     let (shards, holder) = grants(dir.path(), &a, 900_000_000).await;
     let post = |addr: SocketAddr, path: &'static str, body: Value| async move {
         tokio::task::spawn_blocking(move || call(addr, "POST", path, Some(&body)).unwrap())

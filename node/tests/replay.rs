@@ -160,7 +160,7 @@ async fn a_real_serve_replays_verified_a_false_one_diverged_and_a_sampled_one_no
         serde_json::from_value(served.details["token_ids"].clone()).unwrap();
     claimed[4] = claimed[4].wrapping_add(1);
     let handle = mesh_stage::ModelHandle::open(&model).unwrap();
-    let payload = prompt_payload(&handle.text().encode(text).unwrap());
+    let payload = prompt_payload(&handle.text().unwrap().encode(text).unwrap());
     let mut receipt = sealed.receipt.clone();
     receipt.output_commitment = Some(output_commitment(
         &opening(&opening_key(&key(1).to_bytes()), &receipt.request_id),

@@ -1619,7 +1619,7 @@ async fn a_flood_and_silent_streams_from_strangers_leave_room_for_others() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addr) = api_nodes(dir.path(), Default::default()).await;
-    let model = nodes[0].model_card().id;
+    let model = nodes[0].model_id();
     let stop = Arc::new(AtomicBool::new(false));
     let body = |prompt: &str, tokens: u64, stream: bool| {
         serde_json::json!({
@@ -1725,7 +1725,7 @@ async fn a_presentation_that_is_not_one_is_a_bad_request() {
     let dir = tempfile::tempdir().unwrap();
     let (nodes, addr) = api_nodes(dir.path(), Default::default()).await;
     let body = serde_json::json!({
-        "model": nodes[0].model_card().id, "prompt": "hi", "max_tokens": 2,
+        "model": nodes[0].model_id(), "prompt": "hi", "max_tokens": 2,
         "metadata": {"joule_ceiling_uj": "5000000"},
         "jcp_presentation": ["00ff", "", ""],
     });

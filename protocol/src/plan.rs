@@ -41,7 +41,8 @@ pub struct ModelShape {
     pub layer_bytes: Vec<u64>,
     /// Bytes only stage 0 holds: the embedding and the output head.
     pub head_bytes: u64,
-    /// KV cache bytes one layer needs for the configured context.
+    /// KV cache bytes one layer needs for the configured context, at f16
+    /// (a member holding f32 counts twice this: `Candidate::kv_scale`).
     pub kv_bytes_per_layer: u64,
 }
 
@@ -55,11 +56,22 @@ pub struct Candidate {
     pub decode_us_per_layer: u64,
     /// The coordinator's measured round trip to it (0 for itself).
     pub rtt_us: u64,
+    /// Its KV cache bytes per byte `ModelShape::kv_bytes_per_layer`
+    /// counts: 1 where its caches hold f16 (the engine's own attention, on
+    /// a CPU), 2 where they hold f32 (candle's, on a GPU).
+    pub kv_scale: u64,
 }
 
 impl Candidate {
     fn hop_us(&self) -> u64 {
         (self.rtt_us / 2).saturating_add(PER_HOP_OVERHEAD_US)
+    }
+
+    /// The KV cache bytes `layers` layers take on this node.
+    fn kv_bytes(&self, model: &ModelShape, layers: u64) -> u64 {
+        layers
+            .saturating_mul(model.kv_bytes_per_layer)
+            .saturating_mul(self.kv_scale.max(1))
     }
 }
 
@@ -181,19 +193,14 @@ pub fn plan(
     if layers == 0 || layers > MAX_PLAN_LAYERS {
         return Err(PlanError::Layers);
     }
-    let smallest_layer = model
-        .layer_bytes
-        .iter()
-        .copied()
-        .min()
-        .unwrap_or(0)
-        .saturating_add(model.kv_bytes_per_layer);
+    let smallest_weights = model.layer_bytes.iter().copied().min().unwrap_or(0);
     let mut left_out: Vec<([u8; 32], LeftOut)> = Vec::new();
     let mut usable: Vec<&Candidate> = Vec::new();
     for (candidate, reason) in members {
         if candidate.node_id == coordinator.node_id {
             continue;
         }
+        let smallest_layer = smallest_weights.saturating_add(candidate.kv_bytes(model, 1));
         match reason {
             Some(reason) => left_out.push((candidate.node_id, reason.clone())),
             None if candidate.memory_bytes < smallest_layer => left_out.push((
@@ -261,7 +268,7 @@ fn planned_stages(
                 node_id: node.node_id,
                 layers: range.clone(),
                 weight_bytes: weights(model, range, k == 0),
-                kv_bytes: n.saturating_mul(model.kv_bytes_per_layer),
+                kv_bytes: node.kv_bytes(model, n),
                 compute_us: n.saturating_mul(node.decode_us_per_layer),
                 hop_us: if k == 0 { 0 } else { node.hop_us() },
             }
@@ -301,8 +308,7 @@ pub fn keep_in_place(
     }
     let fits = |node: &Candidate, range: &Range<u32>, first: bool| {
         let n = u64::from(range.end - range.start);
-        weights(model, range, first).saturating_add(n.saturating_mul(model.kv_bytes_per_layer))
-            <= node.memory_bytes
+        weights(model, range, first).saturating_add(node.kv_bytes(model, n)) <= node.memory_bytes
     };
     let mut usable: Vec<&Candidate> = members
         .iter()
@@ -398,7 +404,7 @@ fn search(
     let fits = |node: &Candidate, first: bool, a: usize, b: usize| {
         let n = (b - a) as u64;
         let need = (prefix[b] - prefix[a])
-            .saturating_add(n.saturating_mul(model.kv_bytes_per_layer))
+            .saturating_add(node.kv_bytes(model, n))
             .saturating_add(if first { model.head_bytes } else { 0 });
         need <= node.memory_bytes
     };
@@ -521,6 +527,7 @@ mod tests {
             memory_bytes: memory,
             decode_us_per_layer: us,
             rtt_us: rtt,
+            kv_scale: 1,
         }
     }
 
@@ -727,6 +734,45 @@ mod tests {
         );
     }
 
+    /// A member whose caches hold f32 (a GPU's, on candle's route) needs
+    /// twice the KV bytes the shape counts: offered room for one layer with
+    /// f16 caches, it holds none, and where it is planned its stage shows
+    /// the f32 bytes.
+    #[test]
+    fn a_member_with_f32_caches_is_planned_with_twice_the_kv_bytes() {
+        let gpu = |id: u8, memory: u64| Candidate {
+            kv_scale: 2,
+            ..node(id, memory, 10, 0)
+        };
+        let refused = plan(
+            &shape(4),
+            &node(0, 1 << 20, 100, 0),
+            &[(gpu(1, 115), None)],
+            Stages::AtLeast(1),
+        )
+        .unwrap();
+        assert_eq!(
+            refused.left_out,
+            vec![(
+                [1; 32],
+                LeftOut::NotEnoughMemory {
+                    offered: 115,
+                    smallest_layer: 120
+                }
+            )]
+        );
+        let planned = plan(
+            &shape(4),
+            &node(0, 1_110, 100, 0),
+            &[(gpu(1, 1 << 20), None)],
+            Stages::Pinned(2),
+        )
+        .unwrap();
+        let stage = &planned.stages[1];
+        let layers = u64::from(stage.layers.end - stage.layers.start);
+        assert_eq!(stage.kv_bytes, layers * 20);
+    }
+
     #[test]
     fn the_same_input_gives_the_same_plan_and_bad_counts_are_refused() {
         let members: Vec<_> = (1..20u8)
@@ -801,7 +847,7 @@ mod tests {
                     for (k, node) in chain.iter().enumerate() {
                         let (a, b) = (edges[k], edges[k + 1]);
                         let need: u64 = model.layer_bytes[a..b].iter().sum::<u64>()
-                            + (b - a) as u64 * model.kv_bytes_per_layer
+                            + (b - a) as u64 * model.kv_bytes_per_layer * node.kv_scale
                             + if k == 0 { model.head_bytes } else { 0 };
                         ok &= need <= node.memory_bytes;
                         let c = (b - a) as u64 * node.decode_us_per_layer;

@@ -59,7 +59,8 @@
 //! engine's compute workers take from one cursor (`pool`, the engine's
 //! other `unsafe`: the workers read the caller's closure in place).
 //! `widen` widens the KV cache's f16 rows with F16C (its one `unsafe`
-//! block, once the CPU is seen to have it).
+//! block, once the CPU is seen to have it). `pages` calls glibc's
+//! `malloc_trim` and `mallopt` (one `unsafe` block each).
 
 use std::sync::Mutex;
 
@@ -75,7 +76,7 @@ mod widen;
 #[allow(unsafe_code)]
 pub mod pool;
 
-pub use pages::WeightPages;
+pub use pages::{WeightPages, return_freed_memory, share_one_heap_arena};
 pub use widen::widen_f16;
 
 /// Weights per block of activations, and of the 32-weight formats.

@@ -12,6 +12,7 @@ pub mod device;
 pub mod draft;
 pub mod error;
 pub mod frame;
+mod gguf;
 pub mod kernels;
 pub mod model;
 pub mod pipeline;
@@ -36,15 +37,16 @@ pub use mesh_protocol as protocol;
 pub use model::{ExecPolicy, LayerSlice, SliceCache, SliceInput, SliceOutput};
 pub use source::{FileDigests, Format, ModelConfig};
 
-/// An opened model: its metadata, tokenizer and file digests, with no
-/// weights loaded. Slices are loaded from it on demand.
+/// An opened model: its metadata and file digests, with no weights
+/// loaded. Slices are loaded from it on demand, and its tokenizer is built
+/// when first asked for: a stage that only runs layers never holds one.
 #[derive(Debug)]
 pub struct ModelHandle {
     path: PathBuf,
     source: source::Source,
     config: ModelConfig,
     digests: FileDigests,
-    codec: text::TextCodec,
+    codec: std::sync::OnceLock<std::sync::Arc<text::TextCodec>>,
     /// Where every slice loaded from this handle computes.
     device: candle_core::Device,
 }
@@ -62,13 +64,12 @@ impl ModelHandle {
             });
         }
         let (source, config, digests) = source::Source::open(path)?;
-        let codec = text::TextCodec::from_source(&source)?;
         Ok(Self {
             path: path.to_path_buf(),
             source,
             config,
             digests,
-            codec,
+            codec: std::sync::OnceLock::new(),
             device: candle_core::Device::Cpu,
         })
     }
@@ -103,8 +104,17 @@ impl ModelHandle {
         )
     }
 
-    pub fn text(&self) -> &text::TextCodec {
-        &self.codec
+    /// The model's tokenizer and chat template, built on the first call
+    /// (from the file's metadata, read again, or its `tokenizer.json`);
+    /// refused when the model carries none this engine can build, or the
+    /// file changed since it was opened.
+    pub fn text(&self) -> Result<&std::sync::Arc<text::TextCodec>> {
+        if let Some(codec) = self.codec.get() {
+            return Ok(codec);
+        }
+        let codec = std::sync::Arc::new(text::TextCodec::from_source(&self.source)?);
+        // Two first callers at once both build one; the first kept serves.
+        Ok(self.codec.get_or_init(|| codec))
     }
     /// SHA-256 over the model's files, in name order: the package id.
     pub fn package_id(&self) -> [u8; 32] {
@@ -383,6 +393,39 @@ pub(crate) fn tensor_bits(t: &candle_core::Tensor) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model is opened without its vocabulary, which a stage never needs;
+    /// the tokenizer is built from the file at the first call, and refused
+    /// when the file changed since the model was opened.
+    #[test]
+    fn the_tokenizer_is_built_when_first_asked_for_from_the_file_as_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = synthetic::write_synthetic(
+            dir.path(),
+            &synthetic::SyntheticSpec::default(),
+            &[GgmlDType::Q8_0],
+        )
+        .unwrap();
+        let path = model.gguf(GgmlDType::Q8_0).unwrap().to_path_buf();
+        let handle = ModelHandle::open(&path).unwrap();
+        let metadata = &handle.source.gguf().unwrap().metadata;
+        assert!(metadata.contains_key("general.architecture"));
+        assert!(!metadata.contains_key("tokenizer.ggml.tokens"));
+        assert!(!metadata.contains_key("tokenizer.ggml.merges"));
+        assert!(handle.codec.get().is_none());
+        let ids = handle.text().unwrap().encode("hello").unwrap();
+        assert!(!ids.is_empty());
+        assert!(std::ptr::eq(handle.text().unwrap(), handle.text().unwrap()));
+
+        let changed = ModelHandle::open(&path).unwrap();
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        std::io::Write::write_all(&mut file, &[0]).unwrap();
+        let refused = changed.text().unwrap_err().to_string();
+        assert!(refused.contains("changed"), "{refused}");
+    }
 
     #[test]
     fn a_split_by_bytes_weighs_the_embedding_and_the_head() {

@@ -919,6 +919,8 @@ impl LayerSlice {
             _ => None,
         };
         held.pages.seal();
+        // Each tensor's bytes as read are freed once grouped into the pages.
+        crate::kernels::return_freed_memory();
         let pool_free_rows = device.is_cpu()
             && !policy.candle_only
             && blocks.iter().all(Block::pool_free)

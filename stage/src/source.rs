@@ -2,7 +2,7 @@
 //! read metadata only; tensors are read one by one, as a slice asks for them,
 //! and hashed as they are read.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -112,7 +112,11 @@ pub enum RawTensor {
 pub enum Source {
     Gguf {
         path: PathBuf,
+        /// The metadata without the tokenizer's arrays (`VOCABULARY_KEYS`).
         content: Box<gguf_file::Content>,
+        /// The file as it was opened, to tell that the vocabulary read
+        /// again later is the one digested.
+        stamp: FileStamp,
         /// BLAKE3 of each tensor's stored bytes when the file was opened.
         stored: BTreeMap<String, [u8; 32]>,
     },
@@ -260,7 +264,9 @@ fn digest_files(
     let mut per_file = Vec::new();
     let mut file_bytes = Vec::new();
     let mut stored = BTreeMap::new();
-    let mut buffer = vec![0u8; 1 << 20];
+    // Small enough that freeing it leaves glibc's trim threshold low (the
+    // gguf module says why that matters).
+    let mut buffer = vec![0u8; 256 << 10];
     for (k, (name, path)) in files.iter().enumerate() {
         let mut reader = BufReader::new(File::open(path).map_err(|e| io_error(path, e))?);
         let mut blake = blake3::Hasher::new();
@@ -356,6 +362,16 @@ fn check_stored(
     })
 }
 
+/// The GGUF metadata arrays a tokenizer is built from: stepped over when a
+/// model is opened (`gguf::read_lean`), and read from the file when a
+/// tokenizer is first asked for (`Source::metadata_with_vocabulary`).
+pub(crate) const VOCABULARY_KEYS: [&str; 4] = [
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+];
+
 /// The GGUF metadata keys a model declares its training corpus under
 /// (seed SPEC 001 §3.7): the corpus digest as 64 hex, and what a verifier
 /// can do with it (`signed`, `logged` or `opaque`).
@@ -407,7 +423,7 @@ pub struct GgufSummary {
 
 /// [`GgufSummary`] of the file at `path`.
 pub fn gguf_summary(path: &Path) -> Result<GgufSummary> {
-    let content = read_gguf(path)?;
+    let (content, _) = read_gguf_lean(path)?;
     let text = |key: &str| match content.metadata.get(key) {
         Some(gguf_file::Value::String(text)) => Some(text.clone()),
         _ => None,
@@ -417,6 +433,15 @@ pub fn gguf_summary(path: &Path) -> Result<GgufSummary> {
         file_type: declared_file_type(&content),
         name: text("general.name"),
     })
+}
+
+/// A GGUF file's header, metadata and tensor table without the tokenizer's
+/// arrays (`VOCABULARY_KEYS`), and those arrays' lengths.
+fn read_gguf_lean(path: &Path) -> Result<(gguf_file::Content, HashMap<String, u64>)> {
+    let file = File::open(path).map_err(|e| io_error(path, e))?;
+    let lean = crate::gguf::read_lean(BufReader::new(file), &VOCABULARY_KEYS)
+        .map_err(|why| bad(path, format!("not a readable GGUF file: {why}")))?;
+    Ok((lean.content, lean.skipped))
 }
 
 /// A GGUF file's header and metadata (no tensor read).
@@ -466,7 +491,7 @@ impl Source {
 
     fn open_gguf(path: &Path) -> Result<(Self, ModelConfig, FileDigests)> {
         let stamp = file_stamp(path)?;
-        let content = read_gguf(path)?;
+        let (content, skipped) = read_gguf_lean(path)?;
         let arch = match content.metadata.get("general.architecture") {
             Some(gguf_file::Value::String(arch)) => arch.clone(),
             _ => return Err(bad(path, "no general.architecture in the GGUF metadata")),
@@ -536,9 +561,9 @@ impl Source {
         };
         let kv_heads =
             gguf_u64(&content, &key("attention.head_count_kv")).unwrap_or(heads as u64) as usize;
-        let vocab = match content.metadata.get("tokenizer.ggml.tokens") {
-            Some(gguf_file::Value::Array(tokens)) => tokens.len(),
-            _ => gguf_u64(&content, &key("vocab_size"))
+        let vocab = match skipped.get("tokenizer.ggml.tokens") {
+            Some(tokens) => *tokens as usize,
+            None => gguf_u64(&content, &key("vocab_size"))
                 .ok_or_else(|| bad(path, "no vocabulary size"))? as usize,
         };
         let config = ModelConfig {
@@ -580,6 +605,7 @@ impl Source {
             Source::Gguf {
                 path: path.to_path_buf(),
                 content: Box::new(content),
+                stamp,
                 stored,
             },
             config,
@@ -727,6 +753,7 @@ impl Source {
                 path,
                 content,
                 stored,
+                ..
             } => {
                 let mut file = File::open(path).map_err(|e| io_error(path, e))?;
                 let tensor = content.tensor(&mut file, name, &Device::Cpu).map_err(|e| {
@@ -822,7 +849,31 @@ impl Source {
         }
     }
 
-    /// The GGUF metadata, when the model is a GGUF file.
+    /// The whole GGUF metadata, the tokenizer's arrays included, read
+    /// again from the file: refused when the file changed since it was
+    /// opened, as its vocabulary would not be the one digested.
+    pub fn metadata_with_vocabulary(&self) -> Result<gguf_file::Content> {
+        match self {
+            Source::Gguf { path, stamp, .. } => {
+                let content = read_gguf(path)?;
+                if file_stamp(path)? != *stamp {
+                    return Err(bad(
+                        path,
+                        "the file changed since the model was opened, so its vocabulary \
+                         may not be the one digested; open the model again",
+                    ));
+                }
+                Ok(content)
+            }
+            Source::Safetensors { dir, .. } => Err(bad(
+                dir,
+                "a safetensors directory has no GGUF metadata (its tokenizer is tokenizer.json)",
+            )),
+        }
+    }
+
+    /// The GGUF metadata without the tokenizer's arrays, when the model is
+    /// a GGUF file.
     pub fn gguf(&self) -> Option<&gguf_file::Content> {
         match self {
             Source::Gguf { content, .. } => Some(content),

@@ -250,7 +250,7 @@ impl TextCodec {
     /// (`tokenizer.json`, `tokenizer_config.json` for a safetensors directory).
     pub fn from_source(source: &Source) -> Result<Self> {
         match source {
-            Source::Gguf { content, .. } => Self::from_gguf(content),
+            Source::Gguf { .. } => Self::from_gguf(&source.metadata_with_vocabulary()?),
             Source::Safetensors { dir, .. } => Self::from_dir(dir),
         }
     }

@@ -43,11 +43,20 @@ fn reads_gemma3_and_tokenizes_as_llama_cpp_does() {
     assert_eq!(global, [5, 11, 17]);
     // Ids from llama.cpp's llama-tokenize on the same file.
     assert_eq!(
-        handle.text().encode("The capital of France is").unwrap(),
+        handle
+            .text()
+            .unwrap()
+            .encode("The capital of France is")
+            .unwrap(),
         [2, 818, 5279, 529, 7001, 563]
     );
     // No chat template: --chat is refused in one line.
-    let refused = handle.text().chat_prompt("hi").unwrap_err().to_string();
+    let refused = handle
+        .text()
+        .unwrap()
+        .chat_prompt("hi")
+        .unwrap_err()
+        .to_string();
     assert!(refused.contains("no chat template"), "{refused}");
     assert_eq!(refused.lines().count(), 1);
 }
@@ -58,6 +67,7 @@ fn splits_on_either_side_of_a_global_layer_are_bit_identical() {
     let handle = ModelHandle::open(&path).unwrap();
     let ids = handle
         .text()
+        .unwrap()
         .encode("The history of the Roman Empire")
         .unwrap();
     let whole = run(&handle, &[0..18], &ids, 8);
@@ -110,7 +120,7 @@ fn window_is_the_same_in_prefill_and_in_decode(
 ) {
     let whole = handle.load_slice_with(0..18, policy).unwrap();
     let text = "the river and the mountain, the city and the old stone road; ".repeat(60);
-    let ids = handle.text().encode(&text).unwrap();
+    let ids = handle.text().unwrap().encode(&text).unwrap();
     let ids = &ids[..600];
     let logits = |output: mesh_stage::SliceOutput| match output {
         mesh_stage::SliceOutput::Logits(l) => l,
@@ -187,7 +197,7 @@ fn a_draft_verified_past_the_window_has_the_bits_of_decoding() {
 fn draft_has_the_bits_of_decoding(handle: &ModelHandle, policy: mesh_stage::ExecPolicy) {
     let whole = handle.load_chain_slice_with(0..18, true, policy).unwrap();
     let text = "the river and the mountain, the city and the old stone road; ".repeat(60);
-    let ids = handle.text().encode(&text).unwrap();
+    let ids = handle.text().unwrap().encode(&text).unwrap();
     let (prompt, draft) = (&ids[..520], &ids[520..526]);
     let hidden = |output: mesh_stage::SliceOutput| match output {
         mesh_stage::SliceOutput::Hidden(a) => a,

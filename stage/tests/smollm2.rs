@@ -31,9 +31,10 @@ fn answers_the_capital_of_france_with_paris() {
     assert_eq!(handle.config().hidden, 576);
     let prompt = handle
         .text()
+        .unwrap()
         .chat_prompt("Name the capital of France.")
         .unwrap();
-    let ids = handle.text().encode(&prompt).unwrap();
+    let ids = handle.text().unwrap().encode(&prompt).unwrap();
     let slices = vec![handle.load_slice(0..30).unwrap()];
     let pipeline = Pipeline::new(slices, WireDType::F32).unwrap();
     let mut sampler = Sampler::new(SamplingParams::greedy());
@@ -42,7 +43,7 @@ fn answers_the_capital_of_france_with_paris() {
             &ids,
             32,
             &mut sampler,
-            &|t| handle.text().is_eos(t),
+            &|t| handle.text().unwrap().is_eos(t),
             &mut |_| {},
         )
         .unwrap();
@@ -50,9 +51,9 @@ fn answers_the_capital_of_france_with_paris() {
         .tokens
         .iter()
         .copied()
-        .filter(|t| !handle.text().is_eos(*t))
+        .filter(|t| !handle.text().unwrap().is_eos(*t))
         .collect();
-    let text = handle.text().decode(&answer_ids).unwrap();
+    let text = handle.text().unwrap().decode(&answer_ids).unwrap();
     assert!(text.contains("Paris"), "answered: {text:?}");
     assert!(
         text.split_whitespace().count() >= 3,
@@ -66,6 +67,7 @@ fn splits_of_1_2_3_and_5_are_bit_identical() {
     let handle = ModelHandle::open(&path).unwrap();
     let ids = handle
         .text()
+        .unwrap()
         .encode("The history of the Roman Empire")
         .unwrap();
     let whole = run(&handle, &[0..30], &ids, 16);
@@ -136,7 +138,11 @@ fn a_decode_step_gives_the_same_bits_on_the_calling_thread_as_in_candles_pool() 
     use mesh_stage::{SliceInput, SliceOutput};
     let Some(path) = model_path() else { return };
     let handle = ModelHandle::open(&path).unwrap();
-    let ids = handle.text().encode("The old harbour town kept").unwrap();
+    let ids = handle
+        .text()
+        .unwrap()
+        .encode("The old harbour town kept")
+        .unwrap();
     // The whole model and a chain's middle third (hidden states in and out).
     for (range, holds_head) in [(0..30, true), (10..20, false)] {
         let slice = handle.load_chain_slice(range.clone(), holds_head).unwrap();

@@ -38,7 +38,7 @@ fn run_with(
         .map(|r| handle.load_slice_with(r.clone(), policy).unwrap())
         .collect();
     let pipeline = Pipeline::new(slices, wire).unwrap();
-    let ids = handle.text().encode(prompt).unwrap();
+    let ids = handle.text().unwrap().encode(prompt).unwrap();
     let mut sampler = Sampler::new(SamplingParams::greedy());
     pipeline
         .generate(&ids, 12, &mut sampler, &|_| false, &mut |_| {})
@@ -107,7 +107,11 @@ fn a_head_held_apart_gives_the_last_slices_logits() {
     let (_dir, model) = model(&types);
     for dtype in types {
         let handle = ModelHandle::open(model.gguf(dtype).unwrap()).unwrap();
-        let ids = handle.text().encode("The quick brown fox").unwrap();
+        let ids = handle
+            .text()
+            .unwrap()
+            .encode("The quick brown fox")
+            .unwrap();
         let whole = handle.load_slice(0..6).unwrap();
         let mut cache = whole.new_cache(32).unwrap();
         let expected = match whole.forward(SliceInput::Tokens(&ids), &mut cache).unwrap() {
@@ -256,7 +260,7 @@ fn the_route_a_gpu_takes_runs_every_type_and_splits_bit_identically() {
             bits(&whole.last_logits),
             "{dtype:?}"
         );
-        let ids = handle.text().encode("abc").unwrap();
+        let ids = handle.text().unwrap().encode("abc").unwrap();
         let logits = |policy| {
             let slice = handle.load_slice_with(0..6, policy).unwrap();
             let mut cache = slice.new_cache(ids.len()).unwrap();

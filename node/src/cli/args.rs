@@ -700,6 +700,25 @@ pub enum BenchTarget {
         #[arg(long)]
         json: bool,
     },
+    /// The memory of three `serve` processes on 127.0.0.1 after one greedy
+    /// request: each one's peak RSS, and what the middle stage holds beyond
+    /// its weights and KV cache.
+    StageMemory {
+        /// A GGUF file (default: SmolLM2-135M from the model cache, else the
+        /// built-in synthetic model).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// A prompt of about this many tokens (plain text) instead of the
+        /// short chat prompt.
+        #[arg(long)]
+        prompt_tokens: Option<usize>,
+        /// Tokens the request generates.
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Aggregate decode tokens/s of concurrent greedy requests over three
     /// `serve` processes on 127.0.0.1 (continuous batching), next to
     /// llama.cpp's llama-server with as many parallel slots when given.

@@ -315,6 +315,28 @@ fn bench(target: BenchTarget) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        BenchTarget::StageMemory {
+            model,
+            prompt_tokens,
+            tokens,
+            json,
+        } => {
+            let model = bench_model(model)?;
+            let report = runtime()?.block_on(crate::tools::bench_memory::bench_stage_memory(
+                &model,
+                prompt_tokens,
+                tokens,
+            ))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!(
+                    "{}",
+                    crate::tools::bench_memory::render_stage_memory(&report)
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         BenchTarget::Engine {
             model,
             prompt_tokens,

@@ -56,13 +56,13 @@ pub fn generate(options: &GenerateOptions) -> anyhow::Result<()> {
     let load_time = load_start.elapsed();
     let pipeline = Pipeline::new(slices, options.wire)?;
     let text = if options.chat {
-        handle.text().chat_prompt(&options.prompt)?
+        handle.text()?.chat_prompt(&options.prompt)?
     } else {
         options.prompt.clone()
     };
-    let prompt_ids = handle.text().encode(&text)?;
+    let prompt_ids = handle.text()?.encode(&text)?;
     let mut sampler = Sampler::new(options.sampling.clone());
-    let codec = handle.text();
+    let codec = handle.text()?;
     let mut printed = String::new();
     let mut produced: Vec<u32> = Vec::new();
     let mut stdout = std::io::stdout();

@@ -855,7 +855,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         let handle = mesh_stage::ModelHandle::open(&model)?;
         (
             handle.config().layers as usize,
-            handle.text().chat_template().is_ok(),
+            handle.text()?.chat_template().is_ok(),
         )
     };
     let stages = args.stages.clamp(2, layers.max(2));
@@ -989,7 +989,7 @@ pub async fn demo(args: DemoArgs) -> anyhow::Result<bool> {
         print_demo_details(&nodes, &summary.details, &path, &report);
     }
     if let Some(http) = coordinator.http_addr() {
-        let model = coordinator.model_card().id;
+        let model = coordinator.model_id();
         println!("\nconsole: http://{http}/ (the nodes stay up until Ctrl-C)");
         println!("OpenAI-compatible API: http://{http}/v1");
         println!(

@@ -81,11 +81,11 @@ pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
     let prompt = std::fs::read_to_string(args.prompt_file)
         .with_context(|| format!("reading {}", args.prompt_file.display()))?;
     let text = if args.chat {
-        handle.text().chat_prompt(&prompt)?
+        handle.text()?.chat_prompt(&prompt)?
     } else {
         prompt.clone()
     };
-    let ids = handle.text().encode(&text)?;
+    let ids = handle.text()?.encode(&text)?;
     let payload = prompt_payload(&ids);
     let recipe = super::weights::recipe_of(args.model);
     let replayer = Replayer {
@@ -118,7 +118,7 @@ pub fn replay(args: &ReplayArgs<'_>) -> anyhow::Result<ExitCode> {
             )?;
             let mut sampler =
                 mesh_stage::sampling::Sampler::new(mesh_stage::sampling::SamplingParams::greedy());
-            let codec = handle.text();
+            let codec = handle.text()?;
             pipeline
                 .generate(
                     &ids,

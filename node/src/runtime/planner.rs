@@ -32,9 +32,16 @@ pub fn model_shape(model: &ModelHandle) -> ModelShape {
     }
 }
 
+/// A member's KV bytes per byte the plan's shape counts: a CPU member's
+/// caches hold f16 (the engine's own attention), a GPU member's f32
+/// (candle's route), twice as many bytes.
+fn kv_scale(device: &str) -> u64 {
+    if device == "cpu" { 1 } else { 2 }
+}
+
 /// The KV cache bytes one layer holds per position: K and V, f16 (as the
-/// engine's own attention keeps them; a GPU's caches, on candle's route,
-/// hold f32, twice this), every KV head.
+/// engine's own attention keeps them; a GPU member's caches hold f32, which
+/// the plan counts per member, `kv_scale`), every KV head.
 pub fn kv_bytes_per_position(model: &ModelHandle) -> u64 {
     let config = model.config();
     2 * config.kv_heads as u64 * config.head_dim as u64 * 2
@@ -59,6 +66,7 @@ pub fn candidates(
             .model(package_id)
             .map_or(u64::MAX / 1024, |e| e.decode_us_per_layer),
         rtt_us: m.rtt.map_or(0, |r| r.as_micros() as u64),
+        kv_scale: kv_scale(&m.advert.device),
     };
     let own = members
         .iter()

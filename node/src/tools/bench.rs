@@ -393,7 +393,7 @@ pub fn bench_engine(
     // A prompt of exactly `prompt_tokens` ids, as llama-bench's -p uses.
     // (The sentence is about 22 tokens: repeated enough for any length.)
     let text = "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of Constantinople. ".repeat(64.max(prompt_tokens / 16 + 1));
-    let mut prompt = handle.text().encode(&text)?;
+    let mut prompt = handle.text()?.encode(&text)?;
     prompt.truncate(prompt_tokens);
     let memory_before = resident_bytes();
     let middle = handle.load_slice(layers / 3..2 * layers / 3)?;

@@ -107,7 +107,7 @@ pub async fn bench_api(model: &Path, tokens: usize, rounds: usize) -> anyhow::Re
     .await?;
     let coordinator = &split.coordinator;
     let api = coordinator.http_addr().context("the API did not start")?;
-    let model_id = coordinator.model_card().id;
+    let model_id = coordinator.model_id();
     let peer = coordinator.peer_addr();
     // Warm up both paths (assignment, slice loads, connections).
     over_quic(&peer, 2).await?;

@@ -71,7 +71,7 @@ pub async fn bench_audit(
     );
     let prompt = bench_prompt(model, None)?;
     let chat = mesh_stage::ModelHandle::open(model)?
-        .text()
+        .text()?
         .chat_template()
         .is_ok();
     let request = GenerateRequest {

@@ -16,7 +16,13 @@ use crate::runtime::serve::{GenerateRequest, PeerAddr, generate_remote, node_sta
 use crate::tools::bench::completed;
 
 /// A child process killed when dropped.
-struct Process(Child);
+pub(crate) struct Process(Child);
+
+impl Process {
+    pub(crate) fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
 
 impl Drop for Process {
     fn drop(&mut self) {
@@ -56,12 +62,17 @@ fn prompt(i: usize) -> String {
 /// cores: candle's worker pools spin while they wait, so three pools of all
 /// the cores each fight over them (measured: one request decodes at about
 /// half the speed). llama-server, one process, gets every core.
-fn threads_per_process() -> usize {
+pub(crate) fn threads_per_process() -> usize {
     std::thread::available_parallelism().map_or(1, |n| (n.get() / 3).max(1))
 }
 
 /// Start `mesh-node serve` with a config file; its peer address.
-fn serve(exe: &Path, dir: &Path, name: &str, config: &str) -> anyhow::Result<(Process, String)> {
+pub(crate) fn serve(
+    exe: &Path,
+    dir: &Path,
+    name: &str,
+    config: &str,
+) -> anyhow::Result<(Process, String)> {
     let key = dir.join(format!("{name}.key"));
     if !key.exists() {
         crate::runtime::keys::generate(&key)?;
@@ -100,7 +111,7 @@ fn serve(exe: &Path, dir: &Path, name: &str, config: &str) -> anyhow::Result<(Pr
     Ok((process, peer))
 }
 
-fn did(dir: &Path, name: &str) -> anyhow::Result<String> {
+pub(crate) fn did(dir: &Path, name: &str) -> anyhow::Result<String> {
     let key = crate::runtime::keys::load(&dir.join(format!("{name}.key")))?;
     Ok(mesh_protocol::identity::did_key(
         &key.verifying_key().to_bytes(),
@@ -329,7 +340,7 @@ fn engine_batched(model: &Path, batch: usize, tokens: usize) -> anyhow::Result<f
         .map(|_| slice.new_cache(64 + tokens))
         .collect::<mesh_stage::Result<Vec<_>>>()?;
     let prompts: Vec<Vec<u32>> = (0..batch)
-        .map(|i| handle.text().encode(&prompt(i)))
+        .map(|i| handle.text()?.encode(&prompt(i)))
         .collect::<mesh_stage::Result<_>>()?;
     // Prompts one by one (not measured), then the decode steps together.
     let mut next: Vec<u32> = Vec::new();

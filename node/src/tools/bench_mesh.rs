@@ -343,7 +343,7 @@ pub async fn bench_resume(
         .collect::<anyhow::Result<Vec<_>>>()?;
     // A prompt that, with the tokens before the kill, fills the context.
     let handle = crate::runtime::open_model(model)?;
-    let codec = handle.text();
+    let codec = handle.text()?;
     let mut prompt = String::new();
     while codec.encode(&prompt)?.len() + KILL_AT < context {
         prompt.push_str("The quick brown fox jumps over the lazy dog. ");

@@ -41,7 +41,7 @@ pub async fn bench_split(
     // the short prompt as written.
     let chat = prompt_tokens.is_none()
         && mesh_stage::ModelHandle::open(&model)?
-            .text()
+            .text()?
             .chat_template()
             .is_ok();
     let prompt = bench_prompt(&model, prompt_tokens)?;
@@ -162,7 +162,7 @@ pub(crate) fn bench_prompt(model: &Path, prompt_tokens: Option<usize>) -> anyhow
         Some(wanted) => {
             let handle = mesh_stage::ModelHandle::open(model)?;
             let sentence = "The old harbour town kept its records in a tower by the water, and every ship that came in was written down with its cargo and its crew. ";
-            let per = handle.text().encode(sentence)?.len().max(1);
+            let per = handle.text()?.encode(sentence)?.len().max(1);
             sentence.repeat(wanted.div_ceil(per))
         }
     })
@@ -193,13 +193,13 @@ pub(crate) async fn unsplit_generation(
         )?;
         let text = if chat {
             handle
-                .text()
+                .text()?
                 .chat_prompt(&prompt)
                 .unwrap_or_else(|_| prompt.clone())
         } else {
             prompt
         };
-        let ids = handle.text().encode(&text)?;
+        let ids = handle.text()?.encode(&text)?;
         let mut sampler = mesh_stage::sampling::Sampler::new(SamplingParams::greedy());
         let generation = pipeline.generate(&ids, tokens, &mut sampler, &|_| false, &mut |_| {})?;
         Ok(UnsplitRun {

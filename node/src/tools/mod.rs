@@ -6,6 +6,7 @@ pub mod bench;
 pub mod bench_api;
 pub mod bench_audit;
 pub mod bench_concurrency;
+pub mod bench_memory;
 pub mod bench_mesh;
 pub mod bench_split;
 pub mod bench_wan;

@@ -16,6 +16,39 @@ use std::sync::{Arc, OnceLock};
 
 use memmap2::{MmapMut, MmapOptions};
 
+/// Hand the heap's free pages back to the system. glibc keeps what a
+/// program frees for its next allocations; a model opening (its parsed
+/// vocabulary, dropped at once) and a slice loading (each tensor's bytes
+/// as read, before they are grouped into their pages) free megabytes that
+/// a stage would otherwise carry for good. Elsewhere a no-op.
+pub fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim has no preconditions; it takes the arenas' locks
+    // itself and only releases pages no allocation holds.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Have every thread allocate from glibc's one main arena, called first
+/// thing in a process. By default each thread that allocates gets an arena
+/// of its own, and `malloc_trim` cannot shorten those: a stage's loading
+/// thread and compute threads each kept some 4 MB of freed memory for the
+/// process's life (SmolLM2's middle stage, docs/BENCHMARKS.md "A stage's
+/// memory"). The engine allocates per operation, not per row, so sharing
+/// one arena's lock cost nothing measurable (`bench engine`, 2 threads).
+/// Elsewhere a no-op.
+pub fn share_one_heap_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt has no preconditions; an option glibc does not know
+    // is refused with a return value, which changes nothing.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
 /// A transparent huge page on x86-64 and most aarch64 kernels.
 const HUGE_PAGE: usize = 2 << 20;
 /// Each matrix starts on its own cache line.

@@ -71,7 +71,7 @@ pub fn gpu_route_agrees(
     max_new: usize,
     tolerance: f32,
 ) {
-    let prompt = &handle.text().encode(prompt).unwrap();
+    let prompt = &handle.text().unwrap().encode(prompt).unwrap();
     let layers = handle.config().layers;
     let own = run(handle, &[0..layers], prompt, max_new);
     let whole = |policy| handle.load_slice_with(0..layers, policy).unwrap();
@@ -176,7 +176,7 @@ pub fn run_with(
 /// every id of a vocabulary's first thousand after the text (odd bytes
 /// and pieces among them).
 pub fn text_stream_agrees(handle: &mesh_stage::ModelHandle) {
-    let codec = handle.text();
+    let codec = handle.text().unwrap();
     let mut ids = codec
         .encode(" The dragon 🐉 flew over Tōkyō (東京) — naïve café, 1,234.5!\n\n\tDone. ")
         .unwrap();

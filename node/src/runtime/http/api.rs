@@ -59,7 +59,7 @@ pub struct ModelCard {
     pub package_id: [u8; 32],
     /// Positions a request may use, prompt and answer together.
     pub context: usize,
-    pub codec: TextCodec,
+    pub codec: Arc<TextCodec>,
 }
 
 /// Shows the coordinator's steward a receipt (seed 001 §2.2): what it

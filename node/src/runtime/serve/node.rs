@@ -199,6 +199,12 @@ impl Node {
             None => None,
         };
         let model = crate::runtime::open_model(&options.model)?.on_device(options.device.clone());
+        if !options.peers.is_empty() {
+            // A coordinator tokenizes every request: its tokenizer is built
+            // now, so a model without one is refused at start, not at the
+            // first request. A stage never builds one.
+            model.text()?;
+        }
         let training = declared_training(&model);
         let draft_model = match options
             .draft_model
@@ -347,24 +353,31 @@ impl Node {
             listener,
             access,
             self.peer_addr(),
-            self.model_card(),
+            self.model_card()?,
             (witness, metrics, members, self.shared.max_requests),
         )
         .await
     }
 
-    /// What the HTTP API says about this node's model.
-    pub fn model_card(&self) -> crate::runtime::http::ModelCard {
+    /// The model's name in requests: its file name without extension.
+    pub fn model_id(&self) -> String {
+        self.shared
+            .model
+            .path()
+            .file_stem()
+            .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned())
+    }
+
+    /// What the HTTP API says about this node's model: its tokenizer is
+    /// built here, if no request built it before.
+    pub fn model_card(&self) -> anyhow::Result<crate::runtime::http::ModelCard> {
         let model = &self.shared.model;
-        crate::runtime::http::ModelCard {
-            id: model
-                .path()
-                .file_stem()
-                .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned()),
+        Ok(crate::runtime::http::ModelCard {
+            id: self.model_id(),
             package_id: model.package_id(),
             context: engine_context(model),
-            codec: model.text().clone(),
-        }
+            codec: Arc::clone(model.text()?),
+        })
     }
 
     /// Where the HTTP API listens, when it was asked for.

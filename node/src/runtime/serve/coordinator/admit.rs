@@ -218,7 +218,7 @@ pub(crate) async fn admit<'a>(
     run: &Arc<Run>,
     request: &GenerateRequest,
 ) -> anyhow::Result<Admitted<'a>> {
-    let codec = coordinator.shared.model.text();
+    let codec = coordinator.shared.model.text()?;
     let context = coordinator.shared.context();
     // A prompt that cannot fit is refused before it costs any tokenizing
     // (a decision's prompt holds its question and options too).

@@ -64,8 +64,9 @@ impl DraftModel {
                 path.display()
             );
         }
+        let (draft_codec, target_codec) = (handle.text()?, target.text()?);
         let differs = (0..shared as u32)
-            .find(|id| handle.text().decode(&[*id]).ok() != target.text().decode(&[*id]).ok());
+            .find(|id| draft_codec.decode(&[*id]).ok() != target_codec.decode(&[*id]).ok());
         if let Some(id) = differs {
             bail!(
                 "the draft model {} reads token {id} otherwise than the served model: give a draft model with the same tokenizer",

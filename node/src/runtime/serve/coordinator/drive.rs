@@ -751,7 +751,7 @@ impl<'s, 'h> Segment<'s, 'h> {
         proposed: &[u32],
         requester: &mut quinn::SendStream,
     ) -> anyhow::Result<(usize, u32, Option<TerminalState>)> {
-        let codec = self.coordinator.shared.model.text();
+        let codec = self.coordinator.shared.model.text()?;
         let max_new = self.admitted.max_new;
         let progress = &mut *self.progress;
         let mut accepted = 0;

@@ -272,6 +272,7 @@ mod tests {
             memory_bytes: 1 << 30,
             decode_us_per_layer: us,
             rtt_us: 1_000,
+            kv_scale: 1,
         };
         let model = ModelShape {
             layer_bytes: vec![1_000; 30],

@@ -199,7 +199,7 @@ pub(crate) fn seal(
     collected: Collected,
     earlier: Vec<(serde_json::Value, mesh_protocol::resume::Segment)>,
 ) -> anyhow::Result<Sealed> {
-    let codec = coordinator.shared.model.text();
+    let codec = coordinator.shared.model.text()?;
     let prompt_ids = &admitted.prompt_ids;
     let serve = &admitted.serve;
     let tokens = &progress.tokens;
