@@ -715,6 +715,10 @@ pub enum BenchTarget {
         /// Tokens the request generates.
         #[arg(long, default_value_t = 64)]
         tokens: usize,
+        /// The mesh-node binary whose `serve` processes are measured
+        /// (default: this one), to measure two builds side by side.
+        #[arg(long)]
+        binary: Option<PathBuf>,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,

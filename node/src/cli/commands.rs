@@ -319,6 +319,7 @@ fn bench(target: BenchTarget) -> anyhow::Result<ExitCode> {
             model,
             prompt_tokens,
             tokens,
+            binary,
             json,
         } => {
             let model = bench_model(model)?;
@@ -326,6 +327,7 @@ fn bench(target: BenchTarget) -> anyhow::Result<ExitCode> {
                 &model,
                 prompt_tokens,
                 tokens,
+                binary.as_deref(),
             ))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);

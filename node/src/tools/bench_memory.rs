@@ -50,12 +50,18 @@ fn memory_of(pid: u32) -> anyhow::Result<Memory> {
     })
 }
 
+/// `binary`: whose `serve` processes are measured (default: this one), so
+/// two builds can be measured side by side.
 pub async fn bench_stage_memory(
     model: &Path,
     prompt_tokens: Option<usize>,
     tokens: usize,
+    binary: Option<&Path>,
 ) -> anyhow::Result<Value> {
-    let exe = std::env::current_exe()?;
+    let exe = match binary {
+        Some(path) => path.to_path_buf(),
+        None => std::env::current_exe()?,
+    };
     let scratch = crate::tools::bench_split::tempfile_dir()?;
     let report = measure(&exe, &scratch, model, prompt_tokens, tokens).await;
     let _ = std::fs::remove_dir_all(&scratch);
@@ -127,6 +133,7 @@ async fn measure(
     let kv = kv_per_layer * u64::from(end - start);
     let beyond = memory.peak_rss.saturating_sub(weights + kv);
     Ok(json!({
+        "binary": exe.display().to_string(),
         "model": model.display().to_string(),
         "prompt_tokens": prompt_ids,
         "generated_tokens": generated,
