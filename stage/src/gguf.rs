@@ -249,6 +249,9 @@ impl<R: Read + Seek> Reader<R> {
             return Err("arrays nested too deep".into());
         }
         let kind = self.u32()?;
+        if kind > F64 {
+            return Err(format!("unknown value type {kind}"));
+        }
         let length = self.length()?;
         let least = fixed_size(kind).unwrap_or(match self.magic {
             VersionedMagic::GgufV1 => 4,
@@ -329,6 +332,14 @@ impl<R: Read + Seek> Reader<R> {
             shape.push(usize::try_from(dim).map_err(|e| e.to_string())?);
         }
         shape.reverse();
+        // Its element count is multiplied out wherever its size is asked.
+        if shape
+            .iter()
+            .try_fold(1usize, |n, d| n.checked_mul(*d))
+            .is_none()
+        {
+            return Err(format!("tensor `{name}`: its dimensions overflow"));
+        }
         let ggml_dtype = ggml_dtype(self.u32()?)?;
         let offset = self.u64()?;
         Ok((
@@ -438,6 +449,51 @@ mod tests {
         );
         assert!(read_lean(std::io::Cursor::new(b"GGUF\x09\0\0\0"), &[]).is_err());
         assert!(read_lean(std::io::Cursor::new(b"GGML\x03\0\0\0"), &[]).is_err());
+    }
+
+    /// A version 3 header of `tensors` and `entries`, then `body`.
+    fn gguf_v3(tensors: u64, entries: u64, body: &[u8]) -> Vec<u8> {
+        let mut bytes = b"GGUF".to_vec();
+        bytes.extend_from_slice(&3u32.to_le_bytes());
+        bytes.extend_from_slice(&tensors.to_le_bytes());
+        bytes.extend_from_slice(&entries.to_le_bytes());
+        bytes.extend_from_slice(body);
+        bytes.resize(bytes.len() + 64, 0);
+        bytes
+    }
+
+    fn gguf_string(text: &str) -> Vec<u8> {
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        bytes
+    }
+
+    /// What candle refuses, or would compute wrongly from, is refused: an
+    /// array of an unknown type (even empty), dimensions whose product
+    /// overflows, an alignment of 0.
+    #[test]
+    fn unknown_types_overflowing_shapes_and_zero_alignment_are_refused() {
+        let mut array = gguf_string("k");
+        array.extend_from_slice(&ARRAY.to_le_bytes());
+        array.extend_from_slice(&99u32.to_le_bytes());
+        array.extend_from_slice(&0u64.to_le_bytes());
+        let refused = read_lean(std::io::Cursor::new(gguf_v3(0, 1, &array)), &[]).unwrap_err();
+        assert!(refused.contains("unknown value type 99"), "{refused}");
+
+        let mut tensor = gguf_string("t");
+        tensor.extend_from_slice(&2u32.to_le_bytes());
+        tensor.extend_from_slice(&u64::MAX.to_le_bytes());
+        tensor.extend_from_slice(&2u64.to_le_bytes());
+        tensor.extend_from_slice(&0u32.to_le_bytes());
+        tensor.extend_from_slice(&0u64.to_le_bytes());
+        let refused = read_lean(std::io::Cursor::new(gguf_v3(1, 0, &tensor)), &[]).unwrap_err();
+        assert!(refused.contains("overflow"), "{refused}");
+
+        let mut alignment = gguf_string("general.alignment");
+        alignment.extend_from_slice(&U32.to_le_bytes());
+        alignment.extend_from_slice(&0u32.to_le_bytes());
+        let refused = read_lean(std::io::Cursor::new(gguf_v3(0, 1, &alignment)), &[]).unwrap_err();
+        assert!(refused.contains("alignment"), "{refused}");
     }
 
     proptest! {

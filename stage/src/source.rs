@@ -492,6 +492,15 @@ impl Source {
     fn open_gguf(path: &Path) -> Result<(Self, ModelConfig, FileDigests)> {
         let stamp = file_stamp(path)?;
         let (content, skipped) = read_gguf_lean(path)?;
+        // The tokenizer is built at its first use; a model with no
+        // vocabulary at all is refused now, as when it was built at open.
+        if skipped.get("tokenizer.ggml.tokens").is_none_or(|n| *n == 0) {
+            return Err(EngineError::Tokenizer(format!(
+                "{}: no tokenizer.ggml.tokens in the GGUF metadata (a model without its \
+                 tokenizer cannot be served)",
+                path.display()
+            )));
+        }
         let arch = match content.metadata.get("general.architecture") {
             Some(gguf_file::Value::String(arch)) => arch.clone(),
             _ => return Err(bad(path, "no general.architecture in the GGUF metadata")),
@@ -614,6 +623,13 @@ impl Source {
     }
 
     fn open_safetensors(dir: &Path) -> Result<(Self, ModelConfig, FileDigests)> {
+        let tokenizer = dir.join("tokenizer.json");
+        if !tokenizer.is_file() {
+            return Err(EngineError::Tokenizer(format!(
+                "{}: no such file (a model without its tokenizer cannot be served)",
+                tokenizer.display()
+            )));
+        }
         let config_path = dir.join("config.json");
         let text = std::fs::read_to_string(&config_path).map_err(|e| io_error(&config_path, e))?;
         let json: serde_json::Value =
@@ -860,7 +876,8 @@ impl Source {
                     return Err(bad(
                         path,
                         "the file changed since the model was opened, so its vocabulary \
-                         may not be the one digested; open the model again",
+                         may not be the one digested; restart the node (or command) to \
+                         open it again",
                     ));
                 }
                 Ok(content)

@@ -35,6 +35,14 @@ pub fn open_model(model: Option<&Path>) -> anyhow::Result<ModelHandle> {
 pub fn generate(options: &GenerateOptions) -> anyhow::Result<()> {
     let load_start = Instant::now();
     let handle = open_model(options.model.as_deref())?;
+    // The prompt is tokenized before any slice loads: a model this engine
+    // cannot tokenize is said at once.
+    let text = if options.chat {
+        handle.text()?.chat_prompt(&options.prompt)?
+    } else {
+        options.prompt.clone()
+    };
+    let prompt_ids = handle.text()?.encode(&text)?;
     let layers = handle.config().layers;
     let ranges = match &options.split {
         Some(spec) => mesh_stage::parse_split(spec, layers)?,
@@ -55,12 +63,6 @@ pub fn generate(options: &GenerateOptions) -> anyhow::Result<()> {
     }
     let load_time = load_start.elapsed();
     let pipeline = Pipeline::new(slices, options.wire)?;
-    let text = if options.chat {
-        handle.text()?.chat_prompt(&options.prompt)?
-    } else {
-        options.prompt.clone()
-    };
-    let prompt_ids = handle.text()?.encode(&text)?;
     let mut sampler = Sampler::new(options.sampling.clone());
     let codec = handle.text()?;
     let mut printed = String::new();

@@ -131,6 +131,14 @@ struct MemberFacts {
     rtt_us: u64,
     #[serde(default = "yes")]
     holds_model: bool,
+    /// Where it computes, as adverts say it: `cpu` (default), `cuda:N`,
+    /// `metal:N` (a GPU member's KV cache holds f32, twice the bytes).
+    #[serde(default = "default_device")]
+    device: String,
+}
+
+fn default_device() -> String {
+    "cpu".into()
 }
 
 fn default_quic() -> String {
@@ -158,7 +166,7 @@ fn described(
                     issued_ms: 0,
                     ttl_ms: 1,
                     quic: m.quic.clone(),
-                    device: "cpu".into(),
+                    device: m.device.clone(),
                     memory_bytes: m.memory_bytes,
                     load: 0,
                     models: if m.holds_model {

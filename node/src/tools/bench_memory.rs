@@ -129,6 +129,9 @@ async fn measure(
     let &[(start, end)] = layers.as_slice() else {
         anyhow::bail!("the middle stage holds {layers:?}, not one slice");
     };
+    if start == 0 || end >= handle.config().layers {
+        anyhow::bail!("stage 1 holds layers {start}..{end}: not a middle stage");
+    }
     let weights = handle.load_slice(start..end)?.weight_bytes() as u64;
     let kv = kv_per_layer * u64::from(end - start);
     let beyond = memory.peak_rss.saturating_sub(weights + kv);

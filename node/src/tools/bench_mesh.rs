@@ -37,11 +37,11 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
     let mut random = SplitMix64::new(bench.seed);
     let package_id = *blake3::hash(b"bench plan: the simulated package").as_bytes();
     // A 70B-class model at 4-5 bits: about 0.5 GB of weights per layer;
-    // KV for 8,192 positions with 8 KV heads of 128, f32: 64 MiB per layer.
+    // KV for 8,192 positions with 8 KV heads of 128, f16: 32 MiB per layer.
     let shape = ModelShape {
         layer_bytes: vec![500_000_000; bench.layers],
         head_bytes: 2_000_000_000,
-        kv_bytes_per_layer: 2 * 8 * 128 * 4 * 8192,
+        kv_bytes_per_layer: 2 * 8 * 128 * 2 * 8192,
     };
     let now = 1_790_739_480_000u64;
     let keys: Vec<SigningKey> = (0..bench.members)

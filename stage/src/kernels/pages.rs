@@ -17,10 +17,9 @@ use std::sync::{Arc, OnceLock};
 use memmap2::{MmapMut, MmapOptions};
 
 /// Hand the heap's free pages back to the system. glibc keeps what a
-/// program frees for its next allocations; a model opening (its parsed
-/// vocabulary, dropped at once) and a slice loading (each tensor's bytes
-/// as read, before they are grouped into their pages) free megabytes that
-/// a stage would otherwise carry for good. Elsewhere a no-op.
+/// program frees for its next allocations; a slice loading frees each
+/// tensor's bytes as read once they are grouped into their pages,
+/// megabytes a stage would otherwise carry for good. Elsewhere a no-op.
 pub fn return_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim has no preconditions; it takes the arenas' locks
@@ -37,9 +36,14 @@ pub fn return_freed_memory() {
 /// thread and compute threads each kept some 4 MB of freed memory for the
 /// process's life (SmolLM2's middle stage, docs/BENCHMARKS.md "A stage's
 /// memory"). The engine allocates per operation, not per row, so sharing
-/// one arena's lock cost nothing measurable (`bench engine`, 2 threads).
-/// Elsewhere a no-op.
+/// one arena's lock cost nothing measurable (`bench engine`, 2 threads;
+/// not measured on many cores). An operator's own
+/// `GLIBC_TUNABLES=glibc.malloc.arena_max=N` is left to rule. Elsewhere a
+/// no-op.
 pub fn share_one_heap_arena() {
+    if std::env::var("GLIBC_TUNABLES").is_ok_and(|tunables| tunables.contains("arena_max")) {
+        return;
+    }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt has no preconditions; an option glibc does not know
     // is refused with a return value, which changes nothing.

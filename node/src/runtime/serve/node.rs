@@ -201,8 +201,8 @@ impl Node {
         let model = crate::runtime::open_model(&options.model)?.on_device(options.device.clone());
         if !options.peers.is_empty() {
             // A coordinator tokenizes every request: its tokenizer is built
-            // now, so a model without one is refused at start, not at the
-            // first request. A stage never builds one.
+            // now, not at the first request. A stage never builds one; a
+            // mesh node builds it at its first request as a coordinator.
             model.text()?;
         }
         let training = declared_training(&model);

@@ -218,7 +218,13 @@ pub(crate) async fn admit<'a>(
     run: &Arc<Run>,
     request: &GenerateRequest,
 ) -> anyhow::Result<Admitted<'a>> {
-    let codec = coordinator.shared.model.text()?;
+    let codec = {
+        // Built at a mesh node's first request as a coordinator: reading a
+        // vocabulary takes a moment the node's stage steps must not wait for.
+        let shared = Arc::clone(&coordinator.shared);
+        tokio::task::spawn_blocking(move || shared.model.text().map(Arc::clone)).await??
+    };
+    let codec = codec.as_ref();
     let context = coordinator.shared.context();
     // A prompt that cannot fit is refused before it costs any tokenizing
     // (a decision's prompt holds its question and options too).
