@@ -79,6 +79,20 @@ pub struct Advert {
     /// Requests in flight on the node when it signed.
     pub load: u32,
     pub models: Vec<AdvertModel>,
+    /// Present when the node is behind a NAT that lets in only what answers
+    /// its own packets: the public member it keeps a connection with, which
+    /// others ask to have the node open its NAT to them (docs/mesh.md,
+    /// "Reachability"). `quic` is then the address that member sees.
+    pub via: Option<AdvertVia>,
+}
+
+/// The member a node behind a NAT is reached through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdvertVia {
+    /// Its Ed25519 public key; never the advertising node's own.
+    pub node_id: [u8; 32],
+    /// HOST:PORT of its QUIC data plane.
+    pub quic: String,
 }
 
 /// Why an advert is refused.
@@ -110,11 +124,13 @@ pub enum AdvertError {
     DuplicateModel,
     #[error("a model entry has no layers, or a speed of 0 or over {MAX_DECODE_US_PER_LAYER} us")]
     EmptyModel,
+    #[error("`via` names the node itself, or an address `{0}` that does not parse")]
+    Via(String),
 }
 
 impl Advert {
     fn content(&self) -> Cbor {
-        Cbor::text_map([
+        let mut members = vec![
             ("v", Cbor::Uint(ADVERT_VERSION)),
             ("node_id", Cbor::bytes(self.node_id)),
             ("seq", Cbor::Uint(self.seq)),
@@ -146,7 +162,17 @@ impl Advert {
                         .collect(),
                 ),
             ),
-        ])
+        ];
+        if let Some(via) = &self.via {
+            members.push((
+                "via",
+                Cbor::text_map([
+                    ("node_id", Cbor::bytes(via.node_id)),
+                    ("quic", Cbor::text(&via.quic)),
+                ]),
+            ));
+        }
+        Cbor::text_map(members)
     }
 
     /// The signed envelope: a map of the content's det-CBOR bytes and the
@@ -219,7 +245,13 @@ impl Advert {
         let memory_bytes = f.uint("memory_bytes")?;
         let load = f.u32("load")?;
         let entries = f.array("models")?;
+        let via = f.optional("via").map(Self::read_via).transpose()?;
         f.finish()?;
+        if let Some(via) = &via
+            && via.node_id == node_id
+        {
+            return Err(AdvertError::Via(via.quic.clone()));
+        }
         if entries.len() > MAX_ADVERT_MODELS {
             return Err(AdvertError::TooManyModels(entries.len()));
         }
@@ -262,7 +294,21 @@ impl Advert {
             memory_bytes,
             load,
             models,
+            via,
         })
+    }
+
+    fn read_via(value: &Cbor) -> Result<AdvertVia, AdvertError> {
+        let mut f = Fields::of(value)?.text_limit(MAX_ADVERT_TEXT);
+        let via = AdvertVia {
+            node_id: f.fixed("node_id")?,
+            quic: f.text("quic")?.to_string(),
+        };
+        f.finish()?;
+        if via.quic.parse::<std::net::SocketAddr>().is_err() {
+            return Err(AdvertError::Via(via.quic));
+        }
+        Ok(via)
     }
 
     pub fn expires_ms(&self) -> u64 {
@@ -467,7 +513,38 @@ mod tests {
                 precision: None,
                 name: None,
             }],
+            via: None,
         }
+    }
+
+    #[test]
+    fn a_node_behind_a_nat_names_the_member_it_is_reached_through() {
+        let k = key(1);
+        let me = k.verifying_key().to_bytes();
+        let mut a = advert(&k, 1, 1_000);
+        a.via = Some(AdvertVia {
+            node_id: key(2).verifying_key().to_bytes(),
+            quic: "10.77.0.10:7000".into(),
+        });
+        assert_eq!(Advert::verify(&a.sign(&k), &me, 1_500), Ok(a.clone()));
+        let mut itself = a.clone();
+        itself.via = Some(AdvertVia {
+            node_id: me,
+            quic: "10.77.0.10:7000".into(),
+        });
+        assert!(matches!(
+            Advert::verify(&itself.sign(&k), &me, 1_500),
+            Err(AdvertError::Via(_))
+        ));
+        let mut nowhere = a.clone();
+        nowhere.via = Some(AdvertVia {
+            node_id: key(2).verifying_key().to_bytes(),
+            quic: "relay.example:7000".into(),
+        });
+        assert!(matches!(
+            Advert::verify(&nowhere.sign(&k), &me, 1_500),
+            Err(AdvertError::Via(_))
+        ));
     }
 
     #[test]
@@ -609,6 +686,9 @@ mod tests {
             a.ttl_ms = ttl;
             a.models[0].layers = layers;
             a.models[0].decode_us_per_layer = speed;
+            if seq % 2 == 1 {
+                a.via = Some(AdvertVia { node_id: [9; 32], quic: format!("10.0.0.1:{}", load % 65_536) });
+            }
             let bytes = a.sign(&k);
             prop_assert_eq!(Advert::verify(&bytes, &k.verifying_key().to_bytes(), issued), Ok(a));
         }

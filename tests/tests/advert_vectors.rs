@@ -36,6 +36,7 @@ fn the_reference_advert_reproduces_from_its_key_and_fields() {
         device: r["device"].as_str().unwrap().into(),
         memory_bytes: r["memory_bytes"].as_u64().unwrap(),
         load: r["load"].as_u64().unwrap() as u32,
+        via: None,
         models: r["models"]
             .as_array()
             .unwrap()

@@ -169,6 +169,7 @@ fn described(
                     device: m.device.clone(),
                     memory_bytes: m.memory_bytes,
                     load: 0,
+                    via: None,
                     models: if m.holds_model {
                         vec![AdvertModel {
                             package_id,

@@ -282,6 +282,15 @@ pub struct MeshArgs {
     /// representative; tests that need a fixed plan).
     #[arg(long)]
     pub decode_us_per_layer: Option<u64>,
+    /// Offer a relay to members behind NATs (circuit relay v2, for their
+    /// mesh connections only: adverts and pings, never activations), within
+    /// the limits of docs/mesh.md "Reachability". For a node others can
+    /// reach (a public address, or a forwarded port).
+    #[arg(long)]
+    pub relay: bool,
+    /// Circuits the relay carries at once (with --relay; default 64).
+    #[arg(long, value_name = "N", requires = "relay")]
+    pub relay_circuits: Option<usize>,
 }
 
 impl MeshArgs {
@@ -293,6 +302,13 @@ impl MeshArgs {
             mdns: !self.no_mdns,
             memory_bytes: self.memory_mib.map(|m| m * 1024 * 1024),
             decode_us_per_layer: self.decode_us_per_layer,
+            relay: self.relay.then(|| {
+                let mut limits = crate::runtime::mesh::RelayLimits::default();
+                if let Some(circuits) = self.relay_circuits {
+                    limits.circuits = circuits;
+                }
+                limits
+            }),
         }
     }
 }
@@ -660,10 +676,27 @@ pub async fn serve(options: NodeOptions) -> anyhow::Result<()> {
         }
         std::future::pending::<()>().await
     };
+    // How members reach this node, each time it is learned anew.
+    let reach_report = async {
+        if !in_mesh {
+            return std::future::pending().await;
+        }
+        let mut said = crate::runtime::net::reach::Reachability::Unknown;
+        loop {
+            let now = node.reachability();
+            if now != said {
+                println!("reachability: {now}");
+                let _ = std::io::stdout().flush();
+                said = now;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    };
     tokio::select! {
         signal = tokio::signal::ctrl_c() => signal?,
         () = terminated() => {}
         () = unreached => {}
+        () = reach_report => {}
     }
     // No new request is taken; those in flight end first (each within its
     // own deadline, and all within DRAIN_WAIT).

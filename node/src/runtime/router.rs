@@ -22,9 +22,15 @@ pub const MAX_HANDSHAKES: usize = 128;
 pub type Handled = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
 
 /// One protocol's handler: given each stream of a connection that spoke
-/// it, and the key the peer proved.
+/// it, the key the peer proved, and the connection (its address).
 pub trait ProtocolHandler: Send + Sync {
-    fn accept(&self, peer: [u8; 32], send: quinn::SendStream, recv: quinn::RecvStream) -> Handled;
+    fn accept(
+        &self,
+        peer: [u8; 32],
+        connection: &quinn::Connection,
+        send: quinn::SendStream,
+        recv: quinn::RecvStream,
+    ) -> Handled;
 }
 
 /// The endpoint's protocols and who always gets in.
@@ -121,7 +127,7 @@ async fn accept_loop(router: Arc<Router>) {
                 return;
             };
             while let Ok((send, recv)) = connection.accept_bi().await {
-                let handled = handler.accept(peer, send, recv);
+                let handled = handler.accept(peer, &connection, send, recv);
                 tokio::spawn(async move {
                     if let Err(error) = handled.await {
                         tracing::warn!(peer = %did_key(&peer), "stream: {error:#}");

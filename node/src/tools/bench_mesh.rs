@@ -73,6 +73,7 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
                     (4 + random.below(60)) * 1_000_000_000
                 },
                 load: 0,
+                via: None,
                 models: if holds {
                     vec![AdvertModel {
                         package_id,
@@ -186,6 +187,7 @@ pub async fn bench_join(model: &std::path::Path, rounds: usize) -> anyhow::Resul
         mdns: false,
         memory_bytes: Some(8 << 30),
         decode_us_per_layer: None,
+        relay: None,
     };
     let mut options =
         crate::tools::bench_split::bench_options(model, &scratch, 0, Vec::new(), &coordinator_key)?;
@@ -325,6 +327,7 @@ pub async fn bench_resume(
         mdns: false,
         memory_bytes: Some(8 << 30),
         decode_us_per_layer: Some(1000),
+        relay: None,
     });
     options.stages = Some(3);
     options.step_timeout = Duration::from_secs(60);

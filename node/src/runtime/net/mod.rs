@@ -1,8 +1,11 @@
 //! The QUIC data plane: identities, framing, and the three protocols
-//! (`mesh-control/1`, `mesh-stage/1`, `record-push/1`).
+//! (`mesh-control/1`, `mesh-stage/1`, `record-push/1`), and how a node
+//! behind a NAT is reached (`mesh-reach/1`).
 
+pub mod addr;
 pub mod msg;
 pub mod peers;
+pub mod reach;
 pub mod tls;
 
 pub const ALPN_CONTROL: &[u8] = b"mesh-control/1";

@@ -3,60 +3,41 @@
 //! reuse per peer and protocol.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::str::FromStr;
 
 use anyhow::Context;
-use mesh_protocol::identity::{did_key, parse_did_key};
+
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::runtime::net::msg;
+use crate::runtime::net::reach::{self, ALPN_REACH, Reachability};
 use crate::runtime::net::tls::{self, TlsIdentity};
 
-/// A peer: its node id (did:key) and address.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerAddr {
-    pub key: [u8; 32],
-    pub addr: SocketAddr,
-}
-
-impl PeerAddr {
-    pub fn did(&self) -> String {
-        did_key(&self.key)
-    }
-}
-
-impl FromStr for PeerAddr {
-    type Err = anyhow::Error;
-    /// `NODEID@HOST:PORT`, NODEID being a did:key.
-    fn from_str(text: &str) -> anyhow::Result<Self> {
-        let (id, addr) = text
-            .rsplit_once('@')
-            .context("a peer is NODEID@HOST:PORT")?;
-        let key = parse_did_key(id)
-            .with_context(|| format!("`{id}` is not an Ed25519 did:key node id"))?;
-        let addr = std::net::ToSocketAddrs::to_socket_addrs(addr)
-            .with_context(|| format!("cannot resolve `{addr}`"))?
-            .next()
-            .with_context(|| format!("`{addr}` resolves to no address"))?;
-        Ok(Self { key, addr })
-    }
-}
-
-impl std::fmt::Display for PeerAddr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}@{}", self.did(), self.addr)
-    }
-}
+pub use crate::runtime::net::addr::PeerAddr;
 
 /// A kept connection's key: the peer's key and the ALPN it speaks.
 type ConnectionKey = ([u8; 32], &'static [u8]);
 
-/// Connections this node opened, by peer key and ALPN, on its one endpoint.
-#[derive(Debug)]
+/// The member a node behind a NAT is introduced through, by its key
+/// (the mesh's adverts say).
+pub type Routes = Arc<dyn Fn(&[u8; 32]) -> Option<PeerAddr> + Send + Sync>;
+
+/// Connections this node opened, by peer key and ALPN, on its one
+/// endpoint; how peers behind NATs are reached, and how this node is.
 pub struct Peers {
     endpoint: quinn::Endpoint,
     tls: TlsIdentity,
     cache: tokio::sync::Mutex<HashMap<ConnectionKey, quinn::Connection>>,
+    routes: OnceLock<Routes>,
+    reach: Arc<Mutex<Reachability>>,
+}
+
+impl std::fmt::Debug for Peers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peers")
+            .field("endpoint", &self.endpoint.local_addr().ok())
+            .field("reach", &self.reachability())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Peers {
@@ -65,6 +46,72 @@ impl Peers {
             endpoint,
             tls,
             cache: tokio::sync::Mutex::new(HashMap::new()),
+            routes: OnceLock::new(),
+            reach: Arc::new(Mutex::new(Reachability::Unknown)),
+        }
+    }
+
+    /// Where peers behind NATs are introduced through (set once, when the
+    /// node joins a mesh).
+    pub fn route_through(&self, routes: Routes) {
+        let _ = self.routes.set(routes);
+    }
+
+    /// How others reach this node, as last learned.
+    pub fn reachability(&self) -> Reachability {
+        self.reach
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or(Reachability::Unknown)
+    }
+
+    /// The reachability as kept (read when the node signs its advert).
+    pub fn reach_state(&self) -> Arc<Mutex<Reachability>> {
+        self.reach.clone()
+    }
+
+    /// Learn and keep this node's reachability from the members
+    /// `candidates` names, until aborted (`reach::keep_reachable`).
+    pub fn keep_reachable(
+        &self,
+        candidates: impl Fn() -> Vec<PeerAddr> + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(reach::keep_reachable(
+            self.endpoint.clone(),
+            self.tls.clone(),
+            self.reach.clone(),
+            candidates,
+        ))
+    }
+
+    /// A peer behind a NAT first opens it to this node, at the word of the
+    /// member it keeps a connection with (unless that is this node: its
+    /// kept connection already lets this node's packets in).
+    async fn open_the_way(&self, peer: &PeerAddr) {
+        // A peer whose advert has not come yet may keep its connection with
+        // this node's own rendezvous (a mesh of one bootstrap): ask it.
+        let own = match self.reachability() {
+            Reachability::Behind { via, .. } => Some(via),
+            _ => None,
+        };
+        let Some(via) = self
+            .routes
+            .get()
+            .and_then(|routes| routes(&peer.key))
+            .or(own)
+        else {
+            return;
+        };
+        if via.key == self.tls.public_key {
+            return;
+        }
+        let introduced = async {
+            let connection = self.connect_direct(&via, ALPN_REACH).await?;
+            reach::introduce(&connection, peer.key).await
+        };
+        match introduced.await {
+            Ok(()) => tracing::debug!(%peer, %via, "introduced"),
+            Err(error) => tracing::warn!(%peer, %via, "not introduced: {error:#}"),
         }
     }
 
@@ -78,6 +125,18 @@ impl Peers {
     }
 
     pub async fn connect(
+        &self,
+        peer: &PeerAddr,
+        alpn: &'static [u8],
+    ) -> anyhow::Result<quinn::Connection> {
+        if self.live(peer, alpn).await.is_none() {
+            self.open_the_way(peer).await;
+        }
+        self.connect_direct(peer, alpn).await
+    }
+
+    /// A kept connection to `peer`, or a new one without an introduction.
+    async fn connect_direct(
         &self,
         peer: &PeerAddr,
         alpn: &'static [u8],
@@ -99,6 +158,15 @@ impl Peers {
             .with_context(|| format!("connecting to {peer}"))?;
         connections.insert((peer.key, alpn), connection.clone());
         Ok(connection)
+    }
+
+    async fn live(&self, peer: &PeerAddr, alpn: &'static [u8]) -> Option<quinn::Connection> {
+        self.cache
+            .lock()
+            .await
+            .get(&(peer.key, alpn))
+            .filter(|c| c.close_reason().is_none() && c.remote_address() == peer.addr)
+            .cloned()
     }
 
     pub async fn open(

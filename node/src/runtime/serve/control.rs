@@ -26,7 +26,13 @@ pub(crate) struct Control {
 }
 
 impl ProtocolHandler for Control {
-    fn accept(&self, peer: [u8; 32], send: quinn::SendStream, recv: quinn::RecvStream) -> Handled {
+    fn accept(
+        &self,
+        peer: [u8; 32],
+        _connection: &quinn::Connection,
+        send: quinn::SendStream,
+        recv: quinn::RecvStream,
+    ) -> Handled {
         let (stage, coordinator) = (self.stage.clone(), self.coordinator.clone());
         Box::pin(handle_control(stage, coordinator, peer, send, recv))
     }

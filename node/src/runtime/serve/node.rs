@@ -20,6 +20,7 @@ use crate::runtime::clock::lock;
 use crate::runtime::clock::now_ms;
 use crate::runtime::energy::EnergyMeter;
 use crate::runtime::net::peers::{PeerAddr, Peers};
+use crate::runtime::net::reach::{ALPN_REACH, Reachability, Rendezvous};
 use crate::runtime::net::tls::{self, TlsIdentity};
 use crate::runtime::net::{ALPN_CONTROL, ALPN_RECORD_PUSH, ALPN_STAGE};
 use crate::runtime::router::Router;
@@ -156,6 +157,8 @@ pub struct MeshSettings {
     pub memory_bytes: Option<u64>,
     /// Advertise this decode speed instead of measuring it.
     pub decode_us_per_layer: Option<u64>,
+    /// Offer a relay to members behind NATs, within these limits.
+    pub relay: Option<crate::runtime::mesh::RelayLimits>,
 }
 
 /// A running node.
@@ -164,7 +167,17 @@ pub struct Node {
     stage: Arc<StageRole>,
     coordinator: Arc<CoordinatorRole>,
     accept: tokio::task::JoinHandle<()>,
+    /// Learning and keeping how others reach this node (in a mesh).
+    reach: Option<tokio::task::JoinHandle<()>>,
     http: Option<crate::runtime::http::HttpApi>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(reach) = &self.reach {
+            reach.abort();
+        }
+    }
 }
 
 impl std::fmt::Debug for Node {
@@ -191,7 +204,10 @@ impl Node {
         tls::install_provider();
         let tls = TlsIdentity::new(&options.key)?;
         // Ports first: one taken is said before the model is read.
-        let server = tls::server_config(&tls, &[ALPN_CONTROL, ALPN_STAGE, ALPN_RECORD_PUSH])?;
+        let server = tls::server_config(
+            &tls,
+            &[ALPN_CONTROL, ALPN_STAGE, ALPN_RECORD_PUSH, ALPN_REACH],
+        )?;
         let endpoint = quinn::Endpoint::server(server, options.listen)
             .with_context(|| format!("binding {} (is another node using it?)", options.listen))?;
         let http_listener = match options.http {
@@ -268,8 +284,12 @@ impl Node {
             draft_model,
             training,
         ));
+        let mut reach = None;
         if let Some(settings) = &options.mesh {
-            let mesh = start_mesh(&shared, &stage, &options.data, settings).await?;
+            let given = options.advertise.is_some();
+            let mesh = start_mesh(&shared, &stage, &options.data, settings, given).await?;
+            shared.net.route_through(mesh.routes());
+            reach = Some(shared.net.keep_reachable(mesh.rendezvous_candidates()));
             let _ = shared.mesh.set(mesh);
         }
         let trusted = shared
@@ -299,6 +319,7 @@ impl Node {
                     coordinator: coordinator.clone(),
                 }),
             )
+            .accept(ALPN_REACH, Arc::new(Rendezvous::new(shared.tls.clone())))
             .spawn();
         tokio::spawn(stage::role::release_idle_slices(Arc::downgrade(&stage)));
         let mut node = Node {
@@ -306,6 +327,7 @@ impl Node {
             stage,
             coordinator,
             accept,
+            reach,
             http: None,
         };
         if let Some(listener) = http_listener {
@@ -414,6 +436,12 @@ impl Node {
             .map(|mesh| (mesh.connected_peers() > 0, mesh.last_dial_error()))
     }
 
+    /// How others reach this node's data plane, as last learned (in a
+    /// mesh; `Unknown` until a public member answered).
+    pub fn reachability(&self) -> Reachability {
+        self.shared.net.reachability()
+    }
+
     /// This node's mesh addresses (`…/p2p/PEERID`), once it listens (waits
     /// at most `within`); none when it is in no mesh.
     pub async fn mesh_addresses(&self, within: Duration) -> Vec<libp2p::Multiaddr> {
@@ -480,6 +508,9 @@ impl Node {
     pub async fn shutdown(self) {
         self.shared.endpoint.close(0u32.into(), b"shutting down");
         self.accept.abort();
+        if let Some(reach) = &self.reach {
+            reach.abort();
+        }
         self.stage.release_all();
         self.shared.endpoint.wait_idle().await;
     }
@@ -609,6 +640,7 @@ async fn start_mesh(
     stage: &Arc<StageRole>,
     data: &std::path::Path,
     settings: &MeshSettings,
+    advertise_given: bool,
 ) -> anyhow::Result<crate::runtime::mesh::Mesh> {
     use crate::runtime::{mesh, planner};
     let model = &shared.model;
@@ -630,6 +662,7 @@ async fn start_mesh(
     }
     .context("cannot tell this machine's free memory: give --memory-mib")?;
     let weak = Arc::downgrade(stage);
+    let reach = shared.net.reach_state();
     let base = mesh_protocol::advert::Advert {
         node_id: shared.tls.public_key,
         seq: 0,
@@ -639,6 +672,7 @@ async fn start_mesh(
         device: mesh_stage::device_name(device),
         memory_bytes: memory,
         load: 0,
+        via: None,
         models: vec![mesh_protocol::advert::AdvertModel {
             package_id: model.package_id(),
             layers: model.config().layers,
@@ -654,6 +688,19 @@ async fn start_mesh(
     };
     let facts: mesh::AdvertFacts = Arc::new(move || {
         let mut advert = base.clone();
+        // Behind a NAT, the address a public member sees, and that member;
+        // public, the address it sees unless one was given.
+        match &*lock(&reach) {
+            Reachability::Behind { seen, via } => {
+                advert.quic = seen.to_string();
+                advert.via = Some(mesh_protocol::advert::AdvertVia {
+                    node_id: via.key,
+                    quic: via.addr.to_string(),
+                });
+            }
+            Reachability::Public { seen } if !advertise_given => advert.quic = seen.to_string(),
+            _ => {}
+        }
         if let Some(stage) = weak.upgrade() {
             let open: usize = lock(&stage.slots)
                 .values()
@@ -676,6 +723,7 @@ async fn start_mesh(
     };
     options.bootstrap = settings.bootstrap.clone();
     options.mdns = settings.mdns;
+    options.relay = settings.relay;
     options.facts = Some(facts);
     mesh::Mesh::start(options).await
 }

@@ -20,7 +20,13 @@ pub(crate) struct Push {
 }
 
 impl ProtocolHandler for Push {
-    fn accept(&self, peer: [u8; 32], send: quinn::SendStream, recv: quinn::RecvStream) -> Handled {
+    fn accept(
+        &self,
+        peer: [u8; 32],
+        _connection: &quinn::Connection,
+        send: quinn::SendStream,
+        recv: quinn::RecvStream,
+    ) -> Handled {
         Box::pin(handle_push(self.coordinator.clone(), peer, send, recv))
     }
 }

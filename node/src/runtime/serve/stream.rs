@@ -22,7 +22,13 @@ pub(crate) struct StageStreams {
 }
 
 impl ProtocolHandler for StageStreams {
-    fn accept(&self, peer: [u8; 32], send: quinn::SendStream, recv: quinn::RecvStream) -> Handled {
+    fn accept(
+        &self,
+        peer: [u8; 32],
+        _connection: &quinn::Connection,
+        send: quinn::SendStream,
+        recv: quinn::RecvStream,
+    ) -> Handled {
         let (stage, coordinator) = (self.stage.clone(), self.coordinator.clone());
         Box::pin(async move {
             let mut recv = recv;

@@ -10,7 +10,7 @@
 use anyhow::ensure;
 use mesh_protocol::SigningKey;
 use mesh_protocol::advert::{
-    Advert, AdvertModel, AdvertRefusal, MAX_ADVERT_SKEW_MS, MAX_ADVERT_TTL_MS, Members,
+    Advert, AdvertModel, AdvertRefusal, AdvertVia, MAX_ADVERT_SKEW_MS, MAX_ADVERT_TTL_MS, Members,
 };
 use mesh_protocol::hex;
 use mesh_protocol::identity::{did_key, peer_id};
@@ -36,6 +36,7 @@ fn reference(node: &SigningKey) -> Advert {
         device: "cpu".into(),
         memory_bytes: 8 << 30,
         load: 1,
+        via: None,
         models: vec![AdvertModel {
             package_id: deterministic_32("mesh-node vectors: a package id"),
             layers: 30,
@@ -198,8 +199,36 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
         NOW_MS,
         "malformed",
     )?;
+    // A node behind a NAT names the member it is reached through; it may
+    // not name itself.
+    let mut behind = advert.clone();
+    behind.quic = "198.51.100.7:40123".into();
+    behind.via = Some(AdvertVia {
+        node_id: them,
+        quic: "192.0.2.1:7420".into(),
+    });
+    case(
+        "behind_a_nat".into(),
+        &behind.sign(&node),
+        &me,
+        NOW_MS,
+        "ok",
+    )?;
+    let mut itself = behind.clone();
+    itself.via = Some(AdvertVia {
+        node_id: me,
+        quic: "192.0.2.1:7420".into(),
+    });
+    case(
+        "via_itself".into(),
+        &itself.sign(&node),
+        &me,
+        NOW_MS,
+        "malformed",
+    )?;
     // The most an advert may say (eight models, each naming the longest
-    // precision) fits the size limit.
+    // precision, and the longest address to be reached through) fits the
+    // size limit.
     let mut fullest = advert.clone();
     fullest.models = (0..8u8)
         .map(|i| AdvertModel {
@@ -212,6 +241,10 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
         .collect();
     fullest.quic = format!("[{}]:65535", "1:2:3:4:5:6:7:8");
     fullest.device = "d".repeat(mesh_protocol::advert::MAX_ADVERT_TEXT);
+    fullest.via = Some(AdvertVia {
+        node_id: them,
+        quic: format!("[{}]:65535", "1:2:3:4:5:6:7:8"),
+    });
     case(
         "the_most_an_advert_says".into(),
         &fullest.sign(&node),

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# A test network in network namespaces (root only): a public segment and two
+# homes behind NAT, so nodes can join and serve across NATs on one machine.
+#
+#   scripts/netns-lab.sh up [PREFIX]     build it (PREFIX names the namespaces, default "lab")
+#   scripts/netns-lab.sh down [PREFIX]   remove it
+#   scripts/netns-lab.sh check           exit 0 when this machine can build it, else say why
+#
+#   PREFIX-wan   the public segment: a bridge, 10.77.0.1/24 ("the internet")
+#   PREFIX-pub   a public host, 10.77.0.10 (a coordinator, a relay)
+#   PREFIX-pub2  a second public host, 10.77.0.11
+#   PREFIX-r1    home 1's router: 10.77.0.21 outside, 192.168.1.1 inside;
+#                MASQUERADE (endpoint-independent mapping: one public port for
+#                every destination, replies only)
+#   PREFIX-h1    a machine in home 1, 192.168.1.2
+#   PREFIX-r2    home 2's router: 10.77.0.22 outside, 192.168.2.1 inside;
+#                MASQUERADE --random-fully (a new public port for every
+#                destination: a symmetric NAT; HOME2_NAT=cone makes it
+#                home 1's kind)
+#   PREFIX-h2    a machine in home 2, 192.168.2.2
+#
+# HOME_DELAY_MS (default 20) delays each home's outside link with tc netem,
+# when the kernel has netem; `up` says when it does not.
+set -euo pipefail
+
+prefix="${2:-lab}"
+delay="${HOME_DELAY_MS:-20}"
+
+check() {
+  if [[ "$(id -u)" != 0 ]]; then echo "the lab needs root (network namespaces, iptables)"; return 1; fi
+  for tool in ip iptables; do
+    command -v "$tool" >/dev/null || { echo "the lab needs $tool (Debian: iproute2, iptables)"; return 1; }
+  done
+  local probe="${prefix}-probe$$"
+  if ! ip netns add "$probe" 2>/dev/null; then echo "cannot make a network namespace here"; return 1; fi
+  if ! ip netns exec "$probe" iptables -t nat -A POSTROUTING -j MASQUERADE 2>/dev/null; then
+    ip netns del "$probe"
+    echo "this kernel has no NAT table for iptables"
+    return 1
+  fi
+  ip netns del "$probe"
+}
+
+in_ns() { ip netns exec "$prefix-$1" "${@:2}"; }
+
+# A veth pair from namespace $1 (interface $2, address $3) to the public bridge.
+to_wan() {
+  local ns="$prefix-$1" name="$2" address="$3"
+  local outer="${prefix}w-$1"
+  ip link add "$outer" type veth peer name "$name" netns "$ns"
+  ip link set "$outer" netns "$prefix-wan"
+  in_ns wan ip link set "$outer" master br0 up
+  in_ns "$1" ip addr add "$address/24" dev "$name"
+  in_ns "$1" ip link set "$name" up
+}
+
+home() {
+  local n="$1" mode="$2"
+  ip netns add "$prefix-r$n"
+  ip netns add "$prefix-h$n"
+  for ns in "r$n" "h$n"; do in_ns "$ns" ip link set lo up; done
+  to_wan "r$n" wan0 "10.77.0.2$n"
+  ip link add "${prefix}l-$n" netns "$prefix-r$n" type veth peer name lan0 netns "$prefix-h$n"
+  in_ns "r$n" ip addr add "192.168.$n.1/24" dev "${prefix}l-$n"
+  in_ns "r$n" ip link set "${prefix}l-$n" up
+  in_ns "h$n" ip addr add "192.168.$n.2/24" dev lan0
+  in_ns "h$n" ip link set lan0 up
+  in_ns "h$n" ip route add default via "192.168.$n.1"
+  in_ns "r$n" sysctl -q -w net.ipv4.ip_forward=1
+  # shellcheck disable=SC2086
+  in_ns "r$n" iptables -t nat -A POSTROUTING -o wan0 -j MASQUERADE $mode
+  # Nothing from outside reaches the home unless it answers what left it.
+  in_ns "r$n" iptables -A FORWARD -i wan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+  in_ns "r$n" iptables -A FORWARD -i wan0 -j DROP
+  # Nor the router itself, as home routers do (a packet let in here would
+  # leave a conntrack entry that changes the port the NAT maps to next).
+  in_ns "r$n" iptables -A INPUT -i wan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+  in_ns "r$n" iptables -A INPUT -i wan0 -j DROP
+  if [[ "$delay" != 0 ]]; then
+    if ! in_ns "r$n" tc qdisc add dev wan0 root netem delay "${delay}ms" 2>/dev/null; then
+      echo "note: this kernel has no netem: home $n's link is not delayed" >&2
+    fi
+  fi
+}
+
+up() {
+  check
+  down 2>/dev/null || true
+  ip netns add "$prefix-wan"
+  in_ns wan ip link set lo up
+  in_ns wan ip link add br0 type bridge
+  in_ns wan ip addr add 10.77.0.1/24 dev br0
+  in_ns wan ip link set br0 up
+  ip netns add "$prefix-pub"
+  in_ns pub ip link set lo up
+  to_wan pub eth0 10.77.0.10
+  ip netns add "$prefix-pub2"
+  in_ns pub2 ip link set lo up
+  to_wan pub2 eth0 10.77.0.11
+  home 1 ""
+  if [[ "${HOME2_NAT:-symmetric}" == cone ]]; then home 2 ""; else home 2 "--random-fully"; fi
+}
+
+down() {
+  local ns
+  for ns in h2 r2 h1 r1 pub2 pub wan; do
+    ip netns del "$prefix-$ns" 2>/dev/null || true
+  done
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  check) check ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
+esac
