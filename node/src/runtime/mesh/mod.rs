@@ -181,17 +181,19 @@ impl Mesh {
             .collect()
     }
 
-    /// The member each node behind a NAT is introduced through, as its
-    /// advert says (`net::peers::Routes`).
+    /// How each member is reached, as its advert says
+    /// (`net::peers::Routes`).
     pub fn routes(&self) -> crate::runtime::net::peers::Routes {
         let state = self.state.clone();
         Arc::new(move |key| {
             let state = lock(&state);
-            let via = state.members.get(key)?.advert.via.as_ref()?;
-            Some(PeerAddr {
-                key: via.node_id,
-                addr: via.quic.parse().ok()?,
-            })
+            let advert = &state.members.get(key)?.advert;
+            Some(advert.via.as_ref().and_then(|via| {
+                Some(PeerAddr {
+                    key: via.node_id,
+                    addr: via.quic.parse().ok()?,
+                })
+            }))
         })
     }
 

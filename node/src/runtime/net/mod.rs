@@ -7,6 +7,7 @@ pub mod msg;
 pub mod peers;
 pub mod reach;
 pub mod tls;
+pub mod tunnel;
 
 pub const ALPN_CONTROL: &[u8] = b"mesh-control/1";
 pub const ALPN_STAGE: &[u8] = b"mesh-stage/1";

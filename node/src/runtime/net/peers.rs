@@ -11,15 +11,17 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::runtime::net::msg;
 use crate::runtime::net::reach::{self, ALPN_REACH, Reachability};
 use crate::runtime::net::tls::{self, TlsIdentity};
+use crate::runtime::net::tunnel::{self, Tunnel};
 
 pub use crate::runtime::net::addr::PeerAddr;
 
 /// A kept connection's key: the peer's key and the ALPN it speaks.
 type ConnectionKey = ([u8; 32], &'static [u8]);
 
-/// The member a node behind a NAT is introduced through, by its key
-/// (the mesh's adverts say).
-pub type Routes = Arc<dyn Fn(&[u8; 32]) -> Option<PeerAddr> + Send + Sync>;
+/// How a member is reached, by its key, as the mesh's adverts say: `None`
+/// for a node not (yet) known, `Some(None)` for a public one, and
+/// `Some(Some(via))` for one behind a NAT, introduced through `via`.
+pub type Routes = Arc<dyn Fn(&[u8; 32]) -> Option<Option<PeerAddr>> + Send + Sync>;
 
 /// Connections this node opened, by peer key and ALPN, on its one
 /// endpoint; how peers behind NATs are reached, and how this node is.
@@ -29,7 +31,18 @@ pub struct Peers {
     cache: tokio::sync::Mutex<HashMap<ConnectionKey, quinn::Connection>>,
     routes: OnceLock<Routes>,
     reach: Arc<Mutex<Reachability>>,
+    tunnel: Arc<Tunnel>,
+    /// Peers no hole could be punched to, and when that was found: reached
+    /// through a relay at once until `RELAYED_FOR` has passed.
+    relayed: std::sync::Mutex<HashMap<[u8; 32], std::time::Instant>>,
 }
+
+/// How long a direct connection may take after an introduction before the
+/// peer is reached through a relay instead.
+pub const PUNCH_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+/// How long a peer no hole could be punched to is reached through a relay
+/// without trying again.
+pub const RELAYED_FOR: std::time::Duration = std::time::Duration::from_secs(600);
 
 impl std::fmt::Debug for Peers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -41,13 +54,35 @@ impl std::fmt::Debug for Peers {
 }
 
 impl Peers {
-    pub fn new(endpoint: quinn::Endpoint, tls: TlsIdentity) -> Self {
+    /// Peers on `endpoint`, whose relayed packets (`tunnel::endpoint`)
+    /// are carried from now on.
+    pub fn new(
+        endpoint: quinn::Endpoint,
+        tls: TlsIdentity,
+        tunnel: Arc<Tunnel>,
+        relayed_packets: tokio::sync::mpsc::Receiver<tunnel::Packet>,
+    ) -> Self {
+        let open = {
+            let (endpoint, tls, tunnel) = (endpoint.clone(), tls.clone(), tunnel.clone());
+            move |relay: PeerAddr| {
+                let (endpoint, tls, tunnel) = (endpoint.clone(), tls.clone(), tunnel.clone());
+                async move {
+                    if let Err(error) = reach::connect_relay(&endpoint, &tls, &relay, &tunnel).await
+                    {
+                        tracing::warn!(%relay, "no relay stream: {error:#}");
+                    }
+                }
+            }
+        };
+        tokio::spawn(tunnel.clone().carry(relayed_packets, open));
         Self {
             endpoint,
             tls,
             cache: tokio::sync::Mutex::new(HashMap::new()),
             routes: OnceLock::new(),
             reach: Arc::new(Mutex::new(Reachability::Unknown)),
+            tunnel,
+            relayed: std::sync::Mutex::default(),
         }
     }
 
@@ -80,39 +115,75 @@ impl Peers {
             self.endpoint.clone(),
             self.tls.clone(),
             self.reach.clone(),
+            self.tunnel.clone(),
             candidates,
         ))
     }
 
-    /// A peer behind a NAT first opens it to this node, at the word of the
-    /// member it keeps a connection with (unless that is this node: its
-    /// kept connection already lets this node's packets in).
-    async fn open_the_way(&self, peer: &PeerAddr) {
-        // A peer whose advert has not come yet may keep its connection with
-        // this node's own rendezvous (a mesh of one bootstrap): ask it.
-        let own = match self.reachability() {
-            Reachability::Behind { via, .. } => Some(via),
-            _ => None,
+    /// The member a peer behind a NAT is introduced (and relayed) through:
+    /// its advert's, else this node's own rendezvous (a peer whose advert
+    /// has not come yet may keep its connection there, as in a mesh of one
+    /// bootstrap); none for a public peer, or when that member is this node
+    /// (its kept connection already lets this node's packets in).
+    fn way_to(&self, peer: &PeerAddr) -> Option<PeerAddr> {
+        let known = self.routes.get().and_then(|routes| routes(&peer.key));
+        let via = match known {
+            Some(route) => route,
+            None => match self.reachability() {
+                Reachability::Behind { via, .. } => Some(via),
+                _ => None,
+            },
         };
-        let Some(via) = self
-            .routes
-            .get()
-            .and_then(|routes| routes(&peer.key))
-            .or(own)
-        else {
-            return;
-        };
-        if via.key == self.tls.public_key {
-            return;
-        }
+        via.filter(|via| via.key != self.tls.public_key && via.key != peer.key)
+    }
+
+    /// Have `peer` open its NAT to this node, at `via`'s word; what the
+    /// peer said (a peer that could not be asked is tried directly).
+    async fn introduce(&self, peer: &PeerAddr, via: &PeerAddr) -> reach::Introduced {
         let introduced = async {
-            let connection = self.connect_direct(&via, ALPN_REACH).await?;
+            let connection = self
+                .connect_direct(via, ALPN_REACH, reach::REACH_CONNECT_TIMEOUT)
+                .await?;
             reach::introduce(&connection, peer.key).await
         };
-        match introduced.await {
-            Ok(()) => tracing::debug!(%peer, %via, "introduced"),
-            Err(error) => tracing::warn!(%peer, %via, "not introduced: {error:#}"),
+        introduced.await.unwrap_or_else(|error| {
+            tracing::warn!(%peer, %via, "not introduced: {error:#}");
+            reach::Introduced::Punched
+        })
+    }
+
+    fn relayed_recently(&self, key: &[u8; 32]) -> bool {
+        self.relayed
+            .lock()
+            .map(|r| r.get(key).is_some_and(|at| at.elapsed() < RELAYED_FOR))
+            .unwrap_or(false)
+    }
+
+    /// A connection to `peer` through the relay at `via`.
+    async fn connect_relayed(
+        &self,
+        peer: &PeerAddr,
+        via: &PeerAddr,
+        alpn: &'static [u8],
+    ) -> anyhow::Result<quinn::Connection> {
+        // A relay that does not answer, or offers none, is said at once,
+        // not after a connection attempt's timeout.
+        if !self.tunnel.relays_through(&via.key) {
+            reach::connect_relay(&self.endpoint, &self.tls, via, &self.tunnel).await?;
         }
+        let addr = self
+            .tunnel
+            .address(via, peer.key)
+            .context("too many peers reached through relays")?;
+        let through = PeerAddr {
+            key: peer.key,
+            addr,
+        };
+        let connection = self
+            .connect_direct(&through, alpn, msg::CONNECT_TIMEOUT)
+            .await
+            .with_context(|| format!("through the relay at {via}"))?;
+        Ok(connection)
     }
 
     pub fn endpoint(&self) -> &quinn::Endpoint {
@@ -129,10 +200,49 @@ impl Peers {
         peer: &PeerAddr,
         alpn: &'static [u8],
     ) -> anyhow::Result<quinn::Connection> {
-        if self.live(peer, alpn).await.is_none() {
-            self.open_the_way(peer).await;
+        if self.live(peer, alpn).await.is_some() {
+            return self.connect_direct(peer, alpn, msg::CONNECT_TIMEOUT).await;
         }
-        self.connect_direct(peer, alpn).await
+        let Some(via) = self.way_to(peer) else {
+            return self.connect_direct(peer, alpn, msg::CONNECT_TIMEOUT).await;
+        };
+        // Behind a NAT: a punched hole, else through the relay. Behind a
+        // symmetric NAT this node's own packets to the peer leave by a port
+        // no introduction told it of: through the relay at once.
+        let own_symmetric = matches!(
+            self.reachability(),
+            Reachability::Behind {
+                symmetric: true,
+                ..
+            }
+        );
+        if !own_symmetric && !self.relayed_recently(&peer.key) {
+            match self.introduce(peer, &via).await {
+                reach::Introduced::Punched => {
+                    match self.connect_direct(peer, alpn, PUNCH_WAIT).await {
+                        Ok(connection) => {
+                            tracing::info!(%peer, %via, "reached by hole punching");
+                            return Ok(connection);
+                        }
+                        Err(error) => {
+                            tracing::info!(%peer, "no hole punched ({error:#}): through the relay")
+                        }
+                    }
+                }
+                reach::Introduced::Symmetric => {
+                    tracing::info!(%peer, "behind a symmetric NAT: through the relay")
+                }
+            }
+            if let Ok(mut relayed) = self.relayed.lock() {
+                relayed.retain(|_, at| at.elapsed() < RELAYED_FOR);
+                if relayed.len() < tunnel::MAX_RELAYED_PEERS {
+                    relayed.insert(peer.key, std::time::Instant::now());
+                }
+            }
+        }
+        let connection = self.connect_relayed(peer, &via, alpn).await?;
+        tracing::info!(%peer, %via, "reached through a relay");
+        Ok(connection)
     }
 
     /// A kept connection to `peer`, or a new one without an introduction.
@@ -140,19 +250,17 @@ impl Peers {
         &self,
         peer: &PeerAddr,
         alpn: &'static [u8],
+        within: std::time::Duration,
     ) -> anyhow::Result<quinn::Connection> {
         let mut connections = self.cache.lock().await;
-        // A node that restarted elsewhere (a new port) is the same key at
-        // another address: the old connection is not reused.
         if let Some(existing) = connections.get(&(peer.key, alpn))
-            && existing.close_reason().is_none()
-            && existing.remote_address() == peer.addr
+            && self.still_good(existing, peer)
         {
             return Ok(existing.clone());
         }
         let config = tls::client_config(&self.tls, peer.key, alpn)?;
         let connecting = self.endpoint.connect_with(config, peer.addr, "mesh-node")?;
-        let connection = tokio::time::timeout(msg::CONNECT_TIMEOUT, connecting)
+        let connection = tokio::time::timeout(within, connecting)
             .await
             .with_context(|| format!("timed out connecting to {peer}"))?
             .with_context(|| format!("connecting to {peer}"))?;
@@ -165,8 +273,21 @@ impl Peers {
             .lock()
             .await
             .get(&(peer.key, alpn))
-            .filter(|c| c.close_reason().is_none() && c.remote_address() == peer.addr)
+            .filter(|c| self.still_good(c, peer))
             .cloned()
+    }
+
+    /// Whether a kept connection still serves `peer`: open, and at its
+    /// address or through a relay to it (a node that restarted elsewhere,
+    /// a new port, is the same key at another address: not reused).
+    fn still_good(&self, connection: &quinn::Connection, peer: &PeerAddr) -> bool {
+        let remote = connection.remote_address();
+        connection.close_reason().is_none()
+            && (remote == peer.addr
+                || self
+                    .tunnel
+                    .named(&remote)
+                    .is_some_and(|(_, key)| key == peer.key))
     }
 
     pub async fn open(

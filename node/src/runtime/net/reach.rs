@@ -18,9 +18,17 @@
 //! ```text
 //! OBSERVE    01                       -> 00|01 (reachable) ‖ seen address (text)
 //! INTRODUCE  02 ‖ node key (32)       -> 00 (introduced) | 01 (not kept here) | 02 (busy)
+//!                                        | 04 (behind a symmetric NAT: relay at once)
 //! PUNCH      03 ‖ asker key (32) ‖ asker address (text)   (rendezvous to node)
-//!                                     -> 00 (sent) | 02 (busy)
+//!                                     -> 00 (sent) | 02 (busy) | 04 (symmetric: no punch)
+//! RELAY      04                       -> 00 (then relay frames, `net::tunnel`)
+//!                                        | 02 (busy) | 03 (this node offers no relay)
 //! ```
+//!
+//! Where no hole can be punched (a symmetric NAT), QUIC packets go through
+//! a member that offers a relay (`--relay`): each side holds a RELAY stream
+//! to it, and it copies each frame to the stream of the member the frame
+//! names, within `RelayBounds`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -34,6 +42,7 @@ use tokio::sync::Semaphore;
 use crate::runtime::net::addr::PeerAddr;
 use crate::runtime::net::msg;
 use crate::runtime::net::tls::{self, TlsIdentity};
+use crate::runtime::net::tunnel::{self, Tunnel};
 use crate::runtime::router::{Handled, ProtocolHandler};
 
 pub const ALPN_REACH: &[u8] = b"mesh-reach/1";
@@ -53,17 +62,125 @@ pub const DIAL_BACK_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a punch's connection attempt lives (its packets open the NAT;
 /// whether it completes does not matter).
 pub const PUNCH_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a connection to a rendezvous or a relay may take: a public
+/// member answers within a round trip, and a request that needs one that
+/// went away learns so early.
+pub const REACH_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a reach request may wait for its answer.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a node behind a NAT that no member relays for asks again.
+pub const RELAYLESS_RECHECK: Duration = Duration::from_secs(30);
 /// How often a public node asks again (it may have moved behind a NAT).
 pub const RECHECK_INTERVAL: Duration = Duration::from_secs(60);
 
 const OBSERVE: u8 = 1;
 const INTRODUCE: u8 = 2;
 const PUNCH: u8 = 3;
+const RELAY: u8 = 4;
 const DONE: u8 = 0;
 const NOT_KEPT: u8 = 1;
 const BUSY: u8 = 2;
+const NO_RELAY: u8 = 3;
+const SYMMETRIC: u8 = 4;
+
+/// How long a relayed circuit may sit idle before its place is freed.
+pub const CIRCUIT_IDLE: Duration = Duration::from_secs(60);
+/// Bytes one relayed circuit carries by default: a few long prompts'
+/// activations and their replies.
+pub const DEFAULT_CIRCUIT_BYTES: u64 = 1 << 30;
+
+/// What a relay carries of the data plane for members that cannot reach
+/// each other: members holding a relay stream, circuits (pairs of them)
+/// at once, and the bytes and time of each circuit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RelayBounds {
+    pub members: usize,
+    pub circuits: usize,
+    pub circuit_bytes: u64,
+    pub circuit_duration: Duration,
+}
+
+impl Default for RelayBounds {
+    fn default() -> Self {
+        Self {
+            members: 128,
+            circuits: 64,
+            circuit_bytes: DEFAULT_CIRCUIT_BYTES,
+            circuit_duration: Duration::from_secs(60 * 60),
+        }
+    }
+}
+
+/// Why a relay dropped a packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CircuitRefusal {
+    /// Every circuit is taken.
+    Full,
+    /// The circuit carried its bytes.
+    Bytes,
+    /// The circuit lived its time.
+    Expired,
+}
+
+#[derive(Debug)]
+struct Circuit {
+    started: std::time::Instant,
+    last: std::time::Instant,
+    bytes: u64,
+}
+
+/// The relay's circuits: one per pair of members, bounded.
+#[derive(Debug)]
+pub struct Circuits {
+    bounds: RelayBounds,
+    open: HashMap<([u8; 32], [u8; 32]), Circuit>,
+}
+
+impl Circuits {
+    pub fn new(bounds: RelayBounds) -> Self {
+        Self {
+            bounds,
+            open: HashMap::new(),
+        }
+    }
+
+    /// Count `bytes` from `from` to `to` at `now`, or say why not.
+    pub fn admit(
+        &mut self,
+        from: [u8; 32],
+        to: [u8; 32],
+        bytes: usize,
+        now: std::time::Instant,
+    ) -> Result<(), CircuitRefusal> {
+        let pair = if from < to { (from, to) } else { (to, from) };
+        if !self.open.contains_key(&pair) {
+            self.open
+                .retain(|_, c| now.saturating_duration_since(c.last) < CIRCUIT_IDLE);
+            if self.open.len() >= self.bounds.circuits {
+                return Err(CircuitRefusal::Full);
+            }
+            self.open.insert(
+                pair,
+                Circuit {
+                    started: now,
+                    last: now,
+                    bytes: 0,
+                },
+            );
+        }
+        let circuit = self.open.get_mut(&pair).ok_or(CircuitRefusal::Full)?;
+        if now.saturating_duration_since(circuit.started) > self.bounds.circuit_duration {
+            return Err(CircuitRefusal::Expired);
+        }
+        let bytes = circuit.bytes.saturating_add(bytes as u64);
+        if bytes > self.bounds.circuit_bytes {
+            return Err(CircuitRefusal::Bytes);
+        }
+        circuit.bytes = bytes;
+        circuit.last = now;
+        Ok(())
+    }
+}
 
 /// What a node knows of how others reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,8 +189,14 @@ pub enum Reachability {
     Unknown,
     /// A connection from another port of a member got through unasked.
     Public { seen: SocketAddr },
-    /// Behind a NAT: others reach it at `seen` after asking `via`.
-    Behind { seen: SocketAddr, via: PeerAddr },
+    /// Behind a NAT: others reach it at `seen` after asking `via`; behind
+    /// a symmetric one (two members saw two ports), only through `via`'s
+    /// relay.
+    Behind {
+        seen: SocketAddr,
+        via: PeerAddr,
+        symmetric: bool,
+    },
 }
 
 impl std::fmt::Display for Reachability {
@@ -81,9 +204,21 @@ impl std::fmt::Display for Reachability {
         match self {
             Reachability::Unknown => write!(f, "not checked yet (no public member answered)"),
             Reachability::Public { seen } => write!(f, "public: members reach it at {seen}"),
-            Reachability::Behind { seen, via } => write!(
+            Reachability::Behind {
+                seen,
+                via,
+                symmetric: false,
+            } => write!(
                 f,
                 "behind a NAT: seen at {seen}; members reach it by hole punching, introduced by {via}"
+            ),
+            Reachability::Behind {
+                seen,
+                via,
+                symmetric: true,
+            } => write!(
+                f,
+                "behind a symmetric NAT (a new port for every destination; seen at {seen}): members reach it relayed by {via}"
             ),
         }
     }
@@ -119,15 +254,38 @@ pub struct Rendezvous {
     behind: Arc<Mutex<HashMap<[u8; 32], quinn::Connection>>>,
     dial_backs: Arc<Semaphore>,
     introductions: Arc<Semaphore>,
+    /// The relay this node offers (`--relay`), if it does.
+    relay: Option<Arc<Relay>>,
+}
+
+/// A refused circuit as logged: its two members and the refusal.
+type RefusalSeen = ([u8; 32], [u8; 32], u8);
+
+/// A relay's members (their streams' frames to write) and circuits.
+#[derive(Debug)]
+struct Relay {
+    bounds: RelayBounds,
+    members: Mutex<HashMap<[u8; 32], tokio::sync::mpsc::Sender<Vec<u8>>>>,
+    circuits: Mutex<Circuits>,
+    /// Refusals logged, each (pair, kind) once.
+    logged: Mutex<std::collections::HashSet<RefusalSeen>>,
 }
 
 impl Rendezvous {
-    pub fn new(tls: TlsIdentity) -> Self {
+    pub fn new(tls: TlsIdentity, relay: Option<RelayBounds>) -> Self {
         Self {
             tls,
             behind: Arc::default(),
             dial_backs: Arc::new(Semaphore::new(MAX_DIAL_BACKS)),
             introductions: Arc::new(Semaphore::new(MAX_INTRODUCTIONS)),
+            relay: relay.map(|bounds| {
+                Arc::new(Relay {
+                    bounds,
+                    members: Mutex::default(),
+                    circuits: Mutex::new(Circuits::new(bounds)),
+                    logged: Mutex::default(),
+                })
+            }),
         }
     }
 
@@ -226,6 +384,7 @@ impl Rendezvous {
         let said = request(&kept, &body, ANSWER_TIMEOUT).await;
         let outcome = match said.as_deref() {
             Ok([DONE]) => DONE,
+            Ok([SYMMETRIC]) => SYMMETRIC,
             Ok(_) => BUSY,
             Err(_) => NOT_KEPT,
         };
@@ -246,6 +405,7 @@ impl ProtocolHandler for Rendezvous {
             behind: self.behind.clone(),
             dial_backs: self.dial_backs.clone(),
             introductions: self.introductions.clone(),
+            relay: self.relay.clone(),
         };
         let connection = connection.clone();
         Box::pin(async move {
@@ -259,10 +419,129 @@ impl ProtocolHandler for Rendezvous {
                     this.introduce(peer, connection.remote_address(), node, send)
                         .await
                 }
+                [RELAY] => match &this.relay {
+                    Some(relay) => relay.clone().serve(peer, send, recv).await,
+                    None => answer(send, &[NO_RELAY]).await,
+                },
                 _ => bail!("not a reach request"),
             }
         })
     }
+}
+
+impl Relay {
+    /// Take `member`'s relay stream: copy each frame it sends to the
+    /// stream of the member the frame names, within the bounds.
+    async fn serve(
+        self: Arc<Self>,
+        member: [u8; 32],
+        mut send: quinn::SendStream,
+        mut recv: quinn::RecvStream,
+    ) -> anyhow::Result<()> {
+        let (frames, mut to_write) = tokio::sync::mpsc::channel::<Vec<u8>>(tunnel::RELAY_QUEUE);
+        let taken = match self.members.lock() {
+            Ok(mut members)
+                if members.len() < self.bounds.members || members.contains_key(&member) =>
+            {
+                members.insert(member, frames.clone());
+                true
+            }
+            _ => false,
+        };
+        if !taken {
+            return answer(send, &[BUSY]).await;
+        }
+        msg::write(&mut send, &[DONE]).await?;
+        tracing::info!(member = %did_key(&member), "relaying QUIC packets for a member");
+        tokio::spawn(async move {
+            while let Some(frame) = to_write.recv().await {
+                if send.write_all(&frame).await.is_err() {
+                    break;
+                }
+            }
+        });
+        while let Ok((to, packet)) = tunnel::read_frame(&mut recv).await {
+            let admitted = self
+                .circuits
+                .lock()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?
+                .admit(member, to, packet.len(), std::time::Instant::now());
+            if let Err(refusal) = admitted {
+                self.refused(member, to, refusal);
+                continue;
+            }
+            let target = self.members.lock().ok().and_then(|m| m.get(&to).cloned());
+            if let Some(target) = target {
+                let _ = target.try_send(tunnel::frame(&member, &packet));
+            }
+        }
+        if let Ok(mut members) = self.members.lock()
+            && members
+                .get(&member)
+                .is_some_and(|m| m.same_channel(&frames))
+        {
+            members.remove(&member);
+        }
+        Ok(())
+    }
+
+    fn refused(&self, from: [u8; 32], to: [u8; 32], refusal: CircuitRefusal) {
+        let first = self
+            .logged
+            .lock()
+            .map(|mut logged| logged.len() < 4096 && logged.insert((from, to, refusal as u8)))
+            .unwrap_or(false);
+        if first {
+            tracing::warn!(
+                from = %did_key(&from),
+                to = %did_key(&to),
+                "the relay refused a circuit: {refusal:?} (limits: {:?})",
+                self.bounds
+            );
+        }
+    }
+}
+
+/// Open a relay stream on `connection` (to a member that offers a relay)
+/// and hand it to the tunnel.
+pub async fn open_relay(
+    connection: &quinn::Connection,
+    relay: PeerAddr,
+    tunnel: &Arc<Tunnel>,
+) -> anyhow::Result<()> {
+    let (mut send, mut recv) = tokio::time::timeout(ANSWER_TIMEOUT, connection.open_bi())
+        .await
+        .context("timed out opening a relay stream")??;
+    msg::write(&mut send, &[RELAY]).await?;
+    let said = msg::read(&mut recv, MAX_REACH_MESSAGE, ANSWER_TIMEOUT)
+        .await?
+        .context("the relay closed the stream without an answer")?;
+    match &said[4..] {
+        [DONE] => {
+            tunnel.attach(relay, send, recv);
+            Ok(())
+        }
+        [NO_RELAY] => bail!("{relay} offers no relay"),
+        [BUSY] => bail!("{relay}'s relay is full"),
+        _ => bail!("an unknown RELAY answer"),
+    }
+}
+
+/// Connect to `relay` and open a relay stream to it for the tunnel.
+pub async fn connect_relay(
+    endpoint: &quinn::Endpoint,
+    tls: &TlsIdentity,
+    relay: &PeerAddr,
+    tunnel: &Arc<Tunnel>,
+) -> anyhow::Result<()> {
+    let config = tls::client_config(tls, relay.key, ALPN_REACH)?;
+    let connection = tokio::time::timeout(
+        REACH_CONNECT_TIMEOUT,
+        endpoint.connect_with(config, relay.addr, "mesh-node")?,
+    )
+    .await
+    .with_context(|| format!("timed out connecting to {relay}"))??;
+    open_relay(&connection, relay.clone(), tunnel).await
 }
 
 /// Ask `rendezvous` how it sees this node; the connection it was asked
@@ -274,7 +553,7 @@ async fn observe(
 ) -> anyhow::Result<(quinn::Connection, bool, SocketAddr)> {
     let config = tls::client_config(tls, rendezvous.key, ALPN_REACH)?;
     let connection = tokio::time::timeout(
-        msg::CONNECT_TIMEOUT,
+        REACH_CONNECT_TIMEOUT,
         endpoint.connect_with(config, rendezvous.addr, "mesh-node")?,
     )
     .await
@@ -295,9 +574,18 @@ async fn punch_on_request(
     endpoint: &quinn::Endpoint,
     tls: &TlsIdentity,
     connection: &quinn::Connection,
+    symmetric: bool,
 ) {
     let punches = Arc::new(Semaphore::new(MAX_PUNCHES));
     while let Ok((send, mut recv)) = connection.accept_bi().await {
+        if symmetric {
+            // No hole a punch opens would be the one the asker dials.
+            tokio::spawn(async move {
+                let _ = msg::read(&mut recv, MAX_REACH_MESSAGE, ANSWER_TIMEOUT).await;
+                let _ = answer(send, &[SYMMETRIC]).await;
+            });
+            continue;
+        }
         let (endpoint, tls, punches) = (endpoint.clone(), tls.clone(), punches.clone());
         tokio::spawn(async move {
             let Ok(Some(frame)) = msg::read(&mut recv, MAX_REACH_MESSAGE, ANSWER_TIMEOUT).await
@@ -339,17 +627,113 @@ fn parse_punch(body: &[u8]) -> Option<([u8; 32], SocketAddr)> {
     Some((asker.try_into().ok()?, addr))
 }
 
+/// What an introduction came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Introduced {
+    /// The node's packet to this node is out: dial it now.
+    Punched,
+    /// The node is behind a symmetric NAT: reach it through the relay.
+    Symmetric,
+}
+
 /// Ask `rendezvous` to have `node` open its NAT to this node; `Ok` once
-/// the node says its packet is out.
-pub async fn introduce(connection: &quinn::Connection, node: [u8; 32]) -> anyhow::Result<()> {
+/// the node says its packet is out, or that it cannot be punched to.
+pub async fn introduce(
+    connection: &quinn::Connection,
+    node: [u8; 32],
+) -> anyhow::Result<Introduced> {
     let mut body = vec![INTRODUCE];
     body.extend_from_slice(&node);
     match request(connection, &body, ANSWER_TIMEOUT).await?.as_slice() {
-        [DONE] => Ok(()),
+        [DONE] => Ok(Introduced::Punched),
+        [SYMMETRIC] => Ok(Introduced::Symmetric),
         [NOT_KEPT] => bail!("the rendezvous keeps no connection for {}", did_key(&node)),
         [BUSY] => bail!("the rendezvous is busy"),
         _ => bail!("an unknown INTRODUCE answer"),
     }
+}
+
+/// Candidates asked at most, each time this node asks again.
+pub const MAX_CANDIDATES_ASKED: usize = 4;
+
+/// What asking the candidates came to: the rendezvous, the connection
+/// asked over, whether the node is public, the address seen, and whether
+/// two members saw two ports (a symmetric NAT).
+struct Learned {
+    rendezvous: PeerAddr,
+    connection: quinn::Connection,
+    public: bool,
+    seen: SocketAddr,
+    symmetric: bool,
+}
+
+/// The first candidate that answers: public, or behind a NAT; behind one,
+/// the first that also relays this node's packets (a symmetric NAT leaves
+/// no other way), else the first that answered; and a second candidate's
+/// view, where there is one, to tell a symmetric NAT.
+async fn find_rendezvous(
+    endpoint: &quinn::Endpoint,
+    tls: &TlsIdentity,
+    tunnel: &Arc<Tunnel>,
+    candidates: Vec<PeerAddr>,
+) -> Option<Learned> {
+    let mut chosen: Option<(Learned, bool)> = None;
+    let mut views: Vec<SocketAddr> = Vec::new();
+    for candidate in candidates.into_iter().take(MAX_CANDIDATES_ASKED) {
+        if chosen.as_ref().is_some_and(|(_, relays)| *relays) && views.len() >= 2 {
+            break;
+        }
+        let (connection, public, seen) = match observe(endpoint, tls, &candidate).await {
+            Ok(answer) => answer,
+            Err(error) => {
+                tracing::debug!(%candidate, "reachability not learned: {error:#}");
+                continue;
+            }
+        };
+        if public {
+            return Some(Learned {
+                rendezvous: candidate,
+                connection,
+                public,
+                seen,
+                symmetric: false,
+            });
+        }
+        views.push(seen);
+        let relays = match &chosen {
+            Some((_, true)) => false,
+            _ => match open_relay(&connection, candidate.clone(), tunnel).await {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::info!(%candidate, "no relay for this node's QUIC packets: {error:#}");
+                    false
+                }
+            },
+        };
+        let better = match &chosen {
+            None => true,
+            Some((_, chosen_relays)) => relays && !chosen_relays,
+        };
+        if better {
+            let learned = Learned {
+                rendezvous: candidate,
+                connection,
+                public,
+                seen,
+                symmetric: false,
+            };
+            if let Some((old, _)) = chosen.replace((learned, relays)) {
+                old.connection.close(0u32.into(), b"another relays");
+            }
+        } else {
+            connection.close(0u32.into(), b"not needed");
+        }
+    }
+    let (mut learned, _) = chosen?;
+    learned.symmetric = views
+        .windows(2)
+        .any(|pair| pair[0].port() != pair[1].port());
+    Some(learned)
 }
 
 /// Learn this node's reachability from the members `candidates` names
@@ -359,20 +743,19 @@ pub async fn keep_reachable(
     endpoint: quinn::Endpoint,
     tls: TlsIdentity,
     state: Arc<Mutex<Reachability>>,
+    tunnel: Arc<Tunnel>,
     candidates: impl Fn() -> Vec<PeerAddr>,
 ) {
     loop {
-        let mut learned = None;
-        for rendezvous in candidates() {
-            match observe(&endpoint, &tls, &rendezvous).await {
-                Ok(answer) => {
-                    learned = Some((rendezvous, answer));
-                    break;
-                }
-                Err(error) => tracing::debug!(%rendezvous, "reachability not learned: {error:#}"),
-            }
-        }
-        let Some((rendezvous, (connection, reachable, seen))) = learned else {
+        let learned = find_rendezvous(&endpoint, &tls, &tunnel, candidates()).await;
+        let Some(Learned {
+            rendezvous,
+            connection,
+            public: reachable,
+            seen,
+            symmetric,
+        }) = learned
+        else {
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         };
@@ -381,7 +764,8 @@ pub async fn keep_reachable(
         } else {
             Reachability::Behind {
                 seen,
-                via: rendezvous,
+                via: rendezvous.clone(),
+                symmetric,
             }
         };
         if let Ok(mut state) = state.lock()
@@ -393,10 +777,19 @@ pub async fn keep_reachable(
         if reachable {
             connection.close(0u32.into(), b"checked");
             tokio::time::sleep(RECHECK_INTERVAL).await;
-        } else {
-            punch_on_request(&endpoint, &tls, &connection).await;
+        } else if tunnel.relays_through(&rendezvous.key) {
+            punch_on_request(&endpoint, &tls, &connection, symmetric).await;
             tracing::info!("the rendezvous connection closed: asking again");
             tokio::time::sleep(Duration::from_secs(1)).await;
+        } else {
+            // No member relayed this node's packets: a member that does may
+            // join later, so ask again after a while.
+            let _ = tokio::time::timeout(
+                RELAYLESS_RECHECK,
+                punch_on_request(&endpoint, &tls, &connection, symmetric),
+            )
+            .await;
+            connection.close(0u32.into(), b"asking again");
         }
     }
 }
@@ -404,6 +797,44 @@ pub async fn keep_reachable(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn bounds(circuits: usize, circuit_bytes: u64) -> RelayBounds {
+        RelayBounds {
+            members: 8,
+            circuits,
+            circuit_bytes,
+            circuit_duration: Duration::from_secs(60),
+        }
+    }
+
+    #[test]
+    fn a_relay_refuses_circuits_past_its_limits() {
+        let now = std::time::Instant::now();
+        let mut circuits = Circuits::new(bounds(2, 1000));
+        assert_eq!(circuits.admit([1; 32], [2; 32], 100, now), Ok(()));
+        // Both directions are one circuit.
+        assert_eq!(circuits.admit([2; 32], [1; 32], 100, now), Ok(()));
+        assert_eq!(circuits.admit([1; 32], [3; 32], 100, now), Ok(()));
+        assert_eq!(
+            circuits.admit([4; 32], [5; 32], 1, now),
+            Err(CircuitRefusal::Full)
+        );
+        // Bytes: 200 carried, 800 more fit, then no more.
+        assert_eq!(circuits.admit([1; 32], [2; 32], 800, now), Ok(()));
+        assert_eq!(
+            circuits.admit([1; 32], [2; 32], 1, now),
+            Err(CircuitRefusal::Bytes)
+        );
+        // Time: a circuit past its duration carries nothing.
+        let later = now + Duration::from_secs(61);
+        assert_eq!(
+            circuits.admit([1; 32], [3; 32], 1, later),
+            Err(CircuitRefusal::Expired)
+        );
+        // An idle circuit's place is freed for another pair.
+        let idle = now + CIRCUIT_IDLE + Duration::from_secs(1);
+        assert_eq!(circuits.admit([4; 32], [5; 32], 1, idle), Ok(()));
+    }
 
     #[test]
     fn a_punch_request_names_a_key_and_an_address() {

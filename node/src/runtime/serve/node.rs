@@ -208,8 +208,10 @@ impl Node {
             &tls,
             &[ALPN_CONTROL, ALPN_STAGE, ALPN_RECORD_PUSH, ALPN_REACH],
         )?;
-        let endpoint = quinn::Endpoint::server(server, options.listen)
-            .with_context(|| format!("binding {} (is another node using it?)", options.listen))?;
+        let (endpoint, tunnel, relayed_packets) =
+            crate::runtime::net::tunnel::endpoint(server, options.listen).with_context(|| {
+                format!("binding {} (is another node using it?)", options.listen)
+            })?;
         let http_listener = match options.http {
             Some(listen) => Some(crate::runtime::http::bind(listen).await?),
             None => None,
@@ -240,10 +242,11 @@ impl Node {
             }
             None => None,
         };
+        let relay = relay_bounds(&options);
         let steward = open_steward(&options.data, &options.key, options.meter, &model)?;
         let advertise = advertised(&endpoint, options.advertise, options.mesh.is_some())?;
         let shared = Arc::new(Shared {
-            net: Peers::new(endpoint.clone(), tls.clone()),
+            net: Peers::new(endpoint.clone(), tls.clone(), tunnel, relayed_packets),
             tls,
             key: options.key.clone(),
             endpoint,
@@ -319,7 +322,10 @@ impl Node {
                     coordinator: coordinator.clone(),
                 }),
             )
-            .accept(ALPN_REACH, Arc::new(Rendezvous::new(shared.tls.clone())))
+            .accept(
+                ALPN_REACH,
+                Arc::new(Rendezvous::new(shared.tls.clone(), relay)),
+            )
             .spawn();
         tokio::spawn(stage::role::release_idle_slices(Arc::downgrade(&stage)));
         let mut node = Node {
@@ -611,6 +617,18 @@ fn open_steward(
     Ok(steward)
 }
 
+/// What this node's relay carries of the data plane (`--relay`): as many
+/// circuits, for as long, as its mesh relay.
+fn relay_bounds(options: &NodeOptions) -> Option<crate::runtime::net::reach::RelayBounds> {
+    let limits = options.mesh.as_ref()?.relay?;
+    Some(crate::runtime::net::reach::RelayBounds {
+        members: limits.reservations,
+        circuits: limits.circuits,
+        circuit_duration: limits.circuit_duration,
+        ..Default::default()
+    })
+}
+
 /// The address other nodes reach this one at: the one given, else the
 /// bound one; on all interfaces in a mesh, the interface the default route
 /// leaves by (others on the network must reach it), else loopback.
@@ -691,7 +709,7 @@ async fn start_mesh(
         // Behind a NAT, the address a public member sees, and that member;
         // public, the address it sees unless one was given.
         match &*lock(&reach) {
-            Reachability::Behind { seen, via } => {
+            Reachability::Behind { seen, via, .. } => {
                 advert.quic = seen.to_string();
                 advert.via = Some(mesh_protocol::advert::AdvertVia {
                     node_id: via.key,

@@ -1,0 +1,395 @@
+//! The data plane through a relay (docs/mesh.md "Reachability"): when no
+//! hole can be punched (a symmetric NAT maps every destination to a new
+//! port), a node's QUIC packets to a peer ride, as they are, on a stream
+//! of its reach connection to a relay, which writes them on the peer's
+//! stream. The QUIC connection inside stays end to end (TLS with both keys
+//! pinned): the relay sees sizes and timing, never the bytes.
+//!
+//! The endpoint's socket sends a packet for a *virtual address* (240.109.x.y,
+//! reserved address space, never routed) to this module instead of the
+//! network; one virtual address names one (relay, peer). Frames on a relay
+//! stream: `peer key (32) ‖ u16 LE length ‖ packet`; the key is the
+//! destination on the way to the relay, the source on the way back.
+
+use std::collections::{HashMap, HashSet};
+use std::io::IoSliceMut;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use quinn::udp::{RecvMeta, Transmit};
+use quinn::{AsyncUdpSocket, UdpPoller};
+use tokio::io::AsyncReadExt;
+use tokio::sync::mpsc;
+
+use crate::runtime::net::addr::PeerAddr;
+
+/// The first two bytes of every virtual address.
+const VIRTUAL_PREFIX: [u8; 2] = [240, 109];
+/// Peers reached through relays at once (one virtual address each).
+pub const MAX_RELAYED_PEERS: usize = 4096;
+/// Largest packet a relay stream carries (QUIC's own are at most 1452 here).
+pub const MAX_RELAYED_PACKET: usize = 1500;
+/// Packets queued to or from relays; past these, packets are dropped, as a
+/// full network queue drops them (QUIC resends).
+pub const RELAY_QUEUE: usize = 1024;
+
+/// Whether `addr` is a virtual address (a peer through a relay).
+pub fn is_virtual(addr: &SocketAddr) -> bool {
+    let v4 = match addr.ip() {
+        IpAddr::V4(v4) => v4,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4,
+            None => return false,
+        },
+    };
+    v4.octets()[..2] == VIRTUAL_PREFIX
+}
+
+/// A packet and the virtual address it goes to or came from.
+pub type Packet = (SocketAddr, Vec<u8>);
+
+/// The endpoint's socket: the real one, and packets for virtual addresses
+/// handed to the tunnel (and theirs handed back).
+#[derive(Debug)]
+struct TunnelSocket {
+    inner: Arc<dyn AsyncUdpSocket>,
+    out: mpsc::Sender<Packet>,
+    inbound: Mutex<mpsc::Receiver<Packet>>,
+    ipv6: bool,
+}
+
+impl AsyncUdpSocket for TunnelSocket {
+    fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+        self.inner.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &Transmit) -> std::io::Result<()> {
+        if !is_virtual(&transmit.destination) {
+            return self.inner.try_send(transmit);
+        }
+        let size = transmit
+            .segment_size
+            .unwrap_or(transmit.contents.len())
+            .max(1);
+        for packet in transmit.contents.chunks(size) {
+            // A full queue drops the packet, as a full network queue would.
+            let _ = self.out.try_send((transmit.destination, packet.to_vec()));
+        }
+        Ok(())
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<std::io::Result<usize>> {
+        if let (Some(buf), Some(slot)) = (bufs.first_mut(), meta.first_mut())
+            && let Ok(mut inbound) = self.inbound.lock()
+            && let Poll::Ready(Some((from, packet))) = inbound.poll_recv(cx)
+        {
+            let len = packet.len().min(buf.len());
+            buf[..len].copy_from_slice(&packet[..len]);
+            let addr = match (self.ipv6, from) {
+                (true, SocketAddr::V4(v4)) => {
+                    SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port())
+                }
+                _ => from,
+            };
+            *slot = RecvMeta {
+                addr,
+                len,
+                stride: len,
+                ecn: None,
+                dst_ip: None,
+            };
+            return Poll::Ready(Ok(1));
+        }
+        self.inner.poll_recv(cx, bufs, meta)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.inner.max_transmit_segments()
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.inner.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.inner.may_fragment()
+    }
+}
+
+/// Which (relay, peer) each virtual address names, both ways.
+#[derive(Debug, Default)]
+struct Virtuals {
+    by_addr: HashMap<SocketAddr, (PeerAddr, [u8; 32])>,
+    by_peer: HashMap<([u8; 32], [u8; 32]), SocketAddr>,
+}
+
+impl Virtuals {
+    fn address(&mut self, relay: &PeerAddr, peer: [u8; 32]) -> Option<SocketAddr> {
+        if let Some(addr) = self.by_peer.get(&(relay.key, peer)) {
+            return Some(*addr);
+        }
+        let index = self.by_addr.len();
+        if index >= MAX_RELAYED_PEERS {
+            return None;
+        }
+        let [hi, lo] = u16::try_from(index).ok()?.to_be_bytes();
+        let [a, b] = VIRTUAL_PREFIX;
+        let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(a, b, hi, lo)), 443);
+        self.by_addr.insert(addr, (relay.clone(), peer));
+        self.by_peer.insert((relay.key, peer), addr);
+        Some(addr)
+    }
+}
+
+/// The node's side of relayed traffic: virtual addresses, and the streams
+/// to relays that carry their packets.
+#[derive(Debug)]
+pub struct Tunnel {
+    virtuals: Mutex<Virtuals>,
+    /// Frames to write on each relay's stream, by relay key.
+    relays: Mutex<HashMap<[u8; 32], mpsc::Sender<Vec<u8>>>>,
+    /// Relays a stream is being opened to.
+    opening: Mutex<HashSet<[u8; 32]>>,
+    /// Packets from relays, to the endpoint's socket.
+    inbound: mpsc::Sender<Packet>,
+}
+
+/// The endpoint's socket on `listen`, wrapped so virtual addresses go
+/// through relays; the tunnel, and the socket's outgoing relayed packets
+/// (for `Tunnel::carry`).
+pub fn endpoint(
+    server: quinn::ServerConfig,
+    listen: SocketAddr,
+) -> std::io::Result<(quinn::Endpoint, Arc<Tunnel>, mpsc::Receiver<Packet>)> {
+    let socket = std::net::UdpSocket::bind(listen)?;
+    let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
+    let inner = runtime.wrap_udp_socket(socket)?;
+    let ipv6 = inner.local_addr()?.is_ipv6();
+    let (out, outgoing) = mpsc::channel(RELAY_QUEUE);
+    let (inbound, incoming) = mpsc::channel(RELAY_QUEUE);
+    let socket = Arc::new(TunnelSocket {
+        inner,
+        out,
+        inbound: Mutex::new(incoming),
+        ipv6,
+    });
+    let endpoint = quinn::Endpoint::new_with_abstract_socket(
+        quinn::EndpointConfig::default(),
+        Some(server),
+        socket,
+        runtime,
+    )?;
+    let tunnel = Arc::new(Tunnel {
+        virtuals: Mutex::default(),
+        relays: Mutex::default(),
+        opening: Mutex::default(),
+        inbound,
+    });
+    Ok((endpoint, tunnel, outgoing))
+}
+
+impl Tunnel {
+    /// The virtual address of `peer` through `relay` (`None`: the table
+    /// is full).
+    pub fn address(&self, relay: &PeerAddr, peer: [u8; 32]) -> Option<SocketAddr> {
+        self.virtuals.lock().ok()?.address(relay, peer)
+    }
+
+    /// The (relay, peer) a virtual address names.
+    pub fn named(&self, addr: &SocketAddr) -> Option<(PeerAddr, [u8; 32])> {
+        let addr = match addr {
+            SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+                Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+                None => *addr,
+            },
+            SocketAddr::V4(_) => *addr,
+        };
+        self.virtuals.lock().ok()?.by_addr.get(&addr).cloned()
+    }
+
+    /// Whether this node holds an open stream to `relay`.
+    pub fn relays_through(&self, relay: &[u8; 32]) -> bool {
+        self.relays
+            .lock()
+            .map(|r| r.get(relay).is_some_and(|frames| !frames.is_closed()))
+            .unwrap_or(false)
+    }
+
+    /// Carry packets over the stream to `relay` (already accepted by it)
+    /// until either side closes it.
+    pub fn attach(
+        self: &Arc<Self>,
+        relay: PeerAddr,
+        mut send: quinn::SendStream,
+        mut recv: quinn::RecvStream,
+    ) {
+        let (frames, mut to_write) = mpsc::channel::<Vec<u8>>(RELAY_QUEUE);
+        if let Ok(mut relays) = self.relays.lock() {
+            relays.insert(relay.key, frames);
+        }
+        tokio::spawn(async move {
+            while let Some(frame) = to_write.recv().await {
+                if send.write_all(&frame).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let this = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Ok((peer, packet)) = read_frame(&mut recv).await {
+                let Some(tunnel) = this.upgrade() else {
+                    break;
+                };
+                if let Some(from) = tunnel.address(&relay, peer) {
+                    let _ = tunnel.inbound.try_send((from, packet));
+                }
+            }
+        });
+    }
+
+    /// Send each relayed packet the socket gives on its relay's stream;
+    /// `open` is asked (once at a time per relay) for a stream to a relay
+    /// this node has none to, and the packets meanwhile are dropped (QUIC
+    /// resends them).
+    pub async fn carry<F, Fut>(self: Arc<Self>, mut outgoing: mpsc::Receiver<Packet>, open: F)
+    where
+        F: Fn(PeerAddr) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        while let Some((to, packet)) = outgoing.recv().await {
+            let Some((relay, peer)) = self.named(&to) else {
+                continue;
+            };
+            let sender = self
+                .relays
+                .lock()
+                .ok()
+                .and_then(|r| r.get(&relay.key).cloned())
+                .filter(|sender| !sender.is_closed());
+            match sender {
+                Some(sender) => {
+                    let _ = sender.try_send(frame(&peer, &packet));
+                }
+                None => {
+                    let first = self
+                        .opening
+                        .lock()
+                        .map(|mut opening| opening.insert(relay.key))
+                        .unwrap_or(false);
+                    if first {
+                        let (this, key) = (self.clone(), relay.key);
+                        let opened = open(relay);
+                        tokio::spawn(async move {
+                            opened.await;
+                            if let Ok(mut opening) = this.opening.lock() {
+                                opening.remove(&key);
+                            }
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One relay-stream frame: `key ‖ u16 LE length ‖ packet`.
+pub fn frame(key: &[u8; 32], packet: &[u8]) -> Vec<u8> {
+    let len = u16::try_from(packet.len().min(MAX_RELAYED_PACKET)).unwrap_or(u16::MAX);
+    let mut out = Vec::with_capacity(34 + packet.len());
+    out.extend_from_slice(key);
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&packet[..usize::from(len)]);
+    out
+}
+
+/// Read one relay-stream frame; an error when the stream ends or a length
+/// is over `MAX_RELAYED_PACKET`.
+pub async fn read_frame<R: tokio::io::AsyncRead + Unpin>(
+    recv: &mut R,
+) -> std::io::Result<([u8; 32], Vec<u8>)> {
+    let mut head = [0u8; 34];
+    recv.read_exact(&mut head).await?;
+    let mut key = [0u8; 32];
+    key.copy_from_slice(&head[..32]);
+    let len = usize::from(u16::from_le_bytes([head[32], head[33]]));
+    if len > MAX_RELAYED_PACKET {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "a relayed packet over the limit",
+        ));
+    }
+    let mut packet = vec![0u8; len];
+    recv.read_exact(&mut packet).await?;
+    Ok((key, packet))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn relay(seed: u8) -> PeerAddr {
+        PeerAddr {
+            key: [seed; 32],
+            addr: "10.77.0.11:7000".parse().unwrap(),
+        }
+    }
+
+    #[test]
+    fn virtual_addresses_are_reserved_space_one_per_relay_and_peer() {
+        let mut virtuals = Virtuals::default();
+        let a = virtuals.address(&relay(1), [7; 32]).unwrap();
+        assert!(is_virtual(&a));
+        assert_eq!(virtuals.address(&relay(1), [7; 32]), Some(a));
+        let b = virtuals.address(&relay(2), [7; 32]).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(virtuals.by_addr.get(&b), Some(&(relay(2), [7; 32])));
+        assert!(!is_virtual(&"10.77.0.11:7000".parse().unwrap()));
+        assert!(!is_virtual(&"[::1]:7000".parse().unwrap()));
+        assert!(is_virtual(&"[::ffff:240.109.0.1]:443".parse().unwrap()));
+        for peer in 2..MAX_RELAYED_PEERS {
+            let mut key = [0u8; 32];
+            key[..8].copy_from_slice(&(peer as u64).to_le_bytes());
+            assert!(virtuals.address(&relay(1), key).is_some());
+        }
+        assert_eq!(virtuals.address(&relay(3), [9; 32]), None);
+    }
+
+    #[tokio::test]
+    async fn a_frame_reads_back_and_an_oversized_one_is_refused() {
+        let frame = frame(&[3; 32], b"a quic packet");
+        let (key, packet) = read_frame(&mut frame.as_slice()).await.unwrap();
+        assert_eq!((key, packet.as_slice()), ([3; 32], &b"a quic packet"[..]));
+        let mut oversized = vec![0u8; 32];
+        oversized.extend_from_slice(&((MAX_RELAYED_PACKET + 1) as u16).to_le_bytes());
+        oversized.resize(32 + 2 + MAX_RELAYED_PACKET + 1, 0);
+        assert!(read_frame(&mut oversized.as_slice()).await.is_err());
+        assert!(read_frame(&mut &frame[..20]).await.is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn frames_round_trip_and_garbage_never_panics(
+            key in any::<[u8; 32]>(),
+            packet in proptest::collection::vec(any::<u8>(), 0..MAX_RELAYED_PACKET),
+            garbage in proptest::collection::vec(any::<u8>(), 0..2000),
+        ) {
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let framed = frame(&key, &packet);
+            let read = runtime.block_on(read_frame(&mut framed.as_slice())).unwrap();
+            prop_assert_eq!(read, (key, packet));
+            let _ = runtime.block_on(read_frame(&mut garbage.as_slice()));
+        }
+    }
+}
