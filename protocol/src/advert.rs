@@ -93,6 +93,9 @@ pub struct AdvertVia {
     pub node_id: [u8; 32],
     /// HOST:PORT of its QUIC data plane.
     pub quic: String,
+    /// The node is behind a symmetric NAT: members reach it only through
+    /// this member's relay.
+    pub relayed: bool,
 }
 
 /// Why an advert is refused.
@@ -164,13 +167,14 @@ impl Advert {
             ),
         ];
         if let Some(via) = &self.via {
-            members.push((
-                "via",
-                Cbor::text_map([
-                    ("node_id", Cbor::bytes(via.node_id)),
-                    ("quic", Cbor::text(&via.quic)),
-                ]),
-            ));
+            let mut fields = vec![
+                ("node_id", Cbor::bytes(via.node_id)),
+                ("quic", Cbor::text(&via.quic)),
+            ];
+            if via.relayed {
+                fields.push(("relayed", Cbor::Uint(1)));
+            }
+            members.push(("via", Cbor::text_map(fields)));
         }
         Cbor::text_map(members)
     }
@@ -300,9 +304,18 @@ impl Advert {
 
     fn read_via(value: &Cbor) -> Result<AdvertVia, AdvertError> {
         let mut f = Fields::of(value)?.text_limit(MAX_ADVERT_TEXT);
+        let node_id = f.fixed("node_id")?;
+        let quic = f.text("quic")?.to_string();
+        let relayed = match f.opt_uint("relayed")? {
+            None => false,
+            Some(1) => true,
+            // Absent means not relayed: only 1 may be written.
+            Some(_) => return Err(AdvertError::Via(quic)),
+        };
         let via = AdvertVia {
-            node_id: f.fixed("node_id")?,
-            quic: f.text("quic")?.to_string(),
+            node_id,
+            quic,
+            relayed,
         };
         f.finish()?;
         if via.quic.parse::<std::net::SocketAddr>().is_err() {
@@ -525,21 +538,32 @@ mod tests {
         a.via = Some(AdvertVia {
             node_id: key(2).verifying_key().to_bytes(),
             quic: "10.77.0.10:7000".into(),
+            relayed: false,
         });
         assert_eq!(Advert::verify(&a.sign(&k), &me, 1_500), Ok(a.clone()));
         let mut itself = a.clone();
         itself.via = Some(AdvertVia {
             node_id: me,
             quic: "10.77.0.10:7000".into(),
+            relayed: false,
         });
         assert!(matches!(
             Advert::verify(&itself.sign(&k), &me, 1_500),
             Err(AdvertError::Via(_))
         ));
+        let mut relayed = a.clone();
+        if let Some(via) = relayed.via.as_mut() {
+            via.relayed = true;
+        }
+        assert_eq!(
+            Advert::verify(&relayed.sign(&k), &me, 1_500),
+            Ok(relayed.clone())
+        );
         let mut nowhere = a.clone();
         nowhere.via = Some(AdvertVia {
             node_id: key(2).verifying_key().to_bytes(),
             quic: "relay.example:7000".into(),
+            relayed: false,
         });
         assert!(matches!(
             Advert::verify(&nowhere.sign(&k), &me, 1_500),
@@ -687,7 +711,7 @@ mod tests {
             a.models[0].layers = layers;
             a.models[0].decode_us_per_layer = speed;
             if seq % 2 == 1 {
-                a.via = Some(AdvertVia { node_id: [9; 32], quic: format!("10.0.0.1:{}", load % 65_536) });
+                a.via = Some(AdvertVia { node_id: [9; 32], quic: format!("10.0.0.1:{}", load % 65_536), relayed: load % 4 == 1 });
             }
             let bytes = a.sign(&k);
             prop_assert_eq!(Advert::verify(&bytes, &k.verifying_key().to_bytes(), issued), Ok(a));

@@ -98,6 +98,9 @@ pub enum LeftOut {
     /// It accepted a step and did not answer within the step timeout (it
     /// goes around it for a while).
     Stalled,
+    /// It is behind a symmetric NAT, reached only through a relay: planned
+    /// only when no chain without such members fits.
+    Relayed,
 }
 
 impl LeftOut {
@@ -116,6 +119,7 @@ impl LeftOut {
             LeftOut::Refused => "refused its last assignment".into(),
             LeftOut::FailedAudit => "failed an audit: its output was not its layers'".into(),
             LeftOut::Stalled => "stalled on a step past the step timeout".into(),
+            LeftOut::Relayed => "behind a symmetric NAT (relayed): a chain without it fits".into(),
         }
     }
 }

@@ -97,6 +97,37 @@ pub fn candidates(
     Ok((candidate(own), others))
 }
 
+/// Plan over `others`, members behind symmetric NATs (reached only through
+/// a relay, every hop to them paying the detour) left out while a chain
+/// without them fits.
+pub fn plan_relayed_last(
+    shape: &ModelShape,
+    own: &Candidate,
+    others: &[Weighed],
+    members: &[MemberView],
+    stages: Stages,
+) -> Result<Plan, mesh_protocol::plan::PlanError> {
+    let relayed = |id: &[u8; 32]| {
+        members.iter().any(|m| {
+            m.advert.node_id == *id && m.advert.via.as_ref().is_some_and(|via| via.relayed)
+        })
+    };
+    let direct: Vec<Weighed> = others
+        .iter()
+        .map(|(candidate, reason)| {
+            let reason = reason
+                .clone()
+                .or_else(|| relayed(&candidate.node_id).then_some(LeftOut::Relayed));
+            (candidate.clone(), reason)
+        })
+        .collect();
+    if direct == others {
+        return mesh_protocol::plan::plan(shape, own, others, stages);
+    }
+    mesh_protocol::plan::plan(shape, own, &direct, stages)
+        .or_else(|_| mesh_protocol::plan::plan(shape, own, others, stages))
+}
+
 /// Plan `model` over the mesh as `coordinator` sees it.
 pub fn plan_over(
     shape: &ModelShape,
@@ -106,7 +137,7 @@ pub fn plan_over(
     stages: Stages,
 ) -> anyhow::Result<Plan> {
     let (own, others) = candidates(package_id, coordinator, members)?;
-    mesh_protocol::plan::plan(shape, &own, &others, stages).map_err(anyhow::Error::new)
+    plan_relayed_last(shape, &own, &others, members, stages).map_err(anyhow::Error::new)
 }
 
 /// A plan as `mesh-node plan --json` prints it.
@@ -293,4 +324,66 @@ pub fn members_json(members: &[MemberView]) -> serde_json::Value {
             }))
             .collect::<Vec<_>>()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mesh_protocol::advert::{AdvertModel, AdvertVia};
+
+    fn member(id: u8, relayed: Option<bool>) -> MemberView {
+        MemberView {
+            advert: Advert {
+                node_id: [id; 32],
+                seq: 1,
+                issued_ms: 0,
+                ttl_ms: 5_000,
+                quic: format!("10.0.0.{id}:7000"),
+                device: "cpu".into(),
+                memory_bytes: 1 << 30,
+                load: 0,
+                models: vec![AdvertModel {
+                    package_id: [9; 32],
+                    layers: 4,
+                    decode_us_per_layer: 100,
+                    precision: None,
+                    name: None,
+                }],
+                via: relayed.map(|relayed| AdvertVia {
+                    node_id: [0; 32],
+                    quic: "10.0.0.250:7000".into(),
+                    relayed,
+                }),
+            },
+            rtt: Some(std::time::Duration::from_micros(500)),
+            age_ms: 0,
+            member_for_ms: 0,
+        }
+    }
+
+    /// A member behind a symmetric NAT is planned only when a chain without
+    /// it does not fit; one behind a NAT that can be punched is planned as
+    /// any other.
+    #[test]
+    fn a_relayed_member_is_planned_only_when_needed() {
+        let shape = ModelShape {
+            layer_bytes: vec![100; 4],
+            head_bytes: 1_000,
+            kv_bytes_per_layer: 10,
+        };
+        let members = vec![
+            member(1, None),
+            member(2, Some(true)),
+            member(3, Some(false)),
+        ];
+        let (own, others) = candidates(&[9; 32], &[1; 32], &members).unwrap();
+        let two = plan_relayed_last(&shape, &own, &others, &members, Stages::Pinned(2)).unwrap();
+        let nodes: Vec<_> = two.stages.iter().map(|s| s.node_id[0]).collect();
+        assert_eq!(nodes, vec![1, 3]);
+        assert!(two.left_out.contains(&([2; 32], LeftOut::Relayed)));
+        let three = plan_relayed_last(&shape, &own, &others, &members, Stages::Pinned(3)).unwrap();
+        let mut nodes: Vec<_> = three.stages.iter().map(|s| s.node_id[0]).collect();
+        nodes.sort();
+        assert_eq!(nodes, vec![1, 2, 3]);
+    }
 }

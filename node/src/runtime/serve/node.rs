@@ -709,11 +709,16 @@ async fn start_mesh(
         // Behind a NAT, the address a public member sees, and that member;
         // public, the address it sees unless one was given.
         match &*lock(&reach) {
-            Reachability::Behind { seen, via, .. } => {
+            Reachability::Behind {
+                seen,
+                via,
+                symmetric,
+            } => {
                 advert.quic = seen.to_string();
                 advert.via = Some(mesh_protocol::advert::AdvertVia {
                     node_id: via.key,
                     quic: via.addr.to_string(),
+                    relayed: *symmetric,
                 });
             }
             Reachability::Public { seen } if !advertise_given => advert.quic = seen.to_string(),

@@ -206,6 +206,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     behind.via = Some(AdvertVia {
         node_id: them,
         quic: "192.0.2.1:7420".into(),
+        relayed: false,
     });
     case(
         "behind_a_nat".into(),
@@ -214,10 +215,22 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
         NOW_MS,
         "ok",
     )?;
+    let mut symmetric = behind.clone();
+    if let Some(via) = symmetric.via.as_mut() {
+        via.relayed = true;
+    }
+    case(
+        "behind_a_symmetric_nat".into(),
+        &symmetric.sign(&node),
+        &me,
+        NOW_MS,
+        "ok",
+    )?;
     let mut itself = behind.clone();
     itself.via = Some(AdvertVia {
         node_id: me,
         quic: "192.0.2.1:7420".into(),
+        relayed: false,
     });
     case(
         "via_itself".into(),
@@ -244,6 +257,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     fullest.via = Some(AdvertVia {
         node_id: them,
         quic: format!("[{}]:65535", "1:2:3:4:5:6:7:8"),
+        relayed: true,
     });
     case(
         "the_most_an_advert_says".into(),

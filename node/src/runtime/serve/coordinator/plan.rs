@@ -225,10 +225,11 @@ impl CoordinatorRole {
                 Some((candidate.node_id, advert.quic.parse().ok()?))
             })
             .collect();
-        let plan = mesh_protocol::plan::plan(
+        let plan = crate::runtime::planner::plan_relayed_last(
             &crate::runtime::planner::model_shape(&self.shared.model),
             &own,
             &others,
+            &members,
             stages,
         )
         .map_err(|error| {
