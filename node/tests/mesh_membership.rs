@@ -1340,12 +1340,14 @@ async fn a_stage_killed_mid_request(
     resumed
 }
 
-/// A resume that cannot finish before the request's deadline ends the
-/// request `timed_out` with an error naming the loss, never a hang: here the
-/// middle stage and the spare are both killed, so no three-stage chain is
-/// left to plan.
+/// A resume with no chain left to plan ends the request with an error
+/// naming the loss, never a hang: here the middle stage and the spare are
+/// both killed, so no three-stage chain is left. The resume waits 1 s for
+/// members (`RESUME_SETTLE_WAIT`), so it says so before the request's 4 s
+/// deadline (`transport_error`); on a machine too slow for that, the
+/// deadline ends it first (`timed_out`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_resume_past_the_deadline_ends_timed_out_not_in_a_hang() {
+async fn a_resume_with_no_chain_left_ends_with_the_loss_named_not_in_a_hang() {
     use mesh_node::runtime::serve::{GenerateRequest, PeerAddr, generate_remote};
     let dir = tempfile::tempdir().unwrap();
     let (coordinator, nodes, _) = three_stages_and_a_spare(dir.path(), &[]);
@@ -1383,7 +1385,12 @@ async fn a_resume_past_the_deadline_ends_timed_out_not_in_a_hang() {
     .await
     .unwrap();
     let took = started.elapsed();
-    assert_eq!(summary.terminal_state, "timed_out", "{:?}", summary.error);
+    assert!(
+        ["transport_error", "timed_out"].contains(&summary.terminal_state.as_str()),
+        "{}: {:?}",
+        summary.terminal_state,
+        summary.error
+    );
     let error = summary.error.unwrap_or_default();
     assert!(error.contains("could not resume"), "{error}");
     assert!(error.contains(&chain[1]), "the lost node is named: {error}");

@@ -70,6 +70,7 @@ impl Peers {
                     if let Err(error) = reach::connect_relay(&endpoint, &tls, &relay, &tunnel).await
                     {
                         tracing::warn!(%relay, "no relay stream: {error:#}");
+                        tunnel.gone(&relay);
                     }
                 }
             }
@@ -168,8 +169,13 @@ impl Peers {
     ) -> anyhow::Result<quinn::Connection> {
         // A relay that does not answer, or offers none, is said at once,
         // not after a connection attempt's timeout.
-        if !self.tunnel.relays_through(&via.key) {
-            reach::connect_relay(&self.endpoint, &self.tls, via, &self.tunnel).await?;
+        self.tunnel.check_relay(via)?;
+        if !self.tunnel.relays_through(&via.key)
+            && let Err(error) =
+                reach::connect_relay(&self.endpoint, &self.tls, via, &self.tunnel).await
+        {
+            self.tunnel.gone(via);
+            return Err(error);
         }
         let addr = self
             .tunnel
@@ -179,8 +185,10 @@ impl Peers {
             key: peer.key,
             addr,
         };
+        // The relay answered just now: a peer behind it answers within a
+        // few of its round trips, or is gone.
         let connection = self
-            .connect_direct(&through, alpn, msg::CONNECT_TIMEOUT)
+            .connect_direct(&through, alpn, PUNCH_WAIT)
             .await
             .with_context(|| format!("through the relay at {via}"))?;
         Ok(connection)

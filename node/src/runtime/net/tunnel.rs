@@ -127,6 +127,15 @@ impl AsyncUdpSocket for TunnelSocket {
     }
 }
 
+/// How long a relay whose stream ended (or could not be opened) is taken
+/// for gone: peers behind it are said unreachable at once meanwhile.
+pub const RELAY_GONE_FOR: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A peer is reached only through a relay that went away.
+#[derive(Debug, thiserror::Error)]
+#[error("the relay at {0} went away {1} ms ago: no path to the peer behind it")]
+pub struct RelayGone(pub PeerAddr, pub u128);
+
 /// Which (relay, peer) each virtual address names, both ways.
 #[derive(Debug, Default)]
 struct Virtuals {
@@ -161,6 +170,8 @@ pub struct Tunnel {
     relays: Mutex<HashMap<[u8; 32], mpsc::Sender<Vec<u8>>>>,
     /// Relays a stream is being opened to.
     opening: Mutex<HashSet<[u8; 32]>>,
+    /// Relays whose stream ended or could not be opened, and when.
+    gone: Mutex<HashMap<[u8; 32], std::time::Instant>>,
     /// Packets from relays, to the endpoint's socket.
     inbound: mpsc::Sender<Packet>,
 }
@@ -194,6 +205,7 @@ pub fn endpoint(
         virtuals: Mutex::default(),
         relays: Mutex::default(),
         opening: Mutex::default(),
+        gone: Mutex::default(),
         inbound,
     });
     Ok((endpoint, tunnel, outgoing))
@@ -218,6 +230,34 @@ impl Tunnel {
         self.virtuals.lock().ok()?.by_addr.get(&addr).cloned()
     }
 
+    /// The relay went away (its stream ended, or none could be opened).
+    pub fn gone(&self, relay: &PeerAddr) {
+        if let Ok(mut gone) = self.gone.lock() {
+            gone.retain(|_, at| at.elapsed() < RELAY_GONE_FOR);
+            if gone.len() < MAX_RELAYED_PEERS {
+                gone.insert(relay.key, std::time::Instant::now());
+            }
+        }
+        if let Ok(mut relays) = self.relays.lock() {
+            relays.remove(&relay.key);
+        }
+    }
+
+    /// `Err` while `relay` is taken for gone.
+    pub fn check_relay(&self, relay: &PeerAddr) -> Result<(), RelayGone> {
+        let since = self
+            .gone
+            .lock()
+            .ok()
+            .and_then(|gone| gone.get(&relay.key).map(|at| at.elapsed()));
+        match since {
+            Some(since) if since < RELAY_GONE_FOR => {
+                Err(RelayGone(relay.clone(), since.as_millis()))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Whether this node holds an open stream to `relay`.
     pub fn relays_through(&self, relay: &[u8; 32]) -> bool {
         self.relays
@@ -236,7 +276,10 @@ impl Tunnel {
     ) {
         let (frames, mut to_write) = mpsc::channel::<Vec<u8>>(RELAY_QUEUE);
         if let Ok(mut relays) = self.relays.lock() {
-            relays.insert(relay.key, frames);
+            relays.insert(relay.key, frames.clone());
+        }
+        if let Ok(mut gone) = self.gone.lock() {
+            gone.remove(&relay.key);
         }
         tokio::spawn(async move {
             while let Some(frame) = to_write.recv().await {
@@ -249,10 +292,23 @@ impl Tunnel {
         tokio::spawn(async move {
             while let Ok((peer, packet)) = read_frame(&mut recv).await {
                 let Some(tunnel) = this.upgrade() else {
-                    break;
+                    return;
                 };
                 if let Some(from) = tunnel.address(&relay, peer) {
                     let _ = tunnel.inbound.try_send((from, packet));
+                }
+            }
+            // The stream ended: its connection closed (the relay went away,
+            // or its 2 s idle timeout passed), unless a newer stream to
+            // the same relay took its place.
+            if let Some(tunnel) = this.upgrade() {
+                let replaced = tunnel
+                    .relays
+                    .lock()
+                    .map(|r| r.get(&relay.key).is_some_and(|f| !f.same_channel(&frames)))
+                    .unwrap_or(false);
+                if !replaced {
+                    tunnel.gone(&relay);
                 }
             }
         });

@@ -20,12 +20,12 @@ use crate::runtime::serve::coordinator::reputation::Reputation;
 use crate::runtime::serve::coordinator::role::CoordinatorRole;
 use crate::runtime::serve::coordinator::runs::Candidates;
 use crate::runtime::serve::coordinator::runs::Chain;
-use crate::runtime::serve::coordinator::runs::MESH_SETTLE_WAIT;
 use crate::runtime::serve::coordinator::runs::MIN_REPLAN_GAIN;
 use crate::runtime::serve::coordinator::runs::PlanCache;
 use crate::runtime::serve::coordinator::runs::REFUSED_MEMBER_PAUSE;
 use crate::runtime::serve::coordinator::runs::Run;
 use crate::runtime::serve::coordinator::runs::Usable;
+use crate::runtime::serve::coordinator::runs::{ANY_CHAIN, MESH_SETTLE_WAIT, RESUME_SETTLE_WAIT};
 use crate::runtime::serve::slot::Assign;
 use crate::runtime::serve::stage::role::DEFAULT_SLICE_IDLE;
 
@@ -333,7 +333,12 @@ impl CoordinatorRole {
     /// flight keep the run they started on. Over a mesh, a chain whose
     /// assignment is refused is planned again around the refusing member.
     pub(crate) async fn ensure_run(self: &Arc<Self>, at_least: usize) -> anyhow::Result<Arc<Run>> {
-        let until = Instant::now() + MESH_SETTLE_WAIT;
+        let settle = if at_least > ANY_CHAIN {
+            RESUME_SETTLE_WAIT
+        } else {
+            MESH_SETTLE_WAIT
+        };
+        let until = Instant::now() + settle;
         // Said once per reason, not at every look.
         let mut said = String::new();
         loop {

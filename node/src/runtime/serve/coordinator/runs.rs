@@ -98,3 +98,8 @@ pub const REFUSED_MEMBER_PAUSE: Duration = Duration::from_secs(30);
 /// request's own deadline): long enough for a restarted coordinator's
 /// members to reconnect.
 pub const MESH_SETTLE_WAIT: Duration = Duration::from_secs(20);
+/// As `MESH_SETTLE_WAIT`, for a request in flight that lost a stage: the
+/// members it can resume over are those the mesh has now (a member that
+/// comes back later serves the next request), so it says it could not
+/// resume within seconds of the loss, not after the start-up wait.
+pub const RESUME_SETTLE_WAIT: Duration = Duration::from_secs(1);

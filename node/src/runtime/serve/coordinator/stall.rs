@@ -57,9 +57,19 @@ pub(crate) async fn blame(
     driven.lost.push(staller);
 }
 
+/// Whether asking a stage failed because no path to it is left.
+fn is_unreachable(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<crate::runtime::net::tunnel::RelayGone>()
+            .is_some()
+    })
+}
+
 /// The first stage still inside the request once those before it ended
-/// their part (each gets a drain's time per stage before it), with its
-/// place in `run.peers`; none when every stage ended its part.
+/// their part (each gets a drain's time per stage before it), or the first
+/// that cannot be asked at all, with its place in `run.peers`; none when
+/// every stage ended its part.
 async fn staller(
     coordinator: &Arc<CoordinatorRole>,
     run: &Run,
@@ -71,9 +81,16 @@ async fn staller(
         for (k, peer) in run.peers.iter().enumerate() {
             let asked =
                 tokio::time::timeout(STATS_WAIT, query_stats(coordinator, peer, request_id));
-            if !matches!(asked.await, Ok(Ok(Some(_)))) {
-                inside = Some((k, peer.key));
-                break;
+            match asked.await {
+                Ok(Ok(Some(_))) => {}
+                // Cannot be asked at all (no path to it: its relay went
+                // away): it will not end its part in any drain's time.
+                Ok(Err(error)) if is_unreachable(&error) => return Some((k, peer.key)),
+                // Still inside, or slow to say: it may yet end its part.
+                _ => {
+                    inside = Some((k, peer.key));
+                    break;
+                }
             }
         }
         let inside = inside?;
