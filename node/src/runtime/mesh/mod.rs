@@ -197,6 +197,18 @@ impl Mesh {
         })
     }
 
+    /// Whether a key is a member now (its advert current), for the reach
+    /// protocol's handler (`net::reach::Membership`).
+    pub fn membership(&self) -> crate::runtime::net::reach::Membership {
+        let state = self.state.clone();
+        Arc::new(move |key| {
+            lock(&state)
+                .members
+                .get(key)
+                .is_some_and(|m| m.advert.expires_ms() > now_ms())
+        })
+    }
+
     /// The members this node may ask how it is reached: those not behind a
     /// NAT themselves, the longest-standing first (a bootstrap, usually).
     pub fn rendezvous_candidates(&self) -> impl Fn() -> Vec<PeerAddr> + Send + 'static {

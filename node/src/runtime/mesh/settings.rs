@@ -42,6 +42,8 @@ pub const MAX_ADDRESSES_PER_PEER: usize = 8;
 pub const MAX_RELAYS_USED: usize = 2;
 /// How often an unconnected member whose adverts arrive is looked up.
 pub const LOOKUP_EVERY: Duration = Duration::from_secs(10);
+/// Look-ups of unconnected members in any `LOOKUP_EVERY`, all together.
+pub const MAX_LOOKUPS: usize = 32;
 pub(super) const IDENTIFY_PROTOCOL: &str = "/mesh-node/1.0.0";
 pub(super) const KAD_PROTOCOL: &str = "/mesh-node/kad/1.0.0";
 

@@ -14,14 +14,14 @@ use libp2p::{
     Multiaddr, PeerId, StreamProtocol, connection_limits, dcutr, identify, kad, mdns, noise, ping,
     relay, tcp, yamux,
 };
-use mesh_protocol::advert::{AdvertRefusal, MAX_ADVERT_BYTES, Offered};
+use mesh_protocol::advert::{Advert, AdvertRefusal, MAX_ADVERT_BYTES, Offered};
 use mesh_protocol::identity::did_key;
 
 use super::settings::{
     ADVERT_TOPIC, HANDSHAKE_TIMEOUT, IDENTIFY_PROTOCOL, KAD_PROTOCOL, LOOKUP_EVERY,
     MAX_ADDRESSES_PER_PEER, MAX_CONNECTIONS_PER_PEER, MAX_DIALED_PEERS, MAX_INBOUND_CONNECTIONS,
-    MAX_PENDING_INBOUND, MAX_PENDING_PER_ADDRESS, MAX_RELAYS_USED, MeshOptions, PING_INTERVAL,
-    PING_TIMEOUT,
+    MAX_LOOKUPS, MAX_PENDING_INBOUND, MAX_PENDING_PER_ADDRESS, MAX_RELAYS_USED, MeshOptions,
+    PING_INTERVAL, PING_TIMEOUT,
 };
 use super::state::{Changes, State, dial_cause, peer_key};
 use crate::runtime::clock::lock;
@@ -536,7 +536,12 @@ fn gossip_message(
         // Not connected (or not an Ed25519 peer): not taken, not
         // forwarded; but looked for, so its next adverts are taken.
         None => {
-            if let Some(source) = message.source {
+            // Looked for only when its advert is one (signed by its source,
+            // current): a made-up message costs no Kademlia query.
+            if let Some(source) = message.source
+                && let Some(key) = peer_key(&source)
+                && Advert::verify(&message.data, &key, now_ms()).is_ok()
+            {
                 look_up(swarm, state, source);
             }
             MessageAcceptance::Ignore
@@ -629,8 +634,10 @@ fn look_up(swarm: &mut libp2p::Swarm<Behaviour>, state: &Mutex<State>, member: P
         {
             return;
         }
-        if s.looked_up.len() >= mesh_protocol::advert::MAX_MEMBERS {
-            s.looked_up.clear();
+        // At most `MAX_LOOKUPS` in any `LOOKUP_EVERY`, over all members.
+        s.looked_up.retain(|_, at| at.elapsed() < LOOKUP_EVERY);
+        if s.looked_up.len() >= MAX_LOOKUPS {
+            return;
         }
         s.looked_up.insert(member, Instant::now());
         s.relays.iter().map(|(r, a)| (*r, a.clone())).collect()

@@ -70,7 +70,7 @@ impl Peers {
                     if let Err(error) = reach::connect_relay(&endpoint, &tls, &relay, &tunnel).await
                     {
                         tracing::warn!(%relay, "no relay stream: {error:#}");
-                        tunnel.gone(&relay);
+                        tunnel.gone(&relay, None);
                     }
                 }
             }
@@ -174,7 +174,7 @@ impl Peers {
             && let Err(error) =
                 reach::connect_relay(&self.endpoint, &self.tls, via, &self.tunnel).await
         {
-            self.tunnel.gone(via);
+            self.tunnel.gone(via, None);
             return Err(error);
         }
         let addr = self
@@ -241,15 +241,18 @@ impl Peers {
                     tracing::info!(%peer, "behind a symmetric NAT: through the relay")
                 }
             }
-            if let Ok(mut relayed) = self.relayed.lock() {
-                relayed.retain(|_, at| at.elapsed() < RELAYED_FOR);
-                if relayed.len() < tunnel::MAX_RELAYED_PEERS {
-                    relayed.insert(peer.key, std::time::Instant::now());
-                }
-            }
         }
         let connection = self.connect_relayed(peer, &via, alpn).await?;
         tracing::info!(%peer, %via, "reached through a relay");
+        // Through the relay from now on, for a while: remembered only once
+        // the relay served (a peer that was restarting is punched to again
+        // when the relay fails).
+        if let Ok(mut relayed) = self.relayed.lock() {
+            relayed.retain(|_, at| at.elapsed() < RELAYED_FOR);
+            if relayed.len() < tunnel::MAX_RELAYED_PEERS {
+                relayed.insert(peer.key, std::time::Instant::now());
+            }
+        }
         Ok(connection)
     }
 

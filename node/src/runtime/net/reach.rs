@@ -23,6 +23,7 @@
 //!                                     -> 00 (sent) | 02 (busy) | 04 (symmetric: no punch)
 //! RELAY      04                       -> 00 (then relay frames, `net::tunnel`)
 //!                                        | 02 (busy) | 03 (this node offers no relay)
+//! any request from a key that is not a member of this node's mesh -> 05
 //! ```
 //!
 //! Where no hole can be punched (a symmetric NAT), QUIC packets go through
@@ -82,6 +83,10 @@ const NOT_KEPT: u8 = 1;
 const BUSY: u8 = 2;
 const NO_RELAY: u8 = 3;
 const SYMMETRIC: u8 = 4;
+const NOT_MEMBER: u8 = 5;
+
+/// Whether a key is a member of this node's mesh now (its advert current).
+pub type Membership = Arc<dyn Fn(&[u8; 32]) -> bool + Send + Sync>;
 
 /// How long a relayed circuit may sit idle before its place is freed.
 pub const CIRCUIT_IDLE: Duration = Duration::from_secs(60);
@@ -153,6 +158,15 @@ impl Circuits {
         now: std::time::Instant,
     ) -> Result<(), CircuitRefusal> {
         let pair = if from < to { (from, to) } else { (to, from) };
+        // A circuit ends after `CIRCUIT_IDLE` without a packet; a pair that
+        // keeps sending past its budget stays refused.
+        if self
+            .open
+            .get(&pair)
+            .is_some_and(|c| now.saturating_duration_since(c.last) >= CIRCUIT_IDLE)
+        {
+            self.open.remove(&pair);
+        }
         if !self.open.contains_key(&pair) {
             self.open
                 .retain(|_, c| now.saturating_duration_since(c.last) < CIRCUIT_IDLE);
@@ -169,6 +183,9 @@ impl Circuits {
             );
         }
         let circuit = self.open.get_mut(&pair).ok_or(CircuitRefusal::Full)?;
+        // A refused packet is a packet too: a pair that keeps sending keeps
+        // its spent circuit.
+        circuit.last = now;
         if now.saturating_duration_since(circuit.started) > self.bounds.circuit_duration {
             return Err(CircuitRefusal::Expired);
         }
@@ -177,7 +194,6 @@ impl Circuits {
             return Err(CircuitRefusal::Bytes);
         }
         circuit.bytes = bytes;
-        circuit.last = now;
         Ok(())
     }
 }
@@ -246,8 +262,8 @@ async fn answer(mut send: quinn::SendStream, body: &[u8]) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// The rendezvous side: answers OBSERVE and INTRODUCE from any member.
-#[derive(Debug)]
+/// The rendezvous side: answers OBSERVE, INTRODUCE and RELAY from the
+/// members of this node's mesh.
 pub struct Rendezvous {
     tls: TlsIdentity,
     /// The kept connections of nodes found behind a NAT, by key.
@@ -256,6 +272,8 @@ pub struct Rendezvous {
     introductions: Arc<Semaphore>,
     /// The relay this node offers (`--relay`), if it does.
     relay: Option<Arc<Relay>>,
+    /// Who may ask: members of this node's mesh only (none off a mesh).
+    members: Option<Membership>,
 }
 
 /// A refused circuit as logged: its two members and the refusal.
@@ -271,9 +289,20 @@ struct Relay {
     logged: Mutex<std::collections::HashSet<RefusalSeen>>,
 }
 
+impl std::fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rendezvous")
+            .field("kept", &self.kept())
+            .field("relay", &self.relay.as_ref().map(|r| r.bounds))
+            .field("in_a_mesh", &self.members.is_some())
+            .finish()
+    }
+}
+
 impl Rendezvous {
-    pub fn new(tls: TlsIdentity, relay: Option<RelayBounds>) -> Self {
+    pub fn new(tls: TlsIdentity, relay: Option<RelayBounds>, members: Option<Membership>) -> Self {
         Self {
+            members,
             tls,
             behind: Arc::default(),
             dial_backs: Arc::new(Semaphore::new(MAX_DIAL_BACKS)),
@@ -296,20 +325,20 @@ impl Rendezvous {
 
     /// Whether a connection from a fresh port reaches `node` at `seen`
     /// unasked: nothing in a NAT on the way has seen that port before.
-    async fn dial_back(&self, node: [u8; 32], seen: SocketAddr) -> bool {
-        let Ok(_permit) = self.dial_backs.clone().try_acquire_owned() else {
-            return false;
-        };
+    /// `None` when every dial-back slot is taken (the asker is told BUSY,
+    /// never "unreachable").
+    async fn dial_back(&self, node: [u8; 32], seen: SocketAddr) -> Option<bool> {
+        let _permit = self.dial_backs.clone().try_acquire_owned().ok()?;
         let any: std::net::IpAddr = if seen.is_ipv4() {
             std::net::Ipv4Addr::UNSPECIFIED.into()
         } else {
             std::net::Ipv6Addr::UNSPECIFIED.into()
         };
         let Ok(endpoint) = quinn::Endpoint::client(SocketAddr::new(any, 0)) else {
-            return false;
+            return Some(false);
         };
         let Ok(config) = tls::client_config(&self.tls, node, ALPN_REACH) else {
-            return false;
+            return Some(false);
         };
         let reached = match endpoint.connect_with(config, seen, "mesh-node") {
             Ok(connecting) => matches!(
@@ -319,7 +348,7 @@ impl Rendezvous {
             Err(_) => false,
         };
         endpoint.close(0u32.into(), b"dial-back done");
-        reached
+        Some(reached)
     }
 
     /// Keep `connection` for introductions to `node`, until it closes.
@@ -330,12 +359,13 @@ impl Rendezvous {
         if behind.len() >= MAX_BEHIND && !behind.contains_key(&node) {
             return false;
         }
+        let id = connection.stable_id();
+        // Asked again on the same connection: it is watched already.
+        if behind.get(&node).is_some_and(|kept| kept.stable_id() == id) {
+            return true;
+        }
         behind.insert(node, connection.clone());
-        let (kept, connection, id) = (
-            Arc::downgrade(&self.behind),
-            connection.clone(),
-            connection.stable_id(),
-        );
+        let (kept, connection) = (Arc::downgrade(&self.behind), connection.clone());
         tokio::spawn(async move {
             connection.closed().await;
             if let Some(kept) = kept.upgrade()
@@ -355,7 +385,9 @@ impl Rendezvous {
         send: quinn::SendStream,
     ) -> anyhow::Result<()> {
         let seen = connection.remote_address();
-        let reachable = self.dial_back(node, seen).await;
+        let Some(reachable) = self.dial_back(node, seen).await else {
+            return answer(send, &[BUSY]).await;
+        };
         if !reachable && self.keep(node, connection) {
             tracing::info!(node = %did_key(&node), %seen, "keeping a connection for a node behind a NAT");
         }
@@ -406,12 +438,21 @@ impl ProtocolHandler for Rendezvous {
             dial_backs: self.dial_backs.clone(),
             introductions: self.introductions.clone(),
             relay: self.relay.clone(),
+            members: self.members.clone(),
         };
         let connection = connection.clone();
         Box::pin(async move {
             let Some(frame) = msg::read(&mut recv, MAX_REACH_MESSAGE, ANSWER_TIMEOUT).await? else {
                 return Ok(());
             };
+            // A stranger makes this node dial, punch or relay nothing.
+            if !this
+                .members
+                .as_ref()
+                .is_some_and(|is_member| is_member(&peer))
+            {
+                return answer(send, &[NOT_MEMBER]).await;
+            }
             match &frame[4..] {
                 [OBSERVE] => this.observe(peer, &connection, send).await,
                 [INTRODUCE, node @ ..] => {
@@ -429,6 +470,26 @@ impl ProtocolHandler for Rendezvous {
     }
 }
 
+/// A member's place at the relay, given up when its stream ends (unless a
+/// newer stream of the same member took it).
+struct MemberSlot {
+    relay: Arc<Relay>,
+    member: [u8; 32],
+    frames: tokio::sync::mpsc::Sender<Vec<u8>>,
+}
+
+impl Drop for MemberSlot {
+    fn drop(&mut self) {
+        if let Ok(mut members) = self.relay.members.lock()
+            && members
+                .get(&self.member)
+                .is_some_and(|m| m.same_channel(&self.frames))
+        {
+            members.remove(&self.member);
+        }
+    }
+}
+
 impl Relay {
     /// Take `member`'s relay stream: copy each frame it sends to the
     /// stream of the member the frame names, within the bounds.
@@ -438,20 +499,31 @@ impl Relay {
         mut send: quinn::SendStream,
         mut recv: quinn::RecvStream,
     ) -> anyhow::Result<()> {
+        let room = self
+            .members
+            .lock()
+            .map(|m| m.len() < self.bounds.members || m.contains_key(&member))
+            .unwrap_or(false);
+        if !room {
+            return answer(send, &[BUSY]).await;
+        }
+        msg::write(&mut send, &[DONE]).await?;
+        // The member's place is taken once it heard DONE, and given up on
+        // every way out of here.
         let (frames, mut to_write) = tokio::sync::mpsc::channel::<Vec<u8>>(tunnel::RELAY_QUEUE);
-        let taken = match self.members.lock() {
+        let _slot = match self.members.lock() {
             Ok(mut members)
                 if members.len() < self.bounds.members || members.contains_key(&member) =>
             {
                 members.insert(member, frames.clone());
-                true
+                MemberSlot {
+                    relay: self.clone(),
+                    member,
+                    frames,
+                }
             }
-            _ => false,
+            _ => return Ok(()),
         };
-        if !taken {
-            return answer(send, &[BUSY]).await;
-        }
-        msg::write(&mut send, &[DONE]).await?;
         tracing::info!(member = %did_key(&member), "relaying QUIC packets for a member");
         tokio::spawn(async move {
             while let Some(frame) = to_write.recv().await {
@@ -461,6 +533,11 @@ impl Relay {
             }
         });
         while let Ok((to, packet)) = tunnel::read_frame(&mut recv).await {
+            // Only between members: a frame to a made-up key opens nothing.
+            let target = self.members.lock().ok().and_then(|m| m.get(&to).cloned());
+            let Some(target) = target else {
+                continue;
+            };
             let admitted = self
                 .circuits
                 .lock()
@@ -470,17 +547,7 @@ impl Relay {
                 self.refused(member, to, refusal);
                 continue;
             }
-            let target = self.members.lock().ok().and_then(|m| m.get(&to).cloned());
-            if let Some(target) = target {
-                let _ = target.try_send(tunnel::frame(&member, &packet));
-            }
-        }
-        if let Ok(mut members) = self.members.lock()
-            && members
-                .get(&member)
-                .is_some_and(|m| m.same_channel(&frames))
-        {
-            members.remove(&member);
+            let _ = target.try_send(tunnel::frame(&member, &packet));
         }
         Ok(())
     }
@@ -518,11 +585,12 @@ pub async fn open_relay(
         .context("the relay closed the stream without an answer")?;
     match &said[4..] {
         [DONE] => {
-            tunnel.attach(relay, send, recv);
+            tunnel.attach(relay, connection.clone(), send, recv);
             Ok(())
         }
         [NO_RELAY] => bail!("{relay} offers no relay"),
         [BUSY] => bail!("{relay}'s relay is full"),
+        [NOT_MEMBER] => bail!("{relay} does not count this node a member (yet)"),
         _ => bail!("an unknown RELAY answer"),
     }
 }
@@ -534,6 +602,10 @@ pub async fn connect_relay(
     relay: &PeerAddr,
     tunnel: &Arc<Tunnel>,
 ) -> anyhow::Result<()> {
+    let _one = tunnel.opening_one().await;
+    if tunnel.relays_through(&relay.key) {
+        return Ok(());
+    }
     let config = tls::client_config(tls, relay.key, ALPN_REACH)?;
     let connection = tokio::time::timeout(
         REACH_CONNECT_TIMEOUT,
@@ -559,6 +631,11 @@ async fn observe(
     .await
     .with_context(|| format!("timed out connecting to {rendezvous}"))??;
     let said = request(&connection, &[OBSERVE], DIAL_BACK_TIMEOUT + ANSWER_TIMEOUT).await?;
+    match said.as_slice() {
+        [NOT_MEMBER] => bail!("{rendezvous} does not count this node a member (yet)"),
+        [BUSY] => bail!("{rendezvous} is busy"),
+        _ => {}
+    }
     let Some((&reachable, seen)) = said.split_first() else {
         bail!("an empty OBSERVE answer");
     };
@@ -649,6 +726,7 @@ pub async fn introduce(
         [SYMMETRIC] => Ok(Introduced::Symmetric),
         [NOT_KEPT] => bail!("the rendezvous keeps no connection for {}", did_key(&node)),
         [BUSY] => bail!("the rendezvous is busy"),
+        [NOT_MEMBER] => bail!("the rendezvous does not count this node a member (yet)"),
         _ => bail!("an unknown INTRODUCE answer"),
     }
 }
@@ -691,6 +769,9 @@ async fn find_rendezvous(
             }
         };
         if public {
+            if let Some((old, _)) = chosen.take() {
+                old.connection.close(0u32.into(), b"public after all");
+            }
             return Some(Learned {
                 rendezvous: candidate,
                 connection,
@@ -730,9 +811,14 @@ async fn find_rendezvous(
         }
     }
     let (mut learned, _) = chosen?;
-    learned.symmetric = views
-        .windows(2)
-        .any(|pair| pair[0].port() != pair[1].port());
+    // One public address with two ports: a mapping per destination. (Two
+    // addresses say nothing: a member on the node's own network, or over
+    // IPv6, sees another one.)
+    learned.symmetric = views.iter().enumerate().any(|(i, a)| {
+        views[i + 1..]
+            .iter()
+            .any(|b| a.ip() == b.ip() && a.port() != b.port())
+    });
     Some(learned)
 }
 
@@ -803,7 +889,7 @@ mod tests {
             members: 8,
             circuits,
             circuit_bytes,
-            circuit_duration: Duration::from_secs(60),
+            circuit_duration: Duration::from_secs(30),
         }
     }
 
@@ -825,15 +911,19 @@ mod tests {
             circuits.admit([1; 32], [2; 32], 1, now),
             Err(CircuitRefusal::Bytes)
         );
-        // Time: a circuit past its duration carries nothing.
-        let later = now + Duration::from_secs(61);
-        assert_eq!(
-            circuits.admit([1; 32], [3; 32], 1, later),
-            Err(CircuitRefusal::Expired)
-        );
-        // An idle circuit's place is freed for another pair.
-        let idle = now + CIRCUIT_IDLE + Duration::from_secs(1);
+        // Time: a circuit past its duration (30 s here) carries nothing, and
+        // one that keeps sending stays refused.
+        for seconds in [31, 50, 70, 90] {
+            assert_eq!(
+                circuits.admit([1; 32], [3; 32], 1, now + Duration::from_secs(seconds)),
+                Err(CircuitRefusal::Expired)
+            );
+        }
+        // A circuit silent for `CIRCUIT_IDLE` has ended: its place goes to
+        // another pair, and the pair may start a new one.
+        let idle = now + Duration::from_secs(91) + CIRCUIT_IDLE;
         assert_eq!(circuits.admit([4; 32], [5; 32], 1, idle), Ok(()));
+        assert_eq!(circuits.admit([1; 32], [2; 32], 1, idle), Ok(()));
     }
 
     #[test]

@@ -235,6 +235,10 @@ pub fn server_config(
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)?;
     let mut config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
     config.transport_config(transport());
+    // A connection's address is the one its handshake came from: a client
+    // may not move it (a move is unproven until validated, and the reach
+    // protocol answers and dials the address it sees).
+    config.migration(false);
     Ok(config)
 }
 

@@ -161,13 +161,26 @@ impl Virtuals {
     }
 }
 
+/// A relay stream in use: its number, its frames to write, its connection.
+#[derive(Debug)]
+struct Attached {
+    number: u64,
+    frames: mpsc::Sender<Vec<u8>>,
+    connection: quinn::Connection,
+}
+
 /// The node's side of relayed traffic: virtual addresses, and the streams
 /// to relays that carry their packets.
 #[derive(Debug)]
 pub struct Tunnel {
     virtuals: Mutex<Virtuals>,
-    /// Frames to write on each relay's stream, by relay key.
-    relays: Mutex<HashMap<[u8; 32], mpsc::Sender<Vec<u8>>>>,
+    /// Frames to write on each relay's stream, by relay key, with the
+    /// stream's number and connection.
+    relays: Mutex<HashMap<[u8; 32], Attached>>,
+    /// Numbers the streams attached, so an ended one removes only itself.
+    attached: std::sync::atomic::AtomicU64,
+    /// One relay stream opened at a time.
+    open_one: tokio::sync::Mutex<()>,
     /// Relays a stream is being opened to.
     opening: Mutex<HashSet<[u8; 32]>>,
     /// Relays whose stream ended or could not be opened, and when.
@@ -205,6 +218,8 @@ pub fn endpoint(
         virtuals: Mutex::default(),
         relays: Mutex::default(),
         opening: Mutex::default(),
+        attached: std::sync::atomic::AtomicU64::new(0),
+        open_one: tokio::sync::Mutex::new(()),
         gone: Mutex::default(),
         inbound,
     });
@@ -230,16 +245,21 @@ impl Tunnel {
         self.virtuals.lock().ok()?.by_addr.get(&addr).cloned()
     }
 
-    /// The relay went away (its stream ended, or none could be opened).
-    pub fn gone(&self, relay: &PeerAddr) {
+    /// The relay went away (its stream ended, or none could be opened):
+    /// forget its stream (only stream `number`, when given, so an ended
+    /// stream does not remove a newer one) and take it for gone a while.
+    pub fn gone(&self, relay: &PeerAddr, number: Option<u64>) {
+        if let Ok(mut relays) = self.relays.lock() {
+            if number.is_some_and(|n| relays.get(&relay.key).is_some_and(|a| a.number != n)) {
+                return;
+            }
+            relays.remove(&relay.key);
+        }
         if let Ok(mut gone) = self.gone.lock() {
             gone.retain(|_, at| at.elapsed() < RELAY_GONE_FOR);
             if gone.len() < MAX_RELAYED_PEERS {
                 gone.insert(relay.key, std::time::Instant::now());
             }
-        }
-        if let Ok(mut relays) = self.relays.lock() {
-            relays.remove(&relay.key);
         }
     }
 
@@ -262,21 +282,42 @@ impl Tunnel {
     pub fn relays_through(&self, relay: &[u8; 32]) -> bool {
         self.relays
             .lock()
-            .map(|r| r.get(relay).is_some_and(|frames| !frames.is_closed()))
+            .map(|r| r.get(relay).is_some_and(|a| !a.frames.is_closed()))
             .unwrap_or(false)
     }
 
-    /// Carry packets over the stream to `relay` (already accepted by it)
-    /// until either side closes it.
+    /// Hold while opening a stream to a relay (and look again whether one
+    /// is open once held): one is opened at a time.
+    pub async fn opening_one(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.open_one.lock().await
+    }
+
+    /// Carry packets over the stream to `relay` (already accepted by it,
+    /// on `connection`) until either side closes it. A stream it replaces
+    /// is closed with its connection.
     pub fn attach(
         self: &Arc<Self>,
         relay: PeerAddr,
+        connection: quinn::Connection,
         mut send: quinn::SendStream,
         mut recv: quinn::RecvStream,
     ) {
         let (frames, mut to_write) = mpsc::channel::<Vec<u8>>(RELAY_QUEUE);
-        if let Ok(mut relays) = self.relays.lock() {
-            relays.insert(relay.key, frames.clone());
+        let number = self
+            .attached
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let replaced = self.relays.lock().ok().and_then(|mut relays| {
+            relays.insert(
+                relay.key,
+                Attached {
+                    number,
+                    frames,
+                    connection,
+                },
+            )
+        });
+        if let Some(old) = replaced {
+            old.connection.close(0u32.into(), b"replaced");
         }
         if let Ok(mut gone) = self.gone.lock() {
             gone.remove(&relay.key);
@@ -299,17 +340,9 @@ impl Tunnel {
                 }
             }
             // The stream ended: its connection closed (the relay went away,
-            // or its 2 s idle timeout passed), unless a newer stream to
-            // the same relay took its place.
+            // or its 2 s idle timeout passed).
             if let Some(tunnel) = this.upgrade() {
-                let replaced = tunnel
-                    .relays
-                    .lock()
-                    .map(|r| r.get(&relay.key).is_some_and(|f| !f.same_channel(&frames)))
-                    .unwrap_or(false);
-                if !replaced {
-                    tunnel.gone(&relay);
-                }
+                tunnel.gone(&relay, Some(number));
             }
         });
     }
@@ -331,7 +364,7 @@ impl Tunnel {
                 .relays
                 .lock()
                 .ok()
-                .and_then(|r| r.get(&relay.key).cloned())
+                .and_then(|r| r.get(&relay.key).map(|a| a.frames.clone()))
                 .filter(|sender| !sender.is_closed());
             match sender {
                 Some(sender) => {

@@ -324,7 +324,11 @@ impl Node {
             )
             .accept(
                 ALPN_REACH,
-                Arc::new(Rendezvous::new(shared.tls.clone(), relay)),
+                Arc::new(Rendezvous::new(
+                    shared.tls.clone(),
+                    relay,
+                    shared.mesh.get().map(|mesh| mesh.membership()),
+                )),
             )
             .spawn();
         tokio::spawn(stage::role::release_idle_slices(Arc::downgrade(&stage)));
