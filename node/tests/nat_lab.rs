@@ -336,18 +336,9 @@ fn request(lab: &Lab, mesh: &Mesh, dir: &Path, name: &str, tokens: u32) -> (Valu
         String::from_utf8_lossy(&out.stderr),
         std::fs::read_to_string(&mesh.coordinator.log).unwrap_or_default()
     );
-    let verified = Command::new(bin())
-        .args(["verify", "--json"])
-        .arg(&bundle)
-        .output()
-        .unwrap();
-    assert_eq!(
-        verified.status.code(),
-        Some(0),
-        "the bundle verifies: {}",
-        String::from_utf8_lossy(&verified.stdout)
-    );
     let bundle: Value = serde_json::from_slice(&std::fs::read(&bundle).unwrap()).unwrap();
+    let (code, report) = common::nodes::verify(dir, &bundle);
+    assert_eq!(code, 0, "the bundle verifies: {report:#}");
     (bundle, took)
 }
 
@@ -396,6 +387,26 @@ fn paths(mesh: &Mesh) -> Vec<String> {
     all
 }
 
+/// Once the plan has a stage in each home, one request of 8 tokens from
+/// the public side: its chain holds both homes, and the hop between them
+/// took `path` (`hole-punched` or `relayed`).
+fn serve_across_homes(lab: &Lab, mesh: &Mesh, dir: &Path, model: &Path, name: &str, path: &str) {
+    wait_for_plan(lab, mesh, model);
+    let (bundle, took) = request(lab, mesh, dir, name, 8);
+    let stages = chain(&bundle);
+    eprintln!("chain: {stages:?}; 8 tokens in {took:?} (no netem delay on these links)");
+    assert!(mesh.home_dids.iter().all(|d| stages.contains(d)));
+    let hops = paths(mesh);
+    let between_homes: Vec<_> = hops
+        .iter()
+        .filter(|h| mesh.home_dids.iter().all(|d| h.contains(short(d))))
+        .collect();
+    assert!(
+        !between_homes.is_empty() && between_homes.iter().all(|h| h.ends_with(path)),
+        "the hop between the homes is {path}: {hops:?}"
+    );
+}
+
 fn short(did: &str) -> &str {
     &did[did.len().saturating_sub(8)..]
 }
@@ -416,20 +427,7 @@ fn a_chain_over_two_cone_nats_is_served_by_hole_punching() {
         "both homes keep one port for every destination: {:?}",
         mesh.reach
     );
-    wait_for_plan(&lab, &mesh, &model);
-    let (bundle, took) = request(&lab, &mesh, dir.path(), "cone", 8);
-    let stages = chain(&bundle);
-    eprintln!("chain: {stages:?}; 8 tokens in {took:?} (no netem delay on these links)");
-    assert!(mesh.home_dids.iter().all(|d| stages.contains(d)));
-    let hops = paths(&mesh);
-    let between_homes: Vec<_> = hops
-        .iter()
-        .filter(|h| mesh.home_dids.iter().all(|d| h.contains(short(d))))
-        .collect();
-    assert!(
-        !between_homes.is_empty() && between_homes.iter().all(|h| h.ends_with("hole-punched")),
-        "the hop between the homes is hole-punched: {hops:?}"
-    );
+    serve_across_homes(&lab, &mesh, dir.path(), &model, "cone", "hole-punched");
 }
 
 #[test]
@@ -448,20 +446,7 @@ fn a_chain_through_a_symmetric_nat_is_relayed_and_a_relay_lost_mid_request_is_sa
         "home 2's NAT is found symmetric, home 1's not: {:?}",
         mesh.reach
     );
-    wait_for_plan(&lab, &mesh, &model);
-    let (bundle, took) = request(&lab, &mesh, dir.path(), "symmetric", 8);
-    let stages = chain(&bundle);
-    eprintln!("chain: {stages:?}; 8 tokens in {took:?} (no netem delay on these links)");
-    assert!(mesh.home_dids.iter().all(|d| stages.contains(d)));
-    let hops = paths(&mesh);
-    let between_homes: Vec<_> = hops
-        .iter()
-        .filter(|h| mesh.home_dids.iter().all(|d| h.contains(short(d))))
-        .collect();
-    assert!(
-        !between_homes.is_empty() && between_homes.iter().all(|h| h.ends_with("relayed")),
-        "the hop between the homes is relayed: {hops:?}"
-    );
+    serve_across_homes(&lab, &mesh, dir.path(), &model, "symmetric", "relayed");
     // The relay goes away mid-request: the request resumes over another
     // path, or fails with one clear line, within 5 s of the kill (the
     // relayed connections' 2 s idle timeout, then a resume that finds no

@@ -600,9 +600,7 @@ fn listen_through_relays(swarm: &mut libp2p::Swarm<Behaviour>, state: &Mutex<Sta
         if s.listening_via.len() >= MAX_RELAYS_USED {
             break;
         }
-        let circuit = without_peer(address)
-            .with(Protocol::P2p(relay))
-            .with(Protocol::P2pCircuit);
+        let circuit = through_relay(address, relay);
         match swarm.listen_on(circuit.clone()) {
             Ok(listener) => {
                 s.listening_via.insert(listener, relay);
@@ -612,12 +610,15 @@ fn listen_through_relays(swarm: &mut libp2p::Swarm<Behaviour>, state: &Mutex<Sta
     }
 }
 
-/// An address without its trailing `/p2p/PEERID`.
-fn without_peer(mut address: Multiaddr) -> Multiaddr {
+/// A circuit through the relay dialled at `address`:
+/// `…/p2p/RELAY/p2p-circuit` (a trailing `/p2p/` of `address` replaced).
+fn through_relay(mut address: Multiaddr, relay: PeerId) -> Multiaddr {
     if let Some(Protocol::P2p(_)) = address.iter().last() {
         address.pop();
     }
     address
+        .with(Protocol::P2p(relay))
+        .with(Protocol::P2pCircuit)
 }
 
 /// A member this node holds no connection to (behind a NAT, say) sent an
@@ -644,10 +645,7 @@ fn look_up(swarm: &mut libp2p::Swarm<Behaviour>, state: &Mutex<State>, member: P
     };
     swarm.behaviour_mut().kad.get_closest_peers(member);
     for (relay, address) in relays {
-        let through = without_peer(address)
-            .with(Protocol::P2p(relay))
-            .with(Protocol::P2pCircuit)
-            .with(Protocol::P2p(member));
+        let through = through_relay(address, relay).with(Protocol::P2p(member));
         let _ = swarm.dial(through);
     }
 }

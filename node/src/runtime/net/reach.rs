@@ -264,6 +264,7 @@ async fn answer(mut send: quinn::SendStream, body: &[u8]) -> anyhow::Result<()> 
 
 /// The rendezvous side: answers OBSERVE, INTRODUCE and RELAY from the
 /// members of this node's mesh.
+#[derive(Clone)]
 pub struct Rendezvous {
     tls: TlsIdentity,
     /// The kept connections of nodes found behind a NAT, by key.
@@ -432,14 +433,7 @@ impl ProtocolHandler for Rendezvous {
         send: quinn::SendStream,
         mut recv: quinn::RecvStream,
     ) -> Handled {
-        let this = Self {
-            tls: self.tls.clone(),
-            behind: self.behind.clone(),
-            dial_backs: self.dial_backs.clone(),
-            introductions: self.introductions.clone(),
-            relay: self.relay.clone(),
-            members: self.members.clone(),
-        };
+        let this = self.clone();
         let connection = connection.clone();
         Box::pin(async move {
             let Some(frame) = msg::read(&mut recv, MAX_REACH_MESSAGE, ANSWER_TIMEOUT).await? else {
@@ -595,6 +589,22 @@ pub async fn open_relay(
     }
 }
 
+/// A `mesh-reach/1` connection to `member` from this node's endpoint,
+/// within `REACH_CONNECT_TIMEOUT`.
+async fn connect(
+    endpoint: &quinn::Endpoint,
+    tls: &TlsIdentity,
+    member: &PeerAddr,
+) -> anyhow::Result<quinn::Connection> {
+    let config = tls::client_config(tls, member.key, ALPN_REACH)?;
+    Ok(tokio::time::timeout(
+        REACH_CONNECT_TIMEOUT,
+        endpoint.connect_with(config, member.addr, "mesh-node")?,
+    )
+    .await
+    .with_context(|| format!("timed out connecting to {member}"))??)
+}
+
 /// Connect to `relay` and open a relay stream to it for the tunnel.
 pub async fn connect_relay(
     endpoint: &quinn::Endpoint,
@@ -606,13 +616,7 @@ pub async fn connect_relay(
     if tunnel.relays_through(&relay.key) {
         return Ok(());
     }
-    let config = tls::client_config(tls, relay.key, ALPN_REACH)?;
-    let connection = tokio::time::timeout(
-        REACH_CONNECT_TIMEOUT,
-        endpoint.connect_with(config, relay.addr, "mesh-node")?,
-    )
-    .await
-    .with_context(|| format!("timed out connecting to {relay}"))??;
+    let connection = connect(endpoint, tls, relay).await?;
     open_relay(&connection, relay.clone(), tunnel).await
 }
 
@@ -623,13 +627,7 @@ async fn observe(
     tls: &TlsIdentity,
     rendezvous: &PeerAddr,
 ) -> anyhow::Result<(quinn::Connection, bool, SocketAddr)> {
-    let config = tls::client_config(tls, rendezvous.key, ALPN_REACH)?;
-    let connection = tokio::time::timeout(
-        REACH_CONNECT_TIMEOUT,
-        endpoint.connect_with(config, rendezvous.addr, "mesh-node")?,
-    )
-    .await
-    .with_context(|| format!("timed out connecting to {rendezvous}"))??;
+    let connection = connect(endpoint, tls, rendezvous).await?;
     let said = request(&connection, &[OBSERVE], DIAL_BACK_TIMEOUT + ANSWER_TIMEOUT).await?;
     match said.as_slice() {
         [NOT_MEMBER] => bail!("{rendezvous} does not count this node a member (yet)"),

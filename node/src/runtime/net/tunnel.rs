@@ -37,14 +37,22 @@ pub const RELAY_QUEUE: usize = 1024;
 
 /// Whether `addr` is a virtual address (a peer through a relay).
 pub fn is_virtual(addr: &SocketAddr) -> bool {
-    let v4 = match addr.ip() {
-        IpAddr::V4(v4) => v4,
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => v4,
-            None => return false,
+    match unmapped(addr) {
+        SocketAddr::V4(v4) => v4.ip().octets()[..2] == VIRTUAL_PREFIX,
+        SocketAddr::V6(_) => false,
+    }
+}
+
+/// `addr` with an IPv4-mapped IPv6 address (a dual-stack socket's view)
+/// as the IPv4 address it maps.
+fn unmapped(addr: &SocketAddr) -> SocketAddr {
+    match addr {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => *addr,
         },
-    };
-    v4.octets()[..2] == VIRTUAL_PREFIX
+        SocketAddr::V4(_) => *addr,
+    }
 }
 
 /// A packet and the virtual address it goes to or came from.
@@ -235,14 +243,12 @@ impl Tunnel {
 
     /// The (relay, peer) a virtual address names.
     pub fn named(&self, addr: &SocketAddr) -> Option<(PeerAddr, [u8; 32])> {
-        let addr = match addr {
-            SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
-                Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
-                None => *addr,
-            },
-            SocketAddr::V4(_) => *addr,
-        };
-        self.virtuals.lock().ok()?.by_addr.get(&addr).cloned()
+        self.virtuals
+            .lock()
+            .ok()?
+            .by_addr
+            .get(&unmapped(addr))
+            .cloned()
     }
 
     /// The relay went away (its stream ended, or none could be opened):
