@@ -19,12 +19,17 @@
 #                home 1's kind)
 #   PREFIX-h2    a machine in home 2, 192.168.2.2
 #
-# HOME_DELAY_MS (default 20) delays each home's outside link with tc netem,
-# when the kernel has netem; `up` says when it does not.
+# HOME_DELAY_MS (default 20; 0 for none) is each home's outside link's round
+# trip, half each way. The link is a pair of TAP devices joined by
+# scripts/netns-delay.py, in user space: tc netem is not in every kernel
+# (not in this project's CI machine's), and one way is tested everywhere.
 set -euo pipefail
 
 prefix="${2:-lab}"
 delay="${HOME_DELAY_MS:-20}"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+pump_pid="/run/netns-lab-$prefix.pid"
+pump_log="/run/netns-lab-$prefix.log"
 
 check() {
   if [[ "$(id -u)" != 0 ]]; then echo "the lab needs root (network namespaces, iptables)"; return 1; fi
@@ -39,6 +44,10 @@ check() {
     return 1
   fi
   ip netns del "$probe"
+  if [[ "$delay" != 0 ]]; then
+    command -v python3 >/dev/null || { echo "the lab's delayed links need python3 (or HOME_DELAY_MS=0)"; return 1; }
+    [[ -c /dev/net/tun ]] || { echo "the lab's delayed links need /dev/net/tun (or HOME_DELAY_MS=0)"; return 1; }
+  fi
 }
 
 in_ns() { ip netns exec "$prefix-$1" "${@:2}"; }
@@ -54,12 +63,28 @@ to_wan() {
   in_ns "$1" ip link set "$name" up
 }
 
+# As to_wan, over a delayed link: a TAP device on each side, which
+# netns-delay.py joins once every home is built.
+delayed_to_wan() {
+  local ns="$prefix-$1" name="$2" address="$3"
+  local outer="${prefix}w-$1"
+  in_ns wan ip tuntap add dev "$outer" mode tap
+  in_ns "$1" ip tuntap add dev "$name" mode tap
+  in_ns wan ip link set "$outer" master br0 up
+  in_ns "$1" ip addr add "$address/24" dev "$name"
+  in_ns "$1" ip link set "$name" up
+}
+
 home() {
   local n="$1" mode="$2"
   ip netns add "$prefix-r$n"
   ip netns add "$prefix-h$n"
   for ns in "r$n" "h$n"; do in_ns "$ns" ip link set lo up; done
-  to_wan "r$n" wan0 "10.77.0.2$n"
+  if [[ "$delay" != 0 ]]; then
+    delayed_to_wan "r$n" wan0 "10.77.0.2$n"
+  else
+    to_wan "r$n" wan0 "10.77.0.2$n"
+  fi
   ip link add "${prefix}l-$n" netns "$prefix-r$n" type veth peer name lan0 netns "$prefix-h$n"
   in_ns "r$n" ip addr add "192.168.$n.1/24" dev "${prefix}l-$n"
   in_ns "r$n" ip link set "${prefix}l-$n" up
@@ -76,11 +101,23 @@ home() {
   # leave a conntrack entry that changes the port the NAT maps to next).
   in_ns "r$n" iptables -A INPUT -i wan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
   in_ns "r$n" iptables -A INPUT -i wan0 -j DROP
-  if [[ "$delay" != 0 ]]; then
-    if ! in_ns "r$n" tc qdisc add dev wan0 root netem delay "${delay}ms" 2>/dev/null; then
-      echo "note: this kernel has no netem: home $n's link is not delayed" >&2
-    fi
-  fi
+}
+
+# The delayed links' pump, detached (it outlives `up`), until `down`.
+start_pump() {
+  setsid python3 "$here/netns-delay.py" "$delay" \
+    "$prefix-wan" "${prefix}w-r1" "$prefix-r1" wan0 \
+    "$prefix-wan" "${prefix}w-r2" "$prefix-r2" wan0 \
+    >"$pump_log" 2>&1 </dev/null &
+  echo $! >"$pump_pid"
+  local i
+  for i in $(seq 50); do
+    grep -q ready "$pump_log" 2>/dev/null && return 0
+    kill -0 "$(cat "$pump_pid")" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "netns-delay.py did not start: $(cat "$pump_log")" >&2
+  return 1
 }
 
 up() {
@@ -99,10 +136,15 @@ up() {
   to_wan pub2 eth0 10.77.0.11
   home 1 ""
   if [[ "${HOME2_NAT:-symmetric}" == cone ]]; then home 2 ""; else home 2 "--random-fully"; fi
+  if [[ "$delay" != 0 ]]; then start_pump; fi
 }
 
 down() {
   local ns
+  if [[ -f "$pump_pid" ]]; then
+    kill "$(cat "$pump_pid")" 2>/dev/null || true
+    rm -f "$pump_pid" "$pump_log"
+  fi
   for ns in h2 r2 h1 r1 pub2 pub wan; do
     ip netns del "$prefix-$ns" 2>/dev/null || true
   done
@@ -112,5 +154,5 @@ case "${1:-}" in
   up) up ;;
   down) down ;;
   check) check ;;
-  *) sed -n '2,20p' "$0"; exit 2 ;;
+  *) sed -n '2,26p' "$0"; exit 2 ;;
 esac

@@ -22,6 +22,9 @@ use serde_json::Value;
 
 const COORDINATOR: &str = "10.77.0.10";
 const RELAY: &str = "10.77.0.11";
+/// Each home's link to the public segment: its round trip, half each way
+/// (`HOME_DELAY_MS`).
+const HOME_DELAY_MS: f64 = 20.0;
 
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/netns-lab.sh")
@@ -56,6 +59,7 @@ impl Lab {
             .arg(script())
             .args(["up", &prefix])
             .env("HOME2_NAT", home2_nat)
+            .env("HOME_DELAY_MS", HOME_DELAY_MS.to_string())
             .output()
             .unwrap();
         assert!(
@@ -317,8 +321,14 @@ fn wait_for_plan(lab: &Lab, mesh: &Mesh, model: &Path) {
 }
 
 /// One request from the second public host; the bundle, checked offline,
-/// and the time it took.
-fn request(lab: &Lab, mesh: &Mesh, dir: &Path, name: &str, tokens: u32) -> (Value, Duration) {
+/// the coordinator's details of it, and the time it took.
+fn request(
+    lab: &Lab,
+    mesh: &Mesh,
+    dir: &Path,
+    name: &str,
+    tokens: u32,
+) -> (Value, Value, Duration) {
     let bundle = dir.join(format!("{name}.json"));
     let started = Instant::now();
     let out = lab
@@ -339,7 +349,8 @@ fn request(lab: &Lab, mesh: &Mesh, dir: &Path, name: &str, tokens: u32) -> (Valu
     let bundle: Value = serde_json::from_slice(&std::fs::read(&bundle).unwrap()).unwrap();
     let (code, report) = common::nodes::verify(dir, &bundle);
     assert_eq!(code, 0, "the bundle verifies: {report:#}");
-    (bundle, took)
+    let printed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    (bundle, printed["details"].clone(), took)
 }
 
 /// The stages' node ids in chain order.
@@ -387,15 +398,34 @@ fn paths(mesh: &Mesh) -> Vec<String> {
     all
 }
 
-/// Once the plan has a stage in each home, one request of 8 tokens from
+/// Once the plan has a stage in each home, one request of 16 tokens from
 /// the public side: its chain holds both homes, and the hop between them
 /// took `path` (`hole-punched` or `relayed`).
 fn serve_across_homes(lab: &Lab, mesh: &Mesh, dir: &Path, model: &Path, name: &str, path: &str) {
     wait_for_plan(lab, mesh, model);
-    let (bundle, took) = request(lab, mesh, dir, name, 8);
+    let (bundle, details, took) = request(lab, mesh, dir, name, 16);
     let stages = chain(&bundle);
-    eprintln!("chain: {stages:?}; 8 tokens in {took:?} (no netem delay on these links)");
     assert!(mesh.home_dids.iter().all(|d| stages.contains(d)));
+    // The floor: the one-way delays a decode step crosses. With the direct
+    // return (the default) every stage of the chain is entered once and
+    // left once, and each home's link costs half its round trip each way;
+    // a relay on the public segment adds no delayed link.
+    let in_homes = stages.iter().filter(|s| mesh.home_dids.contains(s)).count();
+    let floor_ms = in_homes as f64 * HOME_DELAY_MS;
+    let per_token_ms = 1e3 / details["decode_tokens_per_s"].as_f64().unwrap();
+    // The stages' forward passes (this is a debug build), per decode step.
+    let compute_ms = details["decode_engine_ms"].as_f64().unwrap()
+        / details["decode_steps"].as_f64().unwrap().max(1.0);
+    eprintln!(
+        "chain: {stages:?}; 16 tokens in {took:?}; decode {per_token_ms:.2} ms a token, \
+         {:.2} ms without the stages' compute, against a floor of {floor_ms} ms (the home \
+         links' one-way delays; {HOME_DELAY_MS} ms round trip each)",
+        per_token_ms - compute_ms,
+    );
+    assert!(
+        per_token_ms >= floor_ms,
+        "a token cannot beat the links' delays: the links are delayed"
+    );
     let hops = paths(mesh);
     let between_homes: Vec<_> = hops
         .iter()
