@@ -599,6 +599,7 @@ async fn forged_and_replayed_adverts_are_refused_and_logged_once() {
         memory_bytes: 1 << 30,
         load: 0,
         via: None,
+        rtts: Vec::new(),
         models: vec![AdvertModel {
             package_id: [9; 32],
             layers: 6,

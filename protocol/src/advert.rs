@@ -38,6 +38,10 @@ pub const MAX_MEMBERS: usize = 4096;
 pub const MAX_DECODE_US_PER_LAYER: u64 = 100_000_000;
 /// Domain separation of the advert signature.
 pub const ADVERT_SIGNATURE_CONTEXT: &[u8] = b"mesh-advert/1\0";
+/// The most round trips to other members an advert names.
+pub const MAX_ADVERT_RTTS: usize = 24;
+/// The longest round trip an advert may name, microseconds (10 s).
+pub const MAX_ADVERT_RTT_US: u64 = 10_000_000;
 /// Advert format version.
 pub const ADVERT_VERSION: u64 = 1;
 
@@ -84,6 +88,19 @@ pub struct Advert {
     /// others ask to have the node open its NAT to them (docs/mesh.md,
     /// "Reachability"). `quic` is then the address that member sees.
     pub via: Option<AdvertVia>,
+    /// Round trips the node measured to other members (its mesh pings), in
+    /// node id order, each member once, never itself; empty when it names
+    /// none (the field is then absent). The planner weighs a hop between
+    /// two members by them (`plan::Links`).
+    pub rtts: Vec<AdvertRtt>,
+}
+
+/// A round trip a node measured to another member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdvertRtt {
+    pub node_id: [u8; 32],
+    /// Microseconds, 1 to `MAX_ADVERT_RTT_US`.
+    pub rtt_us: u64,
 }
 
 /// The member a node behind a NAT is reached through.
@@ -129,6 +146,11 @@ pub enum AdvertError {
     EmptyModel,
     #[error("`via` names the node itself, or an address `{0}` that does not parse")]
     Via(String),
+    #[error(
+        "`rtts`: empty, over {MAX_ADVERT_RTTS} entries, not in node id order, naming the node \
+         itself, or a round trip of 0 or over {MAX_ADVERT_RTT_US} us"
+    )]
+    Rtts,
 }
 
 impl Advert {
@@ -175,6 +197,14 @@ impl Advert {
                 fields.push(("relayed", Cbor::Uint(1)));
             }
             members.push(("via", Cbor::text_map(fields)));
+        }
+        if !self.rtts.is_empty() {
+            let rtts = self
+                .rtts
+                .iter()
+                .map(|r| Cbor::Array(vec![Cbor::bytes(r.node_id), Cbor::Uint(r.rtt_us)]))
+                .collect();
+            members.push(("rtts", Cbor::Array(rtts)));
         }
         Cbor::text_map(members)
     }
@@ -250,6 +280,11 @@ impl Advert {
         let load = f.u32("load")?;
         let entries = f.array("models")?;
         let via = f.optional("via").map(Self::read_via).transpose()?;
+        let rtts = f
+            .optional("rtts")
+            .map(|rtts| Self::read_rtts(rtts, &node_id))
+            .transpose()?
+            .unwrap_or_default();
         f.finish()?;
         if let Some(via) = &via
             && via.node_id == node_id
@@ -299,7 +334,34 @@ impl Advert {
             load,
             models,
             via,
+            rtts,
         })
+    }
+
+    /// One encoding per list: present only when not empty, ascending node
+    /// ids (so each member once), bounded in length and in each value.
+    fn read_rtts(value: &Cbor, own: &[u8; 32]) -> Result<Vec<AdvertRtt>, AdvertError> {
+        let entries = value.as_array().ok_or(AdvertError::Rtts)?;
+        if entries.is_empty() || entries.len() > MAX_ADVERT_RTTS {
+            return Err(AdvertError::Rtts);
+        }
+        let mut rtts: Vec<AdvertRtt> = Vec::with_capacity(entries.len());
+        for entry in entries {
+            let [node_id, rtt_us] = entry.as_array().ok_or(AdvertError::Rtts)? else {
+                return Err(AdvertError::Rtts);
+            };
+            let node_id: [u8; 32] = node_id
+                .as_bytes()
+                .and_then(|b| b.try_into().ok())
+                .ok_or(AdvertError::Rtts)?;
+            let rtt_us = rtt_us.as_uint().ok_or(AdvertError::Rtts)?;
+            let after_last = rtts.last().is_none_or(|last| last.node_id < node_id);
+            if node_id == *own || !after_last || !(1..=MAX_ADVERT_RTT_US).contains(&rtt_us) {
+                return Err(AdvertError::Rtts);
+            }
+            rtts.push(AdvertRtt { node_id, rtt_us });
+        }
+        Ok(rtts)
     }
 
     fn read_via(value: &Cbor) -> Result<AdvertVia, AdvertError> {
@@ -527,6 +589,43 @@ mod tests {
                 name: None,
             }],
             via: None,
+            rtts: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn round_trips_to_members_are_named_once_each_in_order() {
+        let k = key(1);
+        let me = k.verifying_key().to_bytes();
+        let rtt = |id: u8, rtt_us: u64| AdvertRtt {
+            node_id: [id; 32],
+            rtt_us,
+        };
+        let mut a = advert(&k, 1, 1_000);
+        a.rtts = vec![rtt(2, 1_500), rtt(5, 40_000)];
+        assert_eq!(Advert::verify(&a.sign(&k), &me, 1_000), Ok(a.clone()));
+        let most = (0..MAX_ADVERT_RTTS as u8)
+            .map(|i| rtt(i + 2, MAX_ADVERT_RTT_US))
+            .collect::<Vec<_>>();
+        a.rtts = most.clone();
+        assert!(a.sign(&k).len() <= MAX_ADVERT_BYTES);
+        assert_eq!(Advert::verify(&a.sign(&k), &me, 1_000), Ok(a.clone()));
+        for refused in [
+            vec![rtt(5, 1), rtt(2, 1)],
+            vec![rtt(2, 1), rtt(2, 1)],
+            vec![rtt(2, 0)],
+            vec![rtt(2, MAX_ADVERT_RTT_US + 1)],
+            vec![AdvertRtt {
+                node_id: me,
+                rtt_us: 1,
+            }],
+            [most.clone(), vec![rtt(200, 1)]].concat(),
+        ] {
+            a.rtts = refused;
+            assert_eq!(
+                Advert::verify(&a.sign(&k), &me, 1_000),
+                Err(AdvertError::Rtts)
+            );
         }
     }
 
@@ -713,6 +812,9 @@ mod tests {
             if seq % 2 == 1 {
                 a.via = Some(AdvertVia { node_id: [9; 32], quic: format!("10.0.0.1:{}", load % 65_536), relayed: load % 4 == 1 });
             }
+            a.rtts = (0..(layers as usize % (MAX_ADVERT_RTTS + 1)))
+                .map(|i| AdvertRtt { node_id: [i as u8 + 10; 32], rtt_us: 1 + speed % MAX_ADVERT_RTT_US })
+                .collect();
             let bytes = a.sign(&k);
             prop_assert_eq!(Advert::verify(&bytes, &k.verifying_key().to_bytes(), issued), Ok(a));
         }

@@ -11,12 +11,22 @@
 //!           + return_us of the final stage (when there are 2 or more)
 //! ```
 //!
-//! `hop_us_k` is the one-way trip into stage k (half the coordinator's
-//! measured round trip to it, plus a fixed per-hop cost); the final stage's
-//! answer comes straight back to the coordinator (direct return), half its
-//! round trip. A stage may hold layers `[a, b)` when their weights plus the
+//! `hop_us_k` is the one-way trip into stage k from stage k - 1, plus a
+//! fixed per-hop cost: half the round trip between the two as either
+//! measured it (members name theirs in their adverts; the coordinator's
+//! own are its pings), else half the coordinator's round trip to stage k.
+//! A hop into a member behind a symmetric NAT goes through its relay: the
+//! two legs' delays and one more per-hop cost. The final stage's answer
+//! comes straight back to the coordinator (direct return), half its round
+//! trip. A stage may hold layers `[a, b)` when their weights plus the
 //! KV cache of `b - a` layers fit the memory it offers (stage 0, the
 //! coordinator, also holds the embedding and the output head).
+//!
+//! Hops depend on the order of the stages, so the members are put in one
+//! order first, as a route: from the coordinator, each time to the nearest
+//! member not yet placed (the fastest of those within `ROUTE_SLACK_US` of
+//! the nearest, so that jitter does not reorder a LAN). The search then
+//! picks which of them to use, in that order, and their layers, exactly.
 //!
 //! Among the splits of the fewest-cost projection, the one whose slowest
 //! stage is fastest wins (that is what bounds throughput under load), then
@@ -24,6 +34,7 @@
 //! projection or the model does not fit otherwise, unless the number of
 //! stages is pinned.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 /// The most stages a plan has.
@@ -60,19 +71,129 @@ pub struct Candidate {
     /// counts: 1 where its caches hold f16 (the engine's own attention, on
     /// a CPU), 2 where they hold f32 (candle's, on a GPU).
     pub kv_scale: u64,
+    /// Round trips it measured to other members, microseconds (its
+    /// advert's `rtts`).
+    pub rtts: Vec<([u8; 32], u64)>,
+    /// It is behind a symmetric NAT, reached only through this member's
+    /// relay.
+    pub relayed_by: Option<[u8; 32]>,
 }
 
 impl Candidate {
-    fn hop_us(&self) -> u64 {
-        (self.rtt_us / 2).saturating_add(PER_HOP_OVERHEAD_US)
-    }
-
     /// The KV cache bytes `layers` layers take on this node.
     fn kv_bytes(&self, model: &ModelShape, layers: u64) -> u64 {
         layers
             .saturating_mul(model.kv_bytes_per_layer)
             .saturating_mul(self.kv_scale.max(1))
     }
+}
+
+/// Hops within this of the nearest are equally near when the route is
+/// ordered (members within 10 ms round trip of each other are one region):
+/// round trips on a loaded LAN jitter by milliseconds, and a plan should
+/// not change with the jitter; the faster member goes first.
+pub const ROUTE_SLACK_US: u64 = 5_000;
+
+/// The round trips between the plan's nodes that either end measured,
+/// and who is reached through a relay: what a hop between two costs.
+#[derive(Debug, Default)]
+struct Links {
+    coordinator: [u8; 32],
+    /// The coordinator's own round trip to each member.
+    from_coordinator: BTreeMap<[u8; 32], u64>,
+    /// Between two members, by the pair in node id order: the larger of
+    /// the two ends' claims (one end cannot make a link look shorter than
+    /// the other measured it).
+    between: BTreeMap<([u8; 32], [u8; 32]), u64>,
+    relays: BTreeMap<[u8; 32], [u8; 32]>,
+}
+
+impl Links {
+    fn of(coordinator: &Candidate, members: &[(Candidate, Option<LeftOut>)]) -> Self {
+        let mut links = Links {
+            coordinator: coordinator.node_id,
+            ..Links::default()
+        };
+        for node in std::iter::once(coordinator).chain(members.iter().map(|(c, _)| c)) {
+            if node.node_id != coordinator.node_id {
+                links.from_coordinator.insert(node.node_id, node.rtt_us);
+            }
+            for (peer, rtt_us) in &node.rtts {
+                if *peer != node.node_id {
+                    let pair = ordered(node.node_id, *peer);
+                    let kept = links.between.entry(pair).or_insert(*rtt_us);
+                    *kept = (*kept).max(*rtt_us);
+                }
+            }
+            if let Some(relay) = node.relayed_by {
+                links.relays.insert(node.node_id, relay);
+            }
+        }
+        links
+    }
+
+    fn rtt_us(&self, a: &[u8; 32], b: &[u8; 32]) -> Option<u64> {
+        if *a == self.coordinator {
+            self.from_coordinator.get(b).copied()
+        } else if *b == self.coordinator {
+            self.from_coordinator.get(a).copied()
+        } else {
+            self.between.get(&ordered(*a, *b)).copied()
+        }
+    }
+
+    /// A step's trip from `from` into `to`, microseconds: half the round
+    /// trip (through `to`'s relay when it has one), plus the per-hop cost
+    /// of each node that handles it on the way.
+    fn hop_us(&self, from: &[u8; 32], to: &Candidate) -> u64 {
+        let direct = |a: &[u8; 32], b: &[u8; 32]| self.rtt_us(a, b);
+        let relayed = self
+            .relays
+            .get(&to.node_id)
+            .filter(|relay| *relay != from)
+            .map(|relay| {
+                direct(from, relay)
+                    .zip(direct(relay, &to.node_id))
+                    .map(|(a, b)| a.saturating_add(b))
+                    .unwrap_or(to.rtt_us)
+            });
+        let (rtt_us, handled) = match relayed {
+            Some(rtt_us) => (rtt_us, 2),
+            None => (direct(from, &to.node_id).unwrap_or(to.rtt_us), 1),
+        };
+        (rtt_us / 2).saturating_add(PER_HOP_OVERHEAD_US * handled)
+    }
+
+    /// The final stage's answer back to the coordinator.
+    fn return_us(&self, last: &Candidate) -> u64 {
+        last.rtt_us / 2
+    }
+
+    /// The members as a route: from the coordinator, each time to the
+    /// first in `members` (fastest first) of those nearest the last one
+    /// placed, to within `ROUTE_SLACK_US`.
+    fn route<'a>(&self, mut members: Vec<&'a Candidate>) -> Vec<&'a Candidate> {
+        let mut route = Vec::with_capacity(members.len());
+        let mut at = self.coordinator;
+        while !members.is_empty() {
+            let hops: Vec<u64> = members.iter().map(|m| self.hop_us(&at, m)).collect();
+            let reach = hops
+                .iter()
+                .min()
+                .copied()
+                .unwrap_or(0)
+                .saturating_add(ROUTE_SLACK_US);
+            let nearest = hops.iter().position(|hop| *hop <= reach).unwrap_or(0);
+            let next = members.remove(nearest);
+            at = next.node_id;
+            route.push(next);
+        }
+        route
+    }
+}
+
+fn ordered(a: [u8; 32], b: [u8; 32]) -> ([u8; 32], [u8; 32]) {
+    if a <= b { (a, b) } else { (b, a) }
 }
 
 /// Why a member is not in the plan.
@@ -219,6 +340,8 @@ pub fn plan(
     }
     usable.sort_by_key(|c| (c.decode_us_per_layer, c.rtt_us, c.node_id));
     let beyond = usable.split_off(usable.len().min(MAX_PLAN_CANDIDATES));
+    let links = Links::of(coordinator, members);
+    let usable = links.route(usable);
     let (low, high) = match stages {
         Stages::Pinned(n) => (n, n),
         Stages::AtLeast(n) => (n, MAX_PLAN_STAGES),
@@ -233,7 +356,7 @@ pub fn plan(
         });
     }
     let (cost, chain) =
-        search(model, coordinator, &usable, low, high).ok_or(PlanError::DoesNotFit)?;
+        search(model, coordinator, &usable, &links, low, high).ok_or(PlanError::DoesNotFit)?;
     for unused in usable.iter().chain(&beyond) {
         if !chain.iter().any(|(k, _)| *k == Some(unused.node_id)) {
             left_out.push((unused.node_id, LeftOut::TooSlowToHelp));
@@ -248,7 +371,7 @@ pub fn plan(
         .iter()
         .map(|(id, range)| (node(*id), range.clone()))
         .collect();
-    let (stages, return_us) = planned_stages(model, &chain);
+    let (stages, return_us) = planned_stages(model, &chain, &links);
     Ok(Plan {
         return_us,
         projected_us_per_token: cost.total,
@@ -262,6 +385,7 @@ pub fn plan(
 fn planned_stages(
     model: &ModelShape,
     chain: &[(&Candidate, Range<u32>)],
+    links: &Links,
 ) -> (Vec<PlannedStage>, u64) {
     let stages = chain
         .iter()
@@ -274,12 +398,15 @@ fn planned_stages(
                 weight_bytes: weights(model, range, k == 0),
                 kv_bytes: node.kv_bytes(model, n),
                 compute_us: n.saturating_mul(node.decode_us_per_layer),
-                hop_us: if k == 0 { 0 } else { node.hop_us() },
+                hop_us: match k.checked_sub(1).and_then(|before| chain.get(before)) {
+                    Some((before, _)) => links.hop_us(&before.node_id, node),
+                    None => 0,
+                },
             }
         })
         .collect();
     let return_us = match chain.last() {
-        Some((node, _)) if chain.len() > 1 => node.rtt_us / 2,
+        Some((node, _)) if chain.len() > 1 => links.return_us(node),
         _ => 0,
     };
     (stages, return_us)
@@ -344,7 +471,7 @@ pub fn keep_in_place(
         };
         chain.push((node, range.clone()));
     }
-    let (stages, return_us) = planned_stages(model, &chain);
+    let (stages, return_us) = planned_stages(model, &chain, &Links::of(coordinator, members));
     let projected = stages.iter().fold(return_us, |sum, s| {
         sum.saturating_add(s.compute_us).saturating_add(s.hop_us)
     });
@@ -390,13 +517,14 @@ type Chain = Vec<(Option<[u8; 32]>, Range<u32>)>;
 /// The best chain of `low..=high` stages: the coordinator first, then
 /// members in the order of `members` (any of them skipped), each stage at
 /// least one layer and within its memory.
-// The tables are indexed by layer boundaries and stage counts, as the
-// recurrence is written; iterators would hide it.
+// The tables are indexed by members, stage counts and layer boundaries,
+// as the recurrence is written; iterators would hide it.
 #[allow(clippy::needless_range_loop)]
 fn search(
     model: &ModelShape,
     coordinator: &Candidate,
     members: &[&Candidate],
+    links: &Links,
     low: usize,
     high: usize,
 ) -> Option<(Cost, Chain)> {
@@ -415,106 +543,109 @@ fn search(
     let compute = |node: &Candidate, a: usize, b: usize| {
         ((b - a) as u64).saturating_mul(node.decode_us_per_layer)
     };
-    let add = |before: Cost, node: &Candidate, a: usize, b: usize, hop: u64| {
-        let c = compute(node, a, b);
-        Cost {
-            total: before.total.saturating_add(c).saturating_add(hop),
-            slowest: before.slowest.max(c),
-        }
-    };
     let most_members = high.saturating_sub(1).min(members.len()).min(layers - 1);
-    // open[k][a]: the best chain of the coordinator and k members (among
-    // those looked at so far) covering layers [0, a), and how it ends (the
-    // member index, or None for the coordinator alone, and where that
-    // last stage starts).
-    type Entry = Option<(Cost, Option<usize>, usize)>;
-    let mut open: Vec<Vec<Entry>> = vec![vec![None; layers + 1]; most_members + 1];
-    for b in 1..=layers {
-        if fits(coordinator, true, 0, b) {
-            let c = compute(coordinator, 0, b);
-            open[0][b] = Some((
+    // alone[b]: the coordinator alone holding layers [0, b).
+    let alone: Vec<Option<Cost>> = (0..=layers)
+        .map(|b| {
+            (b > 0 && fits(coordinator, true, 0, b)).then(|| {
+                let c = compute(coordinator, 0, b);
                 Cost {
                     total: c,
                     slowest: c,
-                },
-                None,
-                0,
-            ));
-        }
-    }
-    // ends[i][k][b]: member i as the k-th member stage ending at b, and the
-    // entry it extended (for walking the chain back).
-    type Ending = Vec<Vec<Option<(Cost, Entry)>>>;
-    let mut ends: Vec<Ending> = Vec::with_capacity(members.len());
+                }
+            })
+        })
+        .collect();
+    // ends[i][k][b]: the best chain whose k-th member stage is member i,
+    // ending at layer b; where that stage starts, and the member before it
+    // (None: the coordinator). A hop's cost depends on both of its ends, so
+    // a chain is kept for each last member.
+    type End = Option<(Cost, usize, Option<usize>)>;
+    let mut ends: Vec<Vec<Vec<End>>> = Vec::with_capacity(members.len());
     for (i, node) in members.iter().enumerate() {
-        // A stage that ends the chain also costs the answer's way back;
-        // counted here, not after the search, so the chains compete with it.
-        let hop = node.hop_us();
-        let back = node.rtt_us / 2;
-        let mut here: Ending = vec![vec![None; layers + 1]; most_members + 1];
+        let mut here: Vec<Vec<End>> = vec![vec![None; layers + 1]; most_members + 1];
         for k in 1..=most_members {
+            // into[a]: the best chain of k - 1 member stages covering
+            // [0, a), with the hop into member i paid, and its last member.
+            let mut into: Vec<Option<(Cost, Option<usize>)>> = vec![None; layers + 1];
+            for a in k..layers {
+                let mut best: Option<(Cost, Option<usize>)> = None;
+                let mut consider = |before: Cost, from: &[u8; 32], last: Option<usize>| {
+                    let cost = Cost {
+                        total: before.total.saturating_add(links.hop_us(from, node)),
+                        slowest: before.slowest,
+                    };
+                    if best.is_none_or(|(c, _)| cost < c) {
+                        best = Some((cost, last));
+                    }
+                };
+                if k == 1 {
+                    if let Some(before) = alone[a] {
+                        consider(before, &coordinator.node_id, None);
+                    }
+                } else {
+                    for j in 0..i {
+                        if let Some((before, _, _)) = ends[j][k - 1][a] {
+                            consider(before, &members[j].node_id, Some(j));
+                        }
+                    }
+                }
+                into[a] = best;
+            }
             for b in (k + 1)..=layers {
-                let mut best: Option<(Cost, Entry)> = None;
+                let mut best: End = None;
                 for a in k..b {
-                    let Some(before) = open[k - 1][a] else {
+                    let Some((before, last)) = into[a] else {
                         continue;
                     };
                     if !fits(node, false, a, b) {
                         continue;
                     }
-                    let cost = add(
-                        before.0,
-                        node,
-                        a,
-                        b,
-                        if b == layers { hop + back } else { hop },
-                    );
-                    if best.is_none_or(|(c, _)| cost < c) {
-                        best = Some((cost, Some((before.0, before.1, a))));
+                    // A stage that ends the chain also costs the answer's
+                    // way back; counted here, so the chains compete with it.
+                    let c = compute(node, a, b);
+                    let back = if b == layers {
+                        links.return_us(node)
+                    } else {
+                        0
+                    };
+                    let cost = Cost {
+                        total: before.total.saturating_add(c).saturating_add(back),
+                        slowest: before.slowest.max(c),
+                    };
+                    if best.is_none_or(|(known, _, _)| cost < known) {
+                        best = Some((cost, a, last));
                     }
                 }
                 here[k][b] = best;
             }
         }
-        // Chains ending at member i join the open set for later members.
-        for k in 1..=most_members {
-            for b in 1..=layers {
-                if let Some((cost, _)) = here[k][b]
-                    && open[k][b].is_none_or(|(c, _, _)| cost < c)
-                {
-                    let start = here[k][b]
-                        .and_then(|(_, from)| from)
-                        .map_or(0, |(_, _, a)| a);
-                    open[k][b] = Some((cost, Some(i), start));
-                }
-            }
-        }
         ends.push(here);
     }
-    // The finished chains: all layers covered, a stage count in range.
-    let mut best: Option<(Cost, usize)> = None;
-    for k in (low - 1)..=most_members.min(high - 1) {
-        let Some((cost, _, _)) = open[k][layers] else {
-            continue;
-        };
-        if best.is_none_or(|(c, _)| cost < c) {
-            best = Some((cost, k));
+    // The finished chains: all layers covered, a stage count in range; the
+    // first found among equals.
+    let mut best: Option<(Cost, Option<(usize, usize)>)> = None;
+    if low == 1 {
+        best = alone[layers].map(|cost| (cost, None));
+    }
+    for k in (low.max(2) - 1)..=most_members.min(high - 1) {
+        for (i, here) in ends.iter().enumerate() {
+            if let Some((cost, _, _)) = here[k][layers]
+                && best.is_none_or(|(c, _)| cost < c)
+            {
+                best = Some((cost, Some((i, k))));
+            }
         }
     }
-    let (cost, k) = best?;
-    // Walk back: the member that ends the chain, where its stage starts,
-    // and the entry it extended.
+    let (cost, mut last) = best?;
+    // Walk back: each member stage, where it starts, and the one before.
     let mut chain: Chain = Vec::new();
-    let (_, mut last, _) = open[k][layers]?;
     let mut end = layers;
-    let mut depth = k;
-    while let Some(i) = last {
-        let (_, from) = ends[i][depth][end]?;
-        let (_, previous, start) = from?;
+    while let Some((i, k)) = last {
+        let (_, start, before) = ends[i][k][end]?;
         chain.push((Some(members[i].node_id), start as u32..end as u32));
         end = start;
-        depth -= 1;
-        last = previous;
+        last = before.map(|j| (j, k - 1));
     }
     chain.push((None, 0..end as u32));
     chain.reverse();
@@ -532,6 +663,8 @@ mod tests {
             decode_us_per_layer: us,
             rtt_us: rtt,
             kv_scale: 1,
+            rtts: Vec::new(),
+            relayed_by: None,
         }
     }
 
@@ -541,6 +674,66 @@ mod tests {
             head_bytes: 1_000,
             kv_bytes_per_layer: 10,
         }
+    }
+
+    #[test]
+    fn hops_between_members_are_weighed_by_the_round_trips_they_measured() {
+        // Two homes far from the coordinator (40 ms) and from each other,
+        // each holding half the model with a member next door (1 ms).
+        let coordinator = node(0, 1_200, 100, 0);
+        let near = |mut a: Candidate, b: u8| {
+            a.rtts.push(([b; 32], 1_000));
+            a
+        };
+        let far = |mut a: Candidate, b: u8| {
+            a.rtts.push(([b; 32], 80_000));
+            a
+        };
+        let a1 = far(near(node(1, 500, 100, 40_000), 2), 3);
+        let a2 = far(near(node(2, 500, 100, 40_000), 1), 4);
+        let b1 = far(near(node(3, 500, 100, 40_000), 4), 1);
+        let b2 = far(near(node(4, 500, 100, 40_000), 3), 2);
+        let members: Vec<_> = [a1, b1, a2, b2].into_iter().map(|c| (c, None)).collect();
+        let planned = plan(&shape(8), &coordinator, &members, Stages::Pinned(3)).unwrap();
+        let ids: Vec<u8> = planned.stages.iter().map(|s| s.node_id[0]).collect();
+        // Out to one home, next door, and back: 20 + 0.5 + 20 ms of delay,
+        // where a chain across the homes would cross 40 ms between them.
+        assert!(
+            ids == [0, 1, 2] || ids == [0, 2, 1] || ids == [0, 3, 4] || ids == [0, 4, 3],
+            "one home's two members: {ids:?}"
+        );
+        assert_eq!(planned.stages[2].hop_us, 500 + PER_HOP_OVERHEAD_US);
+        assert_eq!(planned.return_us, 20_000);
+        // Without the members' round trips every pair is as far as the
+        // coordinator's: the same cost whichever two.
+        let blind: Vec<_> = members
+            .iter()
+            .map(|(c, _)| {
+                let mut c = c.clone();
+                c.rtts.clear();
+                (c, None)
+            })
+            .collect();
+        let unseen = plan(&shape(8), &coordinator, &blind, Stages::Pinned(3)).unwrap();
+        assert_eq!(
+            unseen.projected_us_per_token - planned.projected_us_per_token,
+            20_000 - 500
+        );
+    }
+
+    #[test]
+    fn a_hop_into_a_relayed_member_pays_the_detour_through_its_relay() {
+        let coordinator = node(0, 1_200, 100, 0);
+        let mut relay = node(1, 0, 100, 2_000);
+        relay.rtts.push(([2; 32], 30_000));
+        let mut behind = node(2, 1 << 20, 100, 10_000);
+        behind.relayed_by = Some([1; 32]);
+        let members = [(relay, None), (behind, None)];
+        let planned = plan(&shape(8), &coordinator, &members, Stages::Pinned(2)).unwrap();
+        assert_eq!(planned.stages[1].node_id, [2; 32]);
+        // Coordinator to relay (2 ms) and relay to member (30 ms), half
+        // each way, and two nodes handling it.
+        assert_eq!(planned.stages[1].hop_us, 16_000 + 2 * PER_HOP_OVERHEAD_US);
     }
 
     #[test]
@@ -821,6 +1014,9 @@ mod tests {
     ) -> Option<Cost> {
         let mut sorted: Vec<&Candidate> = members.iter().collect();
         sorted.sort_by_key(|c| (c.decode_us_per_layer, c.rtt_us, c.node_id));
+        let offered: Vec<_> = members.iter().map(|m| (m.clone(), None)).collect();
+        let links = Links::of(coordinator, &offered);
+        let sorted = links.route(sorted);
         let layers = model.layer_bytes.len();
         let mut best: Option<Cost> = None;
         for mask in 0u32..(1 << sorted.len()) {
@@ -855,11 +1051,15 @@ mod tests {
                             + if k == 0 { model.head_bytes } else { 0 };
                         ok &= need <= node.memory_bytes;
                         let c = (b - a) as u64 * node.decode_us_per_layer;
-                        cost.total += c + if k == 0 { 0 } else { node.hop_us() };
+                        let hop = match k {
+                            0 => 0,
+                            _ => links.hop_us(&chain[k - 1].node_id, node),
+                        };
+                        cost.total += c + hop;
                         cost.slowest = cost.slowest.max(c);
                     }
                     if chain.len() > 1 {
-                        cost.total += chain[chain.len() - 1].rtt_us / 2;
+                        cost.total += links.return_us(chain[chain.len() - 1]);
                     }
                     if ok && best.is_none_or(|b| cost < b) {
                         best = Some(cost);
@@ -886,15 +1086,29 @@ mod tests {
             head in 0u64..50,
             coordinator_memory in 0u64..300,
             members in proptest::collection::vec((0u64..300, 1u64..200, 0u64..3_000), 0..4),
+            between in proptest::collection::vec(proptest::option::of(0u64..3_000), 16),
+            relays in proptest::collection::vec(0u8..8, 4),
             low in 1usize..4,
             pinned in proptest::bool::ANY,
         ) {
             let model = ModelShape { layer_bytes, head_bytes: head, kv_bytes_per_layer: kv };
             let coordinator = node(0, coordinator_memory, 100, 0);
+            let count = members.len();
             let members: Vec<Candidate> = members
                 .iter()
                 .enumerate()
-                .map(|(i, (memory, us, rtt))| node(i as u8 + 1, *memory, *us, *rtt))
+                .map(|(i, (memory, us, rtt))| {
+                    let mut member = node(i as u8 + 1, *memory, *us, *rtt);
+                    // Some round trips to the other members, and now and
+                    // then a relay (another member) it is reached through.
+                    member.rtts = (0..count)
+                        .filter(|j| *j != i)
+                        .filter_map(|j| between[i * 4 + j].map(|rtt| ([j as u8 + 1; 32], rtt)))
+                        .collect();
+                    let relay = relays[i] as usize;
+                    member.relayed_by = (relay < count && relay != i).then_some([relay as u8 + 1; 32]);
+                    member
+                })
                 .collect();
             let high = if pinned { low } else { MAX_PLAN_STAGES };
             let stages = if pinned { Stages::Pinned(low) } else { Stages::AtLeast(low) };

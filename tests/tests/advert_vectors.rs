@@ -37,6 +37,7 @@ fn the_reference_advert_reproduces_from_its_key_and_fields() {
         memory_bytes: r["memory_bytes"].as_u64().unwrap(),
         load: r["load"].as_u64().unwrap() as u32,
         via: None,
+        rtts: Vec::new(),
         models: r["models"]
             .as_array()
             .unwrap()

@@ -170,6 +170,7 @@ fn described(
                     memory_bytes: m.memory_bytes,
                     load: 0,
                     via: None,
+                    rtts: Vec::new(),
                     models: if m.holds_model {
                         vec![AdvertModel {
                             package_id,

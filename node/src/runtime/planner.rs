@@ -67,6 +67,18 @@ pub fn candidates(
             .map_or(u64::MAX / 1024, |e| e.decode_us_per_layer),
         rtt_us: m.rtt.map_or(0, |r| r.as_micros() as u64),
         kv_scale: kv_scale(&m.advert.device),
+        rtts: m
+            .advert
+            .rtts
+            .iter()
+            .map(|r| (r.node_id, r.rtt_us))
+            .collect(),
+        relayed_by: m
+            .advert
+            .via
+            .as_ref()
+            .filter(|via| via.relayed)
+            .map(|via| via.node_id),
     };
     let own = members
         .iter()
@@ -349,6 +361,7 @@ mod tests {
                     precision: None,
                     name: None,
                 }],
+                rtts: Vec::new(),
                 via: relayed.map(|relayed| AdvertVia {
                     node_id: [0; 32],
                     quic: "10.0.0.250:7000".into(),

@@ -74,6 +74,7 @@ pub fn bench_plan(bench: &PlanBench) -> anyhow::Result<Value> {
                 },
                 load: 0,
                 via: None,
+                rtts: Vec::new(),
                 models: if holds {
                     vec![AdvertModel {
                         package_id,

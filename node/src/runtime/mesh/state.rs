@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use libp2p::{Multiaddr, PeerId};
-use mesh_protocol::advert::Members;
+use mesh_protocol::advert::{AdvertRtt, MAX_ADVERT_RTT_US, MAX_ADVERT_RTTS, Members};
 use mesh_protocol::identity::parse_peer_id;
 
 #[derive(Default)]
@@ -36,6 +36,29 @@ pub(super) struct State {
     /// Unconnected members whose adverts came, and when they were looked
     /// up (once every `LOOKUP_EVERY` each).
     pub(super) looked_up: HashMap<PeerId, Instant>,
+}
+
+impl State {
+    /// The round trips this node's advert names: to its nearest members
+    /// (at most `MAX_ADVERT_RTTS`), in node id order, for planners to
+    /// weigh hops between members by.
+    pub(super) fn advertised_rtts(&self, own: &[u8; 32]) -> Vec<AdvertRtt> {
+        let mut nearest: Vec<AdvertRtt> = self
+            .rtt
+            .iter()
+            .filter(|(key, _)| *key != own && self.members.get(key).is_some())
+            .map(|(key, rtt)| AdvertRtt {
+                node_id: *key,
+                rtt_us: u64::try_from(rtt.as_micros())
+                    .unwrap_or(u64::MAX)
+                    .clamp(1, MAX_ADVERT_RTT_US),
+            })
+            .collect();
+        nearest.sort_by_key(|r| (r.rtt_us, r.node_id));
+        nearest.truncate(MAX_ADVERT_RTTS);
+        nearest.sort_by_key(|r| r.node_id);
+        nearest
+    }
 }
 
 /// Changes to the member set (a join, a leave, a member's first round trip,
@@ -87,4 +110,56 @@ pub(super) fn dial_cause(said: &str) -> String {
             },
             |(_, cause)| cause.to_string(),
         )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mesh_protocol::SigningKey;
+    use mesh_protocol::advert::Advert;
+
+    fn join(state: &mut State, seed: u8) -> [u8; 32] {
+        let key = SigningKey::from_bytes(&[seed; 32]);
+        let node_id = key.verifying_key().to_bytes();
+        let advert = Advert {
+            node_id,
+            seq: 1,
+            issued_ms: 1_000,
+            ttl_ms: 5_000,
+            quic: "127.0.0.1:7000".into(),
+            device: "cpu".into(),
+            memory_bytes: 1 << 20,
+            load: 0,
+            models: Vec::new(),
+            via: None,
+            rtts: Vec::new(),
+        };
+        state
+            .members
+            .offer(&advert.sign(&key), &node_id, 1_000)
+            .unwrap();
+        node_id
+    }
+
+    #[test]
+    fn an_advert_names_the_round_trips_to_the_nearest_members_in_key_order() {
+        let mut state = State::default();
+        let own = join(&mut state, 200);
+        state.rtt.insert(own, Duration::from_micros(5));
+        // Members 1..=30, each i ms away; a peer that is no member, nearest.
+        for seed in 1..=30u8 {
+            let key = join(&mut state, seed);
+            state
+                .rtt
+                .insert(key, Duration::from_millis(u64::from(seed)));
+        }
+        state.rtt.insert([7; 32], Duration::from_micros(1));
+        let named = state.advertised_rtts(&own);
+        assert_eq!(named.len(), MAX_ADVERT_RTTS);
+        assert!(named.windows(2).all(|w| w[0].node_id < w[1].node_id));
+        let mut rtts: Vec<u64> = named.iter().map(|r| r.rtt_us).collect();
+        rtts.sort_unstable();
+        let nearest: Vec<u64> = (1..=MAX_ADVERT_RTTS as u64).map(|ms| ms * 1_000).collect();
+        assert_eq!(rtts, nearest);
+    }
 }

@@ -316,6 +316,7 @@ pub(super) async fn run(
                     advert.seq = seq;
                     advert.issued_ms = now;
                     advert.ttl_ms = options.advert_ttl.as_millis() as u64;
+                    advert.rtts = lock(&state).advertised_rtts(&own_key);
                     let bytes = advert.sign(&options.key);
                     if advert.via.is_some() {
                         listen_through_relays(&mut swarm, &state);

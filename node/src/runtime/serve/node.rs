@@ -695,6 +695,7 @@ async fn start_mesh(
         memory_bytes: memory,
         load: 0,
         via: None,
+        rtts: Vec::new(),
         models: vec![mesh_protocol::advert::AdvertModel {
             package_id: model.package_id(),
             layers: model.config().layers,

@@ -10,7 +10,8 @@
 use anyhow::ensure;
 use mesh_protocol::SigningKey;
 use mesh_protocol::advert::{
-    Advert, AdvertModel, AdvertRefusal, AdvertVia, MAX_ADVERT_SKEW_MS, MAX_ADVERT_TTL_MS, Members,
+    Advert, AdvertModel, AdvertRefusal, AdvertRtt, AdvertVia, MAX_ADVERT_SKEW_MS,
+    MAX_ADVERT_TTL_MS, Members,
 };
 use mesh_protocol::hex;
 use mesh_protocol::identity::{did_key, peer_id};
@@ -37,6 +38,7 @@ fn reference(node: &SigningKey) -> Advert {
         memory_bytes: 8 << 30,
         load: 1,
         via: None,
+        rtts: Vec::new(),
         models: vec![AdvertModel {
             package_id: deterministic_32("mesh-node vectors: a package id"),
             layers: 30,
@@ -239,9 +241,50 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
         NOW_MS,
         "malformed",
     )?;
+    // Round trips to other members: in node id order, each once.
+    let mut measured = advert.clone();
+    measured.rtts = vec![
+        AdvertRtt {
+            node_id: them,
+            rtt_us: 41_250,
+        },
+        AdvertRtt {
+            node_id: [0xee; 32],
+            rtt_us: 830,
+        },
+    ];
+    measured.rtts.sort_by_key(|r| r.node_id);
+    case(
+        "with_round_trips".into(),
+        &measured.sign(&node),
+        &me,
+        NOW_MS,
+        "ok",
+    )?;
+    let mut unordered = measured.clone();
+    unordered.rtts.reverse();
+    case(
+        "round_trips_out_of_order".into(),
+        &unordered.sign(&node),
+        &me,
+        NOW_MS,
+        "malformed",
+    )?;
+    let mut to_itself = measured.clone();
+    to_itself.rtts = vec![AdvertRtt {
+        node_id: me,
+        rtt_us: 1,
+    }];
+    case(
+        "round_trip_to_itself".into(),
+        &to_itself.sign(&node),
+        &me,
+        NOW_MS,
+        "malformed",
+    )?;
     // The most an advert may say (eight models, each naming the longest
-    // precision, and the longest address to be reached through) fits the
-    // size limit.
+    // precision, the longest address to be reached through, and the most
+    // round trips) fits the size limit.
     let mut fullest = advert.clone();
     fullest.models = (0..8u8)
         .map(|i| AdvertModel {
@@ -259,6 +302,12 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
         quic: format!("[{}]:65535", "1:2:3:4:5:6:7:8"),
         relayed: true,
     });
+    fullest.rtts = (0..mesh_protocol::advert::MAX_ADVERT_RTTS as u8)
+        .map(|i| AdvertRtt {
+            node_id: [0x80 + i; 32],
+            rtt_us: mesh_protocol::advert::MAX_ADVERT_RTT_US,
+        })
+        .collect();
     case(
         "the_most_an_advert_says".into(),
         &fullest.sign(&node),

@@ -273,6 +273,8 @@ mod tests {
             decode_us_per_layer: us,
             rtt_us: 1_000,
             kv_scale: 1,
+            rtts: Vec::new(),
+            relayed_by: None,
         };
         let model = ModelShape {
             layer_bytes: vec![1_000; 30],
