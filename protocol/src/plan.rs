@@ -544,6 +544,14 @@ fn search(
         ((b - a) as u64).saturating_mul(node.decode_us_per_layer)
     };
     let most_members = high.saturating_sub(1).min(members.len()).min(layers - 1);
+    // hops[j][i]: into member i from member j; the last row from the
+    // coordinator (looked up once, not at every layer boundary).
+    let hops: Vec<Vec<u64>> = members
+        .iter()
+        .map(|from| &from.node_id)
+        .chain(std::iter::once(&coordinator.node_id))
+        .map(|from| members.iter().map(|to| links.hop_us(from, to)).collect())
+        .collect();
     // alone[b]: the coordinator alone holding layers [0, b).
     let alone: Vec<Option<Cost>> = (0..=layers)
         .map(|b| {
@@ -570,9 +578,10 @@ fn search(
             let mut into: Vec<Option<(Cost, Option<usize>)>> = vec![None; layers + 1];
             for a in k..layers {
                 let mut best: Option<(Cost, Option<usize>)> = None;
-                let mut consider = |before: Cost, from: &[u8; 32], last: Option<usize>| {
+                let mut consider = |before: Cost, last: Option<usize>| {
+                    let hop = hops[last.unwrap_or(members.len())][i];
                     let cost = Cost {
-                        total: before.total.saturating_add(links.hop_us(from, node)),
+                        total: before.total.saturating_add(hop),
                         slowest: before.slowest,
                     };
                     if best.is_none_or(|(c, _)| cost < c) {
@@ -581,12 +590,12 @@ fn search(
                 };
                 if k == 1 {
                     if let Some(before) = alone[a] {
-                        consider(before, &coordinator.node_id, None);
+                        consider(before, None);
                     }
                 } else {
                     for j in 0..i {
                         if let Some((before, _, _)) = ends[j][k - 1][a] {
-                            consider(before, &members[j].node_id, Some(j));
+                            consider(before, Some(j));
                         }
                     }
                 }
