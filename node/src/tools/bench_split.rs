@@ -45,6 +45,10 @@ pub async fn bench_split(
             .chat_template()
             .is_ok();
     let prompt = bench_prompt(&model, prompt_tokens)?;
+    // A decode step's frame between stages: one row of f32 activations
+    // and the frame's header (docs/split-stage.md).
+    let frame_bytes = mesh_stage::ModelHandle::open(&model)?.config().hidden * 4 + 64;
+    let mut bare_hops = Vec::with_capacity(rounds);
     let configurations = [
         (2usize, ReturnMode::Relayed),
         (3, ReturnMode::Relayed),
@@ -59,6 +63,7 @@ pub async fn bench_split(
         // round favours no configuration.
         let mut measured = Vec::with_capacity(configurations.len());
         let mut unsplit = None;
+        bare_hops.push(crate::tools::bare_hop::bare_quic_hop(frame_bytes).await?);
         for place in 0..=configurations.len() {
             let place = (place + round) % (configurations.len() + 1);
             let Some(&(stages, return_mode)) =
@@ -126,6 +131,7 @@ pub async fn bench_split(
         "prefill_ms": median(unsplit_runs.iter().map(|u| u.prefill.as_secs_f64() * 1e3)),
         "prefill_ratio_to_unsplit": 1.0,
     })];
+    let bare_hop_us = median(bare_hops.iter().map(|d| d.as_secs_f64() * 1e6));
     for (&(stages, return_mode), runs) in configurations.iter().zip(&split_runs) {
         let of = |key: &str| median(runs.iter().map(|r| r[key].as_f64().unwrap_or(0.0)));
         rows.push(serde_json::json!({
@@ -139,6 +145,7 @@ pub async fn bench_split(
             "rest_ms_per_token": of("rest_ms_per_token"),
             "ratio_samples": runs.iter().map(|r| r["ratio_to_unsplit"].clone()).collect::<Vec<_>>(),
             "per_hop_overhead_us": of("per_hop_overhead_us"),
+            "per_hop_over_bare_quic_us": of("per_hop_overhead_us") - bare_hop_us,
             "fold_share": of("fold_share"),
             "prompt_tokens": runs[0]["prompt_tokens"],
             "prefill_ms": of("prefill_ms"),
@@ -151,6 +158,11 @@ pub async fn bench_split(
         "decode_tokens": tokens,
         "rounds": rounds,
         "rows": rows,
+        "bare_quic_hop": {
+            "frame_bytes": frame_bytes,
+            "us_per_hop": bare_hop_us,
+            "samples_us": bare_hops.iter().map(|d| d.as_secs_f64() * 1e6).collect::<Vec<_>>(),
+        },
     }))
 }
 
@@ -260,6 +272,13 @@ pub fn render_split(report: &serde_json::Value) -> String {
             row["prefill_ratio_to_unsplit"].as_f64().unwrap_or(0.0),
         );
     }
+    let bare = &report["bare_quic_hop"];
+    let _ = writeln!(
+        out,
+        "a bare QUIC hop (three endpoints in a ring forwarding {}-byte messages, no stage): {:.0} µs, median of the rounds",
+        bare["frame_bytes"],
+        bare["us_per_hop"].as_f64().unwrap_or(0.0)
+    );
     out
 }
 

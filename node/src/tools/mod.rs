@@ -2,6 +2,7 @@
 //! deterministic `simulate`d run), benchmarks (and the UDP delay proxy the
 //! WAN bench puts between nodes), and the `exercise` command.
 
+pub mod bare_hop;
 pub mod bench;
 pub mod bench_api;
 pub mod bench_audit;
