@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run a fuzz target with libFuzzer on the stable toolchain (cargo-fuzz needs
-# nightly). Usage: fuzz/run-stable.sh verify_document|stage_block|stage_frame|control|mesh1|advert|tape [SECONDS]
+# nightly). Usage: fuzz/run-stable.sh verify_document|stage_block|stage_frame|control|mesh1|advert|reach|tape [SECONDS]
 set -euo pipefail
 cd "$(dirname "$0")"
 target="${1:-verify_document}"

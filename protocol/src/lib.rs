@@ -22,6 +22,7 @@ pub mod json;
 pub mod mesh1;
 pub mod package;
 pub mod plan;
+pub mod reach;
 pub mod receipt;
 pub mod replay;
 pub mod resume;

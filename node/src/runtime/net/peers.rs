@@ -29,6 +29,9 @@ pub struct Peers {
     endpoint: quinn::Endpoint,
     tls: TlsIdentity,
     cache: tokio::sync::Mutex<HashMap<ConnectionKey, quinn::Connection>>,
+    /// One connection attempt at a time per peer and protocol; others to
+    /// the same peer wait for it, no one else does.
+    attempts: std::sync::Mutex<HashMap<ConnectionKey, Arc<tokio::sync::Mutex<()>>>>,
     routes: OnceLock<Routes>,
     reach: Arc<Mutex<Reachability>>,
     tunnel: Arc<Tunnel>,
@@ -80,6 +83,7 @@ impl Peers {
             endpoint,
             tls,
             cache: tokio::sync::Mutex::new(HashMap::new()),
+            attempts: std::sync::Mutex::default(),
             routes: OnceLock::new(),
             reach: Arc::new(Mutex::new(Reachability::Unknown)),
             tunnel,
@@ -263,20 +267,45 @@ impl Peers {
         alpn: &'static [u8],
         within: std::time::Duration,
     ) -> anyhow::Result<quinn::Connection> {
-        let mut connections = self.cache.lock().await;
-        if let Some(existing) = connections.get(&(peer.key, alpn))
-            && self.still_good(existing, peer)
-        {
-            return Ok(existing.clone());
+        if let Some(existing) = self.live(peer, alpn).await {
+            return Ok(existing);
         }
-        let config = tls::client_config(&self.tls, peer.key, alpn)?;
-        let connecting = self.endpoint.connect_with(config, peer.addr, "mesh-node")?;
-        let connection = tokio::time::timeout(within, connecting)
-            .await
-            .with_context(|| format!("timed out connecting to {peer}"))?
-            .with_context(|| format!("connecting to {peer}"))?;
-        connections.insert((peer.key, alpn), connection.clone());
-        Ok(connection)
+        let key = (peer.key, alpn);
+        let gate = self
+            .attempts
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the connection attempts' lock is poisoned"))?
+            .entry(key)
+            .or_default()
+            .clone();
+        let attempt = gate.lock().await;
+        // Another caller's attempt may have connected meanwhile.
+        let connected = async {
+            if let Some(existing) = self.live(peer, alpn).await {
+                return Ok(existing);
+            }
+            let config = tls::client_config(&self.tls, peer.key, alpn)?;
+            let connecting = self.endpoint.connect_with(config, peer.addr, "mesh-node")?;
+            tokio::time::timeout(within, connecting)
+                .await
+                .with_context(|| format!("timed out connecting to {peer}"))?
+                .with_context(|| format!("connecting to {peer}"))
+        }
+        .await;
+        if let Ok(connection) = &connected {
+            self.cache.lock().await.insert(key, connection.clone());
+        }
+        drop(attempt);
+        // The last one out removes the gate (the map's and this one are
+        // the only holders left).
+        if let Ok(mut attempts) = self.attempts.lock()
+            && attempts
+                .get(&key)
+                .is_some_and(|g| Arc::strong_count(g) <= 2)
+        {
+            attempts.remove(&key);
+        }
+        connected
     }
 
     async fn live(&self, peer: &PeerAddr, alpn: &'static [u8]) -> Option<quinn::Connection> {

@@ -12,19 +12,11 @@
 //! packet to the asker's address as the rendezvous sees it (hole
 //! punching), and the asker's connection then arrives as an answer.
 //!
-//! Every message is one framed body (`msg::write`), at most
-//! `MAX_REACH_MESSAGE` bytes, one request and one answer per stream:
-//!
-//! ```text
-//! OBSERVE    01                       -> 00|01 (reachable) ‖ seen address (text)
-//! INTRODUCE  02 ‖ node key (32)       -> 00 (introduced) | 01 (not kept here) | 02 (busy)
-//!                                        | 04 (behind a symmetric NAT: relay at once)
-//! PUNCH      03 ‖ asker key (32) ‖ asker address (text)   (rendezvous to node)
-//!                                     -> 00 (sent) | 02 (busy) | 04 (symmetric: no punch)
-//! RELAY      04                       -> 00 (then relay frames, `net::tunnel`)
-//!                                        | 02 (busy) | 03 (this node offers no relay)
-//! any request from a key that is not a member of this node's mesh -> 05
-//! ```
+//! Every message is one framed body (`msg::write`), one request and one
+//! answer per stream; their bytes and limits are `mesh_protocol::reach`'s
+//! (docs/mesh.md has the diagram, `vectors/mesh/reach.json` the vectors).
+//! A request from a key that is not a member of this node's mesh is
+//! answered NOT_MEMBER.
 //!
 //! Where no hole can be punched (a symmetric NAT), QUIC packets go through
 //! a member that offers a relay (`--relay`): each side holds a RELAY stream
@@ -38,6 +30,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use mesh_protocol::identity::did_key;
+use mesh_protocol::reach::{ReachAnswer, ReachRequest, relay_frame};
 use tokio::sync::Semaphore;
 
 use crate::runtime::net::addr::PeerAddr;
@@ -49,7 +42,7 @@ use crate::runtime::router::{Handled, ProtocolHandler};
 pub const ALPN_REACH: &[u8] = b"mesh-reach/1";
 
 /// Largest reach message (a kind, a key and an address).
-pub const MAX_REACH_MESSAGE: usize = 128;
+pub use mesh_protocol::reach::MAX_REACH_MESSAGE;
 /// Nodes behind NATs one rendezvous keeps connections for.
 pub const MAX_BEHIND: usize = 1024;
 /// Dial-backs a rendezvous runs at once (each binds a socket).
@@ -73,17 +66,6 @@ pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 pub const RELAYLESS_RECHECK: Duration = Duration::from_secs(30);
 /// How often a public node asks again (it may have moved behind a NAT).
 pub const RECHECK_INTERVAL: Duration = Duration::from_secs(60);
-
-const OBSERVE: u8 = 1;
-const INTRODUCE: u8 = 2;
-const PUNCH: u8 = 3;
-const RELAY: u8 = 4;
-const DONE: u8 = 0;
-const NOT_KEPT: u8 = 1;
-const BUSY: u8 = 2;
-const NO_RELAY: u8 = 3;
-const SYMMETRIC: u8 = 4;
-const NOT_MEMBER: u8 = 5;
 
 /// Whether a key is a member of this node's mesh now (its advert current).
 pub type Membership = Arc<dyn Fn(&[u8; 32]) -> bool + Send + Sync>;
@@ -240,24 +222,36 @@ impl std::fmt::Display for Reachability {
     }
 }
 
-async fn request(
+/// Ask `request` on a new stream of `connection`; its answer, and the
+/// stream (a RELAY stream carries relay frames after its answer).
+async fn ask(
     connection: &quinn::Connection,
-    body: &[u8],
+    request: &ReachRequest,
     timeout: Duration,
-) -> anyhow::Result<Vec<u8>> {
+) -> anyhow::Result<(ReachAnswer, quinn::SendStream, quinn::RecvStream)> {
     let (mut send, mut recv) = tokio::time::timeout(timeout, connection.open_bi())
         .await
         .context("timed out opening a reach stream")??;
-    msg::write(&mut send, body).await?;
-    let _ = send.finish();
-    let answer = msg::read(&mut recv, MAX_REACH_MESSAGE, timeout)
+    msg::write(&mut send, &request.encode()).await?;
+    let said = msg::read(&mut recv, MAX_REACH_MESSAGE, timeout)
         .await?
         .context("the peer closed the reach stream without an answer")?;
-    Ok(answer[4..].to_vec())
+    Ok((ReachAnswer::decode(request, &said[4..])?, send, recv))
 }
 
-async fn answer(mut send: quinn::SendStream, body: &[u8]) -> anyhow::Result<()> {
-    msg::write(&mut send, body).await?;
+/// `ask`, for a request whose stream ends with its answer.
+async fn request(
+    connection: &quinn::Connection,
+    request: &ReachRequest,
+    timeout: Duration,
+) -> anyhow::Result<ReachAnswer> {
+    let (answer, mut send, _) = ask(connection, request, timeout).await?;
+    let _ = send.finish();
+    Ok(answer)
+}
+
+async fn answer(mut send: quinn::SendStream, answer: ReachAnswer) -> anyhow::Result<()> {
+    msg::write(&mut send, &answer.encode()).await?;
     let _ = send.finish();
     Ok(())
 }
@@ -387,14 +381,12 @@ impl Rendezvous {
     ) -> anyhow::Result<()> {
         let seen = connection.remote_address();
         let Some(reachable) = self.dial_back(node, seen).await else {
-            return answer(send, &[BUSY]).await;
+            return answer(send, ReachAnswer::Busy).await;
         };
         if !reachable && self.keep(node, connection) {
             tracing::info!(node = %did_key(&node), %seen, "keeping a connection for a node behind a NAT");
         }
-        let mut body = vec![u8::from(reachable)];
-        body.extend_from_slice(seen.to_string().as_bytes());
-        answer(send, &body).await
+        answer(send, ReachAnswer::Observed { reachable, seen }).await
     }
 
     async fn introduce(
@@ -405,23 +397,22 @@ impl Rendezvous {
         send: quinn::SendStream,
     ) -> anyhow::Result<()> {
         let Ok(_permit) = self.introductions.clone().try_acquire_owned() else {
-            return answer(send, &[BUSY]).await;
+            return answer(send, ReachAnswer::Busy).await;
         };
         let kept = self.behind.lock().ok().and_then(|b| b.get(&node).cloned());
         let Some(kept) = kept else {
-            return answer(send, &[NOT_KEPT]).await;
+            return answer(send, ReachAnswer::NotKept).await;
         };
-        let mut body = vec![PUNCH];
-        body.extend_from_slice(&asker);
-        body.extend_from_slice(asker_seen.to_string().as_bytes());
-        let said = request(&kept, &body, ANSWER_TIMEOUT).await;
-        let outcome = match said.as_deref() {
-            Ok([DONE]) => DONE,
-            Ok([SYMMETRIC]) => SYMMETRIC,
-            Ok(_) => BUSY,
-            Err(_) => NOT_KEPT,
+        let punch = ReachRequest::Punch {
+            asker,
+            at: asker_seen,
         };
-        answer(send, &[outcome]).await
+        let outcome = match request(&kept, &punch, ANSWER_TIMEOUT).await {
+            Ok(said @ (ReachAnswer::Done | ReachAnswer::Symmetric)) => said,
+            Ok(_) => ReachAnswer::Busy,
+            Err(_) => ReachAnswer::NotKept,
+        };
+        answer(send, outcome).await
     }
 }
 
@@ -445,20 +436,19 @@ impl ProtocolHandler for Rendezvous {
                 .as_ref()
                 .is_some_and(|is_member| is_member(&peer))
             {
-                return answer(send, &[NOT_MEMBER]).await;
+                return answer(send, ReachAnswer::NotMember).await;
             }
-            match &frame[4..] {
-                [OBSERVE] => this.observe(peer, &connection, send).await,
-                [INTRODUCE, node @ ..] => {
-                    let node: [u8; 32] = node.try_into().context("INTRODUCE names one key")?;
+            match ReachRequest::decode(&frame[4..])? {
+                ReachRequest::Observe => this.observe(peer, &connection, send).await,
+                ReachRequest::Introduce { node } => {
                     this.introduce(peer, connection.remote_address(), node, send)
                         .await
                 }
-                [RELAY] => match &this.relay {
+                ReachRequest::Relay => match &this.relay {
                     Some(relay) => relay.clone().serve(peer, send, recv).await,
-                    None => answer(send, &[NO_RELAY]).await,
+                    None => answer(send, ReachAnswer::NoRelay).await,
                 },
-                _ => bail!("not a reach request"),
+                ReachRequest::Punch { .. } => bail!("PUNCH goes from a rendezvous to its node"),
             }
         })
     }
@@ -499,9 +489,9 @@ impl Relay {
             .map(|m| m.len() < self.bounds.members || m.contains_key(&member))
             .unwrap_or(false);
         if !room {
-            return answer(send, &[BUSY]).await;
+            return answer(send, ReachAnswer::Busy).await;
         }
-        msg::write(&mut send, &[DONE]).await?;
+        msg::write(&mut send, &ReachAnswer::Done.encode()).await?;
         // The member's place is taken once it heard DONE, and given up on
         // every way out of here.
         let (frames, mut to_write) = tokio::sync::mpsc::channel::<Vec<u8>>(tunnel::RELAY_QUEUE);
@@ -541,7 +531,9 @@ impl Relay {
                 self.refused(member, to, refusal);
                 continue;
             }
-            let _ = target.try_send(tunnel::frame(&member, &packet));
+            if let Ok(frame) = relay_frame(&member, &packet) {
+                let _ = target.try_send(frame);
+            }
         }
         Ok(())
     }
@@ -570,22 +562,17 @@ pub async fn open_relay(
     relay: PeerAddr,
     tunnel: &Arc<Tunnel>,
 ) -> anyhow::Result<()> {
-    let (mut send, mut recv) = tokio::time::timeout(ANSWER_TIMEOUT, connection.open_bi())
+    let (said, send, recv) = ask(connection, &ReachRequest::Relay, ANSWER_TIMEOUT)
         .await
-        .context("timed out opening a relay stream")??;
-    msg::write(&mut send, &[RELAY]).await?;
-    let said = msg::read(&mut recv, MAX_REACH_MESSAGE, ANSWER_TIMEOUT)
-        .await?
-        .context("the relay closed the stream without an answer")?;
-    match &said[4..] {
-        [DONE] => {
+        .context("asking for a relay stream")?;
+    match said {
+        ReachAnswer::Done => {
             tunnel.attach(relay, connection.clone(), send, recv);
             Ok(())
         }
-        [NO_RELAY] => bail!("{relay} offers no relay"),
-        [BUSY] => bail!("{relay}'s relay is full"),
-        [NOT_MEMBER] => bail!("{relay} does not count this node a member (yet)"),
-        _ => bail!("an unknown RELAY answer"),
+        ReachAnswer::NoRelay => bail!("{relay} offers no relay"),
+        ReachAnswer::Busy => bail!("{relay}'s relay is full"),
+        _ => bail!("{relay} does not count this node a member (yet)"),
     }
 }
 
@@ -628,20 +615,17 @@ async fn observe(
     rendezvous: &PeerAddr,
 ) -> anyhow::Result<(quinn::Connection, bool, SocketAddr)> {
     let connection = connect(endpoint, tls, rendezvous).await?;
-    let said = request(&connection, &[OBSERVE], DIAL_BACK_TIMEOUT + ANSWER_TIMEOUT).await?;
-    match said.as_slice() {
-        [NOT_MEMBER] => bail!("{rendezvous} does not count this node a member (yet)"),
-        [BUSY] => bail!("{rendezvous} is busy"),
-        _ => {}
+    let said = request(
+        &connection,
+        &ReachRequest::Observe,
+        DIAL_BACK_TIMEOUT + ANSWER_TIMEOUT,
+    )
+    .await?;
+    match said {
+        ReachAnswer::Observed { reachable, seen } => Ok((connection, reachable, seen)),
+        ReachAnswer::Busy => bail!("{rendezvous} is busy"),
+        _ => bail!("{rendezvous} does not count this node a member (yet)"),
     }
-    let Some((&reachable, seen)) = said.split_first() else {
-        bail!("an empty OBSERVE answer");
-    };
-    let seen = std::str::from_utf8(seen)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .context("the OBSERVE answer names no address")?;
-    Ok((connection, reachable == 1, seen))
 }
 
 /// Answer the rendezvous's PUNCH requests on `connection` until it closes.
@@ -657,7 +641,7 @@ async fn punch_on_request(
             // No hole a punch opens would be the one the asker dials.
             tokio::spawn(async move {
                 let _ = msg::read(&mut recv, MAX_REACH_MESSAGE, ANSWER_TIMEOUT).await;
-                let _ = answer(send, &[SYMMETRIC]).await;
+                let _ = answer(send, ReachAnswer::Symmetric).await;
             });
             continue;
         }
@@ -667,11 +651,12 @@ async fn punch_on_request(
             else {
                 return;
             };
-            let Some((asker, addr)) = parse_punch(&frame[4..]) else {
+            let Ok(ReachRequest::Punch { asker, at: addr }) = ReachRequest::decode(&frame[4..])
+            else {
                 return;
             };
             let Ok(permit) = punches.try_acquire_owned() else {
-                let _ = answer(send, &[BUSY]).await;
+                let _ = answer(send, ReachAnswer::Busy).await;
                 return;
             };
             let Ok(config) = tls::client_config(&tls, asker, ALPN_REACH) else {
@@ -684,22 +669,13 @@ async fn punch_on_request(
             // The attempt's first packet is out once the endpoint's driver
             // ran; the asker dials on hearing back.
             tokio::time::sleep(Duration::from_millis(10)).await;
-            let _ = answer(send, &[DONE]).await;
+            let _ = answer(send, ReachAnswer::Done).await;
             if let Ok(Ok(connection)) = tokio::time::timeout(PUNCH_TIMEOUT, connecting).await {
                 connection.close(0u32.into(), b"punched");
             }
             drop(permit);
         });
     }
-}
-
-fn parse_punch(body: &[u8]) -> Option<([u8; 32], SocketAddr)> {
-    let [PUNCH, rest @ ..] = body else {
-        return None;
-    };
-    let (asker, addr) = rest.split_at_checked(32)?;
-    let addr = std::str::from_utf8(addr).ok()?.parse().ok()?;
-    Some((asker.try_into().ok()?, addr))
 }
 
 /// What an introduction came to.
@@ -717,15 +693,18 @@ pub async fn introduce(
     connection: &quinn::Connection,
     node: [u8; 32],
 ) -> anyhow::Result<Introduced> {
-    let mut body = vec![INTRODUCE];
-    body.extend_from_slice(&node);
-    match request(connection, &body, ANSWER_TIMEOUT).await?.as_slice() {
-        [DONE] => Ok(Introduced::Punched),
-        [SYMMETRIC] => Ok(Introduced::Symmetric),
-        [NOT_KEPT] => bail!("the rendezvous keeps no connection for {}", did_key(&node)),
-        [BUSY] => bail!("the rendezvous is busy"),
-        [NOT_MEMBER] => bail!("the rendezvous does not count this node a member (yet)"),
-        _ => bail!("an unknown INTRODUCE answer"),
+    match request(
+        connection,
+        &ReachRequest::Introduce { node },
+        ANSWER_TIMEOUT,
+    )
+    .await?
+    {
+        ReachAnswer::Done => Ok(Introduced::Punched),
+        ReachAnswer::Symmetric => Ok(Introduced::Symmetric),
+        ReachAnswer::NotKept => bail!("the rendezvous keeps no connection for {}", did_key(&node)),
+        ReachAnswer::Busy => bail!("the rendezvous is busy"),
+        _ => bail!("the rendezvous does not count this node a member (yet)"),
     }
 }
 
@@ -922,20 +901,5 @@ mod tests {
         let idle = now + Duration::from_secs(91) + CIRCUIT_IDLE;
         assert_eq!(circuits.admit([4; 32], [5; 32], 1, idle), Ok(()));
         assert_eq!(circuits.admit([1; 32], [2; 32], 1, idle), Ok(()));
-    }
-
-    #[test]
-    fn a_punch_request_names_a_key_and_an_address() {
-        let mut body = vec![PUNCH];
-        body.extend_from_slice(&[7; 32]);
-        body.extend_from_slice(b"10.77.0.21:5000");
-        assert_eq!(
-            parse_punch(&body),
-            Some(([7; 32], "10.77.0.21:5000".parse().unwrap()))
-        );
-        assert_eq!(parse_punch(&body[..20]), None);
-        assert_eq!(parse_punch(&body[..33]), None);
-        body[0] = INTRODUCE;
-        assert_eq!(parse_punch(&body), None);
     }
 }

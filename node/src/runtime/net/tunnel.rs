@@ -17,7 +17,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Instant;
 
+use mesh_protocol::reach::{RELAY_FRAME_HEAD, relay_frame, relay_frame_head};
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, UdpPoller};
 use tokio::io::AsyncReadExt;
@@ -29,8 +31,12 @@ use crate::runtime::net::addr::PeerAddr;
 const VIRTUAL_PREFIX: [u8; 2] = [240, 109];
 /// Peers reached through relays at once (one virtual address each).
 pub const MAX_RELAYED_PEERS: usize = 4096;
+/// A virtual address unused this long goes to another peer when the table
+/// is full: far past any connection's idle timeout, so no connection
+/// still sends to it.
+pub const VIRTUAL_IDLE: std::time::Duration = std::time::Duration::from_secs(600);
 /// Largest packet a relay stream carries (QUIC's own are at most 1452 here).
-pub const MAX_RELAYED_PACKET: usize = 1500;
+pub use mesh_protocol::reach::MAX_RELAYED_PACKET;
 /// Packets queued to or from relays; past these, packets are dropped, as a
 /// full network queue drops them (QUIC resends).
 pub const RELAY_QUEUE: usize = 1024;
@@ -144,28 +150,48 @@ pub const RELAY_GONE_FOR: std::time::Duration = std::time::Duration::from_secs(1
 #[error("the relay at {0} went away {1} ms ago: no path to the peer behind it")]
 pub struct RelayGone(pub PeerAddr, pub u128);
 
-/// Which (relay, peer) each virtual address names, both ways.
+/// Which (relay, peer) each virtual address names, both ways, and when a
+/// packet last went to or came from it.
 #[derive(Debug, Default)]
 struct Virtuals {
-    by_addr: HashMap<SocketAddr, (PeerAddr, [u8; 32])>,
+    by_addr: HashMap<SocketAddr, (PeerAddr, [u8; 32], Instant)>,
     by_peer: HashMap<([u8; 32], [u8; 32]), SocketAddr>,
 }
 
 impl Virtuals {
-    fn address(&mut self, relay: &PeerAddr, peer: [u8; 32]) -> Option<SocketAddr> {
+    /// `peer`'s address through `relay`: the one it has, a new one, or,
+    /// with the table full, the one unused longest once it is idle past
+    /// `VIRTUAL_IDLE`; `None` when every address is in use.
+    fn address(&mut self, relay: &PeerAddr, peer: [u8; 32], now: Instant) -> Option<SocketAddr> {
         if let Some(addr) = self.by_peer.get(&(relay.key, peer)) {
+            if let Some(named) = self.by_addr.get_mut(addr) {
+                named.2 = now;
+            }
             return Some(*addr);
         }
-        let index = self.by_addr.len();
-        if index >= MAX_RELAYED_PEERS {
-            return None;
-        }
-        let [hi, lo] = u16::try_from(index).ok()?.to_be_bytes();
-        let [a, b] = VIRTUAL_PREFIX;
-        let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(a, b, hi, lo)), 443);
-        self.by_addr.insert(addr, (relay.clone(), peer));
+        let addr = if self.by_addr.len() < MAX_RELAYED_PEERS {
+            let [hi, lo] = u16::try_from(self.by_addr.len()).ok()?.to_be_bytes();
+            let [a, b] = VIRTUAL_PREFIX;
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::new(a, b, hi, lo)), 443)
+        } else {
+            let (addr, (old_relay, old_peer, _)) = self
+                .by_addr
+                .iter()
+                .filter(|(_, (_, _, used))| now.saturating_duration_since(*used) >= VIRTUAL_IDLE)
+                .min_by_key(|(_, (_, _, used))| *used)?;
+            let addr = *addr;
+            self.by_peer.remove(&(old_relay.key, *old_peer));
+            addr
+        };
+        self.by_addr.insert(addr, (relay.clone(), peer, now));
         self.by_peer.insert((relay.key, peer), addr);
         Some(addr)
+    }
+
+    fn named(&mut self, addr: &SocketAddr, now: Instant) -> Option<(PeerAddr, [u8; 32])> {
+        let (relay, peer, used) = self.by_addr.get_mut(addr)?;
+        *used = now;
+        Some((relay.clone(), *peer))
     }
 }
 
@@ -192,7 +218,7 @@ pub struct Tunnel {
     /// Relays a stream is being opened to.
     opening: Mutex<HashSet<[u8; 32]>>,
     /// Relays whose stream ended or could not be opened, and when.
-    gone: Mutex<HashMap<[u8; 32], std::time::Instant>>,
+    gone: Mutex<HashMap<[u8; 32], Instant>>,
     /// Packets from relays, to the endpoint's socket.
     inbound: mpsc::Sender<Packet>,
 }
@@ -236,9 +262,12 @@ pub fn endpoint(
 
 impl Tunnel {
     /// The virtual address of `peer` through `relay` (`None`: the table
-    /// is full).
+    /// is full and every address in it in use).
     pub fn address(&self, relay: &PeerAddr, peer: [u8; 32]) -> Option<SocketAddr> {
-        self.virtuals.lock().ok()?.address(relay, peer)
+        self.virtuals
+            .lock()
+            .ok()?
+            .address(relay, peer, Instant::now())
     }
 
     /// The (relay, peer) a virtual address names.
@@ -246,9 +275,7 @@ impl Tunnel {
         self.virtuals
             .lock()
             .ok()?
-            .by_addr
-            .get(&unmapped(addr))
-            .cloned()
+            .named(&unmapped(addr), Instant::now())
     }
 
     /// The relay went away (its stream ended, or none could be opened):
@@ -374,7 +401,11 @@ impl Tunnel {
                 .filter(|sender| !sender.is_closed());
             match sender {
                 Some(sender) => {
-                    let _ = sender.try_send(frame(&peer, &packet));
+                    // A packet over the relay's limit is dropped, as a
+                    // network drops one over its MTU.
+                    if let Ok(frame) = relay_frame(&peer, &packet) {
+                        let _ = sender.try_send(frame);
+                    }
                 }
                 None => {
                     let first = self
@@ -398,32 +429,16 @@ impl Tunnel {
     }
 }
 
-/// One relay-stream frame: `key ‖ u16 LE length ‖ packet`.
-pub fn frame(key: &[u8; 32], packet: &[u8]) -> Vec<u8> {
-    let len = u16::try_from(packet.len().min(MAX_RELAYED_PACKET)).unwrap_or(u16::MAX);
-    let mut out = Vec::with_capacity(34 + packet.len());
-    out.extend_from_slice(key);
-    out.extend_from_slice(&len.to_le_bytes());
-    out.extend_from_slice(&packet[..usize::from(len)]);
-    out
-}
-
-/// Read one relay-stream frame; an error when the stream ends or a length
-/// is over `MAX_RELAYED_PACKET`.
+/// Read one relay-stream frame (`mesh_protocol::reach::relay_frame`); an
+/// error when the stream ends or its length is over `MAX_RELAYED_PACKET`
+/// (before the packet is read).
 pub async fn read_frame<R: tokio::io::AsyncRead + Unpin>(
     recv: &mut R,
 ) -> std::io::Result<([u8; 32], Vec<u8>)> {
-    let mut head = [0u8; 34];
+    let mut head = [0u8; RELAY_FRAME_HEAD];
     recv.read_exact(&mut head).await?;
-    let mut key = [0u8; 32];
-    key.copy_from_slice(&head[..32]);
-    let len = usize::from(u16::from_le_bytes([head[32], head[33]]));
-    if len > MAX_RELAYED_PACKET {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "a relayed packet over the limit",
-        ));
-    }
+    let (key, len) = relay_frame_head(&head)
+        .map_err(|error| std::io::Error::new(std::io::ErrorKind::InvalidData, error))?;
     let mut packet = vec![0u8; len];
     recv.read_exact(&mut packet).await?;
     Ok((key, packet))
@@ -442,28 +457,43 @@ mod tests {
     }
 
     #[test]
-    fn virtual_addresses_are_reserved_space_one_per_relay_and_peer() {
+    fn virtual_addresses_are_reserved_space_one_per_relay_and_peer_and_reused_once_idle() {
         let mut virtuals = Virtuals::default();
-        let a = virtuals.address(&relay(1), [7; 32]).unwrap();
+        let now = Instant::now();
+        let a = virtuals.address(&relay(1), [7; 32], now).unwrap();
         assert!(is_virtual(&a));
-        assert_eq!(virtuals.address(&relay(1), [7; 32]), Some(a));
-        let b = virtuals.address(&relay(2), [7; 32]).unwrap();
+        assert_eq!(virtuals.address(&relay(1), [7; 32], now), Some(a));
+        let b = virtuals.address(&relay(2), [7; 32], now).unwrap();
         assert_ne!(a, b);
-        assert_eq!(virtuals.by_addr.get(&b), Some(&(relay(2), [7; 32])));
+        assert_eq!(virtuals.named(&b, now), Some((relay(2), [7; 32])));
         assert!(!is_virtual(&"10.77.0.11:7000".parse().unwrap()));
         assert!(!is_virtual(&"[::1]:7000".parse().unwrap()));
         assert!(is_virtual(&"[::ffff:240.109.0.1]:443".parse().unwrap()));
         for peer in 2..MAX_RELAYED_PEERS {
             let mut key = [0u8; 32];
             key[..8].copy_from_slice(&(peer as u64).to_le_bytes());
-            assert!(virtuals.address(&relay(1), key).is_some());
+            assert!(virtuals.address(&relay(1), key, now).is_some());
         }
-        assert_eq!(virtuals.address(&relay(3), [9; 32]), None);
+        // Full, and every address in use: none for a new peer.
+        assert_eq!(virtuals.address(&relay(3), [9; 32], now), None);
+        // Once idle long enough, the one unused longest goes to the new
+        // peer; the others stay, and the one used since stays.
+        let later = now + VIRTUAL_IDLE;
+        assert_eq!(
+            virtuals.named(&a, now + VIRTUAL_IDLE / 2),
+            Some((relay(1), [7; 32]))
+        );
+        let c = virtuals.address(&relay(3), [9; 32], later).unwrap();
+        assert_ne!(c, a);
+        assert_eq!(virtuals.named(&c, later), Some((relay(3), [9; 32])));
+        assert_eq!(virtuals.address(&relay(1), [7; 32], later), Some(a));
+        assert_eq!(virtuals.by_addr.len(), MAX_RELAYED_PEERS);
+        assert_eq!(virtuals.by_peer.len(), MAX_RELAYED_PEERS);
     }
 
     #[tokio::test]
     async fn a_frame_reads_back_and_an_oversized_one_is_refused() {
-        let frame = frame(&[3; 32], b"a quic packet");
+        let frame = relay_frame(&[3; 32], b"a quic packet").unwrap();
         let (key, packet) = read_frame(&mut frame.as_slice()).await.unwrap();
         assert_eq!((key, packet.as_slice()), ([3; 32], &b"a quic packet"[..]));
         let mut oversized = vec![0u8; 32];
@@ -481,7 +511,7 @@ mod tests {
             garbage in proptest::collection::vec(any::<u8>(), 0..2000),
         ) {
             let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-            let framed = frame(&key, &packet);
+            let framed = relay_frame(&key, &packet).unwrap();
             let read = runtime.block_on(read_frame(&mut framed.as_slice())).unwrap();
             prop_assert_eq!(read, (key, packet));
             let _ = runtime.block_on(read_frame(&mut garbage.as_slice()));

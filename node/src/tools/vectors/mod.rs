@@ -13,6 +13,7 @@ mod file;
 pub mod mesh;
 pub mod mesh1;
 pub mod plain_bundle;
+pub mod reach;
 pub mod split_stage;
 pub mod stage;
 pub mod tape;
@@ -27,6 +28,7 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
     files.extend(audit::generate()?);
     files.extend(tape::generate()?);
     files.extend(stage::generate()?);
+    files.extend(reach::generate()?);
     Ok(files)
 }
 
