@@ -37,6 +37,8 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use crate::advert::MAX_ADVERT_RTTS;
+
 /// The most stages a plan has.
 pub const MAX_PLAN_STAGES: usize = 16;
 /// The most layers a model may have to be planned.
@@ -94,17 +96,24 @@ impl Candidate {
 /// not change with the jitter; the faster member goes first.
 pub const ROUTE_SLACK_US: u64 = 5_000;
 
-/// The round trips between the plan's nodes that either end measured,
-/// and who is reached through a relay: what a hop between two costs.
+/// The round trips between the plan's nodes, and who is reached through a
+/// relay: what a hop between two costs.
+///
+/// A member's claims are its own: it could claim to be near others to draw
+/// work (and prompts' activations) to itself. So a claim is never taken
+/// below what the coordinator measured itself: a link between `a` and `b`
+/// is at least `|rtt(C, a) - rtt(C, b)|` (two sides of a triangle), at
+/// least the other end's claim where it made one, and at least the other
+/// end's farthest listed member where that end lists its full
+/// `MAX_ADVERT_RTTS` nearest and `a` is not among them; a hop from the
+/// coordinator is never below its own ping.
 #[derive(Debug, Default)]
 struct Links {
     coordinator: [u8; 32],
-    /// The coordinator's own round trip to each member.
+    /// The coordinator's own round trip to each member it measured.
     from_coordinator: BTreeMap<[u8; 32], u64>,
-    /// Between two members, by the pair in node id order: the larger of
-    /// the two ends' claims (one end cannot make a link look shorter than
-    /// the other measured it).
-    between: BTreeMap<([u8; 32], [u8; 32]), u64>,
+    /// What each member claims: its round trips by member.
+    claims: BTreeMap<[u8; 32], BTreeMap<[u8; 32], u64>>,
     relays: BTreeMap<[u8; 32], [u8; 32]>,
 }
 
@@ -114,17 +123,20 @@ impl Links {
             coordinator: coordinator.node_id,
             ..Links::default()
         };
-        for node in std::iter::once(coordinator).chain(members.iter().map(|(c, _)| c)) {
-            if node.node_id != coordinator.node_id {
+        for (node, reason) in std::iter::once((coordinator, &None))
+            .chain(members.iter().map(|(c, reason)| (c, reason)))
+        {
+            // A member without a measured round trip has none to stand on.
+            if node.node_id != coordinator.node_id && *reason != Some(LeftOut::NotConnected) {
                 links.from_coordinator.insert(node.node_id, node.rtt_us);
             }
-            for (peer, rtt_us) in &node.rtts {
-                if *peer != node.node_id {
-                    let pair = ordered(node.node_id, *peer);
-                    let kept = links.between.entry(pair).or_insert(*rtt_us);
-                    *kept = (*kept).max(*rtt_us);
-                }
-            }
+            let listed = node
+                .rtts
+                .iter()
+                .filter(|(peer, _)| *peer != node.node_id)
+                .copied()
+                .collect();
+            links.claims.insert(node.node_id, listed);
             if let Some(relay) = node.relayed_by {
                 links.relays.insert(node.node_id, relay);
             }
@@ -132,19 +144,39 @@ impl Links {
         links
     }
 
-    fn rtt_us(&self, a: &[u8; 32], b: &[u8; 32]) -> Option<u64> {
-        if *a == self.coordinator {
-            self.from_coordinator.get(b).copied()
-        } else if *b == self.coordinator {
-            self.from_coordinator.get(a).copied()
-        } else {
-            self.between.get(&ordered(*a, *b)).copied()
+    /// What `claimer` says of `other`, or what its full list implies (at
+    /// least its farthest listed member); `None` when it says nothing.
+    fn claim(&self, claimer: &[u8; 32], other: &[u8; 32]) -> Option<u64> {
+        let listed = self.claims.get(claimer)?;
+        match listed.get(other) {
+            Some(rtt_us) => Some(*rtt_us),
+            None if listed.len() >= MAX_ADVERT_RTTS => listed.values().max().copied(),
+            None => None,
         }
     }
 
+    fn rtt_us(&self, a: &[u8; 32], b: &[u8; 32]) -> Option<u64> {
+        if *a == self.coordinator {
+            return self.from_coordinator.get(b).copied();
+        }
+        if *b == self.coordinator {
+            return self.from_coordinator.get(a).copied();
+        }
+        let said = match (self.claim(a, b), self.claim(b, a)) {
+            (None, None) => return None,
+            (one, other) => one.max(other).unwrap_or(0),
+        };
+        let triangle = match (self.from_coordinator.get(a), self.from_coordinator.get(b)) {
+            (Some(x), Some(y)) => x.abs_diff(*y),
+            _ => 0,
+        };
+        Some(said.max(triangle))
+    }
+
     /// A step's trip from `from` into `to`, microseconds: half the round
-    /// trip (through `to`'s relay when it has one), plus the per-hop cost
-    /// of each node that handles it on the way.
+    /// trip (through `to`'s relay when it has one; the coordinator's ping
+    /// to `to` where a leg is unknown), plus the per-hop cost of each node
+    /// that handles it on the way.
     fn hop_us(&self, from: &[u8; 32], to: &Candidate) -> u64 {
         let direct = |a: &[u8; 32], b: &[u8; 32]| self.rtt_us(a, b);
         let relayed = self
@@ -157,10 +189,13 @@ impl Links {
                     .map(|(a, b)| a.saturating_add(b))
                     .unwrap_or(to.rtt_us)
             });
-        let (rtt_us, handled) = match relayed {
+        let (mut rtt_us, handled) = match relayed {
             Some(rtt_us) => (rtt_us, 2),
             None => (direct(from, &to.node_id).unwrap_or(to.rtt_us), 1),
         };
+        if *from == self.coordinator {
+            rtt_us = rtt_us.max(to.rtt_us);
+        }
         (rtt_us / 2).saturating_add(PER_HOP_OVERHEAD_US * handled)
     }
 
@@ -190,10 +225,6 @@ impl Links {
         }
         route
     }
-}
-
-fn ordered(a: [u8; 32], b: [u8; 32]) -> ([u8; 32], [u8; 32]) {
-    if a <= b { (a, b) } else { (b, a) }
 }
 
 /// Why a member is not in the plan.
@@ -305,9 +336,10 @@ pub enum Stages {
 /// (members with `Some` reason were left out before planning).
 ///
 /// The usable members are taken fastest first (then nearer, then by node
-/// id), at most `MAX_PLAN_CANDIDATES` of them, and the chain follows that
-/// order; which of them to use and how many layers each holds is searched
-/// exactly (dynamic programming over members, stages and layers).
+/// id), at most `MAX_PLAN_CANDIDATES` of them, put in route order
+/// (`Links::route`), and the chain follows that order; which of them to use
+/// and how many layers each holds is searched exactly for it (dynamic
+/// programming over last members, stages and layers).
 pub fn plan(
     model: &ModelShape,
     coordinator: &Candidate,
@@ -603,13 +635,16 @@ fn search(
             }
             for b in (k + 1)..=layers {
                 let mut best: End = None;
-                for a in k..b {
+                // Downwards: a stage that does not fit from `a` fits from no
+                // earlier start either (more layers, more memory). Ties go
+                // to the earlier start, as they did upwards.
+                for a in (k..b).rev() {
+                    if !fits(node, false, a, b) {
+                        break;
+                    }
                     let Some((before, last)) = into[a] else {
                         continue;
                     };
-                    if !fits(node, false, a, b) {
-                        continue;
-                    }
                     // A stage that ends the chain also costs the answer's
                     // way back; counted here, so the chains compete with it.
                     let c = compute(node, a, b);
@@ -622,7 +657,7 @@ fn search(
                         total: before.total.saturating_add(c).saturating_add(back),
                         slowest: before.slowest.max(c),
                     };
-                    if best.is_none_or(|(known, _, _)| cost < known) {
+                    if best.is_none_or(|(known, _, _)| cost <= known) {
                         best = Some((cost, a, last));
                     }
                 }
@@ -727,6 +762,38 @@ mod tests {
         assert_eq!(
             unseen.projected_us_per_token - planned.projected_us_per_token,
             20_000 - 500
+        );
+    }
+
+    #[test]
+    fn a_member_cannot_claim_to_be_nearer_than_the_coordinator_measured() {
+        let coordinator = node(0, 1_200, 100, 0);
+        // Near the coordinator (2 ms), and a far member (80 ms) claiming
+        // 1 us to it; the far one also names the near one as its relay.
+        let near = node(1, 1 << 20, 100, 2_000);
+        let mut far = node(2, 1 << 20, 100, 80_000);
+        far.rtts.push(([1; 32], 1));
+        let members = [(near.clone(), None), (far.clone(), None)];
+        let links = Links::of(&coordinator, &members);
+        // Two sides of a triangle: at least 78 ms between them.
+        assert_eq!(links.rtt_us(&[1; 32], &[2; 32]), Some(78_000));
+        far.relayed_by = Some([1; 32]);
+        let members = [(near, None), (far.clone(), None)];
+        let links = Links::of(&coordinator, &members);
+        // Through its relay it is no nearer the coordinator than its ping.
+        assert!(links.hop_us(&[0; 32], &far) >= 40_000);
+        // A member that lists its full nearest and not the other is at
+        // least as far from it as its farthest listed.
+        let mut full = node(3, 1 << 20, 100, 0);
+        full.rtts = (0..MAX_ADVERT_RTTS as u8)
+            .map(|i| ([100 + i; 32], 1_000 + u64::from(i)))
+            .collect();
+        let mut claimer = node(4, 1 << 20, 100, 0);
+        claimer.rtts.push(([3; 32], 1));
+        let links = Links::of(&coordinator, &[(full, None), (claimer, None)]);
+        assert_eq!(
+            links.rtt_us(&[3; 32], &[4; 32]),
+            Some(1_000 + MAX_ADVERT_RTTS as u64 - 1)
         );
     }
 
@@ -1021,7 +1088,12 @@ mod tests {
         low: usize,
         high: usize,
     ) -> Option<Cost> {
-        let mut sorted: Vec<&Candidate> = members.iter().collect();
+        // As `plan` takes them: those that hold at least one layer.
+        let smallest = model.layer_bytes.iter().copied().min().unwrap_or(0);
+        let mut sorted: Vec<&Candidate> = members
+            .iter()
+            .filter(|c| c.memory_bytes >= smallest + c.kv_bytes(model, 1))
+            .collect();
         sorted.sort_by_key(|c| (c.decode_us_per_layer, c.rtt_us, c.node_id));
         let offered: Vec<_> = members.iter().map(|m| (m.clone(), None)).collect();
         let links = Links::of(coordinator, &offered);

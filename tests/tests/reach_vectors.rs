@@ -56,7 +56,16 @@ fn every_answer_reads_as_the_vectors_say_for_its_request() {
         let expect = &case["expect"];
         match ReachAnswer::decode(&request, &body) {
             Ok(answer) => {
-                assert!(expect.get("ok").is_some(), "{} read", case["name"]);
+                let name = match answer {
+                    ReachAnswer::Observed { .. } => "OBSERVED",
+                    ReachAnswer::Done => "DONE",
+                    ReachAnswer::NotKept => "NOT_KEPT",
+                    ReachAnswer::Busy => "BUSY",
+                    ReachAnswer::NoRelay => "NO_RELAY",
+                    ReachAnswer::Symmetric => "SYMMETRIC",
+                    ReachAnswer::NotMember => "NOT_MEMBER",
+                };
+                assert_eq!(expect["ok"]["answer"], name, "{}", case["name"]);
                 if let ReachAnswer::Observed { reachable, seen } = answer {
                     assert_eq!(expect["ok"]["reachable"], reachable);
                     assert_eq!(expect["ok"]["seen"], seen.to_string());

@@ -116,20 +116,14 @@ pub fn plan_relayed_last(
     shape: &ModelShape,
     own: &Candidate,
     others: &[Weighed],
-    members: &[MemberView],
     stages: Stages,
 ) -> Result<Plan, mesh_protocol::plan::PlanError> {
-    let relayed = |id: &[u8; 32]| {
-        members.iter().any(|m| {
-            m.advert.node_id == *id && m.advert.via.as_ref().is_some_and(|via| via.relayed)
-        })
-    };
     let direct: Vec<Weighed> = others
         .iter()
         .map(|(candidate, reason)| {
             let reason = reason
                 .clone()
-                .or_else(|| relayed(&candidate.node_id).then_some(LeftOut::Relayed));
+                .or_else(|| candidate.relayed_by.is_some().then_some(LeftOut::Relayed));
             (candidate.clone(), reason)
         })
         .collect();
@@ -149,7 +143,7 @@ pub fn plan_over(
     stages: Stages,
 ) -> anyhow::Result<Plan> {
     let (own, others) = candidates(package_id, coordinator, members)?;
-    plan_relayed_last(shape, &own, &others, members, stages).map_err(anyhow::Error::new)
+    plan_relayed_last(shape, &own, &others, stages).map_err(anyhow::Error::new)
 }
 
 /// A plan as `mesh-node plan --json` prints it.
@@ -390,11 +384,11 @@ mod tests {
             member(3, Some(false)),
         ];
         let (own, others) = candidates(&[9; 32], &[1; 32], &members).unwrap();
-        let two = plan_relayed_last(&shape, &own, &others, &members, Stages::Pinned(2)).unwrap();
+        let two = plan_relayed_last(&shape, &own, &others, Stages::Pinned(2)).unwrap();
         let nodes: Vec<_> = two.stages.iter().map(|s| s.node_id[0]).collect();
         assert_eq!(nodes, vec![1, 3]);
         assert!(two.left_out.contains(&([2; 32], LeftOut::Relayed)));
-        let three = plan_relayed_last(&shape, &own, &others, &members, Stages::Pinned(3)).unwrap();
+        let three = plan_relayed_last(&shape, &own, &others, Stages::Pinned(3)).unwrap();
         let mut nodes: Vec<_> = three.stages.iter().map(|s| s.node_id[0]).collect();
         nodes.sort();
         assert_eq!(nodes, vec![1, 2, 3]);

@@ -31,13 +31,56 @@ pub struct Peers {
     cache: tokio::sync::Mutex<HashMap<ConnectionKey, quinn::Connection>>,
     /// One connection attempt at a time per peer and protocol; others to
     /// the same peer wait for it, no one else does.
-    attempts: std::sync::Mutex<HashMap<ConnectionKey, Arc<tokio::sync::Mutex<()>>>>,
+    attempts: Attempts,
     routes: OnceLock<Routes>,
     reach: Arc<Mutex<Reachability>>,
     tunnel: Arc<Tunnel>,
     /// Peers no hole could be punched to, and when that was found: reached
     /// through a relay at once until `RELAYED_FOR` has passed.
     relayed: std::sync::Mutex<HashMap<[u8; 32], std::time::Instant>>,
+}
+
+/// Attempts to reach one peer with one protocol, entered: the gate they
+/// take turns at, removed from the map by the last one out, on every way
+/// out (a cancelled attempt included).
+struct Gate<'a> {
+    attempts: &'a Attempts,
+    key: ConnectionKey,
+    gate: Arc<tokio::sync::Mutex<()>>,
+}
+
+type Attempts = std::sync::Mutex<HashMap<ConnectionKey, Arc<tokio::sync::Mutex<()>>>>;
+
+impl<'a> Gate<'a> {
+    fn enter(attempts: &'a Attempts, key: ConnectionKey) -> Self {
+        let gate = attempts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(key)
+            .or_default()
+            .clone();
+        Gate {
+            attempts,
+            key,
+            gate,
+        }
+    }
+}
+
+impl Drop for Gate<'_> {
+    fn drop(&mut self) {
+        let mut attempts = self
+            .attempts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // The map's and this one are the only holders left.
+        if attempts
+            .get(&self.key)
+            .is_some_and(|gate| Arc::strong_count(gate) <= 2)
+        {
+            attempts.remove(&self.key);
+        }
+    }
 }
 
 /// How long a direct connection may take after an introduction before the
@@ -271,14 +314,12 @@ impl Peers {
             return Ok(existing);
         }
         let key = (peer.key, alpn);
-        let gate = self
-            .attempts
-            .lock()
-            .map_err(|_| anyhow::anyhow!("the connection attempts' lock is poisoned"))?
-            .entry(key)
-            .or_default()
-            .clone();
-        let attempt = gate.lock().await;
+        let gate = Gate::enter(&self.attempts, key);
+        // Another attempt to the same peer is waited for within this one's
+        // own time, not beyond.
+        let attempt = tokio::time::timeout(within, gate.gate.lock())
+            .await
+            .with_context(|| format!("timed out waiting for another attempt to reach {peer}"))?;
         // Another caller's attempt may have connected meanwhile.
         let connected = async {
             if let Some(existing) = self.live(peer, alpn).await {
@@ -296,15 +337,6 @@ impl Peers {
             self.cache.lock().await.insert(key, connection.clone());
         }
         drop(attempt);
-        // The last one out removes the gate (the map's and this one are
-        // the only holders left).
-        if let Ok(mut attempts) = self.attempts.lock()
-            && attempts
-                .get(&key)
-                .is_some_and(|g| Arc::strong_count(g) <= 2)
-        {
-            attempts.remove(&key);
-        }
         connected
     }
 
@@ -343,11 +375,20 @@ impl Peers {
                 .with_context(|| format!("timed out opening a stream to {peer}"))?
                 .map_err(anyhow::Error::from)
         };
+        let stale = connection.stable_id();
         match open(connection).await {
             Ok(streams) => Ok(streams),
             Err(_) => {
-                // A stale cached connection: drop it and try once more.
-                self.cache.lock().await.remove(&(peer.key, alpn));
+                // A stale cached connection: drop it (not a newer one
+                // another caller made meanwhile) and try once more.
+                let mut cache = self.cache.lock().await;
+                if cache
+                    .get(&(peer.key, alpn))
+                    .is_some_and(|kept| kept.stable_id() == stale)
+                {
+                    cache.remove(&(peer.key, alpn));
+                }
+                drop(cache);
                 let connection = self.connect(peer, alpn).await?;
                 open(connection).await
             }

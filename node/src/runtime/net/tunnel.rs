@@ -31,6 +31,12 @@ use crate::runtime::net::addr::PeerAddr;
 const VIRTUAL_PREFIX: [u8; 2] = [240, 109];
 /// Peers reached through relays at once (one virtual address each).
 pub const MAX_RELAYED_PEERS: usize = 4096;
+/// Peers reached through any one relay at once: a relay that writes frames
+/// under made-up keys takes at most this share of the table.
+pub const MAX_PEERS_PER_RELAY: usize = 1024;
+/// With the table full and every address in use, the next look for an idle
+/// one waits this long (a look scans the whole table).
+const FULL_TABLE_LOOK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 /// A virtual address unused this long goes to another peer when the table
 /// is full: far past any connection's idle timeout, so no connection
 /// still sends to it.
@@ -156,12 +162,17 @@ pub struct RelayGone(pub PeerAddr, pub u128);
 struct Virtuals {
     by_addr: HashMap<SocketAddr, (PeerAddr, [u8; 32], Instant)>,
     by_peer: HashMap<([u8; 32], [u8; 32]), SocketAddr>,
+    /// Addresses held per relay.
+    per_relay: HashMap<[u8; 32], usize>,
+    /// When a look for an idle address last found none.
+    found_none_at: Option<Instant>,
 }
 
 impl Virtuals {
     /// `peer`'s address through `relay`: the one it has, a new one, or,
     /// with the table full, the one unused longest once it is idle past
-    /// `VIRTUAL_IDLE`; `None` when every address is in use.
+    /// `VIRTUAL_IDLE`; `None` when every address is in use, or `relay`
+    /// holds `MAX_PEERS_PER_RELAY` already.
     fn address(&mut self, relay: &PeerAddr, peer: [u8; 32], now: Instant) -> Option<SocketAddr> {
         if let Some(addr) = self.by_peer.get(&(relay.key, peer)) {
             if let Some(named) = self.by_addr.get_mut(addr) {
@@ -169,22 +180,39 @@ impl Virtuals {
             }
             return Some(*addr);
         }
+        if self.per_relay.get(&relay.key).copied().unwrap_or(0) >= MAX_PEERS_PER_RELAY {
+            return None;
+        }
         let addr = if self.by_addr.len() < MAX_RELAYED_PEERS {
             let [hi, lo] = u16::try_from(self.by_addr.len()).ok()?.to_be_bytes();
             let [a, b] = VIRTUAL_PREFIX;
             SocketAddr::new(IpAddr::V4(Ipv4Addr::new(a, b, hi, lo)), 443)
         } else {
-            let (addr, (old_relay, old_peer, _)) = self
+            if self
+                .found_none_at
+                .is_some_and(|at| now.saturating_duration_since(at) < FULL_TABLE_LOOK_EVERY)
+            {
+                return None;
+            }
+            let idle = self
                 .by_addr
                 .iter()
                 .filter(|(_, (_, _, used))| now.saturating_duration_since(*used) >= VIRTUAL_IDLE)
-                .min_by_key(|(_, (_, _, used))| *used)?;
-            let addr = *addr;
-            self.by_peer.remove(&(old_relay.key, *old_peer));
+                .min_by_key(|(_, (_, _, used))| *used)
+                .map(|(addr, (old_relay, old_peer, _))| (*addr, old_relay.key, *old_peer));
+            let Some((addr, old_relay, old_peer)) = idle else {
+                self.found_none_at = Some(now);
+                return None;
+            };
+            self.by_peer.remove(&(old_relay, old_peer));
+            if let Some(held) = self.per_relay.get_mut(&old_relay) {
+                *held = held.saturating_sub(1);
+            }
             addr
         };
         self.by_addr.insert(addr, (relay.clone(), peer, now));
         self.by_peer.insert((relay.key, peer), addr);
+        *self.per_relay.entry(relay.key).or_default() += 1;
         Some(addr)
     }
 
@@ -469,13 +497,23 @@ mod tests {
         assert!(!is_virtual(&"10.77.0.11:7000".parse().unwrap()));
         assert!(!is_virtual(&"[::1]:7000".parse().unwrap()));
         assert!(is_virtual(&"[::ffff:240.109.0.1]:443".parse().unwrap()));
-        for peer in 2..MAX_RELAYED_PEERS {
+        // One relay holds at most its share.
+        for peer in 1..MAX_PEERS_PER_RELAY {
             let mut key = [0u8; 32];
             key[..8].copy_from_slice(&(peer as u64).to_le_bytes());
             assert!(virtuals.address(&relay(1), key, now).is_some());
         }
-        // Full, and every address in use: none for a new peer.
+        assert_eq!(virtuals.address(&relay(1), [0xee; 32], now), None);
+        for peer in 0..MAX_RELAYED_PEERS - MAX_PEERS_PER_RELAY - 1 {
+            let mut key = [0u8; 32];
+            key[..8].copy_from_slice(&(peer as u64).to_le_bytes());
+            let by = relay(10 + (peer / MAX_PEERS_PER_RELAY) as u8);
+            assert!(virtuals.address(&by, key, now).is_some());
+        }
+        // Full, and every address in use: none for a new peer, and no new
+        // look at the table for a second.
         assert_eq!(virtuals.address(&relay(3), [9; 32], now), None);
+        assert_eq!(virtuals.found_none_at, Some(now));
         // Once idle long enough, the one unused longest goes to the new
         // peer; the others stay, and the one used since stays.
         let later = now + VIRTUAL_IDLE;

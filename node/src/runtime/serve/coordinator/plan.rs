@@ -229,7 +229,6 @@ impl CoordinatorRole {
             &crate::runtime::planner::model_shape(&self.shared.model),
             &own,
             &others,
-            &members,
             stages,
         )
         .map_err(|error| {
