@@ -229,14 +229,18 @@ async fn ask(
     request: &ReachRequest,
     timeout: Duration,
 ) -> anyhow::Result<(ReachAnswer, quinn::SendStream, quinn::RecvStream)> {
-    let (mut send, mut recv) = tokio::time::timeout(timeout, connection.open_bi())
+    // One deadline for the whole exchange: opening, asking, answering.
+    let exchange = async {
+        let (mut send, mut recv) = connection.open_bi().await?;
+        msg::write(&mut send, &request.encode()).await?;
+        let said = msg::read(&mut recv, MAX_REACH_MESSAGE, timeout)
+            .await?
+            .context("the peer closed the reach stream without an answer")?;
+        anyhow::Ok((ReachAnswer::decode(request, &said[4..])?, send, recv))
+    };
+    tokio::time::timeout(timeout, exchange)
         .await
-        .context("timed out opening a reach stream")??;
-    msg::write(&mut send, &request.encode()).await?;
-    let said = msg::read(&mut recv, MAX_REACH_MESSAGE, timeout)
-        .await?
-        .context("the peer closed the reach stream without an answer")?;
-    Ok((ReachAnswer::decode(request, &said[4..])?, send, recv))
+        .with_context(|| format!("no answer to {} within {timeout:?}", request.name()))?
 }
 
 /// `ask`, for a request whose stream ends with its answer.
