@@ -196,6 +196,18 @@ impl ReachRequest {
 }
 
 impl ReachAnswer {
+    pub fn name(&self) -> &'static str {
+        match self {
+            ReachAnswer::Observed { .. } => "OBSERVED",
+            ReachAnswer::Done => "DONE",
+            ReachAnswer::NotKept => "NOT_KEPT",
+            ReachAnswer::Busy => "BUSY",
+            ReachAnswer::NoRelay => "NO_RELAY",
+            ReachAnswer::Symmetric => "SYMMETRIC",
+            ReachAnswer::NotMember => "NOT_MEMBER",
+        }
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         match self {
             ReachAnswer::Observed { reachable, seen } => {

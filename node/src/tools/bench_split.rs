@@ -39,15 +39,12 @@ pub async fn bench_split(
     let opened = device.open()?;
     // A base model (no chat template, as Gemma 3 270M's file) completes
     // the short prompt as written.
-    let chat = prompt_tokens.is_none()
-        && mesh_stage::ModelHandle::open(&model)?
-            .text()?
-            .chat_template()
-            .is_ok();
+    let handle = mesh_stage::ModelHandle::open(&model)?;
+    let chat = prompt_tokens.is_none() && handle.text()?.chat_template().is_ok();
     let prompt = bench_prompt(&model, prompt_tokens)?;
     // A decode step's frame between stages: one row of f32 activations
     // and the frame's header (docs/split-stage.md).
-    let frame_bytes = mesh_stage::ModelHandle::open(&model)?.config().hidden * 4 + 64;
+    let frame_bytes = handle.config().hidden * 4 + 64;
     let mut bare_hops = Vec::with_capacity(rounds);
     let configurations = [
         (2usize, ReturnMode::Relayed),

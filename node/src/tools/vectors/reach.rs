@@ -22,33 +22,25 @@ use crate::tools::vectors::file::{VectorFile, pretty};
 
 fn request_outcome(body: &[u8]) -> Value {
     match ReachRequest::decode(body) {
-        Ok(ReachRequest::Observe) => json!({ "ok": { "request": "OBSERVE" } }),
-        Ok(ReachRequest::Relay) => json!({ "ok": { "request": "RELAY" } }),
-        Ok(ReachRequest::Introduce { node }) => {
-            json!({ "ok": { "request": "INTRODUCE", "node": hex::encode(&node) } })
+        Ok(request @ (ReachRequest::Observe | ReachRequest::Relay)) => {
+            json!({ "ok": { "request": request.name() } })
         }
-        Ok(ReachRequest::Punch { asker, at }) => json!({
-            "ok": { "request": "PUNCH", "asker": hex::encode(&asker), "at": at.to_string() }
+        Ok(request @ ReachRequest::Introduce { node }) => {
+            json!({ "ok": { "request": request.name(), "node": hex::encode(&node) } })
+        }
+        Ok(request @ ReachRequest::Punch { asker, at }) => json!({
+            "ok": { "request": request.name(), "asker": hex::encode(&asker), "at": at.to_string() }
         }),
         Err(error) => json!({ "refused": error.kind() }),
     }
 }
 
 fn answer_outcome(request: &ReachRequest, body: &[u8]) -> Value {
-    let name = |answer: &ReachAnswer| match answer {
-        ReachAnswer::Observed { .. } => "OBSERVED",
-        ReachAnswer::Done => "DONE",
-        ReachAnswer::NotKept => "NOT_KEPT",
-        ReachAnswer::Busy => "BUSY",
-        ReachAnswer::NoRelay => "NO_RELAY",
-        ReachAnswer::Symmetric => "SYMMETRIC",
-        ReachAnswer::NotMember => "NOT_MEMBER",
-    };
     match ReachAnswer::decode(request, body) {
         Ok(answer @ ReachAnswer::Observed { reachable, seen }) => json!({
-            "ok": { "answer": name(&answer), "reachable": reachable, "seen": seen.to_string() }
+            "ok": { "answer": answer.name(), "reachable": reachable, "seen": seen.to_string() }
         }),
-        Ok(answer) => json!({ "ok": { "answer": name(&answer) } }),
+        Ok(answer) => json!({ "ok": { "answer": answer.name() } }),
         Err(error) => json!({ "refused": error.kind() }),
     }
 }
