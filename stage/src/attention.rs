@@ -259,43 +259,67 @@ const PARALLEL_WORK: usize = 8192;
 /// threads.
 const KEY_BLOCK: usize = 256;
 
-/// Keys (and values) widened to f32 at a time and used by every head of
-/// a KV group before the next are read: each row is read from memory
-/// once for the group and from the L1 cache for the other heads.
-const TILE: usize = 16;
+/// Elements of keys (and values) widened to f32 at a time and used by
+/// every query row of a piece before the next are read (16 KiB, in the L1
+/// cache beside the piece's queries): sixteen rows of Gemma 3's 256, 64
+/// of SmolLM2's 64, so a narrow head's tile costs as much to walk as a
+/// wide one's.
+const TILE_ELEMENTS: usize = 4096;
 
-/// Each step row's KV groups one piece at a time, each piece every block
-/// of its row in order: a prompt chunk, or a step shallower than a block.
+/// Step rows a prompt piece holds: each tile of keys and values is read
+/// (and widened) once for every query head of the KV group at each of
+/// these rows, not once per row.
+const PIECE_ROWS: usize = 8;
+
+/// A prompt chunk, or a step shallower than a block: a piece is up to
+/// [`PIECE_ROWS`] step rows of one KV group, each row's blocks folded in
+/// key order ([`group_rows`]).
 fn by_groups<T: Stored>(inputs: &Inputs<'_, T>, spread: bool, out: &mut [f32]) -> Result<()> {
-    let pieces: Vec<Mutex<&mut [f32]>> = out
-        .chunks_exact_mut(inputs.group * inputs.width)
+    let Inputs {
+        group,
+        kv_heads,
+        width,
+        ..
+    } = *inputs;
+    // One output per step row and KV group, locked by the piece that
+    // computes it (each by one piece only).
+    let row_results: Vec<Mutex<&mut [f32]>> = out
+        .chunks_exact_mut(group * width)
         .map(Mutex::new)
         .collect();
+    let seq = row_results.len() / kv_heads;
+    let pieces = seq.div_ceil(PIECE_ROWS) * kv_heads;
     let failure: Mutex<Option<EngineError>> = Mutex::new(None);
     let run = |range: std::ops::Range<usize>| {
         let mut scratch = Scratch::default();
         for index in range {
-            let Some(piece) = pieces.get(index) else {
-                continue;
-            };
-            let mut results = piece
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let (chunk, kv_head) = (index / kv_heads, index % kv_heads);
+            let rows = chunk * PIECE_ROWS..((chunk + 1) * PIECE_ROWS).min(seq);
             if let Err(error) = with_simd(|simd| {
-                by_width(inputs.width, |width| {
-                    group_rows(simd, inputs, width, index, &mut results, &mut scratch)
+                by_width(width, |width| {
+                    group_rows(simd, inputs, width, (rows.clone(), kv_head), &mut scratch)
                 })
             }) {
                 keep(&failure, error);
+                continue;
+            }
+            let records = scratch.running.chunks_exact(group * (width + 2));
+            for (row, records) in rows.zip(records) {
+                if let Some(results) = row_results.get(row * kv_heads + kv_head) {
+                    let mut results = results
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner());
+                    finish(records, &mut results, width);
+                }
             }
         }
     };
     if spread {
-        crate::kernels::pool::pool().for_each_piece(pieces.len(), run);
+        crate::kernels::pool::pool().for_each_piece(pieces, run);
     } else {
-        run(0..pieces.len());
+        run(0..pieces);
     }
-    drop(pieces);
+    drop(row_results);
     failure.into_inner().ok().flatten().map_or(Ok(()), Err)
 }
 
@@ -339,7 +363,7 @@ fn by_blocks<T: Stored>(
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             if let Err(error) = with_simd(|simd| {
                 by_width(width, |width| {
-                    let at = (step_row, kv_head, keys.clone());
+                    let at = (step_row..step_row + 1, kv_head, first_block + block);
                     block_partial(simd, inputs, width, at, &mut work, &mut records)
                 })
             }) {
@@ -464,36 +488,47 @@ struct Work {
     tile: Vec<f32>,
 }
 
-/// Piece `index` (step row `index / kv_heads`, KV head `index %
-/// kv_heads`): every query head of the KV group at that row, its blocks
-/// computed and folded in key order, into `results` (`group` rows of
-/// `width`).
+/// Step rows `rows` of KV group `kv_head`: every query head of the group
+/// at each row, its blocks computed and folded in key order, into
+/// `scratch.running` (per row, `group` records of `width + 2`: the
+/// running maximum, total and sums that [`finish`] divides).
 #[inline(always)]
 fn group_rows<T: Stored>(
     simd: Simd,
     inputs: &Inputs<'_, T>,
     width: usize,
-    index: usize,
-    results: &mut [f32],
+    (rows, kv_head): (std::ops::Range<usize>, usize),
     scratch: &mut Scratch,
 ) -> Result<()> {
-    let (step_row, kv_head) = (index / inputs.kv_heads, index % inputs.kv_heads);
-    let keys = inputs.keys_of(step_row);
-    let size = inputs.group * (width + 2);
+    let row_size = inputs.group * (width + 2);
+    let size = rows.len() * row_size;
     let Scratch {
         work,
         running,
         block,
     } = scratch;
+    running.clear();
     running.resize(size, 0.0);
     block.resize(size, 0.0);
-    let blocks = keys.start / KEY_BLOCK..keys.end.div_ceil(KEY_BLOCK);
-    for (n, b) in blocks.enumerate() {
-        let at = (step_row, kv_head, block_keys(keys.clone(), b));
-        if n == 0 {
-            block_partial(simd, inputs, width, at, work, running)?;
-        } else {
-            block_partial(simd, inputs, width, at, work, block)?;
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let first = inputs.keys_of(rows.start).start / KEY_BLOCK;
+    let last = inputs.keys_of(rows.end - 1).end.div_ceil(KEY_BLOCK);
+    for b in first..last {
+        block_partial(simd, inputs, width, (rows.clone(), kv_head, b), work, block)?;
+        let records = running
+            .chunks_exact_mut(row_size)
+            .zip(block.chunks_exact(row_size));
+        for (row, (running, block)) in rows.clone().zip(records) {
+            let keys = inputs.keys_of(row);
+            if block_keys(keys.clone(), b).is_empty() {
+                continue;
+            }
+            if keys.start / KEY_BLOCK == b {
+                running.copy_from_slice(block);
+                continue;
+            }
             for (into, from) in running
                 .chunks_exact_mut(width + 2)
                 .zip(block.chunks_exact(width + 2))
@@ -502,21 +537,22 @@ fn group_rows<T: Stored>(
             }
         }
     }
-    finish(running, results, width);
     Ok(())
 }
 
-/// One block of keys for every query head of a KV group at one step row,
-/// into `records` (one per head, `width + 2` long): the scores' maximum,
-/// the total of `exp(score - maximum)`, and the values weighted by those
-/// exponentials, each element's additions in key order. Each key and
-/// value row is read once for the whole group.
+/// Block `block` of keys for every query head of a KV group at each step
+/// row of `rows`, into `records` (per row, one per head, `width + 2`
+/// long): the scores' maximum, the total of `exp(score - maximum)`, and
+/// the values weighted by those exponentials, each element's additions in
+/// key order. A row that sees no key of the block leaves its records as
+/// they were. Each key and value row is read once for the whole piece,
+/// and each row's arithmetic is the same whatever the other rows are.
 #[inline(always)]
 fn block_partial<T: Stored>(
     simd: Simd,
     inputs: &Inputs<'_, T>,
     width: usize,
-    (step_row, kv_head, keys): (usize, usize, Keys),
+    (rows, kv_head, block): (std::ops::Range<usize>, usize, usize),
     work: &mut Work,
     records: &mut [f32],
 ) -> Result<()> {
@@ -528,66 +564,204 @@ fn block_partial<T: Stored>(
         scale,
         ..
     } = *inputs;
-    let count = keys.len();
+    let row_keys = |row: usize| block_keys(inputs.keys_of(row), block);
+    // The keys any of the rows sees in this block.
+    let seen = rows
+        .clone()
+        .map(row_keys)
+        .filter(|keys| !keys.is_empty())
+        .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end));
+    let Some(seen) = seen else {
+        return Ok(());
+    };
+    let count = seen.len();
     let Work { scores, tile } = work;
     scores.clear();
-    scores.resize(group * count, 0.0);
-    tile.resize(TILE * width, 0.0);
-    let query = |h: usize| row_of(queries, kv_head * group + h, step_row, width, QUERY_OUTSIDE);
-    for tile_start in (0..count).step_by(TILE) {
-        let tile_keys = keys.start + tile_start..keys.start + (tile_start + TILE).min(count);
-        let in_tile = tile_keys.len();
-        let tile = key_rows.tile(kv_head, tile_keys, width, tile, KEY_OUTSIDE)?;
-        let mut at = 0;
-        while at + 4 <= in_tile {
-            let rows = [
-                tile_row(tile, at, width)?,
-                tile_row(tile, at + 1, width)?,
-                tile_row(tile, at + 2, width)?,
-                tile_row(tile, at + 3, width)?,
-            ];
-            for (h, head_scores) in scores.chunks_exact_mut(count).enumerate() {
-                let dots = dots4_fast(simd, query(h)?, rows);
-                let first = tile_start + at;
-                for (score, dot) in head_scores[first..first + 4].iter_mut().zip(dots) {
-                    *score = dot * scale;
+    scores.resize(rows.len() * group * count, 0.0);
+    let tile_rows = (TILE_ELEMENTS / width).max(1);
+    tile.resize(tile_rows * width, 0.0);
+    for tile_start in seen.clone().step_by(tile_rows) {
+        let tile_keys = tile_start..(tile_start + tile_rows).min(seen.end);
+        let tile = key_rows.tile(kv_head, tile_keys.clone(), width, tile, KEY_OUTSIDE)?;
+        for (row, row_scores) in rows.clone().zip(scores.chunks_exact_mut(group * count)) {
+            let keys = row_keys(row);
+            let here = keys.start.max(tile_keys.start)..keys.end.min(tile_keys.end);
+            if here.start >= here.end {
+                continue;
+            }
+            let query = |h: usize| row_of(queries, kv_head * group + h, row, width, QUERY_OUTSIDE);
+            let in_tile = here.start - tile_keys.start..here.end - tile_keys.start;
+            let first_score = here.start - seen.start;
+            let mut heads = row_scores.chunks_exact_mut(count).enumerate();
+            while let Some((h, scores_a)) = heads.next() {
+                match heads.next() {
+                    Some((_, scores_b)) => {
+                        let pair = [query(h)?, query(h + 1)?];
+                        let into = [&mut scores_a[first_score..], &mut scores_b[first_score..]];
+                        score_pair(simd, pair, tile, width, in_tile.clone(), scale, into)?;
+                    }
+                    None => {
+                        let into = &mut scores_a[first_score..];
+                        score_one(simd, query(h)?, tile, width, in_tile.clone(), scale, into)?;
+                    }
                 }
             }
-            at += 4;
         }
-        for at in at..in_tile {
-            let key = tile_row(tile, at, width)?;
-            for (h, head_scores) in scores.chunks_exact_mut(count).enumerate() {
-                head_scores[tile_start + at] = dot(query(h)?, key) * scale;
+    }
+    for ((row, row_records), row_scores) in rows
+        .clone()
+        .zip(records.chunks_exact_mut(group * (width + 2)))
+        .zip(scores.chunks_exact_mut(group * count))
+    {
+        let keys = row_keys(row);
+        if keys.is_empty() {
+            continue;
+        }
+        let mine = keys.start - seen.start..keys.end - seen.start;
+        for (record, head_scores) in row_records
+            .chunks_exact_mut(width + 2)
+            .zip(row_scores.chunks_exact_mut(count))
+        {
+            let (maximum, total) = exponentials(simd, &mut head_scores[mine.clone()]);
+            record[0] = maximum;
+            record[1] = total;
+            record[2..].fill(0.0);
+        }
+    }
+    for tile_start in seen.clone().step_by(tile_rows) {
+        let tile_keys = tile_start..(tile_start + tile_rows).min(seen.end);
+        let tile = values.tile(kv_head, tile_keys.clone(), width, tile, VALUE_OUTSIDE)?;
+        for ((row, row_records), row_scores) in rows
+            .clone()
+            .zip(records.chunks_exact_mut(group * (width + 2)))
+            .zip(scores.chunks_exact(group * count))
+        {
+            let keys = row_keys(row);
+            let here = keys.start.max(tile_keys.start)..keys.end.min(tile_keys.end);
+            if here.start >= here.end {
+                continue;
+            }
+            let weights = here.start - seen.start..here.end - seen.start;
+            let in_tile =
+                (here.start - tile_keys.start) * width..(here.end - tile_keys.start) * width;
+            let value_rows = tile
+                .get(in_tile)
+                .ok_or(EngineError::WrongInput(VALUE_OUTSIDE))?;
+            let mut heads = row_records
+                .chunks_exact_mut(width + 2)
+                .zip(row_scores.chunks_exact(count));
+            while let Some((record_a, scores_a)) = heads.next() {
+                let weights_a = &scores_a[weights.clone()];
+                match heads.next() {
+                    Some((record_b, scores_b)) => add_weighted_pair(
+                        simd,
+                        [&mut record_a[2..], &mut record_b[2..]],
+                        [weights_a, &scores_b[weights.clone()]],
+                        value_rows,
+                    )?,
+                    None => add_weighted_rows(simd, &mut record_a[2..], weights_a, |j| {
+                        tile_row(value_rows, j, width)
+                    })?,
+                }
             }
         }
     }
-    for (record, head_scores) in records
-        .chunks_exact_mut(width + 2)
-        .zip(scores.chunks_exact_mut(count))
-    {
-        let (maximum, total) = exponentials(head_scores);
-        record[0] = maximum;
-        record[1] = total;
-        record[2..].fill(0.0);
-    }
-    for tile_start in (0..count).step_by(TILE) {
-        let end = (tile_start + TILE).min(count);
-        let tile = values.tile(
-            kv_head,
-            keys.start + tile_start..keys.start + end,
-            width,
-            tile,
-            VALUE_OUTSIDE,
-        )?;
-        for (record, head_scores) in records
-            .chunks_exact_mut(width + 2)
-            .zip(scores.chunks_exact(count))
-        {
-            add_weighted_rows(simd, &mut record[2..], &head_scores[tile_start..end], |j| {
-                tile_row(tile, j, width)
-            })?;
+    Ok(())
+}
+
+/// Two query heads' scores against the tile's rows `in_tile`, into the
+/// start of each head's `scores`: four keys at a time for both heads at
+/// once (each key row loaded once for the two), then one at a time; each
+/// score [`dot`]'s bits times `scale`.
+#[inline(always)]
+fn score_pair(
+    simd: Simd,
+    queries: [&[f32]; 2],
+    tile: &[f32],
+    width: usize,
+    in_tile: std::ops::Range<usize>,
+    scale: f32,
+    scores: [&mut [f32]; 2],
+) -> Result<()> {
+    let [scores_a, scores_b] = scores;
+    let mut at = in_tile.start;
+    let mut n = 0;
+    while at + 4 <= in_tile.end {
+        let rows = [
+            tile_row(tile, at, width)?,
+            tile_row(tile, at + 1, width)?,
+            tile_row(tile, at + 2, width)?,
+            tile_row(tile, at + 3, width)?,
+        ];
+        let [a, b] = dots_pair4_fast(simd, queries, rows);
+        let (Some(into_a), Some(into_b)) = (scores_a.get_mut(n..n + 4), scores_b.get_mut(n..n + 4))
+        else {
+            return Err(EngineError::WrongInput(KEY_OUTSIDE));
+        };
+        for ((into_a, into_b), (a, b)) in into_a.iter_mut().zip(into_b).zip(a.into_iter().zip(b)) {
+            *into_a = a * scale;
+            *into_b = b * scale;
         }
+        at += 4;
+        n += 4;
+    }
+    let rest = at..in_tile.end;
+    score_one(
+        simd,
+        queries[0],
+        tile,
+        width,
+        rest.clone(),
+        scale,
+        scores_a.get_mut(n..).unwrap_or_default(),
+    )?;
+    score_one(
+        simd,
+        queries[1],
+        tile,
+        width,
+        rest,
+        scale,
+        scores_b.get_mut(n..).unwrap_or_default(),
+    )
+}
+
+/// One query head's scores against the tile's rows `in_tile`, into the
+/// start of `scores`, four keys at a time, then one at a time.
+#[inline(always)]
+fn score_one(
+    simd: Simd,
+    query: &[f32],
+    tile: &[f32],
+    width: usize,
+    in_tile: std::ops::Range<usize>,
+    scale: f32,
+    scores: &mut [f32],
+) -> Result<()> {
+    if scores.len() < in_tile.len() {
+        return Err(EngineError::WrongInput(KEY_OUTSIDE));
+    }
+    let mut at = in_tile.start;
+    let mut n = 0;
+    while at + 4 <= in_tile.end {
+        let rows = [
+            tile_row(tile, at, width)?,
+            tile_row(tile, at + 1, width)?,
+            tile_row(tile, at + 2, width)?,
+            tile_row(tile, at + 3, width)?,
+        ];
+        for (into, dot) in scores[n..n + 4]
+            .iter_mut()
+            .zip(dots4_fast(simd, query, rows))
+        {
+            *into = dot * scale;
+        }
+        at += 4;
+        n += 4;
+    }
+    for at in at..in_tile.end {
+        scores[n] = dot(query, tile_row(tile, at, width)?) * scale;
+        n += 1;
     }
     Ok(())
 }
@@ -700,6 +874,59 @@ fn add_weighted_rows<'a>(
     Ok(())
 }
 
+/// [`add_weighted_rows`] for two heads' sums over the same rows (`rows`:
+/// one after another, each as long as a sum): each row's chunk loaded
+/// once for both, 32 elements of each sum held in registers; each
+/// element's additions in key order, so the same bits.
+#[inline(always)]
+fn add_weighted_pair(
+    simd: Simd,
+    sums: [&mut [f32]; 2],
+    weights: [&[f32]; 2],
+    rows: &[f32],
+) -> Result<()> {
+    let [sum_a, sum_b] = sums;
+    let width = sum_a.len();
+    if sum_b.len() != width
+        || weights[0].len() != weights[1].len()
+        || rows.len() != weights[0].len() * width
+    {
+        return Err(EngineError::WrongInput(VALUE_OUTSIDE));
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = simd
+        && width.is_multiple_of(32)
+    {
+        let (parts_a, _) = sum_a.as_chunks_mut::<32>();
+        let (parts_b, _) = sum_b.as_chunks_mut::<32>();
+        for (p, (part_a, part_b)) in parts_a.iter_mut().zip(parts_b.iter_mut()).enumerate() {
+            let mut lanes_a: [pulp::f32x8; 4] = pulp::cast(*part_a);
+            let mut lanes_b: [pulp::f32x8; 4] = pulp::cast(*part_b);
+            for ((row, &weight_a), &weight_b) in
+                rows.chunks_exact(width).zip(weights[0]).zip(weights[1])
+            {
+                let (values, _) = row.as_chunks::<32>();
+                let Some(values) = values.get(p) else {
+                    return Err(EngineError::WrongInput(VALUE_OUTSIDE));
+                };
+                let values: [pulp::f32x8; 4] = pulp::cast(*values);
+                let (weight_a, weight_b) = (simd.splat_f32x8(weight_a), simd.splat_f32x8(weight_b));
+                for ((lane_a, lane_b), v) in lanes_a.iter_mut().zip(lanes_b.iter_mut()).zip(values)
+                {
+                    *lane_a = simd.add_f32x8(*lane_a, simd.mul_f32x8(weight_a, v));
+                    *lane_b = simd.add_f32x8(*lane_b, simd.mul_f32x8(weight_b, v));
+                }
+            }
+            *part_a = pulp::cast(lanes_a);
+            *part_b = pulp::cast(lanes_b);
+        }
+        return Ok(());
+    }
+    let row = |j: usize| tile_row(rows, j, width);
+    add_weighted_rows(simd, sum_a, weights[0], row)?;
+    add_weighted_rows(simd, sum_b, weights[1], row)
+}
+
 /// [`dots4`] in AVX registers where the CPU has them, one per key: each
 /// lane's products added in [`dot`]'s order, so [`dot`]'s bits.
 #[inline(always)]
@@ -724,6 +951,41 @@ fn dots4_fast(simd: Simd, query: &[f32], keys: [&[f32]; 4]) -> [f32; 4] {
         return totals4(simd, sums).map(|total| total + 0f32);
     }
     dots4(query, keys)
+}
+
+/// [`dots4_fast`] for two queries against the same four keys: each key
+/// chunk loaded once for both (eight independent chains of additions),
+/// each dot in [`dot`]'s order, so [`dot`]'s bits.
+#[inline(always)]
+fn dots_pair4_fast(simd: Simd, queries: [&[f32]; 2], keys: [&[f32]; 4]) -> [[f32; 4]; 2] {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = simd
+        && queries[0].len().is_multiple_of(8)
+        && queries[1].len() == queries[0].len()
+        && keys.iter().all(|key| key.len() == queries[0].len())
+    {
+        let [a8, b8] = queries.map(|query| query.as_chunks::<8>().0);
+        let k8 = keys.map(|key| key.as_chunks::<8>().0);
+        let mut sums_a = [simd.splat_f32x8(0.0); 4];
+        let mut sums_b = [simd.splat_f32x8(0.0); 4];
+        for (c, (&a, &b)) in a8.iter().zip(b8).enumerate() {
+            let (a, b): (pulp::f32x8, pulp::f32x8) = (pulp::cast(a), pulp::cast(b));
+            for ((sum_a, sum_b), key) in sums_a.iter_mut().zip(sums_b.iter_mut()).zip(k8) {
+                let k: pulp::f32x8 = pulp::cast(key[c]);
+                *sum_a = simd.add_f32x8(*sum_a, simd.mul_f32x8(a, k));
+                *sum_b = simd.add_f32x8(*sum_b, simd.mul_f32x8(b, k));
+            }
+        }
+        // `+ 0.0` as in `dots4_fast`.
+        return [
+            totals4(simd, sums_a).map(|total| total + 0f32),
+            totals4(simd, sums_b).map(|total| total + 0f32),
+        ];
+    }
+    [
+        dots4_fast(simd, queries[0], keys),
+        dots4_fast(simd, queries[1], keys),
+    ]
 }
 
 /// Four keys' [`lanes_total`]s at once, each added in its order: each
@@ -817,10 +1079,12 @@ fn lanes_total(lanes: [f32; 8]) -> f32 {
 }
 
 /// Each score replaced by `exp(score - maximum)` over the scores'
-/// maximum; that maximum and their total. Eight lanes at a time, each in a fixed order, so the bits
-/// depend on the scores alone.
+/// maximum; that maximum and their total. Eight lanes at a time, each in
+/// a fixed order, so the bits depend on the scores alone: in AVX
+/// registers where the CPU has them ([`exp8`], the same operations as
+/// [`exp`]), else in the portable loops.
 #[inline(always)]
-fn exponentials(scores: &mut [f32]) -> (f32, f32) {
+fn exponentials(simd: Simd, scores: &mut [f32]) -> (f32, f32) {
     let mut maxima = [f32::NEG_INFINITY; 8];
     let mut chunks = scores.chunks_exact(8);
     for chunk in &mut chunks {
@@ -835,23 +1099,83 @@ fn exponentials(scores: &mut [f32]) -> (f32, f32) {
     for m in maxima {
         maximum = maximum.max(m);
     }
+    let (chunks, rest) = scores.as_chunks_mut::<8>();
     let mut totals = [0f32; 8];
-    let mut chunks = scores.chunks_exact_mut(8);
-    for chunk in &mut chunks {
-        for lane in 0..8 {
-            let e = exp(chunk[lane] - maximum);
-            chunk[lane] = e;
-            totals[lane] += e;
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = simd {
+        let avx = simd.avx;
+        let (top, mut sums) = (avx._mm256_set1_ps(maximum), avx._mm256_setzero_ps());
+        for chunk in chunks.iter_mut() {
+            let e = exp8(simd, avx._mm256_sub_ps(pulp::cast(*chunk), top));
+            *chunk = pulp::cast(e);
+            sums = avx._mm256_add_ps(sums, e);
+        }
+        totals = pulp::cast(sums);
+    }
+    if simd.is_none() {
+        for chunk in chunks.iter_mut() {
+            for lane in 0..8 {
+                let e = exp(chunk[lane] - maximum);
+                chunk[lane] = e;
+                totals[lane] += e;
+            }
         }
     }
     let mut tail = 0f32;
-    for score in chunks.into_remainder() {
+    for score in rest {
         let e = exp(*score - maximum);
         *score = e;
         tail += e;
     }
     (maximum, lanes_total(totals) + tail)
 }
+
+/// [`exp`] of eight lanes in AVX registers: the same operations in the
+/// same order, so [`exp`]'s bits (the clamp's maximum and minimum take
+/// `x` second, so a NaN stays NaN as `f32::clamp` keeps it).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn exp8(simd: pulp::x86::V3, x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    let (avx, avx2) = (simd.avx, simd.avx2);
+    let splat = |value: f32| avx._mm256_set1_ps(value);
+    let add = |a, b| avx._mm256_add_ps(a, b);
+    let mul = |a, b| avx._mm256_mul_ps(a, b);
+    let x = avx._mm256_min_ps(splat(0.0), avx._mm256_max_ps(splat(-87.0), x));
+    let shifted = add(mul(x, splat(EXP_LOG2_E)), splat(EXP_ROUND));
+    let n = avx._mm256_sub_ps(shifted, splat(EXP_ROUND));
+    let r = avx._mm256_sub_ps(
+        avx._mm256_sub_ps(x, mul(n, splat(EXP_LN2_HIGH))),
+        mul(n, splat(EXP_LN2_LOW)),
+    );
+    let mut p = splat(EXP_POLYNOMIAL[0]);
+    for c in &EXP_POLYNOMIAL[1..] {
+        p = add(mul(p, r), splat(*c));
+    }
+    let e = add(add(mul(mul(p, r), r), r), splat(1.0));
+    let n_bits = avx2._mm256_sub_epi32(
+        avx._mm256_castps_si256(shifted),
+        avx._mm256_set1_epi32(EXP_ROUND.to_bits() as i32),
+    );
+    let exponent =
+        avx2._mm256_slli_epi32::<23>(avx2._mm256_add_epi32(n_bits, avx._mm256_set1_epi32(127)));
+    mul(e, avx._mm256_castsi256_ps(exponent))
+}
+
+const EXP_LOG2_E: f32 = std::f32::consts::LOG2_E;
+// ln 2 in two parts: `n * EXP_LN2_HIGH` is exact for the n that occur.
+const EXP_LN2_HIGH: f32 = 0.693_359_4;
+const EXP_LN2_LOW: f32 = -2.121_944_4e-4;
+// 1.5 · 2^23: adding it rounds to an integer, kept in the low bits.
+const EXP_ROUND: f32 = 12_582_912.0;
+/// Cephes' `expf` polynomial, highest power first.
+const EXP_POLYNOMIAL: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_66,
+    0.5,
+];
 
 /// `e^x` for `x <= 0` (scores less their maximum), to about one unit in
 /// the last place: `2^n · p(r)` with `x = n ln 2 + r`, `|r| <= ln 2 / 2`,
@@ -862,26 +1186,18 @@ fn exponentials(scores: &mut [f32]) -> (f32, f32) {
 /// maximum's `1`.
 #[inline(always)]
 fn exp(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 in two parts: `n * LN2_HIGH` is exact for the n that occur.
-    const LN2_HIGH: f32 = 0.693_359_4;
-    const LN2_LOW: f32 = -2.121_944_4e-4;
-    // 1.5 · 2^23: adding it rounds to an integer, kept in the low bits.
-    const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 0.0);
-    let shifted = x * LOG2_E + ROUND;
-    let n = shifted - ROUND;
-    let r = (x - n * LN2_HIGH) - n * LN2_LOW;
-    let mut p = 1.987_569_1e-4_f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 0.166_666_66;
-    p = p * r + 0.5;
+    let shifted = x * EXP_LOG2_E + EXP_ROUND;
+    let n = shifted - EXP_ROUND;
+    let r = (x - n * EXP_LN2_HIGH) - n * EXP_LN2_LOW;
+    let mut p = EXP_POLYNOMIAL[0];
+    for c in &EXP_POLYNOMIAL[1..] {
+        p = p * r + c;
+    }
     let e = p * r * r + r + 1.0;
     // The integer n sits in `shifted`'s low mantissa bits; 2^n is built
     // from it as an exponent field (n >= -126 here, so normal).
-    let n_bits = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let n_bits = (shifted.to_bits() as i32).wrapping_sub(EXP_ROUND.to_bits() as i32);
     let two_to_n = f32::from_bits((n_bits.wrapping_add(127) << 23) as u32);
     e * two_to_n
 }
@@ -1073,6 +1389,8 @@ mod tests {
             (128, 2, 1, 5, 600, 300),
             (256, 4, 1, 3, 530, 20),
             (13, 2, 2, 2, 300, usize::MAX),
+            (64, 3, 3, 20, 300, 50),
+            (256, 4, 1, 19, 600, usize::MAX),
         ] {
             let heads = group * kv_heads;
             let q = random((1, heads, seq, width), 11);
@@ -1129,7 +1447,9 @@ mod tests {
         let mut portable = vec![0f32; size];
         for (index, results) in portable.chunks_exact_mut(group * width).enumerate() {
             let mut scratch = Scratch::default();
-            group_rows(None, &inputs, width, index, results, &mut scratch).unwrap();
+            let (row, kv_head) = (index / kv_heads, index % kv_heads);
+            group_rows(None, &inputs, width, (row..row + 1, kv_head), &mut scratch).unwrap();
+            finish(&scratch.running, results, width);
         }
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&portable), bits(&grouped), "width {width}");
@@ -1173,6 +1493,76 @@ mod tests {
             }
         }
         assert_eq!(bits(&fast), bits(&slow));
+        let pair = dots_pair4_fast(simd(), [&query, &keys[0]], four_keys);
+        let second: Vec<f32> = keys.iter().map(|k| dot(&keys[0], k)).collect();
+        assert_eq!(bits(&pair[0]), bits(&one_by_one));
+        assert_eq!(bits(&pair[1]), bits(&second));
+        let rows: Vec<f32> = keys.iter().flatten().copied().collect();
+        let other = [0.5f32, 0.25, 0.75, 0.125];
+        let (mut fast_a, mut fast_b) = ([1f32; 128], [2f32; 128]);
+        add_weighted_pair(
+            simd(),
+            [&mut fast_a, &mut fast_b],
+            [&weights, &other],
+            &rows,
+        )
+        .unwrap();
+        let (mut slow_a, mut slow_b) = ([1f32; 128], [2f32; 128]);
+        for (sum, weights) in [(&mut slow_a, &weights), (&mut slow_b, &other)] {
+            for (weight, key) in weights.iter().zip(&keys) {
+                for (o, v) in sum.iter_mut().zip(key) {
+                    *o += weight * v;
+                }
+            }
+        }
+        assert_eq!(bits(&fast_a), bits(&slow_a));
+        assert_eq!(bits(&fast_b), bits(&slow_b));
+    }
+
+    /// The eight-lane `exp` gives `exp`'s bits, lane by lane, over the
+    /// scores' whole range and its edges.
+    #[test]
+    fn the_vector_exp_gives_the_portable_bits() {
+        let Some(simd) = simd() else {
+            eprintln!("skipped: this CPU has no AVX2, so there is no vector exp to compare");
+            return;
+        };
+        let mut xs: Vec<f32> = (0..=900_000).map(|i| -(i as f32) * 1e-4).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            -86.999,
+            -87.0,
+            -87.001,
+            -1e30,
+            f32::NEG_INFINITY,
+            f32::MIN_POSITIVE,
+            1.0,
+            f32::NAN,
+        ]);
+        while !xs.len().is_multiple_of(8) {
+            xs.push(-1.5);
+        }
+        for chunk in xs.chunks_exact(8) {
+            let lanes: [f32; 8] = chunk.try_into().unwrap();
+            let vector: [f32; 8] = pulp::cast(simd.vectorize(|| exp8(simd, pulp::cast(lanes))));
+            let portable = lanes.map(exp);
+            assert_eq!(
+                vector.map(f32::to_bits),
+                portable.map(f32::to_bits),
+                "{lanes:?}"
+            );
+        }
+        let mut scores: Vec<f32> = (0..203).map(|i| (i as f32 * 0.37).sin() * 9.0).collect();
+        let mut portable = scores.clone();
+        let fast = exponentials(Some(simd), &mut scores);
+        let slow = exponentials(None, &mut portable);
+        assert_eq!(
+            (fast.0.to_bits(), fast.1.to_bits()),
+            (slow.0.to_bits(), slow.1.to_bits())
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&scores), bits(&portable));
     }
 
     #[test]

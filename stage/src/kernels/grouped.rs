@@ -112,6 +112,20 @@ pub(super) trait Grouped {
     const GROUP_BLOCK_BYTES: usize = Self::HEADER + Self::SUB_BLOCKS * Self::SUB_BYTES;
     /// Where the stored block's quant bytes start (the 32-weight formats).
     const STORED_QUANTS: usize = 0;
+    /// Chunks whose `maddubs` pairs (both halves', which share a scale)
+    /// the AVX2 loop adds as i16 before one `madd` widens them: a pair is
+    /// at most 2 · 15 · 127 = 3,810 for 4 bits (eight of them: 30,480)
+    /// and 7,874 for 5 bits (four: 31,496), under i16's 32,767. Q6_K's
+    /// halves have scales of their own and its pairs reach 16,002, Q8_0's
+    /// 32,512: each widened at once (1). Exact integers either way, so
+    /// the same bits.
+    const PAIR_CHUNKS: usize = if Self::EIGHT_BITS || Self::SIX_BITS {
+        1
+    } else if Self::FIVE_BITS {
+        2
+    } else {
+        4
+    };
 }
 
 #[derive(Debug)]
@@ -691,7 +705,7 @@ pub(super) mod simd {
     ) -> [[f32; GROUP]; N] {
         let sign_bit = _mm256_set1_epi8(0x80u8 as i8);
         halves(|half| {
-            dots::<F, N>(
+            dots::<F, N, false>(
                 group,
                 half,
                 activations,
@@ -706,6 +720,8 @@ pub(super) mod simd {
                     }
                 },
                 |sum, weights, activation| _mm256_dpbusd_avx_epi32(sum, weights, activation),
+                // `vpdpbusd` adds into the i32 sums itself.
+                |sums| sums,
             )
         })
     }
@@ -724,7 +740,7 @@ pub(super) mod simd {
         // weight's sign (32,512 at most), and needs no offset.
         let offset = if F::EIGHT_BITS { 0 } else { F::OFFSET };
         halves(|half| {
-            dots::<F, N>(
+            dots::<F, N, true>(
                 group,
                 half,
                 activations,
@@ -740,8 +756,9 @@ pub(super) mod simd {
                     } else {
                         _mm256_maddubs_epi16(weights, activation)
                     };
-                    _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones))
+                    _mm256_add_epi16(sum, pairs)
                 },
+                |pairs| _mm256_madd_epi16(pairs, ones),
             )
         })
     }
@@ -836,11 +853,14 @@ pub(super) mod simd {
     /// `8 * half..8 * half + 8`: `prepare` turns a register of weight bytes
     /// into what `dot` takes, `dot` adds four weight bytes times four
     /// activation bytes into each i32 lane, and the sums start at
-    /// `-offset` times the activation quants' sum (`starts`).
+    /// `-offset` times the activation quants' sum (`starts`). With
+    /// `PAIRS`, `dot` adds into i16 pairs instead, which `widen` turns
+    /// into i32 lanes every [`Grouped::PAIR_CHUNKS`] chunks (above 1: both
+    /// halves' pairs in one register).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    fn dots<F: Grouped, const N: usize>(
+    fn dots<F: Grouped, const N: usize, const PAIRS: bool>(
         group: &[u8],
         half: usize,
         activations: [&[ActivationBlock]; N],
@@ -848,6 +868,7 @@ pub(super) mod simd {
         offset: i32,
         prepare: impl Fn(__m256i) -> __m256i,
         dot: impl Fn(__m256i, __m256i, __m256i) -> __m256i,
+        widen: impl Fn(__m256i) -> __m256i,
     ) -> [[f32; GROUP / 2]; N] {
         let low_nibble = _mm256_set1_epi8(0x0F);
         let fifth_bit = _mm256_set1_epi8(0x10);
@@ -856,6 +877,10 @@ pub(super) mod simd {
         // a chunk.
         let rows = (GROUP / 2) * half;
         let (values, chunk) = (2 * rows, 4 * rows);
+        // Quants 4c.. and 16 + 4c.. share one sum (and one scale) but for
+        // Q6_K's halves; Q8_0's pairs are widened one at a time.
+        let widen_every = if PAIRS { F::PAIR_CHUNKS } else { 0 };
+        let merged = widen_every > 1;
         let mut acc = [_mm256_setzero_ps(); N];
         for (b, block) in group.chunks_exact(F::GROUP_BLOCK_BYTES).enumerate() {
             if prefetch {
@@ -888,6 +913,8 @@ pub(super) mod simd {
                 });
                 let words: [[i32; 8]; N] =
                     std::array::from_fn(|r| bytemuck::cast(activations[r][index].qs));
+                let mut first_pairs = [_mm256_setzero_si256(); N];
+                let mut second_pairs = [_mm256_setzero_si256(); N];
                 for c in 0..4 {
                     // The weights of quants 4c..4c+4 and 16+4c..16+4c+4 of
                     // every row.
@@ -937,8 +964,30 @@ pub(super) mod simd {
                     }
                     let (first, second) = (prepare(first), prepare(second));
                     for r in 0..N {
-                        firsts[r] = dot(firsts[r], first, _mm256_set1_epi32(words[r][c]));
-                        seconds[r] = dot(seconds[r], second, _mm256_set1_epi32(words[r][c + 4]));
+                        let (first_word, second_word) = (
+                            _mm256_set1_epi32(words[r][c]),
+                            _mm256_set1_epi32(words[r][c + 4]),
+                        );
+                        if widen_every == 0 {
+                            firsts[r] = dot(firsts[r], first, first_word);
+                            seconds[r] = dot(seconds[r], second, second_word);
+                        } else if merged {
+                            let pairs = dot(first_pairs[r], first, first_word);
+                            first_pairs[r] = dot(pairs, second, second_word);
+                        } else {
+                            first_pairs[r] = dot(first_pairs[r], first, first_word);
+                            second_pairs[r] = dot(second_pairs[r], second, second_word);
+                        }
+                    }
+                    if widen_every != 0 && (c + 1) % widen_every == 0 {
+                        for r in 0..N {
+                            firsts[r] = _mm256_add_epi32(firsts[r], widen(first_pairs[r]));
+                            first_pairs[r] = _mm256_setzero_si256();
+                            if !merged {
+                                seconds[r] = _mm256_add_epi32(seconds[r], widen(second_pairs[r]));
+                                second_pairs[r] = _mm256_setzero_si256();
+                            }
+                        }
                     }
                 }
                 // The weight scales of the quants 0..16 and 16..32, and
@@ -1354,6 +1403,49 @@ mod tests {
                         "{path:?}"
                     );
                 }
+            }
+        }
+        check::<Q4_0>();
+        check::<Q4_1>();
+        check::<Q5_0>();
+        check::<Q8_0>();
+        check::<Q4K>();
+        check::<Q5K>();
+        check::<Q6K>();
+    }
+
+    /// Every weight at its largest quant and every activation at 127 (all
+    /// of one sign):
+    /// the AVX2 path's i16 pair sums, added over several chunks before
+    /// they are widened, stay within i16, so it gives the scalar bits.
+    #[test]
+    fn the_largest_quants_do_not_overflow_the_pair_sums() {
+        fn check<F: Grouped>() {
+            let (rows, cols) = (16, 512);
+            let q = stored::<F>(rows, cols, 3);
+            let row_blocks = cols / F::FORMAT.block_elems();
+            let mut grouped = grouped_vec::<F>(&q.data().unwrap(), rows, row_blocks);
+            let largest = if F::EIGHT_BITS { 0x7F } else { 0xFF };
+            for block in grouped.chunks_exact_mut(F::GROUP_BLOCK_BYTES) {
+                block[F::HEADER..].fill(largest);
+            }
+            let mut inputs = Vec::new();
+            if F::SUB_BLOCKS > 1 {
+                quantize_activations_k(&vec![1.0; cols], &mut inputs);
+            } else {
+                quantize_activations(&vec![1.0; cols], &mut inputs);
+            }
+            assert!(
+                inputs
+                    .iter()
+                    .all(|a| a.qs.iter().all(|&q| q.unsigned_abs() == 127))
+            );
+            let scalar: [f32; GROUP] =
+                std::array::from_fn(|r| dot_scalar::<F>(&grouped, r, &inputs));
+            #[cfg(target_arch = "x86_64")]
+            for path in simd::available() {
+                let [one] = simd::group_dots::<F, 1>(path, &grouped, [&inputs[..]], false);
+                assert_eq!(one.map(f32::to_bits), scalar.map(f32::to_bits), "{path:?}");
             }
         }
         check::<Q4_0>();
