@@ -205,8 +205,13 @@ impl Virtuals {
                 return None;
             };
             self.by_peer.remove(&(old_relay, old_peer));
+            // A relay's count goes with its last address, so the map holds
+            // only relays that have one (not every relay ever used).
             if let Some(held) = self.per_relay.get_mut(&old_relay) {
                 *held = held.saturating_sub(1);
+                if *held == 0 {
+                    self.per_relay.remove(&old_relay);
+                }
             }
             addr
         };
@@ -527,6 +532,27 @@ mod tests {
         assert_eq!(virtuals.address(&relay(1), [7; 32], later), Some(a));
         assert_eq!(virtuals.by_addr.len(), MAX_RELAYED_PEERS);
         assert_eq!(virtuals.by_peer.len(), MAX_RELAYED_PEERS);
+    }
+
+    #[test]
+    fn a_relay_whose_last_address_is_reused_is_no_longer_counted() {
+        let mut virtuals = Virtuals::default();
+        let now = Instant::now();
+        let first = virtuals.address(&relay(1), [7; 32], now).unwrap();
+        let then = now + std::time::Duration::from_secs(1);
+        for peer in 0..MAX_RELAYED_PEERS - 1 {
+            let mut key = [0u8; 32];
+            key[..8].copy_from_slice(&(peer as u64).to_le_bytes());
+            let by = relay(10 + (peer / MAX_PEERS_PER_RELAY) as u8);
+            assert!(virtuals.address(&by, key, then).is_some());
+        }
+        assert_eq!(virtuals.per_relay.get(&[1; 32]), Some(&1));
+        let reused = virtuals
+            .address(&relay(3), [9; 32], then + VIRTUAL_IDLE)
+            .unwrap();
+        assert_eq!(reused, first);
+        assert_eq!(virtuals.per_relay.get(&[1; 32]), None);
+        assert_eq!(virtuals.per_relay.get(&[3; 32]), Some(&1));
     }
 
     #[tokio::test]
