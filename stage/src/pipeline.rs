@@ -8,6 +8,15 @@ use crate::frame::{WireDType, decode_frame, encode_frame};
 use crate::model::{LayerSlice, SliceCache, SliceInput, SliceOutput};
 use crate::sampling::Sampler;
 
+/// Prompt positions per prefill step: the prompt goes through the chain
+/// in steps of this many rows, as a serving coordinator sends it by
+/// default, so a step's activations stay bounded (one step of SmolLM2's
+/// 7,955-position prompt holds about 100 MB of MLP products alone) and
+/// `generate --model` measures the time to first token a coordinator
+/// gives. The same bits either way: a row's arithmetic does not depend on
+/// the rows beside it in its step.
+pub const PREFILL_STEP_ROWS: usize = 256;
+
 /// How long each phase took.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Timings {
@@ -91,7 +100,7 @@ impl Pipeline {
         Err(EngineError::WrongInput("chain ended without a head"))
     }
 
-    /// Prefill the prompt, then decode until `max_new` tokens or a stop token.
+    /// Prefill the prompt (in steps of `PREFILL_STEP_ROWS`), then decode until `max_new` tokens or a stop token.
     pub fn generate(
         &self,
         prompt: &[u32],
@@ -125,7 +134,10 @@ impl Pipeline {
         };
         let mut frame_bytes = 0;
         let start = Instant::now();
-        let mut logits = self.step(&mut caches, prompt, &mut frame_bytes)?;
+        let mut logits = Vec::new();
+        for rows in prompt.chunks(PREFILL_STEP_ROWS) {
+            logits = self.step(&mut caches, rows, &mut frame_bytes)?;
+        }
         timings.prefill = start.elapsed();
         let mut tokens = Vec::new();
         let start = Instant::now();

@@ -214,8 +214,9 @@ pub(crate) fn bounded_reason(reason: &str) -> String {
     reason[..end].to_string()
 }
 
-/// Prompt positions per prefill step, unless configured.
-pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = 256;
+/// Prompt positions per prefill step, unless configured: the engine's own
+/// step, so `generate --model` and a coordinator prefill alike.
+pub const DEFAULT_PREFILL_CHUNK_TOKENS: usize = mesh_stage::pipeline::PREFILL_STEP_ROWS;
 
 /// The most prompt positions one prefill step may carry: a step's frame
 /// and its attention scores grow with it.
