@@ -687,12 +687,7 @@ fn score_pair(
     let mut at = in_tile.start;
     let mut n = 0;
     while at + 4 <= in_tile.end {
-        let rows = [
-            tile_row(tile, at, width)?,
-            tile_row(tile, at + 1, width)?,
-            tile_row(tile, at + 2, width)?,
-            tile_row(tile, at + 3, width)?,
-        ];
+        let rows = four_rows(tile, at, width)?;
         let [a, b] = dots_pair4_fast(simd, queries, rows);
         let (Some(into_a), Some(into_b)) = (scores_a.get_mut(n..n + 4), scores_b.get_mut(n..n + 4))
         else {
@@ -744,12 +739,7 @@ fn score_one(
     let mut at = in_tile.start;
     let mut n = 0;
     while at + 4 <= in_tile.end {
-        let rows = [
-            tile_row(tile, at, width)?,
-            tile_row(tile, at + 1, width)?,
-            tile_row(tile, at + 2, width)?,
-            tile_row(tile, at + 3, width)?,
-        ];
+        let rows = four_rows(tile, at, width)?;
         for (into, dot) in scores[n..n + 4]
             .iter_mut()
             .zip(dots4_fast(simd, query, rows))
@@ -764,6 +754,17 @@ fn score_one(
         n += 1;
     }
     Ok(())
+}
+
+/// Rows `at` to `at + 3` of a tile.
+#[inline(always)]
+fn four_rows(tile: &[f32], at: usize, width: usize) -> Result<[&[f32]; 4]> {
+    Ok([
+        tile_row(tile, at, width)?,
+        tile_row(tile, at + 1, width)?,
+        tile_row(tile, at + 2, width)?,
+        tile_row(tile, at + 3, width)?,
+    ])
 }
 
 /// Row `at` of a tile.

@@ -1242,6 +1242,17 @@ mod tests {
         crate::kernels::tests::quantized(F::FORMAT, rows, cols, seed)
     }
 
+    /// `input` quantized as `F`'s products read it.
+    fn quantized<F: Grouped>(input: &[f32]) -> Vec<ActivationBlock> {
+        let mut out = Vec::new();
+        if F::SUB_BLOCKS > 1 {
+            quantize_activations_k(input, &mut out);
+        } else {
+            quantize_activations(input, &mut out);
+        }
+        out
+    }
+
     /// `rows` activation rows quantized as a product in format `F` takes
     /// them (for the K-quants one scale a superblock, negative where the
     /// value of largest magnitude is positive).
@@ -1261,13 +1272,7 @@ mod tests {
                         _ => ((i * (row + 2)) as f32 * 0.37).sin(),
                     })
                     .collect();
-                let mut out = Vec::new();
-                if F::SUB_BLOCKS > 1 {
-                    quantize_activations_k(&input, &mut out);
-                } else {
-                    quantize_activations(&input, &mut out);
-                }
-                out
+                quantized::<F>(&input)
             })
             .collect()
     }
@@ -1429,12 +1434,7 @@ mod tests {
             for block in grouped.chunks_exact_mut(F::GROUP_BLOCK_BYTES) {
                 block[F::HEADER..].fill(largest);
             }
-            let mut inputs = Vec::new();
-            if F::SUB_BLOCKS > 1 {
-                quantize_activations_k(&vec![1.0; cols], &mut inputs);
-            } else {
-                quantize_activations(&vec![1.0; cols], &mut inputs);
-            }
+            let inputs = quantized::<F>(&vec![1.0; cols]);
             assert!(
                 inputs
                     .iter()
