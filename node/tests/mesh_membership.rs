@@ -160,6 +160,10 @@ fn mesh_with_a_faulty_member(
     honest: usize,
 ) -> (Running, PathBuf, Running, Vec<Running>) {
     let (coordinator, key) = mesh_coordinator(dir, model, coordinator_args);
+    // With spares, the faulty member advertises itself far the fastest: a
+    // layer of it costs 19.7 ms less than a spare's, more than any round
+    // trip on a loaded loopback (a gap of 0.7 ms once lost to one), so the
+    // first plan takes it whatever the pings measured.
     let speed: &[&str] = if honest > 0 {
         &["--decode-us-per-layer", "300"]
     } else {
@@ -170,7 +174,7 @@ fn mesh_with_a_faulty_member(
     let honest: Vec<Running> = (1..=honest)
         .map(|i| {
             let name = format!("h{i}");
-            let slower = &["--decode-us-per-layer", "1000"];
+            let slower = &["--decode-us-per-layer", "20000"];
             mesh_join(dir, model, &coordinator.mesh, &name, slower)
         })
         .collect();
@@ -1575,7 +1579,10 @@ async fn a_stage_that_computes_wrongly_is_caught_by_an_audit_and_planned_out() {
     assert_eq!(first.terminal_state, "completed", "{:?}", first.error);
     let chain = chain_of(&first);
     let liar_at = chain.iter().position(|d| *d == dishonest.did);
-    let liar_at = liar_at.expect("the fastest is planned in");
+    let liar_at = liar_at.unwrap_or_else(|| {
+        let log = std::fs::read_to_string(dir.path().join("coord.log")).unwrap_or_default();
+        panic!("the fastest is planned in: {chain:?}\n{log}")
+    });
     // The bundle carries the coordinator's signed verdict: `verify` fails
     // it and names the stage.
     let bundle = first.bundle.clone().unwrap();
@@ -1770,7 +1777,7 @@ async fn a_stage_that_stalls_is_planned_out_after_its_first_stall() {
         log()
     );
     let resumes = first.details["resumes"].as_array().unwrap();
-    assert_eq!(resumes.len(), 1, "{resumes:?}");
+    assert_eq!(resumes.len(), 1, "{resumes:?}\n{}", log());
     assert_eq!(resumes[0]["lost"], serde_json::json!([staller.did]));
     assert!(!chain_of(&first).contains(&staller.did));
     assert!(

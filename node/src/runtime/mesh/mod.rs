@@ -52,7 +52,8 @@ pub fn conventional_address(peer: &PeerAddr) -> Option<Multiaddr> {
 #[derive(Debug, Clone)]
 pub struct MemberView {
     pub advert: Advert,
-    /// The last ping round trip, when this node is connected to it.
+    /// The round trip to it, the smallest of its last `RTT_SAMPLES` pings,
+    /// when this node is connected to it.
     pub rtt: Option<Duration>,
     /// Milliseconds since its advert was taken.
     pub age_ms: u64,
@@ -173,7 +174,7 @@ impl Mesh {
                 rtt: if m.advert.node_id == self.key {
                     Some(Duration::ZERO)
                 } else {
-                    state.rtt.get(&m.advert.node_id).copied()
+                    state.rtt(&m.advert.node_id)
                 },
                 age_ms: now.saturating_sub(m.received_ms),
                 member_for_ms: now.saturating_sub(m.joined_ms),

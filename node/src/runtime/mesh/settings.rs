@@ -19,6 +19,11 @@ pub const DEFAULT_ADVERT_TTL: Duration = Duration::from_secs(5);
 /// Ping interval and timeout: a member whose ping fails is dropped at once.
 pub const PING_INTERVAL: Duration = Duration::from_secs(1);
 pub const PING_TIMEOUT: Duration = Duration::from_secs(2);
+/// A member's round trip is the smallest of its last this many pings (eight
+/// seconds): a ping that waited behind a busy scheduler or a full queue
+/// tells how loaded that moment was, not how far the member is, and a
+/// longer path shows once the pings before it have aged out.
+pub const RTT_SAMPLES: usize = 8;
 /// Peers this node dials on its own (beyond those that dial it): enough for
 /// every member of a small mesh to be one hop away.
 pub const MAX_DIALED_PEERS: usize = 64;

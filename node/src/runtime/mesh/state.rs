@@ -1,7 +1,7 @@
 //! What the swarm's task and the `Mesh` handle share: the member table,
 //! round trips, connections, refusals, and the relays in use.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use libp2p::{Multiaddr, PeerId};
@@ -11,7 +11,7 @@ use mesh_protocol::identity::parse_peer_id;
 #[derive(Default)]
 pub(super) struct State {
     pub(super) members: Members,
-    pub(super) rtt: HashMap<[u8; 32], Duration>,
+    pub(super) round_trips: HashMap<[u8; 32], RoundTrips>,
     /// Refused adverts by kind.
     pub(super) refused: BTreeMap<&'static str, u64>,
     /// (sender, kind) pairs already logged: each is logged once.
@@ -38,15 +38,52 @@ pub(super) struct State {
     pub(super) looked_up: HashMap<PeerId, Instant>,
 }
 
+/// The last `RTT_SAMPLES` pings to a peer; the link's round trip is the
+/// smallest of them.
+#[derive(Debug, Default, Clone)]
+pub(super) struct RoundTrips {
+    samples: VecDeque<Duration>,
+}
+
+impl RoundTrips {
+    /// Keeps `rtt`, forgetting the oldest ping past `RTT_SAMPLES`.
+    pub(super) fn record(&mut self, rtt: Duration) {
+        if self.samples.len() == super::settings::RTT_SAMPLES {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(rtt);
+    }
+
+    /// The smallest recent ping (none before the first).
+    pub(super) fn floor(&self) -> Option<Duration> {
+        self.samples.iter().min().copied()
+    }
+}
+
 impl State {
+    /// Records a ping to `key`; true when it is the first since the peer
+    /// connected.
+    pub(super) fn record_rtt(&mut self, key: [u8; 32], rtt: Duration) -> bool {
+        let trips = self.round_trips.entry(key).or_default();
+        let first = trips.floor().is_none();
+        trips.record(rtt);
+        first
+    }
+
+    /// The round trip to `key`: the smallest of its recent pings.
+    pub(super) fn rtt(&self, key: &[u8; 32]) -> Option<Duration> {
+        self.round_trips.get(key).and_then(RoundTrips::floor)
+    }
+
     /// The round trips this node's advert names: to its nearest members
     /// (at most `MAX_ADVERT_RTTS`), in node id order, for planners to
     /// weigh hops between members by.
     pub(super) fn advertised_rtts(&self, own: &[u8; 32]) -> Vec<AdvertRtt> {
         let mut nearest: Vec<AdvertRtt> = self
-            .rtt
+            .round_trips
             .iter()
             .filter(|(key, _)| *key != own && self.members.get(key).is_some())
+            .filter_map(|(key, trips)| Some((key, trips.floor()?)))
             .map(|(key, rtt)| AdvertRtt {
                 node_id: *key,
                 rtt_us: u64::try_from(rtt.as_micros())
@@ -145,15 +182,13 @@ mod tests {
     fn an_advert_names_the_round_trips_to_the_nearest_members_in_key_order() {
         let mut state = State::default();
         let own = join(&mut state, 200);
-        state.rtt.insert(own, Duration::from_micros(5));
+        state.record_rtt(own, Duration::from_micros(5));
         // Members 1..=30, each i ms away; a peer that is no member, nearest.
         for seed in 1..=30u8 {
             let key = join(&mut state, seed);
-            state
-                .rtt
-                .insert(key, Duration::from_millis(u64::from(seed)));
+            state.record_rtt(key, Duration::from_millis(u64::from(seed)));
         }
-        state.rtt.insert([7; 32], Duration::from_micros(1));
+        state.record_rtt([7; 32], Duration::from_micros(1));
         let named = state.advertised_rtts(&own);
         assert_eq!(named.len(), MAX_ADVERT_RTTS);
         assert!(named.windows(2).all(|w| w[0].node_id < w[1].node_id));
@@ -161,5 +196,26 @@ mod tests {
         rtts.sort_unstable();
         let nearest: Vec<u64> = (1..=MAX_ADVERT_RTTS as u64).map(|ms| ms * 1_000).collect();
         assert_eq!(rtts, nearest);
+    }
+
+    #[test]
+    fn a_round_trip_is_the_smallest_of_the_recent_pings() {
+        use super::super::settings::RTT_SAMPLES;
+        let mut state = State::default();
+        let ms = Duration::from_millis;
+        assert_eq!(state.rtt(&[1; 32]), None);
+        assert!(state.record_rtt([1; 32], ms(40)));
+        assert_eq!(state.rtt(&[1; 32]), Some(ms(40)));
+        // A ping that waited behind a busy moment does not move it.
+        assert!(!state.record_rtt([1; 32], ms(3)));
+        assert!(!state.record_rtt([1; 32], ms(90)));
+        assert_eq!(state.rtt(&[1; 32]), Some(ms(3)));
+        // A longer path shows once the short pings have aged out.
+        for _ in 0..RTT_SAMPLES - 1 {
+            state.record_rtt([1; 32], ms(25));
+        }
+        assert_eq!(state.rtt(&[1; 32]), Some(ms(25)));
+        state.round_trips.remove(&[1; 32]);
+        assert!(state.record_rtt([1; 32], ms(7)), "first again after a drop");
     }
 }

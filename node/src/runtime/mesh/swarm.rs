@@ -455,7 +455,7 @@ fn handle_event(
             match result {
                 Ok(rtt) => {
                     let mut s = lock(state);
-                    let first = s.rtt.insert(key, rtt).is_none();
+                    let first = s.record_rtt(key, rtt);
                     // A member's first round trip makes it plannable.
                     if first && s.members.get(&key).is_some() {
                         drop(s);
@@ -464,7 +464,7 @@ fn handle_event(
                 }
                 Err(error) => {
                     let mut s = lock(state);
-                    s.rtt.remove(&key);
+                    s.round_trips.remove(&key);
                     if s.members.remove(&key).is_some() {
                         tracing::info!(member = %did_key(&key), "member left: ping failed ({error})");
                         drop(s);
@@ -717,7 +717,7 @@ fn disconnected(state: &Mutex<State>, changed: &Changes, peer_id: PeerId) {
     s.dialed.remove(&peer_id);
     s.relays.remove(&peer_id);
     if let Some(key) = peer_key(&peer_id) {
-        s.rtt.remove(&key);
+        s.round_trips.remove(&key);
         if s.closed.len() < mesh_protocol::advert::MAX_MEMBERS {
             s.closed.insert(key, Instant::now());
         }

@@ -108,6 +108,13 @@ impl CoordinatorRole {
                 .collect();
             return Ok((run.peers.clone(), ranges, Some(before)));
         }
+        for (node, why) in &plan.left_out {
+            tracing::info!(
+                "planned without {}: {}",
+                mesh_protocol::identity::did_key(node),
+                why.describe()
+            );
+        }
         let members = mesh.members();
         let mut peers = Vec::new();
         for stage in &plan.stages[1..] {
