@@ -16,7 +16,9 @@
 #   PREFIX-r2    home 2's router: 10.77.0.22 outside, 192.168.2.1 inside;
 #                MASQUERADE --random-fully (a new public port for every
 #                destination: a symmetric NAT; HOME2_NAT=cone makes it
-#                home 1's kind)
+#                home 1's kind, HOME2_NAT=address home 1's kind that lets
+#                in a new flow from any port of an address the home sent
+#                to: a NAT that filters by address only)
 #   PREFIX-h2    a machine in home 2, 192.168.2.2
 #
 # HOME_DELAY_MS (default 20; 0 for none) is each home's outside link's round
@@ -76,7 +78,7 @@ delayed_to_wan() {
 }
 
 home() {
-  local n="$1" mode="$2"
+  local n="$1" mode="$2" filter="${3:-port}"
   ip netns add "$prefix-r$n"
   ip netns add "$prefix-h$n"
   for ns in "r$n" "h$n"; do in_ns "$ns" ip link set lo up; done
@@ -94,7 +96,17 @@ home() {
   in_ns "r$n" sysctl -q -w net.ipv4.ip_forward=1
   # shellcheck disable=SC2086
   in_ns "r$n" iptables -t nat -A POSTROUTING -o wan0 -j MASQUERADE $mode
-  # Nothing from outside reaches the home unless it answers what left it.
+  if [[ "$filter" == address ]]; then
+    # Filtering by address only: every address the home sent UDP to is
+    # remembered, and a new flow from any port of it reaches the home
+    # machine at the port it came to (the NAT keeps the home's ports).
+    in_ns "r$n" iptables -t mangle -A FORWARD -i "${prefix}l-$n" -o wan0 -p udp \
+      -m recent --name sent --rdest --set
+    in_ns "r$n" iptables -t nat -A PREROUTING -i wan0 -p udp \
+      -m recent --name sent --rcheck --rsource -j DNAT --to-destination "192.168.$n.2"
+    in_ns "r$n" iptables -A FORWARD -i wan0 -p udp -m conntrack --ctstate DNAT -j ACCEPT
+  fi
+  # Nothing else from outside reaches the home unless it answers what left it.
   in_ns "r$n" iptables -A FORWARD -i wan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
   in_ns "r$n" iptables -A FORWARD -i wan0 -j DROP
   # Nor the router itself, as home routers do (a packet let in here would
@@ -135,7 +147,11 @@ up() {
   in_ns pub2 ip link set lo up
   to_wan pub2 eth0 10.77.0.11
   home 1 ""
-  if [[ "${HOME2_NAT:-symmetric}" == cone ]]; then home 2 ""; else home 2 "--random-fully"; fi
+  case "${HOME2_NAT:-symmetric}" in
+    cone) home 2 "" ;;
+    address) home 2 "" address ;;
+    *) home 2 "--random-fully" ;;
+  esac
   if [[ "$delay" != 0 ]]; then start_pump; fi
 }
 

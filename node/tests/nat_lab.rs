@@ -36,7 +36,8 @@ struct Lab {
 }
 
 impl Lab {
-    /// Build it with home 2 behind `home2_nat` (`cone` or `symmetric`), or
+    /// Build it with home 2 behind `home2_nat` (`cone`, `address` or
+    /// `symmetric`), or
     /// `None` (SKIPPED) where this machine cannot.
     fn up(name: &str, home2_nat: &str) -> Option<Lab> {
         let check = Command::new("bash")
@@ -458,6 +459,30 @@ fn a_chain_over_two_cone_nats_is_served_by_hole_punching() {
         mesh.reach
     );
     serve_across_homes(&lab, &mesh, dir.path(), &model, "cone", "hole-punched");
+}
+
+/// A NAT that filters by address only lets in a new flow from any port of
+/// an address its home sent to, so a dial-back from the rendezvous's own
+/// address gets in though strangers' packets do not. The dial-back comes
+/// from another member's address: home 2's node is counted behind a NAT,
+/// not public, and the hop into it is hole-punched.
+#[test]
+fn a_node_behind_a_nat_that_filters_by_address_only_is_not_counted_public() {
+    let Some(lab) = Lab::up(
+        "a_node_behind_a_nat_that_filters_by_address_only_is_not_counted_public",
+        "address",
+    ) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = synthetic(dir.path());
+    let mesh = mesh(&lab, dir.path(), &model);
+    assert!(
+        mesh.reach.iter().all(|r| !r.contains("symmetric")),
+        "both homes keep one port for every destination: {:?}",
+        mesh.reach
+    );
+    serve_across_homes(&lab, &mesh, dir.path(), &model, "address", "hole-punched");
 }
 
 #[test]

@@ -8,6 +8,7 @@
 //! INTRODUCE  02 ‖ node key (32)                   -> DONE | NOT_KEPT | BUSY | SYMMETRIC | NOT_MEMBER
 //! PUNCH      03 ‖ asker key (32) ‖ address (text) -> DONE | BUSY | SYMMETRIC | NOT_MEMBER
 //! RELAY      04                                   -> DONE | BUSY | NO_RELAY | NOT_MEMBER
+//! DIAL_BACK  05 ‖ node key (32) ‖ address (text)  -> OBSERVED | BUSY | NOT_MEMBER
 //!
 //! OBSERVED   00 (not reachable) | 01 (reachable) ‖ address seen (text)
 //! DONE 00, NOT_KEPT 01, BUSY 02, NO_RELAY 03, SYMMETRIC 04, NOT_MEMBER 05 (one byte each)
@@ -34,6 +35,7 @@ const OBSERVE: u8 = 1;
 const INTRODUCE: u8 = 2;
 const PUNCH: u8 = 3;
 const RELAY: u8 = 4;
+const DIAL_BACK: u8 = 5;
 
 const DONE: u8 = 0;
 const NOT_KEPT: u8 = 1;
@@ -57,13 +59,19 @@ pub enum ReachRequest {
     /// Hold this stream as the asker's relay stream (relay frames follow a
     /// `Done`).
     Relay,
+    /// From a rendezvous to another member: dial `node` at `at` from a
+    /// fresh port, and say whether the connection got in. It comes from an
+    /// address the node never sent to, which a NAT that filters by address
+    /// only keeps out (it lets in the rendezvous's own, from any port).
+    DialBack { node: [u8; 32], at: SocketAddr },
 }
 
 /// What a request is answered with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReachAnswer {
     /// To OBSERVE: the address the asker was seen at, and whether the
-    /// dial-back got in.
+    /// dial-back got in. To DIAL_BACK: the address dialled, and whether
+    /// the connection got in.
     Observed { reachable: bool, seen: SocketAddr },
     /// Introduced, punched, or relaying from now on.
     Done,
@@ -138,6 +146,11 @@ fn address(text: &[u8]) -> Result<SocketAddr, ReachError> {
     Ok(addr)
 }
 
+fn key_and_address(bytes: &[u8]) -> Result<([u8; 32], SocketAddr), ReachError> {
+    let (node, at) = bytes.split_at_checked(32).ok_or(ReachError::Length)?;
+    Ok((key(node)?, address(at)?))
+}
+
 impl ReachRequest {
     pub fn name(&self) -> &'static str {
         match self {
@@ -145,6 +158,7 @@ impl ReachRequest {
             ReachRequest::Introduce { .. } => "INTRODUCE",
             ReachRequest::Punch { .. } => "PUNCH",
             ReachRequest::Relay => "RELAY",
+            ReachRequest::DialBack { .. } => "DIAL_BACK",
         }
     }
 
@@ -156,6 +170,9 @@ impl ReachRequest {
                 [&[PUNCH][..], asker, at.to_string().as_bytes()].concat()
             }
             ReachRequest::Relay => vec![RELAY],
+            ReachRequest::DialBack { node, at } => {
+                [&[DIAL_BACK][..], node, at.to_string().as_bytes()].concat()
+            }
         }
     }
 
@@ -167,11 +184,12 @@ impl ReachRequest {
             [OBSERVE | RELAY, ..] => Err(ReachError::Length),
             [INTRODUCE, node @ ..] => Ok(ReachRequest::Introduce { node: key(node)? }),
             [PUNCH, rest @ ..] => {
-                let (asker, at) = rest.split_at_checked(32).ok_or(ReachError::Length)?;
-                Ok(ReachRequest::Punch {
-                    asker: key(asker)?,
-                    at: address(at)?,
-                })
+                let (asker, at) = key_and_address(rest)?;
+                Ok(ReachRequest::Punch { asker, at })
+            }
+            [DIAL_BACK, rest @ ..] => {
+                let (node, at) = key_and_address(rest)?;
+                Ok(ReachRequest::DialBack { node, at })
             }
             [other, ..] => Err(ReachError::UnknownRequest(*other)),
             [] => Err(ReachError::Empty),
@@ -184,7 +202,10 @@ impl ReachRequest {
         matches!(
             (self, answer),
             (_, A::Busy | A::NotMember)
-                | (ReachRequest::Observe, A::Observed { .. })
+                | (
+                    ReachRequest::Observe | ReachRequest::DialBack { .. },
+                    A::Observed { .. }
+                )
                 | (
                     ReachRequest::Introduce { .. },
                     A::Done | A::NotKept | A::Symmetric
@@ -306,6 +327,10 @@ mod tests {
                 at: "[2001:db8::1]:7420".parse().unwrap(),
             },
             ReachRequest::Relay,
+            ReachRequest::DialBack {
+                node: [5; 32],
+                at: "203.0.113.9:7001".parse().unwrap(),
+            },
         ]
     }
 
@@ -413,6 +438,8 @@ mod tests {
             };
             let punch = ReachRequest::Punch { asker, at };
             prop_assert_eq!(ReachRequest::decode(&punch.encode()), Ok(punch));
+            let dial_back = ReachRequest::DialBack { node: asker, at };
+            prop_assert_eq!(ReachRequest::decode(&dial_back.encode()), Ok(dial_back));
             let frame = relay_frame(&asker, &packet).unwrap();
             prop_assert_eq!(parse_relay_frame(&frame), Ok((asker, &packet[..])));
         }

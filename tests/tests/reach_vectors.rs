@@ -24,6 +24,9 @@ fn request_json(request: &ReachRequest) -> Value {
         ReachRequest::Punch { asker, at } => {
             json!({ "request": name, "asker": hex::encode(asker), "at": at.to_string() })
         }
+        ReachRequest::DialBack { node, at } => {
+            json!({ "request": name, "node": hex::encode(node), "at": at.to_string() })
+        }
     }
 }
 

@@ -212,7 +212,7 @@ impl Mesh {
 
     /// The members this node may ask how it is reached: those not behind a
     /// NAT themselves, the longest-standing first (a bootstrap, usually).
-    pub fn rendezvous_candidates(&self) -> impl Fn() -> Vec<PeerAddr> + Send + 'static {
+    pub fn rendezvous_candidates(&self) -> impl Fn() -> Vec<PeerAddr> + Send + Sync + 'static {
         let (state, own) = (self.state.clone(), self.key);
         move || {
             let now = now_ms();

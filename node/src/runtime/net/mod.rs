@@ -3,6 +3,7 @@
 //! behind a NAT is reached (`mesh-reach/1`).
 
 pub mod addr;
+pub mod circuits;
 pub mod msg;
 pub mod peers;
 pub mod reach;

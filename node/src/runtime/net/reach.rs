@@ -2,7 +2,8 @@
 //! "Reachability").
 //!
 //! A node asks a public member (its *rendezvous*) what address it sees
-//! the node at, and whether a connection from another of its ports gets
+//! the node at, and whether a connection from another member's address
+//! (DIAL_BACK), or with none to ask from another of its own ports, gets
 //! through unasked (a dial-back). One that gets through is public. One that
 //! does not is behind a NAT that lets in only answers to its own packets:
 //! it advertises the seen address and the rendezvous, and keeps its
@@ -34,6 +35,7 @@ use mesh_protocol::reach::{ReachAnswer, ReachRequest, relay_frame};
 use tokio::sync::Semaphore;
 
 use crate::runtime::net::addr::PeerAddr;
+use crate::runtime::net::circuits::{CircuitRefusal, Circuits, RelayBounds};
 use crate::runtime::net::msg;
 use crate::runtime::net::tls::{self, TlsIdentity};
 use crate::runtime::net::tunnel::{self, Tunnel};
@@ -69,123 +71,22 @@ pub const RECHECK_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Whether a key is a member of this node's mesh now (its advert current).
 pub type Membership = Arc<dyn Fn(&[u8; 32]) -> bool + Send + Sync>;
-
-/// How long a relayed circuit may sit idle before its place is freed.
-pub const CIRCUIT_IDLE: Duration = Duration::from_secs(60);
-/// Bytes one relayed circuit carries by default: a few long prompts'
-/// activations and their replies.
-pub const DEFAULT_CIRCUIT_BYTES: u64 = 1 << 30;
-
-/// What a relay carries of the data plane for members that cannot reach
-/// each other: members holding a relay stream, circuits (pairs of them)
-/// at once, and the bytes and time of each circuit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RelayBounds {
-    pub members: usize,
-    pub circuits: usize,
-    pub circuit_bytes: u64,
-    pub circuit_duration: Duration,
-}
-
-impl Default for RelayBounds {
-    fn default() -> Self {
-        Self {
-            members: 128,
-            circuits: 64,
-            circuit_bytes: DEFAULT_CIRCUIT_BYTES,
-            circuit_duration: Duration::from_secs(60 * 60),
-        }
-    }
-}
-
-/// Why a relay dropped a packet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CircuitRefusal {
-    /// Every circuit is taken.
-    Full,
-    /// The circuit carried its bytes.
-    Bytes,
-    /// The circuit lived its time.
-    Expired,
-}
-
-#[derive(Debug)]
-struct Circuit {
-    started: std::time::Instant,
-    last: std::time::Instant,
-    bytes: u64,
-}
-
-/// The relay's circuits: one per pair of members, bounded.
-#[derive(Debug)]
-pub struct Circuits {
-    bounds: RelayBounds,
-    open: HashMap<([u8; 32], [u8; 32]), Circuit>,
-}
-
-impl Circuits {
-    pub fn new(bounds: RelayBounds) -> Self {
-        Self {
-            bounds,
-            open: HashMap::new(),
-        }
-    }
-
-    /// Count `bytes` from `from` to `to` at `now`, or say why not.
-    pub fn admit(
-        &mut self,
-        from: [u8; 32],
-        to: [u8; 32],
-        bytes: usize,
-        now: std::time::Instant,
-    ) -> Result<(), CircuitRefusal> {
-        let pair = if from < to { (from, to) } else { (to, from) };
-        // A circuit ends after `CIRCUIT_IDLE` without a packet; a pair that
-        // keeps sending past its budget stays refused.
-        if self
-            .open
-            .get(&pair)
-            .is_some_and(|c| now.saturating_duration_since(c.last) >= CIRCUIT_IDLE)
-        {
-            self.open.remove(&pair);
-        }
-        if !self.open.contains_key(&pair) {
-            self.open
-                .retain(|_, c| now.saturating_duration_since(c.last) < CIRCUIT_IDLE);
-            if self.open.len() >= self.bounds.circuits {
-                return Err(CircuitRefusal::Full);
-            }
-            self.open.insert(
-                pair,
-                Circuit {
-                    started: now,
-                    last: now,
-                    bytes: 0,
-                },
-            );
-        }
-        let circuit = self.open.get_mut(&pair).ok_or(CircuitRefusal::Full)?;
-        // A refused packet is a packet too: a pair that keeps sending keeps
-        // its spent circuit.
-        circuit.last = now;
-        if now.saturating_duration_since(circuit.started) > self.bounds.circuit_duration {
-            return Err(CircuitRefusal::Expired);
-        }
-        let bytes = circuit.bytes.saturating_add(bytes as u64);
-        if bytes > self.bounds.circuit_bytes {
-            return Err(CircuitRefusal::Bytes);
-        }
-        circuit.bytes = bytes;
-        Ok(())
-    }
-}
+/// The members that advertise no NAT (no `via`), oldest first.
+pub type PublicMembers = Arc<dyn Fn() -> Vec<PeerAddr> + Send + Sync>;
+/// How long a node waits for OBSERVED: the rendezvous may ask another
+/// member to dial back (a connection, then its dial-back) and, when that
+/// member does not answer, dial back itself.
+pub const OBSERVE_TIMEOUT: Duration = Duration::from_secs(
+    REACH_CONNECT_TIMEOUT.as_secs() + 2 * DIAL_BACK_TIMEOUT.as_secs() + ANSWER_TIMEOUT.as_secs(),
+);
 
 /// What a node knows of how others reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reachability {
     /// Not asked yet: no public member was known, or none answered.
     Unknown,
-    /// A connection from another port of a member got through unasked.
+    /// A connection from another member's address (or, with none to ask,
+    /// another port of the rendezvous) got through unasked.
     Public { seen: SocketAddr },
     /// Behind a NAT: others reach it at `seen` after asking `via`; behind
     /// a symmetric one (two members saw two ports), only through `via`'s
@@ -273,6 +174,8 @@ pub struct Rendezvous {
     relay: Option<Arc<Relay>>,
     /// Who may ask: members of this node's mesh only (none off a mesh).
     members: Option<Membership>,
+    /// Who may dial a node back from an address other than this one's.
+    public: Option<PublicMembers>,
 }
 
 /// A refused circuit as logged: its two members and the refusal.
@@ -299,9 +202,15 @@ impl std::fmt::Debug for Rendezvous {
 }
 
 impl Rendezvous {
-    pub fn new(tls: TlsIdentity, relay: Option<RelayBounds>, members: Option<Membership>) -> Self {
+    pub fn new(
+        tls: TlsIdentity,
+        relay: Option<RelayBounds>,
+        members: Option<Membership>,
+        public: Option<PublicMembers>,
+    ) -> Self {
         Self {
             members,
+            public,
             tls,
             behind: Arc::default(),
             dial_backs: Arc::new(Semaphore::new(MAX_DIAL_BACKS)),
@@ -328,12 +237,7 @@ impl Rendezvous {
     /// never "unreachable").
     async fn dial_back(&self, node: [u8; 32], seen: SocketAddr) -> Option<bool> {
         let _permit = self.dial_backs.clone().try_acquire_owned().ok()?;
-        let any: std::net::IpAddr = if seen.is_ipv4() {
-            std::net::Ipv4Addr::UNSPECIFIED.into()
-        } else {
-            std::net::Ipv6Addr::UNSPECIFIED.into()
-        };
-        let Ok(endpoint) = quinn::Endpoint::client(SocketAddr::new(any, 0)) else {
+        let Ok(endpoint) = quinn::Endpoint::client(SocketAddr::new(unspecified(seen), 0)) else {
             return Some(false);
         };
         let Ok(config) = tls::client_config(&self.tls, node, ALPN_REACH) else {
@@ -377,6 +281,55 @@ impl Rendezvous {
         true
     }
 
+    /// Whether a connection from another member, at an address that is
+    /// neither this node's nor `node`'s, reaches `node` at `seen`: a NAT
+    /// that filters by address only lets in this node's own dial-back
+    /// (from any of its ports), not that one. `None` when no such member
+    /// answered within its time.
+    async fn dial_back_elsewhere(
+        &self,
+        node: [u8; 32],
+        seen: SocketAddr,
+        own: Option<std::net::IpAddr>,
+    ) -> Option<bool> {
+        let helper = (self.public.as_ref()?)().into_iter().find(|m| {
+            m.key != node
+                && m.key != self.tls.public_key
+                && m.addr.ip() != seen.ip()
+                && Some(m.addr.ip()) != own
+                && m.addr.is_ipv4() == seen.is_ipv4()
+        })?;
+        let _permit = self.dial_backs.clone().try_acquire_owned().ok()?;
+        let endpoint = quinn::Endpoint::client(SocketAddr::new(unspecified(seen), 0)).ok()?;
+        let asked = async {
+            let connection = connect(&endpoint, &self.tls, &helper).await?;
+            let said = request(
+                &connection,
+                &ReachRequest::DialBack { node, at: seen },
+                DIAL_BACK_TIMEOUT + ANSWER_TIMEOUT,
+            )
+            .await;
+            connection.close(0u32.into(), b"asked");
+            match said? {
+                ReachAnswer::Observed { reachable, .. } => anyhow::Ok(reachable),
+                other => bail!("{helper} answered {}", other.name()),
+            }
+        };
+        let outcome = tokio::time::timeout(REACH_CONNECT_TIMEOUT + DIAL_BACK_TIMEOUT, asked).await;
+        endpoint.close(0u32.into(), b"asked");
+        match outcome {
+            Ok(Ok(reachable)) => Some(reachable),
+            Ok(Err(error)) => {
+                tracing::debug!("no dial-back from {helper}: {error:#}");
+                None
+            }
+            Err(_) => {
+                tracing::debug!("no dial-back from {helper} in time");
+                None
+            }
+        }
+    }
+
     async fn observe(
         &self,
         node: [u8; 32],
@@ -384,13 +337,53 @@ impl Rendezvous {
         send: quinn::SendStream,
     ) -> anyhow::Result<()> {
         let seen = connection.remote_address();
-        let Some(reachable) = self.dial_back(node, seen).await else {
+        let elsewhere = self
+            .dial_back_elsewhere(node, seen, connection.local_ip())
+            .await;
+        let reachable = match elsewhere {
+            Some(reachable) => Some(reachable),
+            None => self.dial_back(node, seen).await,
+        };
+        let Some(reachable) = reachable else {
             return answer(send, ReachAnswer::Busy).await;
         };
-        if !reachable && self.keep(node, connection) {
+        // Kept whatever the dial-back said: a node asked by a second member
+        // takes that member's "reachable" for a view of its port only (it
+        // has sent to the first member since, and a NAT that filters by
+        // address only lets that member in), and may stay behind its NAT
+        // with this node as its rendezvous. A node that needs no rendezvous
+        // closes the connection, and the watch forgets it.
+        if self.keep(node, connection) && !reachable {
             tracing::info!(node = %did_key(&node), %seen, "keeping a connection for a node behind a NAT");
         }
         answer(send, ReachAnswer::Observed { reachable, seen }).await
+    }
+
+    /// DIAL_BACK, from another member's rendezvous: dial `node` at `at`
+    /// from a fresh port. Only a member is dialled (its key pins the
+    /// connection, so reaching anyone else counts for nothing), within the
+    /// same slots as this node's own dial-backs.
+    async fn dial_back_for(
+        &self,
+        node: [u8; 32],
+        at: SocketAddr,
+        send: quinn::SendStream,
+    ) -> anyhow::Result<()> {
+        if !self
+            .members
+            .as_ref()
+            .is_some_and(|is_member| is_member(&node))
+        {
+            return answer(send, ReachAnswer::NotMember).await;
+        }
+        let outcome = match self.dial_back(node, at).await {
+            Some(reachable) => ReachAnswer::Observed {
+                reachable,
+                seen: at,
+            },
+            None => ReachAnswer::Busy,
+        };
+        answer(send, outcome).await
     }
 
     async fn introduce(
@@ -452,6 +445,7 @@ impl ProtocolHandler for Rendezvous {
                     Some(relay) => relay.clone().serve(peer, send, recv).await,
                     None => answer(send, ReachAnswer::NoRelay).await,
                 },
+                ReachRequest::DialBack { node, at } => this.dial_back_for(node, at, send).await,
                 ReachRequest::Punch { .. } => bail!("PUNCH goes from a rendezvous to its node"),
             }
         })
@@ -611,6 +605,15 @@ pub async fn connect_relay(
     open_relay(&connection, relay.clone(), tunnel).await
 }
 
+/// The unspecified address of `addr`'s family, to bind a fresh port on.
+fn unspecified(addr: SocketAddr) -> std::net::IpAddr {
+    if addr.is_ipv4() {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    }
+}
+
 /// Ask `rendezvous` how it sees this node; the connection it was asked
 /// over, and the answer.
 async fn observe(
@@ -619,12 +622,7 @@ async fn observe(
     rendezvous: &PeerAddr,
 ) -> anyhow::Result<(quinn::Connection, bool, SocketAddr)> {
     let connection = connect(endpoint, tls, rendezvous).await?;
-    let said = request(
-        &connection,
-        &ReachRequest::Observe,
-        DIAL_BACK_TIMEOUT + ANSWER_TIMEOUT,
-    )
-    .await?;
+    let said = request(&connection, &ReachRequest::Observe, OBSERVE_TIMEOUT).await?;
     match said {
         ReachAnswer::Observed { reachable, seen } => Ok((connection, reachable, seen)),
         ReachAnswer::Busy => bail!("{rendezvous} is busy"),
@@ -749,10 +747,10 @@ async fn find_rendezvous(
                 continue;
             }
         };
-        if public {
-            if let Some((old, _)) = chosen.take() {
-                old.connection.close(0u32.into(), b"public after all");
-            }
+        // Only the first answer may say public: by a second one, the node
+        // has sent to the first member, and a NAT that filters by address
+        // only lets a dial-back from that member's address in.
+        if public && chosen.is_none() {
             return Some(Learned {
                 rendezvous: candidate,
                 connection,
@@ -780,7 +778,7 @@ async fn find_rendezvous(
             let learned = Learned {
                 rendezvous: candidate,
                 connection,
-                public,
+                public: false,
                 seen,
                 symmetric: false,
             };
@@ -858,52 +856,5 @@ pub async fn keep_reachable(
             .await;
             connection.close(0u32.into(), b"asking again");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn bounds(circuits: usize, circuit_bytes: u64) -> RelayBounds {
-        RelayBounds {
-            members: 8,
-            circuits,
-            circuit_bytes,
-            circuit_duration: Duration::from_secs(30),
-        }
-    }
-
-    #[test]
-    fn a_relay_refuses_circuits_past_its_limits() {
-        let now = std::time::Instant::now();
-        let mut circuits = Circuits::new(bounds(2, 1000));
-        assert_eq!(circuits.admit([1; 32], [2; 32], 100, now), Ok(()));
-        // Both directions are one circuit.
-        assert_eq!(circuits.admit([2; 32], [1; 32], 100, now), Ok(()));
-        assert_eq!(circuits.admit([1; 32], [3; 32], 100, now), Ok(()));
-        assert_eq!(
-            circuits.admit([4; 32], [5; 32], 1, now),
-            Err(CircuitRefusal::Full)
-        );
-        // Bytes: 200 carried, 800 more fit, then no more.
-        assert_eq!(circuits.admit([1; 32], [2; 32], 800, now), Ok(()));
-        assert_eq!(
-            circuits.admit([1; 32], [2; 32], 1, now),
-            Err(CircuitRefusal::Bytes)
-        );
-        // Time: a circuit past its duration (30 s here) carries nothing, and
-        // one that keeps sending stays refused.
-        for seconds in [31, 50, 70, 90] {
-            assert_eq!(
-                circuits.admit([1; 32], [3; 32], 1, now + Duration::from_secs(seconds)),
-                Err(CircuitRefusal::Expired)
-            );
-        }
-        // A circuit silent for `CIRCUIT_IDLE` has ended: its place goes to
-        // another pair, and the pair may start a new one.
-        let idle = now + Duration::from_secs(91) + CIRCUIT_IDLE;
-        assert_eq!(circuits.admit([4; 32], [5; 32], 1, idle), Ok(()));
-        assert_eq!(circuits.admit([1; 32], [2; 32], 1, idle), Ok(()));
     }
 }

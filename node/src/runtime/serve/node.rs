@@ -20,7 +20,7 @@ use crate::runtime::clock::lock;
 use crate::runtime::clock::now_ms;
 use crate::runtime::energy::EnergyMeter;
 use crate::runtime::net::peers::{PeerAddr, Peers};
-use crate::runtime::net::reach::{ALPN_REACH, Reachability, Rendezvous};
+use crate::runtime::net::reach::{ALPN_REACH, PublicMembers, Reachability, Rendezvous};
 use crate::runtime::net::tls::{self, TlsIdentity};
 use crate::runtime::net::{ALPN_CONTROL, ALPN_RECORD_PUSH, ALPN_STAGE};
 use crate::runtime::router::Router;
@@ -328,6 +328,10 @@ impl Node {
                     shared.tls.clone(),
                     relay,
                     shared.mesh.get().map(|mesh| mesh.membership()),
+                    shared
+                        .mesh
+                        .get()
+                        .map(|mesh| Arc::new(mesh.rendezvous_candidates()) as PublicMembers),
                 )),
             )
             .spawn();
@@ -623,9 +627,9 @@ fn open_steward(
 
 /// What this node's relay carries of the data plane (`--relay`): as many
 /// circuits, for as long, as its mesh relay.
-fn relay_bounds(options: &NodeOptions) -> Option<crate::runtime::net::reach::RelayBounds> {
+fn relay_bounds(options: &NodeOptions) -> Option<crate::runtime::net::circuits::RelayBounds> {
     let limits = options.mesh.as_ref()?.relay?;
-    Some(crate::runtime::net::reach::RelayBounds {
+    Some(crate::runtime::net::circuits::RelayBounds {
         members: limits.reservations,
         circuits: limits.circuits,
         circuit_duration: limits.circuit_duration,

@@ -31,6 +31,9 @@ fn request_outcome(body: &[u8]) -> Value {
         Ok(request @ ReachRequest::Punch { asker, at }) => json!({
             "ok": { "request": request.name(), "asker": hex::encode(&asker), "at": at.to_string() }
         }),
+        Ok(request @ ReachRequest::DialBack { node, at }) => json!({
+            "ok": { "request": request.name(), "node": hex::encode(&node), "at": at.to_string() }
+        }),
         Err(error) => json!({ "refused": error.kind() }),
     }
 }
@@ -75,6 +78,13 @@ pub fn generate() -> anyhow::Result<Vec<VectorFile>> {
             },
         ),
         ("relay", ReachRequest::Relay),
+        (
+            "dial_back",
+            ReachRequest::DialBack {
+                node,
+                at: "198.51.100.9:7001".parse()?,
+            },
+        ),
     ];
     let mut requests: Vec<Value> = Vec::new();
     let mut request = |name: String, body: &[u8], expect: Value| -> anyhow::Result<()> {
