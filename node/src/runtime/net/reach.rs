@@ -73,11 +73,17 @@ pub const RECHECK_INTERVAL: Duration = Duration::from_secs(60);
 pub type Membership = Arc<dyn Fn(&[u8; 32]) -> bool + Send + Sync>;
 /// The members that advertise no NAT (no `via`), oldest first.
 pub type PublicMembers = Arc<dyn Fn() -> Vec<PeerAddr> + Send + Sync>;
-/// How long a node waits for OBSERVED: the rendezvous may ask another
-/// member to dial back (a connection, then its dial-back) and, when that
-/// member does not answer, dial back itself.
+/// Other members a rendezvous asks to dial a node back, one after the
+/// other while each says the connection did not get in.
+pub const HELPERS_ASKED: usize = 2;
+/// How long a node waits for OBSERVED: the rendezvous's own dial-back,
+/// then up to `HELPERS_ASKED` others (a connection, then a dial-back and a
+/// second more each).
 pub const OBSERVE_TIMEOUT: Duration = Duration::from_secs(
-    REACH_CONNECT_TIMEOUT.as_secs() + 2 * DIAL_BACK_TIMEOUT.as_secs() + ANSWER_TIMEOUT.as_secs(),
+    DIAL_BACK_TIMEOUT.as_secs()
+        + HELPERS_ASKED as u64
+            * (REACH_CONNECT_TIMEOUT.as_secs() + DIAL_BACK_TIMEOUT.as_secs() + 1)
+        + ANSWER_TIMEOUT.as_secs(),
 );
 
 /// What a node knows of how others reach it.
@@ -284,50 +290,72 @@ impl Rendezvous {
     /// Whether a connection from another member, at an address that is
     /// neither this node's nor `node`'s, reaches `node` at `seen`: a NAT
     /// that filters by address only lets in this node's own dial-back
-    /// (from any of its ports), not that one. `None` when no such member
-    /// answered within its time.
+    /// (from any of its ports), not that one. Up to `HELPERS_ASKED`
+    /// members are asked while they say it did not get in (one that cannot
+    /// dial out does not decide alone); `None` when none of them answered.
     async fn dial_back_elsewhere(
         &self,
         node: [u8; 32],
         seen: SocketAddr,
         own: Option<std::net::IpAddr>,
     ) -> Option<bool> {
-        let helper = (self.public.as_ref()?)().into_iter().find(|m| {
-            m.key != node
-                && m.key != self.tls.public_key
-                && m.addr.ip() != seen.ip()
-                && Some(m.addr.ip()) != own
-                && m.addr.is_ipv4() == seen.is_ipv4()
-        })?;
-        let _permit = self.dial_backs.clone().try_acquire_owned().ok()?;
-        let endpoint = quinn::Endpoint::client(SocketAddr::new(unspecified(seen), 0)).ok()?;
+        let own = own.map(|ip| ip.to_canonical());
+        let helpers: Vec<PeerAddr> = (self.public.as_ref()?)()
+            .into_iter()
+            .filter(|m| {
+                let ip = m.addr.ip().to_canonical();
+                m.key != node
+                    && m.key != self.tls.public_key
+                    && ip != seen.ip()
+                    && Some(ip) != own
+                    && ip.is_ipv4() == seen.is_ipv4()
+            })
+            .take(HELPERS_ASKED)
+            .collect();
+        let mut answered = None;
+        for helper in helpers {
+            match self.ask_to_dial_back(&helper, node, seen).await {
+                Ok(true) => return Some(true),
+                Ok(false) => answered = Some(false),
+                Err(error) => {
+                    tracing::info!(%helper, "no dial-back from another member: {error:#}");
+                }
+            }
+        }
+        answered
+    }
+
+    /// DIAL_BACK to `helper`: its connection within `REACH_CONNECT_TIMEOUT`,
+    /// its answer within its dial-back's time and a second more.
+    async fn ask_to_dial_back(
+        &self,
+        helper: &PeerAddr,
+        node: [u8; 32],
+        seen: SocketAddr,
+    ) -> anyhow::Result<bool> {
+        let _permit = self
+            .dial_backs
+            .clone()
+            .try_acquire_owned()
+            .context("every dial-back slot is taken")?;
+        let endpoint = quinn::Endpoint::client(SocketAddr::new(unspecified(seen), 0))?;
         let asked = async {
-            let connection = connect(&endpoint, &self.tls, &helper).await?;
+            let connection = connect(&endpoint, &self.tls, helper).await?;
             let said = request(
                 &connection,
                 &ReachRequest::DialBack { node, at: seen },
-                DIAL_BACK_TIMEOUT + ANSWER_TIMEOUT,
+                DIAL_BACK_TIMEOUT + Duration::from_secs(1),
             )
             .await;
             connection.close(0u32.into(), b"asked");
             match said? {
                 ReachAnswer::Observed { reachable, .. } => anyhow::Ok(reachable),
-                other => bail!("{helper} answered {}", other.name()),
-            }
-        };
-        let outcome = tokio::time::timeout(REACH_CONNECT_TIMEOUT + DIAL_BACK_TIMEOUT, asked).await;
-        endpoint.close(0u32.into(), b"asked");
-        match outcome {
-            Ok(Ok(reachable)) => Some(reachable),
-            Ok(Err(error)) => {
-                tracing::debug!("no dial-back from {helper}: {error:#}");
-                None
-            }
-            Err(_) => {
-                tracing::debug!("no dial-back from {helper} in time");
-                None
+                other => bail!("it answered {}", other.name()),
             }
         }
+        .await;
+        endpoint.close(0u32.into(), b"asked");
+        asked
     }
 
     async fn observe(
@@ -336,27 +364,44 @@ impl Rendezvous {
         connection: &quinn::Connection,
         send: quinn::SendStream,
     ) -> anyhow::Result<()> {
-        let seen = connection.remote_address();
-        let elsewhere = self
-            .dial_back_elsewhere(node, seen, connection.local_ip())
-            .await;
-        let reachable = match elsewhere {
-            Some(reachable) => Some(reachable),
-            None => self.dial_back(node, seen).await,
-        };
-        let Some(reachable) = reachable else {
+        let remote = connection.remote_address();
+        let seen = SocketAddr::new(remote.ip().to_canonical(), remote.port());
+        // This node's own dial-back first: what it keeps out, no NAT lets
+        // in from elsewhere. What it lets in, another member's tells apart
+        // from a NAT that filters by address only.
+        let Some(mut reachable) = self.dial_back(node, remote).await else {
             return answer(send, ReachAnswer::Busy).await;
         };
-        // Kept whatever the dial-back said: a node asked by a second member
-        // takes that member's "reachable" for a view of its port only (it
-        // has sent to the first member since, and a NAT that filters by
-        // address only lets that member in), and may stay behind its NAT
-        // with this node as its rendezvous. A node that needs no rendezvous
-        // closes the connection, and the watch forgets it.
-        if self.keep(node, connection) && !reachable {
+        if reachable
+            && let Some(elsewhere) = self
+                .dial_back_elsewhere(node, seen, connection.local_ip())
+                .await
+        {
+            reachable = elsewhere;
+        }
+        // Kept whatever the dial-backs said: a node asked by a second
+        // member takes that member's "reachable" for a view of its port
+        // only (it has sent to the first member since, and a NAT that
+        // filters by address only lets that member in), and may stay behind
+        // its NAT with this node as its rendezvous. A node that needs no
+        // rendezvous closes the connection, and the watch forgets it. With
+        // every place taken, a node behind a NAT is told BUSY: it would
+        // count on a rendezvous that cannot introduce it.
+        let kept = self.keep(node, connection);
+        if !reachable {
+            if !kept {
+                return answer(send, ReachAnswer::Busy).await;
+            }
             tracing::info!(node = %did_key(&node), %seen, "keeping a connection for a node behind a NAT");
         }
-        answer(send, ReachAnswer::Observed { reachable, seen }).await
+        answer(
+            send,
+            ReachAnswer::Observed {
+                reachable,
+                seen: remote,
+            },
+        )
+        .await
     }
 
     /// DIAL_BACK, from another member's rendezvous: dial `node` at `at`
@@ -365,6 +410,7 @@ impl Rendezvous {
     /// same slots as this node's own dial-backs.
     async fn dial_back_for(
         &self,
+        asker: [u8; 32],
         node: [u8; 32],
         at: SocketAddr,
         send: quinn::SendStream,
@@ -375,6 +421,22 @@ impl Rendezvous {
             .is_some_and(|is_member| is_member(&node))
         {
             return answer(send, ReachAnswer::NotMember).await;
+        }
+        // Only a rendezvous asks (a member that advertises no NAT), and only
+        // for an address a node on a network could have: not this machine,
+        // nobody, or everybody.
+        let asker_public = self
+            .public
+            .as_ref()
+            .is_some_and(|public| public().iter().any(|m| m.key == asker));
+        let ip = at.ip().to_canonical();
+        let dialable = !(ip.is_loopback()
+            || ip.is_unspecified()
+            || ip.is_multicast()
+            || at.port() == 0
+            || matches!(ip, std::net::IpAddr::V4(v4) if v4.is_broadcast() || v4.is_link_local()));
+        if !asker_public || !dialable {
+            return answer(send, ReachAnswer::Busy).await;
         }
         let outcome = match self.dial_back(node, at).await {
             Some(reachable) => ReachAnswer::Observed {
@@ -445,7 +507,9 @@ impl ProtocolHandler for Rendezvous {
                     Some(relay) => relay.clone().serve(peer, send, recv).await,
                     None => answer(send, ReachAnswer::NoRelay).await,
                 },
-                ReachRequest::DialBack { node, at } => this.dial_back_for(node, at, send).await,
+                ReachRequest::DialBack { node, at } => {
+                    this.dial_back_for(peer, node, at, send).await
+                }
                 ReachRequest::Punch { .. } => bail!("PUNCH goes from a rendezvous to its node"),
             }
         })
@@ -736,7 +800,11 @@ async fn find_rendezvous(
 ) -> Option<Learned> {
     let mut chosen: Option<(Learned, bool)> = None;
     let mut views: Vec<SocketAddr> = Vec::new();
-    for candidate in candidates.into_iter().take(MAX_CANDIDATES_ASKED) {
+    for (tried, candidate) in candidates
+        .into_iter()
+        .take(MAX_CANDIDATES_ASKED)
+        .enumerate()
+    {
         if chosen.as_ref().is_some_and(|(_, relays)| *relays) && views.len() >= 2 {
             break;
         }
@@ -747,10 +815,12 @@ async fn find_rendezvous(
                 continue;
             }
         };
-        // Only the first answer may say public: by a second one, the node
-        // has sent to the first member, and a NAT that filters by address
-        // only lets a dial-back from that member's address in.
-        if public && chosen.is_none() {
+        // Only the first member tried may say public: by a second one, the
+        // node has sent to the first (if only its attempt to connect), and
+        // a NAT that filters by address only lets a dial-back from that
+        // member's address in. Wrongly behind costs an introduction;
+        // wrongly public, members that cannot reach it.
+        if public && tried == 0 {
             return Some(Learned {
                 rendezvous: candidate,
                 connection,
@@ -824,6 +894,13 @@ pub async fn keep_reachable(
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         };
+        // Found behind a NAT at this address before, it stays so: since,
+        // it has sent to the members it asked and served with, and a NAT
+        // that filters by address only lets any of them in.
+        let was_behind = state.lock().is_ok_and(
+            |state| matches!(&*state, Reachability::Behind { seen: before, .. } if *before == seen),
+        );
+        let reachable = reachable && !was_behind;
         let now = if reachable {
             Reachability::Public { seen }
         } else {
