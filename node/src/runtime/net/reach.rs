@@ -182,6 +182,9 @@ pub struct Rendezvous {
     members: Option<Membership>,
     /// Who may dial a node back from an address other than this one's.
     public: Option<PublicMembers>,
+    /// The address this node advertises (behind a 1:1 NAT or a cloud's
+    /// private network, not the one packets arrive at).
+    advertised: Option<std::net::IpAddr>,
 }
 
 /// A refused circuit as logged: its two members and the refusal.
@@ -213,10 +216,12 @@ impl Rendezvous {
         relay: Option<RelayBounds>,
         members: Option<Membership>,
         public: Option<PublicMembers>,
+        advertised: Option<std::net::IpAddr>,
     ) -> Self {
         Self {
             members,
             public,
+            advertised,
             tls,
             behind: Arc::default(),
             dial_backs: Arc::new(Semaphore::new(MAX_DIAL_BACKS)),
@@ -299,19 +304,13 @@ impl Rendezvous {
         seen: SocketAddr,
         own: Option<std::net::IpAddr>,
     ) -> Option<bool> {
-        let own = own.map(|ip| ip.to_canonical());
-        let helpers: Vec<PeerAddr> = (self.public.as_ref()?)()
-            .into_iter()
-            .filter(|m| {
-                let ip = m.addr.ip().to_canonical();
-                m.key != node
-                    && m.key != self.tls.public_key
-                    && ip != seen.ip()
-                    && Some(ip) != own
-                    && ip.is_ipv4() == seen.is_ipv4()
-            })
-            .take(HELPERS_ASKED)
-            .collect();
+        let own_ips: Vec<std::net::IpAddr> = own.into_iter().chain(self.advertised).collect();
+        let helpers = helpers(
+            (self.public.as_ref()?)(),
+            (&node, &self.tls.public_key),
+            seen,
+            &own_ips,
+        );
         let mut answered = None;
         for helper in helpers {
             match self.ask_to_dial_back(&helper, node, seen).await {
@@ -669,6 +668,33 @@ pub async fn connect_relay(
     open_relay(&connection, relay.clone(), tunnel).await
 }
 
+/// The members a rendezvous may ask to dial back `node` (at `seen`), at
+/// most `HELPERS_ASKED`, in the order given: not the node, not this one
+/// (`own_key`), at an address of `seen`'s family that is neither the
+/// node's nor one of this node's (`own_ips`), IPv4-mapped IPv6 addresses
+/// read as IPv4. A dial-back from an address the node sent to proves
+/// nothing of a NAT that filters by address only.
+fn helpers(
+    public: Vec<PeerAddr>,
+    (node, own_key): (&[u8; 32], &[u8; 32]),
+    seen: SocketAddr,
+    own_ips: &[std::net::IpAddr],
+) -> Vec<PeerAddr> {
+    let seen = seen.ip().to_canonical();
+    public
+        .into_iter()
+        .filter(|m| {
+            let ip = m.addr.ip().to_canonical();
+            m.key != *node
+                && m.key != *own_key
+                && ip != seen
+                && !own_ips.iter().any(|own| own.to_canonical() == ip)
+                && ip.is_ipv4() == seen.is_ipv4()
+        })
+        .take(HELPERS_ASKED)
+        .collect()
+}
+
 /// The unspecified address of `addr`'s family, to bind a fresh port on.
 fn unspecified(addr: SocketAddr) -> std::net::IpAddr {
     if addr.is_ipv4() {
@@ -935,3 +961,7 @@ pub async fn keep_reachable(
         }
     }
 }
+
+#[cfg(test)]
+#[path = "reach_tests.rs"]
+mod tests;

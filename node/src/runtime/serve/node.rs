@@ -332,6 +332,7 @@ impl Node {
                         .mesh
                         .get()
                         .map(|mesh| Arc::new(mesh.rendezvous_candidates()) as PublicMembers),
+                    Some(shared.advertise.ip()),
                 )),
             )
             .spawn();
