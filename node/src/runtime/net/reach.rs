@@ -172,7 +172,8 @@ async fn answer(mut send: quinn::SendStream, answer: ReachAnswer) -> anyhow::Res
 #[derive(Clone)]
 pub struct Rendezvous {
     tls: TlsIdentity,
-    /// The kept connections of nodes found behind a NAT, by key.
+    /// The kept connections of the nodes that asked OBSERVE, by key,
+    /// until each closes (a node behind a NAT keeps its rendezvous's).
     behind: Arc<Mutex<HashMap<[u8; 32], quinn::Connection>>>,
     dial_backs: Arc<Semaphore>,
     introductions: Arc<Semaphore>,
@@ -237,7 +238,15 @@ impl Rendezvous {
         }
     }
 
-    /// Nodes behind NATs this rendezvous keeps connections for.
+    /// Whether `key` is a member of this node's mesh now (none is, off a
+    /// mesh).
+    fn is_member(&self, key: &[u8; 32]) -> bool {
+        self.members
+            .as_ref()
+            .is_some_and(|is_member| is_member(key))
+    }
+
+    /// Nodes this rendezvous keeps connections for.
     pub fn kept(&self) -> usize {
         self.behind.lock().map(|b| b.len()).unwrap_or(0)
     }
@@ -414,11 +423,7 @@ impl Rendezvous {
         at: SocketAddr,
         send: quinn::SendStream,
     ) -> anyhow::Result<()> {
-        if !self
-            .members
-            .as_ref()
-            .is_some_and(|is_member| is_member(&node))
-        {
+        if !self.is_member(&node) {
             return answer(send, ReachAnswer::NotMember).await;
         }
         // Only a rendezvous asks (a member that advertises no NAT), and only
@@ -489,11 +494,7 @@ impl ProtocolHandler for Rendezvous {
                 return Ok(());
             };
             // A stranger makes this node dial, punch or relay nothing.
-            if !this
-                .members
-                .as_ref()
-                .is_some_and(|is_member| is_member(&peer))
-            {
+            if !this.is_member(&peer) {
                 return answer(send, ReachAnswer::NotMember).await;
             }
             match ReachRequest::decode(&frame[4..])? {
