@@ -164,6 +164,7 @@ pub async fn bench_wan(bench: &WanBench) -> anyhow::Result<Value> {
                     json!({
                         "relayed": c.relayed,
                         "dropped": c.dropped,
+                        "over_mtu": c.over_mtu,
                         "mean_late_us": c.mean_late_us,
                         "max_late_us": c.max_late_us,
                         "mean_read_wait_us": c.mean_read_wait_us,

@@ -20,8 +20,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The largest datagram relayed (QUIC's are at most 1,452 bytes here).
+/// The largest datagram read.
 const MAX_DATAGRAM: usize = 65_535;
+/// The largest UDP payload the link carries: a 1,500-byte IPv4 packet, the
+/// MTU of the Ethernet and home links a wide-area path crosses. A larger
+/// datagram is dropped, as a router drops a packet that may not be
+/// fragmented, so QUIC's path MTU discovery finds the MTU a real path has
+/// (loopback's is 64 KiB).
+pub const LINK_MAX_DATAGRAM: usize = 1_472;
 /// Datagrams waiting in one direction; more are dropped, like a full
 /// router queue.
 const MAX_QUEUED: usize = 16_384;
@@ -53,6 +59,9 @@ pub struct ProxyCounts {
     /// Mean time a datagram left after its due time.
     pub mean_late_us: f64,
     pub max_late_us: u64,
+    /// Datagrams over the link's MTU (`LINK_MAX_DATAGRAM`), dropped: path
+    /// MTU discovery's probes.
+    pub over_mtu: u64,
     /// Mean time from a datagram's arrival at the proxy's socket to its
     /// queueing for delivery (its thread's wake-up and read, mostly; its
     /// delay runs from its arrival, so this is not lateness). About 0
@@ -66,6 +75,7 @@ pub struct ProxyCounts {
 struct Counters {
     relayed: AtomicU64,
     dropped: AtomicU64,
+    over_mtu: AtomicU64,
     late_us_total: AtomicU64,
     late_us_max: AtomicU64,
     received: AtomicU64,
@@ -115,6 +125,10 @@ impl DelayLine {
         self.counters
             .read_wait_us_total
             .fetch_add(arrived.elapsed().as_micros() as u64, Ordering::Relaxed);
+        if bytes.len() > LINK_MAX_DATAGRAM {
+            self.counters.over_mtu.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         if self.shape.loss > 0.0 && self.next_unit() < self.shape.loss {
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
             return;
@@ -274,6 +288,7 @@ impl DelayProxy {
             mean_late_us: self.counters.late_us_total.load(Ordering::Relaxed) as f64
                 / relayed.max(1) as f64,
             max_late_us: self.counters.late_us_max.load(Ordering::Relaxed),
+            over_mtu: self.counters.over_mtu.load(Ordering::Relaxed),
             mean_read_wait_us: self.counters.read_wait_us_total.load(Ordering::Relaxed) as f64
                 / self.counters.received.load(Ordering::Relaxed).max(1) as f64,
             priority_raised: self.counters.unraised.load(Ordering::Relaxed) == 0,
@@ -539,6 +554,36 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert_eq!(proxy.counts().relayed, 40);
+        assert_eq!(proxy.counts().dropped, 0);
+    }
+
+    #[test]
+    fn a_datagram_over_the_links_mtu_is_dropped_and_one_at_it_passes() {
+        let (_server, addr) = echo();
+        let proxy = DelayProxy::bind(
+            LinkShape {
+                one_way: Duration::ZERO,
+                jitter: Duration::ZERO,
+                loss: 0.0,
+            },
+            1,
+        )
+        .unwrap();
+        proxy.forward_to(addr);
+        let client = UdpSocket::bind(("127.0.0.1", 0)).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        client
+            .send_to(&[1; LINK_MAX_DATAGRAM + 1], proxy.addr())
+            .unwrap();
+        client
+            .send_to(&[2; LINK_MAX_DATAGRAM], proxy.addr())
+            .unwrap();
+        let mut buffer = [0u8; 2048];
+        let n = client.recv(&mut buffer).unwrap();
+        assert_eq!(&buffer[..n], &[2; LINK_MAX_DATAGRAM][..]);
+        assert_eq!(proxy.counts().over_mtu, 1);
         assert_eq!(proxy.counts().dropped, 0);
     }
 
