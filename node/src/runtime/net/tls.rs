@@ -204,6 +204,19 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
 /// Bytes a peer may have sent and this node not yet read, per connection.
 pub const CONNECTION_RECEIVE_WINDOW: u32 = 16 * 1024 * 1024;
 
+/// The largest UDP payload path MTU discovery tries (a 9,000-byte jumbo
+/// frame over IPv6): where the path carries it (loopback, a jumbo-frame
+/// LAN), a decode step's frame is one packet. Probes a path drops cost
+/// nothing but the probe; quinn's default stops at 1,452.
+pub const MAX_DISCOVERED_UDP_PAYLOAD: u16 = 8952;
+/// Ack-eliciting packets a peer may receive before it must acknowledge
+/// (QUIC's ACK frequency extension; QUIC's own rule is every second). A
+/// hop's frame drew an ACK that quinn sends before it wakes the frame's
+/// reader, one more send on every hop's path; now ACKs go out by the
+/// peer's ACK delay timer or every tenth packet (docs/BENCHMARKS.md, "one
+/// packet a hop without an ACK").
+pub const ACK_ELICITING_THRESHOLD: u32 = 10;
+
 fn transport() -> Arc<quinn::TransportConfig> {
     let mut transport = quinn::TransportConfig::default();
     // Both ends send keep-alives, so a peer that died or went off the
@@ -218,6 +231,12 @@ fn transport() -> Arc<quinn::TransportConfig> {
     // together (quinn's default is unbounded).
     transport.receive_window(quinn::VarInt::from_u32(CONNECTION_RECEIVE_WINDOW));
     transport.max_concurrent_uni_streams(quinn::VarInt::from_u32(0));
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(MAX_DISCOVERED_UDP_PAYLOAD);
+    transport.mtu_discovery_config(Some(mtu));
+    let mut acks = quinn::AckFrequencyConfig::default();
+    acks.ack_eliciting_threshold(quinn::VarInt::from_u32(ACK_ELICITING_THRESHOLD));
+    transport.ack_frequency_config(Some(acks));
     Arc::new(transport)
 }
 
