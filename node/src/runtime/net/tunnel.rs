@@ -41,7 +41,9 @@ const FULL_TABLE_LOOK_EVERY: std::time::Duration = std::time::Duration::from_sec
 /// is full: far past any connection's idle timeout, so no connection
 /// still sends to it.
 pub const VIRTUAL_IDLE: std::time::Duration = std::time::Duration::from_secs(600);
-/// Largest packet a relay stream carries (QUIC's own are at most 1452 here).
+/// Largest packet a relay stream carries. A larger one (a path MTU probe:
+/// QUIC tries up to `tls::MAX_DISCOVERED_UDP_PAYLOAD`) is dropped before the
+/// relay, so QUIC settles on this much over a relayed path.
 pub use mesh_protocol::reach::MAX_RELAYED_PACKET;
 /// Packets queued to or from relays; past these, packets are dropped, as a
 /// full network queue drops them (QUIC resends).
